@@ -1,0 +1,36 @@
+# Colibri: `make demo` runs the main job, `make test` runs every test.
+# Both set up what they need first (scripts/setup.sh: apt-get + .venv).
+
+PY := .venv/bin/python
+CORE := firmware/colibri_core
+
+.PHONY: setup demo test engine engine-all c-tests header clean
+
+setup:
+	./scripts/setup.sh
+
+# The C engine: host library, sanitizer builds and the Cortex-M7 library.
+engine:
+	$(MAKE) -C $(CORE)
+
+engine-all:
+	$(MAKE) -C $(CORE) all-variants
+
+c-tests: engine-all
+	$(MAKE) -C tests/c VARIANT=host
+	$(MAKE) -C tests/c VARIANT=asan
+	$(MAKE) -C tests/c VARIANT=tsan
+
+header: setup
+	.venv/bin/colibri gen-header
+
+demo: setup
+	$(PY) examples/quickstart.py
+
+test: setup c-tests
+	.venv/bin/pytest -n 2
+
+clean:
+	$(MAKE) -C $(CORE) clean
+	$(MAKE) -C tests/c clean
+	rm -rf build *.egg-info host_tools/*.egg-info

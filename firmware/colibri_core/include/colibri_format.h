@@ -1,0 +1,102 @@
+/* Generated from host_tools/colibri/format.py by `colibri gen-header`. Do not edit. */
+#ifndef COLIBRI_FORMAT_H
+#define COLIBRI_FORMAT_H
+
+#define COLIBRI_MAGIC 0x52424C43u
+#define COLIBRI_FORMAT_VERSION 1u
+#define COLIBRI_NONE 0xFFFFFFFFu
+#define COLIBRI_PAYLOAD_ALIGN 32u
+#define COLIBRI_PAGE_SIZE 4096u
+#define COLIBRI_MAX_BATCH_LIMIT 65535u
+#define COLIBRI_MAX_ROUTES 65535u
+#define COLIBRI_MAX_SHARED 16u
+#define COLIBRI_MAX_RESIDUAL_DEPTH 16u
+#define COLIBRI_HEADER_CRC_OFFSET 8u
+#define COLIBRI_CRC_START 12u
+
+#define COLIBRI_HEADER_SIZE 80u
+#define COLIBRI_TENSOR_SIZE 24u
+#define COLIBRI_LAYER_SIZE 32u
+#define COLIBRI_MOE_SIZE 48u
+#define COLIBRI_EXPERT_SIZE 32u
+
+#define COLIBRI_FLAG_PAGE_ALIGNED 1u
+
+#define COLIBRI_DTYPE_F32 1u
+#define COLIBRI_DTYPE_F16 2u
+#define COLIBRI_DTYPE_I8 3u
+#define COLIBRI_DTYPE_I32 4u
+
+#define COLIBRI_OP_LINEAR 1u
+#define COLIBRI_OP_ACTIVATION 2u
+#define COLIBRI_OP_LAYERNORM 3u
+#define COLIBRI_OP_RMSNORM 4u
+#define COLIBRI_OP_RESIDUAL_PUSH 5u
+#define COLIBRI_OP_RESIDUAL_ADD 6u
+#define COLIBRI_OP_MOE 7u
+
+#define COLIBRI_ACT_RELU 1u
+#define COLIBRI_ACT_GELU_ERF 2u
+#define COLIBRI_ACT_GELU_TANH 3u
+#define COLIBRI_ACT_SILU 4u
+#define COLIBRI_ACT_TANH 5u
+#define COLIBRI_ACT_SIGMOID 6u
+
+#define COLIBRI_ROUTING_TOP1 1u
+#define COLIBRI_ROUTING_TOPK_SOFTMAX 2u
+#define COLIBRI_ROUTING_SOFTMAX_TOPK 3u
+#define COLIBRI_ROUTING_DENSE 4u
+
+#define COLIBRI_MOE_FLAG_RENORMALIZE 1u
+
+#define COLIBRI_EXPERT_MLP 1u
+#define COLIBRI_EXPERT_GLU 2u
+
+typedef enum colibri_status {
+    COLIBRI_OK = 0, /* ok */
+    COLIBRI_E_NULL_ARG = -1, /* a required pointer argument is NULL */
+    COLIBRI_E_TRUNCATED = -2, /* image is truncated: buffer shorter than the header or image_size */
+    COLIBRI_E_BAD_MAGIC = -3, /* not a Colibri model image (bad magic) */
+    COLIBRI_E_BAD_VERSION = -4, /* unsupported model image version */
+    COLIBRI_E_BAD_HEADER = -5, /* invalid model image header field */
+    COLIBRI_E_BAD_CRC = -6, /* model image CRC-32 mismatch (corrupted image) */
+    COLIBRI_E_TABLE_BOUNDS = -7, /* a table lies outside the image or is misaligned */
+    COLIBRI_E_TENSOR_BOUNDS = -8, /* a tensor payload lies outside the image or is misaligned */
+    COLIBRI_E_BAD_TENSOR = -9, /* invalid tensor record (dtype, rank or size) */
+    COLIBRI_E_BAD_REF = -10, /* a layer refers to a missing or wrongly shaped tensor */
+    COLIBRI_E_BAD_LAYER = -11, /* invalid layer (unknown op, activation, eps, widths or residual nesting) */
+    COLIBRI_E_BAD_MOE = -12, /* invalid MoE or expert record */
+    COLIBRI_E_UNSUPPORTED = -13, /* feature not supported by this engine build */
+    COLIBRI_E_ARENA_TOO_SMALL = -14, /* arena too small for this model (see colibri_model_size) */
+    COLIBRI_E_ARENA_ALIGN = -15, /* arena must be 8-byte aligned */
+    COLIBRI_E_IMAGE_ALIGN = -16, /* model image must be 4-byte aligned */
+    COLIBRI_E_BAD_BATCH = -17, /* batch must be between 1 and the model's max_batch */
+    COLIBRI_E_BUFFER_SIZE = -18, /* input or output buffer length does not match batch x features */
+    COLIBRI_E_BAD_CONTEXT = -19, /* context is not initialised or was freed */
+} colibri_status;
+
+/* X(code, message) for every status, for colibri_strerror(). */
+#define COLIBRI_STATUS_LIST(X) \
+    X(0, "ok") \
+    X(-1, "a required pointer argument is NULL") \
+    X(-2, "image is truncated: buffer shorter than the header or image_size") \
+    X(-3, "not a Colibri model image (bad magic)") \
+    X(-4, "unsupported model image version") \
+    X(-5, "invalid model image header field") \
+    X(-6, "model image CRC-32 mismatch (corrupted image)") \
+    X(-7, "a table lies outside the image or is misaligned") \
+    X(-8, "a tensor payload lies outside the image or is misaligned") \
+    X(-9, "invalid tensor record (dtype, rank or size)") \
+    X(-10, "a layer refers to a missing or wrongly shaped tensor") \
+    X(-11, "invalid layer (unknown op, activation, eps, widths or residual nesting)") \
+    X(-12, "invalid MoE or expert record") \
+    X(-13, "feature not supported by this engine build") \
+    X(-14, "arena too small for this model (see colibri_model_size)") \
+    X(-15, "arena must be 8-byte aligned") \
+    X(-16, "model image must be 4-byte aligned") \
+    X(-17, "batch must be between 1 and the model's max_batch") \
+    X(-18, "input or output buffer length does not match batch x features") \
+    X(-19, "context is not initialised or was freed") \
+
+
+#endif /* COLIBRI_FORMAT_H */

@@ -1,0 +1,498 @@
+/*
+ * The model image reader: record parsing and full validation
+ * (docs/model-format.md), each failure with its own status, in this order:
+ *
+ *   1. header: TRUNCATED, BAD_MAGIC, BAD_VERSION, BAD_HEADER (header_size,
+ *      image_size), TRUNCATED (image_size), BAD_CRC, then the header fields
+ *      the CRC covers (BAD_HEADER);
+ *   2. the four tables' bounds (TABLE_BOUNDS);
+ *   3. every tensor record (TENSOR_BOUNDS, UNSUPPORTED, BAD_TENSOR);
+ *   4. the layer program, top to bottom; a MOE layer validates its MoE record
+ *      and that record's experts where it stands. Each record: its own
+ *      fields first, then its tensor references (BAD_REF).
+ *
+ * This is the order of the Python reader (host_tools/colibri/image.py), so
+ * both give the same status for the same image. Everything is read with
+ * byte loads, never by casting image bytes to structs, and every offset is
+ * checked in 64-bit arithmetic before use. Once colibri_check() has passed,
+ * the forward pass reads the same records without checking again.
+ */
+#include <math.h>
+
+#include "colibri_internal.h"
+
+/* ---- Record readers ---- */
+
+static int any_set(const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i])
+            return 1;
+    return 0;
+}
+
+void colibri_read_header(const uint8_t *p, colibri_header *h)
+{
+    h->magic = colibri_rd_u32(p + 0);
+    h->version = colibri_rd_u16(p + 4);
+    h->header_size = colibri_rd_u16(p + 6);
+    h->crc32 = colibri_rd_u32(p + 8);
+    h->image_size = colibri_rd_u32(p + 12);
+    h->flags = colibri_rd_u32(p + 16);
+    h->input_size = colibri_rd_u32(p + 20);
+    h->output_size = colibri_rd_u32(p + 24);
+    h->max_batch = colibri_rd_u32(p + 28);
+    h->tensor_count = colibri_rd_u32(p + 32);
+    h->tensor_offset = colibri_rd_u32(p + 36);
+    h->layer_count = colibri_rd_u32(p + 40);
+    h->layer_offset = colibri_rd_u32(p + 44);
+    h->moe_count = colibri_rd_u32(p + 48);
+    h->moe_offset = colibri_rd_u32(p + 52);
+    h->expert_count = colibri_rd_u32(p + 56);
+    h->expert_offset = colibri_rd_u32(p + 60);
+    h->reserved_set = any_set(p + 64, 16);
+}
+
+void colibri_read_tensor(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_tensor *t)
+{
+    const uint8_t *p = image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_SIZE;
+    t->offset = colibri_rd_u32(p + 0);
+    t->nbytes = colibri_rd_u32(p + 4);
+    t->rows = colibri_rd_u32(p + 8);
+    t->cols = colibri_rd_u32(p + 12);
+    t->dtype = p[16];
+    t->ndim = p[17];
+    t->reserved = colibri_rd_u16(p + 18);
+    t->aux = colibri_rd_u32(p + 20);
+}
+
+void colibri_read_layer(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_layer *l)
+{
+    const uint8_t *p = image + h->layer_offset + (size_t)index * COLIBRI_LAYER_SIZE;
+    l->op = p[0];
+    l->kind = p[1];
+    l->reserved = colibri_rd_u16(p + 2);
+    l->in_features = colibri_rd_u32(p + 4);
+    l->out_features = colibri_rd_u32(p + 8);
+    l->t0 = colibri_rd_u32(p + 12);
+    l->t1 = colibri_rd_u32(p + 16);
+    l->eps = colibri_rd_f32(p + 20);
+    l->reserved_set = any_set(p + 24, 8);
+}
+
+void colibri_read_moe(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_moe *m)
+{
+    const uint8_t *p = image + h->moe_offset + (size_t)index * COLIBRI_MOE_SIZE;
+    m->d_model = colibri_rd_u32(p + 0);
+    m->route_count = colibri_rd_u32(p + 4);
+    m->expert_count = colibri_rd_u32(p + 8);
+    m->top_k = colibri_rd_u32(p + 12);
+    m->routing = p[16];
+    m->flags = p[17];
+    m->shared_count = colibri_rd_u16(p + 18);
+    m->router_weight = colibri_rd_u32(p + 20);
+    m->router_bias = colibri_rd_u32(p + 24);
+    m->expert_map = colibri_rd_u32(p + 28);
+    m->first_expert = colibri_rd_u32(p + 32);
+    m->shared_gate = colibri_rd_u32(p + 36);
+    m->reserved_set = any_set(p + 40, 8);
+}
+
+void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_expert *e)
+{
+    const uint8_t *p = image + h->expert_offset + (size_t)index * COLIBRI_EXPERT_SIZE;
+    e->kind = p[0];
+    e->activation = p[1];
+    e->reserved = colibri_rd_u16(p + 2);
+    e->hidden = colibri_rd_u32(p + 4);
+    e->w1 = colibri_rd_u32(p + 8);
+    e->b1 = colibri_rd_u32(p + 12);
+    e->w2 = colibri_rd_u32(p + 16);
+    e->b2 = colibri_rd_u32(p + 20);
+    e->w3 = colibri_rd_u32(p + 24);
+    e->b3 = colibri_rd_u32(p + 28);
+}
+
+/* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32), a nibble at a time ---- */
+
+static uint32_t crc32_ieee(const uint8_t *p, size_t n)
+{
+    static const uint32_t table[16] = {
+        0x00000000u, 0x1DB71064u, 0x3B6E20C8u, 0x26D930ACu,
+        0x76DC4190u, 0x6B6B51F4u, 0x4DB26158u, 0x5005713Cu,
+        0xEDB88320u, 0xF00F9344u, 0xD6D6A3E8u, 0xCB61B38Cu,
+        0x9B64C2B0u, 0x86D3D2D4u, 0xA00AE278u, 0xBDBDF21Cu,
+    };
+    uint32_t crc = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= p[i];
+        crc = (crc >> 4) ^ table[crc & 15u];
+        crc = (crc >> 4) ^ table[crc & 15u];
+    }
+    return crc ^ 0xFFFFFFFFu;
+}
+
+/* ---- Header, tables ---- */
+
+static int is_activation(uint32_t kind)
+{
+    return kind >= COLIBRI_ACT_RELU && kind <= COLIBRI_ACT_SIGMOID;
+}
+
+static colibri_status check_header(const uint8_t *image, size_t image_len, const colibri_header *h)
+{
+    if (h->magic != COLIBRI_MAGIC)
+        return COLIBRI_E_BAD_MAGIC;
+    if (h->version != COLIBRI_FORMAT_VERSION)
+        return COLIBRI_E_BAD_VERSION;
+    if (h->header_size != COLIBRI_HEADER_SIZE || h->image_size < COLIBRI_HEADER_SIZE)
+        return COLIBRI_E_BAD_HEADER;
+    if (image_len < h->image_size)
+        return COLIBRI_E_TRUNCATED;
+    if (crc32_ieee(image + COLIBRI_CRC_START, h->image_size - COLIBRI_CRC_START) != h->crc32)
+        return COLIBRI_E_BAD_CRC;
+    if (h->reserved_set || (h->flags & ~COLIBRI_FLAG_PAGE_ALIGNED) ||
+        h->input_size == 0 || h->output_size == 0 ||
+        h->max_batch == 0 || h->max_batch > COLIBRI_MAX_BATCH_LIMIT || h->layer_count == 0)
+        return COLIBRI_E_BAD_HEADER;
+    return COLIBRI_OK;
+}
+
+/* A table of count records of record_size bytes at offset: 4-aligned, after
+ * the header, inside the image (an empty table too). */
+static int table_ok(const colibri_header *h, uint32_t offset, uint32_t count, uint32_t record_size)
+{
+    return offset % 4u == 0 && offset >= h->header_size &&
+           (uint64_t)offset + (uint64_t)count * record_size <= h->image_size;
+}
+
+/* ---- Tensors ---- */
+
+static colibri_status check_tensor(const colibri_header *h, const colibri_tensor *t)
+{
+    if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size ||
+        t->offset >= h->image_size || (uint64_t)t->offset + t->nbytes > h->image_size)
+        return COLIBRI_E_TENSOR_BOUNDS;
+
+    uint64_t elem;
+    switch (t->dtype) {
+    case COLIBRI_DTYPE_F32:
+    case COLIBRI_DTYPE_I32:
+        elem = 4;
+        break;
+    case COLIBRI_DTYPE_F16: /* reserved by format v1 */
+    case COLIBRI_DTYPE_I8:
+        return COLIBRI_E_UNSUPPORTED;
+    default:
+        return COLIBRI_E_BAD_TENSOR;
+    }
+    if ((t->ndim != 1 && t->ndim != 2) || (t->ndim == 1 && t->cols != 1) || t->rows == 0 ||
+        t->cols == 0 || t->reserved != 0 || t->aux != COLIBRI_NONE ||
+        t->nbytes != (uint64_t)t->rows * t->cols * elem)
+        return COLIBRI_E_BAD_TENSOR;
+    return COLIBRI_OK;
+}
+
+typedef enum { REQUIRED, OPTIONAL } ref_need;
+
+/* Tensor reference `index` for a role: present (or NONE if optional), of this
+ * dtype and shape: [rows] when ndim is 1, [rows, cols] when ndim is 2. */
+static colibri_status check_ref(const uint8_t *image, const colibri_header *h, uint32_t index,
+                                ref_need need, uint8_t dtype, uint8_t ndim, uint32_t rows, uint32_t cols)
+{
+    if (index == COLIBRI_NONE && need == OPTIONAL)
+        return COLIBRI_OK;
+    if (index >= h->tensor_count)
+        return COLIBRI_E_BAD_REF;
+    colibri_tensor t;
+    colibri_read_tensor(image, h, index, &t);
+    if (t.dtype != dtype || t.ndim != ndim || t.rows != rows || t.cols != cols)
+        return COLIBRI_E_BAD_REF;
+    return COLIBRI_OK;
+}
+
+static colibri_status check_matrix(const uint8_t *image, const colibri_header *h, uint32_t index,
+                                   ref_need need, uint32_t rows, uint32_t cols)
+{
+    return check_ref(image, h, index, need, COLIBRI_DTYPE_F32, 2, rows, cols);
+}
+
+static colibri_status check_vector(const uint8_t *image, const colibri_header *h, uint32_t index,
+                                   ref_need need, uint32_t n)
+{
+    return check_ref(image, h, index, need, COLIBRI_DTYPE_F32, 1, n, 1);
+}
+
+/* ---- Experts ---- */
+
+/* Expert record `index` of an MoE layer of width d. */
+static colibri_status check_expert(const uint8_t *image, const colibri_header *h, uint32_t index,
+                                   uint32_t d, colibri_model *m)
+{
+    colibri_expert e;
+    colibri_read_expert(image, h, index, &e);
+    const int glu = e.kind == COLIBRI_EXPERT_GLU;
+    if ((e.kind != COLIBRI_EXPERT_MLP && !glu) || !is_activation(e.activation) ||
+        e.reserved != 0 || e.hidden == 0)
+        return COLIBRI_E_BAD_MOE;
+    if (glu ? e.w3 == COLIBRI_NONE : (e.w3 != COLIBRI_NONE || e.b3 != COLIBRI_NONE))
+        return COLIBRI_E_BAD_MOE;
+
+    /* PAGE_ALIGNED: each expert starts on a page, so it is one madvise range. */
+    if ((h->flags & COLIBRI_FLAG_PAGE_ALIGNED) && e.w1 < h->tensor_count) {
+        colibri_tensor w1;
+        colibri_read_tensor(image, h, e.w1, &w1);
+        if (w1.offset % COLIBRI_PAGE_SIZE != 0)
+            return COLIBRI_E_TENSOR_BOUNDS;
+    }
+
+    const uint32_t hid = e.hidden;
+    colibri_status st;
+    if ((st = check_matrix(image, h, e.w1, REQUIRED, hid, d)) != COLIBRI_OK ||
+        (st = check_vector(image, h, e.b1, OPTIONAL, hid)) != COLIBRI_OK ||
+        (st = check_matrix(image, h, e.w2, REQUIRED, d, hid)) != COLIBRI_OK ||
+        (st = check_vector(image, h, e.b2, OPTIONAL, d)) != COLIBRI_OK ||
+        (st = check_matrix(image, h, e.w3, OPTIONAL, hid, d)) != COLIBRI_OK || /* present iff GLU, above */
+        (st = check_vector(image, h, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
+        return st;
+
+    if (hid > m->hidden)
+        m->hidden = hid;
+    return COLIBRI_OK;
+}
+
+/* ---- MoE records ---- */
+
+/* expert_map [R] (i32, read by bytes): every entry -1 or a slot below n, and
+ * every slot exactly once. With exactly n in-range entries that is the same
+ * as every slot appearing, checked in windows of a fixed-size bitmap so the
+ * stack use does not grow with n. */
+static colibri_status check_expert_map(const uint8_t *map, uint32_t routes, uint32_t n)
+{
+    enum { WINDOW = 2048 };
+    uint8_t seen[WINDOW / 8];
+    uint32_t kept = 0;
+
+    for (uint32_t r = 0; r < routes; r++) {
+        const uint32_t v = colibri_rd_u32(map + 4u * r);
+        if (v == COLIBRI_NONE)
+            continue;
+        if (v >= n)
+            return COLIBRI_E_BAD_MOE;
+        kept++;
+    }
+    if (kept != n)
+        return COLIBRI_E_BAD_MOE;
+
+    for (uint32_t base = 0; base < n; base += WINDOW) {
+        memset(seen, 0, sizeof seen);
+        for (uint32_t r = 0; r < routes; r++) {
+            const uint32_t v = colibri_rd_u32(map + 4u * r);
+            if (v != COLIBRI_NONE && v >= base && v - base < WINDOW)
+                seen[(v - base) / 8] |= (uint8_t)(1u << ((v - base) % 8));
+        }
+        const uint32_t span = n - base < WINDOW ? n - base : WINDOW;
+        for (uint32_t i = 0; i < span; i++)
+            if (!(seen[i / 8] & (1u << (i % 8))))
+                return COLIBRI_E_BAD_MOE;
+    }
+    return COLIBRI_OK;
+}
+
+/* MoE record `index` used by a MOE layer of this width, and its experts. */
+static colibri_status check_moe(const uint8_t *image, const colibri_header *h, uint32_t index,
+                                uint32_t width, colibri_model *m)
+{
+    colibri_moe moe;
+    colibri_router router;
+    colibri_read_moe(image, h, index, &moe);
+    if (!colibri_router_find(moe.routing, &router))
+        return COLIBRI_E_BAD_MOE;
+    if (moe.reserved_set || moe.d_model != width ||
+        moe.route_count == 0 || moe.route_count > COLIBRI_MAX_ROUTES ||
+        moe.expert_count == 0 || moe.expert_count > moe.route_count || moe.shared_count > COLIBRI_MAX_SHARED)
+        return COLIBRI_E_BAD_MOE;
+
+    uint32_t k = 0; /* experts chosen per token: K for the arena */
+    switch (router.k_rule) {
+    case COLIBRI_K_ONE:
+        if (moe.top_k != 1)
+            return COLIBRI_E_BAD_MOE;
+        k = 1;
+        break;
+    case COLIBRI_K_ANY:
+        if (moe.top_k == 0 || moe.top_k > moe.expert_count)
+            return COLIBRI_E_BAD_MOE;
+        k = moe.top_k;
+        break;
+    case COLIBRI_K_ALL:
+        if (moe.top_k != 0)
+            return COLIBRI_E_BAD_MOE;
+        k = moe.expert_count;
+        break;
+    }
+    if (moe.flags & ~router.flags)
+        return COLIBRI_E_BAD_MOE;
+
+    /* Routed experts first_expert .. +N-1, then the shared ones. */
+    const uint32_t d = moe.d_model, routes = moe.route_count, n = moe.expert_count;
+    const uint32_t used = n + moe.shared_count;
+    if ((uint64_t)moe.first_expert + used > h->expert_count)
+        return COLIBRI_E_BAD_REF;
+
+    colibri_status st = check_ref(image, h, moe.expert_map, REQUIRED, COLIBRI_DTYPE_I32, 1, routes, 1);
+    if (st != COLIBRI_OK)
+        return st;
+    colibri_tensor map;
+    colibri_read_tensor(image, h, moe.expert_map, &map);
+    if ((st = check_expert_map(image + map.offset, routes, n)) != COLIBRI_OK ||
+        (st = check_matrix(image, h, moe.router_weight, REQUIRED, routes, d)) != COLIBRI_OK ||
+        (st = check_vector(image, h, moe.router_bias, OPTIONAL, routes)) != COLIBRI_OK)
+        return st;
+    for (uint32_t i = 0; i < used; i++)
+        if ((st = check_expert(image, h, moe.first_expert + i, d, m)) != COLIBRI_OK)
+            return st;
+    if ((st = check_matrix(image, h, moe.shared_gate, OPTIONAL, 1, d)) != COLIBRI_OK)
+        return st;
+
+    if (routes > m->routes)
+        m->routes = routes;
+    if (k > m->select)
+        m->select = k;
+    if (n > m->experts)
+        m->experts = n;
+    m->moe_layers++;
+    m->routed_experts += n;
+    m->shared_experts += moe.shared_count;
+    return COLIBRI_OK;
+}
+
+/* ---- The layer program ---- */
+
+/* What each op takes (index: op code; a zero entry is an unknown op). */
+enum { KNOWN = 1, TAKES_T0 = 2, TAKES_T1 = 4, IS_NORM = 8 };
+static const uint8_t op_rules[] = {
+    [COLIBRI_OP_LINEAR] = KNOWN | TAKES_T0 | TAKES_T1,
+    [COLIBRI_OP_ACTIVATION] = KNOWN,
+    [COLIBRI_OP_LAYERNORM] = KNOWN | IS_NORM | TAKES_T0 | TAKES_T1,
+    [COLIBRI_OP_RMSNORM] = KNOWN | IS_NORM | TAKES_T0,
+    [COLIBRI_OP_RESIDUAL_PUSH] = KNOWN,
+    [COLIBRI_OP_RESIDUAL_ADD] = KNOWN,
+    [COLIBRI_OP_MOE] = KNOWN | TAKES_T0,
+};
+
+/* A layer's own fields, against the current width. */
+static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width)
+{
+    const unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
+    if (!(rules & KNOWN) || l->reserved != 0 || l->reserved_set ||
+        (l->op == COLIBRI_OP_ACTIVATION ? !is_activation(l->kind) : l->kind != 0))
+        return COLIBRI_E_BAD_LAYER;
+    if (l->in_features != width)
+        return COLIBRI_E_BAD_LAYER;
+    /* Only LINEAR changes the width; its out_features is checked by W's shape. */
+    if (l->op != COLIBRI_OP_LINEAR && l->out_features != l->in_features)
+        return COLIBRI_E_BAD_LAYER;
+    if ((rules & IS_NORM) ? !(isfinite(l->eps) && l->eps > 0.0f) : l->eps != 0.0f)
+        return COLIBRI_E_BAD_LAYER;
+    if ((!(rules & TAKES_T0) && l->t0 != COLIBRI_NONE) || (!(rules & TAKES_T1) && l->t1 != COLIBRI_NONE))
+        return COLIBRI_E_BAD_LAYER;
+    return COLIBRI_OK;
+}
+
+static colibri_status check_program(const uint8_t *image, colibri_model *m)
+{
+    const colibri_header *h = &m->hdr;
+    uint32_t width = h->input_size;
+    uint32_t stack[COLIBRI_MAX_RESIDUAL_DEPTH]; /* widths pushed */
+    uint32_t depth = 0;
+    colibri_status st;
+
+    m->width = width;
+    for (uint32_t i = 0; i < h->layer_count; i++) {
+        colibri_layer l;
+        colibri_read_layer(image, h, i, &l);
+        if ((st = check_layer_fields(&l, width)) != COLIBRI_OK)
+            return st;
+
+        const uint32_t in = l.in_features, out = l.out_features;
+        switch (l.op) {
+        case COLIBRI_OP_LINEAR:
+            if ((st = check_matrix(image, h, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
+                (st = check_vector(image, h, l.t1, OPTIONAL, out)) != COLIBRI_OK)
+                return st;
+            break;
+        case COLIBRI_OP_LAYERNORM:
+        case COLIBRI_OP_RMSNORM: /* RMSNORM's t1 is NONE (checked above) */
+            if ((st = check_vector(image, h, l.t0, OPTIONAL, in)) != COLIBRI_OK ||
+                (st = check_vector(image, h, l.t1, OPTIONAL, in)) != COLIBRI_OK)
+                return st;
+            break;
+        case COLIBRI_OP_RESIDUAL_PUSH:
+            if (depth == COLIBRI_MAX_RESIDUAL_DEPTH)
+                return COLIBRI_E_BAD_LAYER;
+            stack[depth++] = width;
+            if (depth > m->depth)
+                m->depth = depth;
+            break;
+        case COLIBRI_OP_RESIDUAL_ADD:
+            if (depth == 0 || stack[depth - 1] != width)
+                return COLIBRI_E_BAD_LAYER;
+            depth--;
+            break;
+        case COLIBRI_OP_MOE:
+            if (l.t0 >= h->moe_count)
+                return COLIBRI_E_BAD_REF;
+            if ((st = check_moe(image, h, l.t0, in, m)) != COLIBRI_OK)
+                return st;
+            break;
+        default: /* ACTIVATION: nothing beyond its fields */
+            break;
+        }
+        width = out;
+        if (width > m->width)
+            m->width = width;
+    }
+    if (depth != 0 || width != h->output_size)
+        return COLIBRI_E_BAD_LAYER;
+    return COLIBRI_OK;
+}
+
+/* ---- Everything, in order ---- */
+
+colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m)
+{
+    const uint8_t *p = image;
+    const colibri_header *h = &m->hdr;
+    colibri_status st;
+
+    if (!image)
+        return COLIBRI_E_NULL_ARG;
+    if (image_len < COLIBRI_HEADER_SIZE)
+        return COLIBRI_E_TRUNCATED;
+    memset(m, 0, sizeof *m);
+    colibri_read_header(p, &m->hdr);
+    if ((st = check_header(p, image_len, h)) != COLIBRI_OK)
+        return st;
+    if (!table_ok(h, h->tensor_offset, h->tensor_count, COLIBRI_TENSOR_SIZE) ||
+        !table_ok(h, h->layer_offset, h->layer_count, COLIBRI_LAYER_SIZE) ||
+        !table_ok(h, h->moe_offset, h->moe_count, COLIBRI_MOE_SIZE) ||
+        !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE))
+        return COLIBRI_E_TABLE_BOUNDS;
+
+    for (uint32_t i = 0; i < h->tensor_count; i++) {
+        colibri_tensor t;
+        colibri_read_tensor(p, h, i, &t);
+        if ((st = check_tensor(h, &t)) != COLIBRI_OK)
+            return st;
+        if (t.dtype == COLIBRI_DTYPE_F32)
+            m->parameters += (uint64_t)t.rows * t.cols;
+    }
+    return check_program(p, m);
+}
+
+colibri_status colibri_validate(const void *image, size_t image_len)
+{
+    colibri_model m;
+    return colibri_check(image, image_len, &m);
+}

@@ -1,0 +1,152 @@
+/*
+ * Internals shared by the engine's source files: little-endian field readers,
+ * the parsed form of each image record, the validator's summary of a model,
+ * and the router table. docs/model-format.md is the layout these follow.
+ */
+#ifndef COLIBRI_INTERNAL_H
+#define COLIBRI_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "colibri.h"
+
+/* ---- Little-endian reads by byte loads: any alignment, any host. ---- */
+
+static inline uint16_t colibri_rd_u16(const uint8_t *p)
+{
+    return (uint16_t)((unsigned)p[0] | (unsigned)p[1] << 8);
+}
+
+static inline uint32_t colibri_rd_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline float colibri_rd_f32(const uint8_t *p)
+{
+    uint32_t bits = colibri_rd_u32(p);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ---- Records, parsed. Field meanings: docs/model-format.md. ---- */
+
+typedef struct colibri_header {
+    uint32_t magic;
+    uint16_t version, header_size;
+    uint32_t crc32, image_size, flags;
+    uint32_t input_size, output_size, max_batch;
+    uint32_t tensor_count, tensor_offset;
+    uint32_t layer_count, layer_offset;
+    uint32_t moe_count, moe_offset;
+    uint32_t expert_count, expert_offset;
+    int reserved_set;   /* nonzero if any reserved byte is nonzero */
+} colibri_header;
+
+typedef struct colibri_tensor {
+    uint32_t offset, nbytes, rows, cols;
+    uint8_t dtype, ndim;
+    uint16_t reserved;
+    uint32_t aux;
+} colibri_tensor;
+
+typedef struct colibri_layer {
+    uint8_t op, kind;
+    uint16_t reserved;
+    uint32_t in_features, out_features;
+    uint32_t t0, t1;
+    float eps;
+    int reserved_set;   /* the 8 trailing reserved bytes */
+} colibri_layer;
+
+typedef struct colibri_moe {
+    uint32_t d_model, route_count, expert_count, top_k;
+    uint8_t routing, flags;
+    uint16_t shared_count;
+    uint32_t router_weight, router_bias, expert_map, first_expert, shared_gate;
+    int reserved_set;
+} colibri_moe;
+
+typedef struct colibri_expert {
+    uint8_t kind, activation;
+    uint16_t reserved;
+    uint32_t hidden;
+    uint32_t w1, b1, w2, b2, w3, b3;
+} colibri_expert;
+
+/* Record readers. The table they read must have passed its bounds check
+ * (colibri_check) first. */
+void colibri_read_header(const uint8_t *image, colibri_header *h);
+void colibri_read_tensor(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_tensor *t);
+void colibri_read_layer(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_layer *l);
+void colibri_read_moe(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_moe *m);
+void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_expert *e);
+
+/* Payload of tensor `index` of a validated, 4-byte aligned image; NULL for
+ * COLIBRI_NONE. Payloads are 32-byte aligned within the image, so f32 and i32
+ * data are read in place. */
+static inline const void *colibri_payload(const uint8_t *image, const colibri_header *h, uint32_t index)
+{
+    if (index == COLIBRI_NONE)
+        return NULL;
+    return image + colibri_rd_u32(image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_SIZE);
+}
+
+/* ---- What validation learns about a model. ---- */
+
+typedef struct colibri_model {
+    colibri_header hdr;
+    /* Arena dimensions, docs/model-format.md "Arena", over the MoE layers of
+     * the program (MoE and expert records no layer uses are not read). */
+    uint32_t width;          /* W: widest activation */
+    uint32_t hidden;         /* H: largest expert hidden size */
+    uint32_t routes;         /* R: largest router */
+    uint32_t select;         /* K: largest selection of one token */
+    uint32_t experts;        /* N: most routed experts of one MoE layer */
+    uint32_t depth;          /* deepest residual stack */
+    /* For colibri_get_info(), summed over MoE layers. */
+    uint32_t moe_layers;
+    uint32_t routed_experts;
+    uint32_t shared_experts;
+    uint64_t parameters;     /* elements of all f32 tensors */
+} colibri_model;
+
+/* Full validation (colibri_validate); fills *m on success. Reads the image
+ * with byte loads only, so any image alignment is accepted here. */
+colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m);
+
+/* ---- Routing (colibri_router.c). ---- */
+
+/* One MoE layer's routing parameters. */
+typedef struct colibri_routing {
+    const int32_t *map;  /* [R] router output -> routed expert slot, -1 if pruned */
+    size_t routes;       /* R */
+    size_t top_k;        /* k */
+    uint32_t flags;      /* COLIBRI_MOE_FLAG_* */
+} colibri_routing;
+
+/* Routes one token: z [R] holds its router logits and may be overwritten.
+ * Writes the chosen experts' slots and gate weights ([K] each) and returns
+ * how many were chosen. */
+typedef size_t (*colibri_route_fn)(float *z, const colibri_routing *r, float *weight, uint32_t *slot);
+
+/* How a routing mode uses top_k, for validation and for K. */
+typedef enum colibri_k_rule {
+    COLIBRI_K_ONE = 1, /* top_k must be 1; one expert per token */
+    COLIBRI_K_ANY,     /* top_k in 1 .. N; top_k experts per token */
+    COLIBRI_K_ALL      /* top_k must be 0; every kept expert, N per token */
+} colibri_k_rule;
+
+typedef struct colibri_router {
+    colibri_route_fn route;
+    colibri_k_rule k_rule;
+    uint32_t flags;      /* COLIBRI_MOE_FLAG_* bits this mode accepts */
+} colibri_router;
+
+/* Looks up routing mode `mode`; returns 0 if there is none. */
+int colibri_router_find(uint32_t mode, colibri_router *out);
+
+#endif /* COLIBRI_INTERNAL_H */

@@ -1,0 +1,142 @@
+/*
+ * Portable reference kernels (colibri_kernels.h): plain C loops, f32
+ * accumulation. Every optimised backend is tested against these.
+ */
+#include <math.h>
+
+#include "../colibri_kernels.h"
+#include "colibri_format.h"
+
+void colibri_linear_f32(const float *x, const uint16_t *rows, size_t n, size_t in,
+                        const float *w, const float *b, size_t out, float *restrict y)
+{
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        float *yi = y + i * out;
+        for (size_t o = 0; o < out; o++) {
+            const float *wo = w + o * in;
+            float acc = 0.0f;
+            for (size_t k = 0; k < in; k++)
+                acc += wo[k] * xi[k];
+            yi[o] = b ? acc + b[o] : acc;
+        }
+    }
+}
+
+void colibri_linear_acc_f32(const float *x, size_t n, size_t in,
+                            const float *w, const float *b, size_t out,
+                            const uint16_t *rows, const float *scale, float *restrict y)
+{
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + i * in;
+        float *yi = y + (rows ? rows[i] : i) * out;
+        const float s = scale ? scale[i] : 1.0f;
+        for (size_t o = 0; o < out; o++) {
+            const float *wo = w + o * in;
+            float acc = 0.0f;
+            for (size_t k = 0; k < in; k++)
+                acc += wo[k] * xi[k];
+            yi[o] += s * (b ? acc + b[o] : acc);
+        }
+    }
+}
+
+static float sigmoid(float v)
+{
+    return 1.0f / (1.0f + expf(-v));
+}
+
+void colibri_activation_f32(float *x, size_t n, uint32_t kind)
+{
+    /* Constants: 1/√2 and √(2/π). */
+    const float inv_sqrt2 = 0.70710678118654752f;
+    const float sqrt_2_over_pi = 0.79788456080286536f;
+
+    for (size_t i = 0; i < n; i++) {
+        const float v = x[i];
+        switch (kind) {
+        case COLIBRI_ACT_RELU:
+            x[i] = v > 0.0f ? v : 0.0f;
+            break;
+        case COLIBRI_ACT_GELU_ERF:
+            x[i] = 0.5f * v * (1.0f + erff(v * inv_sqrt2));
+            break;
+        case COLIBRI_ACT_GELU_TANH:
+            x[i] = 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * (v + 0.044715f * v * v * v)));
+            break;
+        case COLIBRI_ACT_SILU:
+            x[i] = v * sigmoid(v);
+            break;
+        case COLIBRI_ACT_TANH:
+            x[i] = tanhf(v);
+            break;
+        case COLIBRI_ACT_SIGMOID:
+            x[i] = sigmoid(v);
+            break;
+        default: /* unreachable: activation kinds are validated */
+            break;
+        }
+    }
+}
+
+void colibri_mul_f32(float *x, const float *y, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] *= y[i];
+}
+
+void colibri_add_f32(float *x, const float *y, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] += y[i];
+}
+
+void colibri_layernorm_f32(float *x, size_t rows, size_t n,
+                           const float *gamma, const float *beta, float eps)
+{
+    for (size_t r = 0; r < rows; r++, x += n) {
+        float mean = 0.0f, var = 0.0f;
+        for (size_t i = 0; i < n; i++)
+            mean += x[i];
+        mean /= (float)n;
+        for (size_t i = 0; i < n; i++)
+            var += (x[i] - mean) * (x[i] - mean);
+        var /= (float)n;
+        const float den = sqrtf(var + eps);
+        for (size_t i = 0; i < n; i++) {
+            float v = (x[i] - mean) / den;
+            if (gamma)
+                v *= gamma[i];
+            if (beta)
+                v += beta[i];
+            x[i] = v;
+        }
+    }
+}
+
+void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, float eps)
+{
+    for (size_t r = 0; r < rows; r++, x += n) {
+        float ms = 0.0f;
+        for (size_t i = 0; i < n; i++)
+            ms += x[i] * x[i];
+        ms /= (float)n;
+        const float den = sqrtf(ms + eps);
+        for (size_t i = 0; i < n; i++)
+            x[i] = gamma ? x[i] / den * gamma[i] : x[i] / den;
+    }
+}
+
+void colibri_softmax_f32(float *x, size_t n)
+{
+    float max = x[0], sum = 0.0f;
+    for (size_t i = 1; i < n; i++)
+        if (x[i] > max)
+            max = x[i];
+    for (size_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - max);
+        sum += x[i];
+    }
+    for (size_t i = 0; i < n; i++)
+        x[i] /= sum;
+}

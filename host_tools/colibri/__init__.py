@@ -1,0 +1,30 @@
+"""Colibri: Mixture-of-Experts models on microcontrollers.
+
+    import colibri
+    colibri.export(torch_model, "model.clb", max_batch=8)
+    model = colibri.Model("model.clb")      # the C engine
+    y = model.forward(x)                    # x: [batch, input_size] float32
+    y_ref = colibri.reference.run(open("model.clb", "rb").read(), x)
+"""
+from __future__ import annotations
+
+from . import format, image, ir, reference
+from .engine import Model, arena_size, validate, version
+from .errors import ArenaError, ColibriError, ExportError, ImageError, InputError, UnsupportedError
+from .format import Status
+
+__version__ = "0.1.0"
+
+
+def export(*args, **kwargs):
+    """Export a PyTorch model to a model image: see colibri.exporter.export (imports torch on first use)."""
+    from .exporter import export as _export
+    from . import hf  # noqa: F401  registers the Hugging Face block converters
+
+    return _export(*args, **kwargs)
+
+
+__all__ = [
+    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "Model", "Status",
+    "UnsupportedError", "arena_size", "export", "format", "image", "ir", "reference", "validate", "version",
+]

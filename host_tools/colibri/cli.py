@@ -1,0 +1,216 @@
+"""The `colibri` command."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from . import format as F
+from .errors import ColibriError
+
+
+class _Group(click.Group):
+    """Turns expected failures into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ColibriError, OSError, ValueError, ImportError) as exc:
+            click.echo(f"colibri: error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="colibri-moe")
+def main() -> None:
+    """Colibri: Mixture-of-Experts models on microcontrollers."""
+
+
+def _load_module(spec: str):
+    """A torch.save'd module file, or `package.module:factory` (called with no arguments)."""
+    import torch
+
+    path = Path(spec)
+    if path.exists():
+        model = torch.load(path, weights_only=False, map_location="cpu")
+    elif ":" in spec:
+        mod_name, _, attr = spec.partition(":")
+        obj = getattr(importlib.import_module(mod_name), attr)
+        model = obj() if callable(obj) and not isinstance(obj, torch.nn.Module) else obj
+    else:
+        raise ValueError(f"{spec}: no such file, and not a package.module:factory path")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{spec} is a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
+    """'1,3' (the only MoE layer) or '0:1,3;2:0' (per MoE layer)."""
+    if not text:
+        return None
+    out: dict[int, list[int]] = {}
+    for part in text.split(";"):
+        layer, _, experts = part.rpartition(":")
+        out[int(layer or 0)] = [int(e) for e in experts.split(",") if e.strip()]
+    return out
+
+
+def _load_inputs(path: Path) -> np.ndarray:
+    if path.suffix == ".npy":
+        x = np.load(path)
+    elif path.suffix in (".csv", ".txt"):
+        x = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+    else:
+        raise ValueError(f"{path}: inputs must be .npy or .csv")
+    return np.asarray(x, dtype=np.float32)
+
+
+@main.command()
+@click.argument("model")
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--max-batch", default=1, show_default=True, help="Tokens per forward the arena is sized for.")
+@click.option("--input-size", type=int, help="Features in, when the first layer does not say.")
+@click.option("--prune", help="Experts to drop: '1,3' or per MoE layer '0:1,3;1:2'.")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
+@click.option("--page-aligned", is_flag=True, help="Start every expert on a 4 KiB boundary (one madvise range).")
+def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
+           calibration: Path | None, page_aligned: bool) -> None:
+    """Export MODEL (a torch.save'd module or package.module:factory) to a model image."""
+    import torch
+
+    from . import hf  # noqa: F401  registers the Hugging Face converters
+    from .exporter import export as do_export
+
+    module = _load_module(model)
+    example = torch.randn(max_batch, input_size) if input_size else None
+    calib = _load_inputs(calibration) if calibration else None
+    result = do_export(module, output, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
+                       calibration=calib, page_aligned=page_aligned)
+    for line in result.pruned.lines():
+        click.echo(f"pruned: {line}")
+    if result.max_abs_error is not None:
+        click.echo(f"numpy reference vs PyTorch on a random batch: max |diff| {result.max_abs_error:.3g}")
+    g = result.graph
+    click.echo(f"wrote {output}: {len(result.image)} bytes, {len(g.layers)} layers, "
+               f"{sum(len(m.experts) for m in g.moe_layers())} routed experts")
+
+
+def describe(data: bytes) -> dict:
+    """Everything `colibri info` shows, as plain data."""
+    from . import engine, image
+    from .ir import Activation, LayerNorm, Linear, MoE, RMSNorm
+
+    graph = image.read(data)
+    layers = []
+    params = 0
+    for layer in graph.layers:
+        row: dict = {"op": type(layer).__name__}
+        if isinstance(layer, Linear):
+            n = layer.weight.size + (layer.bias.size if layer.bias is not None else 0)
+            row.update(shape=f"{layer.in_features}->{layer.out_features}", params=n)
+        elif isinstance(layer, Activation):
+            row.update(shape=layer.act.name.lower(), params=0)
+        elif isinstance(layer, (LayerNorm, RMSNorm)):
+            n = sum(t.size for t in vars(layer).values() if isinstance(t, np.ndarray))
+            row.update(shape=f"{layer.size}, eps={layer.eps:g}", params=n)
+        elif isinstance(layer, MoE):
+            experts = layer.experts + layer.shared
+            n = sum(t.size for e in experts for t in vars(e).values() if isinstance(t, np.ndarray))
+            n += layer.router_weight.size + sum(t.size for t in (layer.router_bias, layer.shared_gate) if t is not None)
+            pruned = [int(r) for r in np.flatnonzero(layer.expert_map < 0)]
+            e0 = layer.experts[0]
+            row.update(
+                shape=f"{layer.d_model}->{layer.d_model}", params=n,
+                routing=layer.routing.name.lower(), top_k=layer.top_k, renormalize=layer.renormalize,
+                experts=len(layer.experts), router_outputs=layer.route_count, pruned=pruned,
+                expert=f"{e0.kind.name.lower()} {e0.act.name.lower()} hidden {e0.hidden}",
+                shared=len(layer.shared), shared_gate=layer.shared_gate is not None,
+            )
+        else:
+            row.update(shape="", params=0)
+        params += row["params"]
+        layers.append(row)
+    moes = graph.moe_layers()
+    return {
+        "image_bytes": len(data) if len(data) else 0,
+        "arena_bytes": engine.arena_size(data),
+        "input_size": graph.input_size, "output_size": graph.output_size, "max_batch": graph.max_batch,
+        "parameters": params,
+        "routed_experts": sum(len(m.experts) for m in moes),
+        "shared_experts": sum(len(m.shared) for m in moes),
+        "layers": layers,
+    }
+
+
+@main.command()
+@click.argument("image_path", metavar="IMAGE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(image_path: Path, as_json: bool) -> None:
+    """Show the layers, experts, routing, parameters and memory of a model image."""
+    from rich.console import Console
+    from rich.table import Table
+
+    d = describe(image_path.read_bytes())
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    table = Table(title=f"{image_path.name}")
+    for col in ("#", "layer", "shape", "params", "details"):
+        table.add_column(col)
+    for i, row in enumerate(d["layers"]):
+        details = ""
+        if row["op"] == "MoE":
+            details = (f"{row['routing']} k={row['top_k']}{' renorm' if row['renormalize'] else ''}, "
+                       f"{row['experts']}/{row['router_outputs']} experts ({row['expert']})"
+                       f"{', pruned ' + str(row['pruned']) if row['pruned'] else ''}"
+                       f"{', shared ' + str(row['shared']) if row['shared'] else ''}"
+                       f"{' gated' if row['shared_gate'] else ''}")
+        table.add_row(str(i), row["op"], row["shape"], f"{row['params']:,}", details)
+    console = Console()
+    console.print(table)
+    console.print(
+        f"input {d['input_size']}  output {d['output_size']}  max batch {d['max_batch']}  "
+        f"parameters {d['parameters']:,}  routed experts {d['routed_experts']}  shared {d['shared_experts']}\n"
+        f"image {d['image_bytes']:,} bytes  arena {d['arena_bytes']:,} bytes"
+    )
+
+
+@main.command()
+@click.argument("image_path", metavar="IMAGE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Inputs [batch, input_size] as .npy or .csv.")
+@click.option("--output", "-o", "output_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write outputs to .npy (default: print CSV to stdout).")
+@click.option("--reference", is_flag=True, help="Use the numpy reference instead of the C engine.")
+def run(image_path: Path, input_path: Path, output_path: Path | None, reference: bool) -> None:
+    """Run a model image on inputs."""
+    from . import engine
+    from . import reference as ref
+
+    data = image_path.read_bytes()
+    x = _load_inputs(input_path)
+    y = ref.run(data, x) if reference else engine.Model(data).forward(x)
+    if output_path is not None:
+        np.save(output_path, y)
+        click.echo(f"wrote {output_path}: {y.shape[0]} x {y.shape[1]}", err=True)
+    else:
+        np.savetxt(sys.stdout, np.atleast_2d(y), delimiter=",", fmt="%.8g")
+
+
+@main.command("gen-header")
+@click.option("--check", is_flag=True, help="Exit 1 if the header is out of date instead of writing it.")
+def gen_header(check: bool) -> None:
+    """Regenerate firmware/colibri_core/include/colibri_format.h from colibri.format."""
+    path = Path(__file__).resolve().parents[2] / "firmware/colibri_core/include/colibri_format.h"
+    text = F.c_header()
+    if check:
+        if not path.exists() or path.read_text() != text:
+            raise ColibriError(f"{path} is out of date: run `colibri gen-header`")
+        return
+    path.write_text(text)
+    click.echo(f"wrote {path}")

@@ -1,0 +1,81 @@
+"""`colibri.Model`: the C engine from CPython."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import _engine
+from .errors import error_for
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except _engine.EngineError as exc:
+        status, _ = exc.args
+        raise error_for(status) from None
+
+
+class Model:
+    """A model image run by the C engine.
+
+    `Model(path_or_bytes)` validates the image and allocates the arena once;
+    `forward(x)` maps `[batch, input_size]` float32 to `[batch, output_size]`.
+    Batches larger than the image's `max_batch` are run in chunks.
+    """
+
+    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview):
+        if isinstance(source, (str, os.PathLike)):
+            source = Path(source).read_bytes()
+        self.image = bytes(source)
+        self._ctx = _call(_engine.Context, self.image)
+        info = self._ctx.info()
+        self.info: dict[str, int] = info
+        self.input_size: int = info["input_size"]
+        self.output_size: int = info["output_size"]
+        self.max_batch: int = info["max_batch"]
+        self.num_experts: int = info["num_experts"]
+        self.num_parameters: int = info["num_parameters"]
+        self.arena_size: int = info["arena_size"]
+        self.image_size: int = info["image_size"]
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        single = x.ndim == 1
+        if single:
+            x = x[None, :]
+        if x.ndim != 2 or x.shape[1] != self.input_size:
+            raise ValueError(f"input must be [batch, {self.input_size}], got shape {x.shape}")
+        out = np.empty((x.shape[0], self.output_size), dtype=np.float32)
+        for start in range(0, x.shape[0], self.max_batch):
+            chunk = x[start : start + self.max_batch]
+            _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))
+        return out[0] if single else out
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        return (
+            f"colibri.Model(in={self.input_size}, out={self.output_size}, experts={self.num_experts}, "
+            f"max_batch={self.max_batch}, image={self.image_size} B, arena={self.arena_size} B)"
+        )
+
+
+def validate(image: bytes | bytearray | memoryview) -> None:
+    """Full validation by the C engine; raises the engine's ImageError on failure."""
+    status = _engine.validate(image)
+    if status != 0:
+        raise error_for(status)
+
+
+def arena_size(image: bytes | bytearray | memoryview) -> int:
+    status, size = _engine.model_size(image)
+    if status != 0:
+        raise error_for(status)
+    return size
+
+
+def version() -> str:
+    return _engine.version()

@@ -1,0 +1,177 @@
+"""The model image's numbers: the one place they are defined.
+
+`colibri_format.h` for the C engine is generated from this module
+(`colibri gen-header`); `tests/test_format.py` fails if the two drift apart.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+
+MAGIC = 0x52424C43  # b"CLBR" little-endian
+VERSION = 1
+NONE = 0xFFFFFFFF  # absent tensor reference
+PAYLOAD_ALIGN = 32
+PAGE_SIZE = 4096
+MAX_BATCH_LIMIT = 65535
+MAX_ROUTES = 65535
+MAX_SHARED = 16
+MAX_RESIDUAL_DEPTH = 16
+
+# Records: struct formats, little-endian, no padding.
+HEADER = struct.Struct("<IHHIIIIIIIIIIIIII16x")
+TENSOR = struct.Struct("<IIIIBBHI")
+LAYER = struct.Struct("<BBHIIIIfII")  # ..., eps, reserved, reserved
+MOE = struct.Struct("<IIIIBBHIIIIIII")  # ..., shared_gate, reserved, reserved
+EXPERT = struct.Struct("<BBHIIIIIII")
+
+HEADER_SIZE = HEADER.size
+HEADER_CRC_OFFSET = 8
+CRC_START = 12  # the CRC covers [CRC_START, image_size)
+
+
+class Flag(enum.IntFlag):
+    PAGE_ALIGNED = 1
+
+
+class DType(enum.IntEnum):
+    F32 = 1
+    F16 = 2  # reserved
+    I8 = 3  # reserved
+    I32 = 4
+
+
+DTYPE_SIZE = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
+
+
+class Op(enum.IntEnum):
+    LINEAR = 1
+    ACTIVATION = 2
+    LAYERNORM = 3
+    RMSNORM = 4
+    RESIDUAL_PUSH = 5
+    RESIDUAL_ADD = 6
+    MOE = 7
+
+
+class Act(enum.IntEnum):
+    RELU = 1
+    GELU_ERF = 2
+    GELU_TANH = 3
+    SILU = 4
+    TANH = 5
+    SIGMOID = 6
+
+
+class Routing(enum.IntEnum):
+    TOP1 = 1  # Switch Transformer
+    TOPK_SOFTMAX = 2  # Mixtral: top-k logits, softmax over those
+    SOFTMAX_TOPK = 3  # GShard / Qwen-MoE: softmax over all, top-k, optional renorm
+    DENSE = 4  # soft mixture over all experts
+
+
+class MoEFlag(enum.IntFlag):
+    RENORMALIZE = 1
+
+
+class ExpertKind(enum.IntEnum):
+    MLP = 1
+    GLU = 2
+
+
+class Status(enum.IntEnum):
+    """Engine status codes (negative = failure), shared with colibri.h."""
+
+    OK = 0
+    NULL_ARG = -1
+    TRUNCATED = -2
+    BAD_MAGIC = -3
+    BAD_VERSION = -4
+    BAD_HEADER = -5
+    BAD_CRC = -6
+    TABLE_BOUNDS = -7
+    TENSOR_BOUNDS = -8
+    BAD_TENSOR = -9
+    BAD_REF = -10
+    BAD_LAYER = -11
+    BAD_MOE = -12
+    UNSUPPORTED = -13
+    ARENA_TOO_SMALL = -14
+    ARENA_ALIGN = -15
+    IMAGE_ALIGN = -16
+    BAD_BATCH = -17
+    BUFFER_SIZE = -18
+    BAD_CONTEXT = -19
+
+
+STATUS_TEXT = {
+    Status.OK: "ok",
+    Status.NULL_ARG: "a required pointer argument is NULL",
+    Status.TRUNCATED: "image is truncated: buffer shorter than the header or image_size",
+    Status.BAD_MAGIC: "not a Colibri model image (bad magic)",
+    Status.BAD_VERSION: "unsupported model image version",
+    Status.BAD_HEADER: "invalid model image header field",
+    Status.BAD_CRC: "model image CRC-32 mismatch (corrupted image)",
+    Status.TABLE_BOUNDS: "a table lies outside the image or is misaligned",
+    Status.TENSOR_BOUNDS: "a tensor payload lies outside the image or is misaligned",
+    Status.BAD_TENSOR: "invalid tensor record (dtype, rank or size)",
+    Status.BAD_REF: "a layer refers to a missing or wrongly shaped tensor",
+    Status.BAD_LAYER: "invalid layer (unknown op, activation, eps, widths or residual nesting)",
+    Status.BAD_MOE: "invalid MoE or expert record",
+    Status.UNSUPPORTED: "feature not supported by this engine build",
+    Status.ARENA_TOO_SMALL: "arena too small for this model (see colibri_model_size)",
+    Status.ARENA_ALIGN: "arena must be 8-byte aligned",
+    Status.IMAGE_ALIGN: "model image must be 4-byte aligned",
+    Status.BAD_BATCH: "batch must be between 1 and the model's max_batch",
+    Status.BUFFER_SIZE: "input or output buffer length does not match batch x features",
+    Status.BAD_CONTEXT: "context is not initialised or was freed",
+}
+
+_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}
+
+
+def c_header() -> str:
+    """Text of colibri_format.h, the C view of this module."""
+    out = [
+        "/* Generated from host_tools/colibri/format.py by `colibri gen-header`. Do not edit. */",
+        "#ifndef COLIBRI_FORMAT_H",
+        "#define COLIBRI_FORMAT_H",
+        "",
+        f"#define COLIBRI_MAGIC 0x{MAGIC:08X}u",
+        f"#define COLIBRI_FORMAT_VERSION {VERSION}u",
+        f"#define COLIBRI_NONE 0x{NONE:08X}u",
+        f"#define COLIBRI_PAYLOAD_ALIGN {PAYLOAD_ALIGN}u",
+        f"#define COLIBRI_PAGE_SIZE {PAGE_SIZE}u",
+        f"#define COLIBRI_MAX_BATCH_LIMIT {MAX_BATCH_LIMIT}u",
+        f"#define COLIBRI_MAX_ROUTES {MAX_ROUTES}u",
+        f"#define COLIBRI_MAX_SHARED {MAX_SHARED}u",
+        f"#define COLIBRI_MAX_RESIDUAL_DEPTH {MAX_RESIDUAL_DEPTH}u",
+        f"#define COLIBRI_HEADER_CRC_OFFSET {HEADER_CRC_OFFSET}u",
+        f"#define COLIBRI_CRC_START {CRC_START}u",
+        "",
+    ]
+    for name, rec in _RECORDS.items():
+        out.append(f"#define COLIBRI_{name}_SIZE {rec.size}u")
+    out.append("")
+    for enum_cls, prefix in (
+        (Flag, "FLAG"),
+        (DType, "DTYPE"),
+        (Op, "OP"),
+        (Act, "ACT"),
+        (Routing, "ROUTING"),
+        (MoEFlag, "MOE_FLAG"),
+        (ExpertKind, "EXPERT"),
+    ):
+        for member in enum_cls:
+            out.append(f"#define COLIBRI_{prefix}_{member.name} {int(member)}u")
+        out.append("")
+    out.append("typedef enum colibri_status {")
+    for st in Status:
+        out.append(f"    COLIBRI_{'OK' if st == Status.OK else 'E_' + st.name} = {int(st)}, /* {STATUS_TEXT[st]} */")
+    out.append("} colibri_status;")
+    out += ["", "/* X(code, message) for every status, for colibri_strerror(). */", "#define COLIBRI_STATUS_LIST(X) \\"]
+    for st in Status:
+        out.append(f"    X({int(st)}, \"{STATUS_TEXT[st]}\") \\")
+    out.append("")
+    out += ["", "#endif /* COLIBRI_FORMAT_H */", ""]
+    return "\n".join(out)

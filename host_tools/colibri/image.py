@@ -1,0 +1,333 @@
+"""The model image: `write(graph) -> bytes` and `read(bytes) -> Graph`.
+
+The layout is docs/model-format.md. `read` validates as the C engine does and
+raises `ImageError` with the same status code the engine would return.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+
+from . import format as F
+from .errors import error_for
+from .format import Act, DType, ExpertKind, Op, Routing, Status
+from .ir import Activation, Expert, Graph, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+
+NONE = F.NONE
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class _Tensors:
+    """Collects tensors in reference order; groups mark page-aligned runs."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.page_start: set[int] = set()
+
+    def add(self, arr: np.ndarray | None, dtype: DType = DType.F32, *, page: bool = False) -> int:
+        if arr is None:
+            return NONE
+        np_dtype = np.float32 if dtype == DType.F32 else np.int32
+        a = np.ascontiguousarray(np.asarray(arr, dtype=np_dtype))
+        if a.ndim not in (1, 2) or a.size == 0:
+            raise ValueError(f"tensor must be a non-empty vector or matrix, got shape {a.shape}")
+        if page:
+            self.page_start.add(len(self.arrays))
+        self.arrays.append(a)
+        return len(self.arrays) - 1
+
+
+def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
+    """Serialise a graph to a model image."""
+    if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
+        raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
+    tensors = _Tensors()
+    layer_recs: list[bytes] = []
+    moe_recs: list[bytes] = []
+    expert_recs: list[bytes] = []
+    width = graph.input_size
+
+    def expert_record(e: Expert) -> bytes:
+        w1 = tensors.add(e.w1, page=page_aligned)
+        b1 = tensors.add(e.b1)
+        w2 = tensors.add(e.w2)
+        b2 = tensors.add(e.b2)
+        w3 = tensors.add(e.w3)
+        b3 = tensors.add(e.b3)
+        return F.EXPERT.pack(int(e.kind), int(e.act), 0, e.hidden, w1, b1, w2, b2, w3, b3)
+
+    for layer in graph.layers:
+        t0 = t1 = NONE
+        kind = 0
+        eps = 0.0
+        in_f = width
+        if isinstance(layer, Linear):
+            op = Op.LINEAR
+            t0 = tensors.add(layer.weight)
+            t1 = tensors.add(layer.bias)
+            in_f, width = layer.in_features, layer.out_features
+        elif isinstance(layer, Activation):
+            op, kind = Op.ACTIVATION, int(layer.act)
+        elif isinstance(layer, LayerNorm):
+            op, eps = Op.LAYERNORM, layer.eps
+            t0, t1 = tensors.add(layer.weight), tensors.add(layer.bias)
+            in_f = width = layer.size
+        elif isinstance(layer, RMSNorm):
+            op, eps = Op.RMSNORM, layer.eps
+            t0 = tensors.add(layer.weight)
+            in_f = width = layer.size
+        elif isinstance(layer, ResidualPush):
+            op = Op.RESIDUAL_PUSH
+        elif isinstance(layer, ResidualAdd):
+            op = Op.RESIDUAL_ADD
+        elif isinstance(layer, MoE):
+            op = Op.MOE
+            in_f = width = layer.d_model
+            rw = tensors.add(layer.router_weight)
+            rb = tensors.add(layer.router_bias)
+            emap = tensors.add(np.asarray(layer.expert_map, dtype=np.int32), DType.I32)
+            gate = tensors.add(layer.shared_gate)
+            first = len(expert_recs)
+            for e in list(layer.experts) + list(layer.shared):
+                expert_recs.append(expert_record(e))
+            flags = F.MoEFlag.RENORMALIZE if layer.renormalize else 0
+            top_k = 0 if layer.routing == Routing.DENSE else layer.top_k
+            t0 = len(moe_recs)
+            moe_recs.append(
+                F.MOE.pack(
+                    layer.d_model, layer.route_count, len(layer.experts), top_k, int(layer.routing),
+                    int(flags), len(layer.shared), rw, rb, emap, first, gate, 0, 0,
+                )
+            )
+        else:
+            raise TypeError(f"not a layer: {layer!r}")
+        layer_recs.append(F.LAYER.pack(int(op), kind, 0, in_f, width, t0, t1, eps, 0, 0))
+
+    n_t = len(tensors.arrays)
+    tensor_off = F.HEADER_SIZE
+    layer_off = tensor_off + n_t * F.TENSOR.size
+    moe_off = layer_off + len(layer_recs) * F.LAYER.size
+    expert_off = moe_off + len(moe_recs) * F.MOE.size
+    pos = expert_off + len(expert_recs) * F.EXPERT.size
+
+    tensor_recs = []
+    placed: list[tuple[int, bytes]] = []
+    for i, a in enumerate(tensors.arrays):
+        align = F.PAGE_SIZE if i in tensors.page_start else F.PAYLOAD_ALIGN
+        pos = _align(pos, align)
+        dtype = DType.F32 if a.dtype == np.float32 else DType.I32
+        rows, cols = (a.shape[0], 1) if a.ndim == 1 else a.shape
+        tensor_recs.append(F.TENSOR.pack(pos, a.nbytes, rows, cols, int(dtype), a.ndim, 0, NONE))
+        placed.append((pos, a.astype("<" + a.dtype.str[1:], copy=False).tobytes()))
+        pos += a.nbytes
+    image_size = _align(pos, 4)
+
+    buf = bytearray(image_size)
+    flags = F.Flag.PAGE_ALIGNED if page_aligned else 0
+    buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
+        F.MAGIC, F.VERSION, F.HEADER_SIZE, 0, image_size, int(flags),
+        graph.input_size, graph.output_size, graph.max_batch,
+        n_t, tensor_off, len(layer_recs), layer_off, len(moe_recs), moe_off, len(expert_recs), expert_off,
+    )
+    for off, recs in ((tensor_off, tensor_recs), (layer_off, layer_recs), (moe_off, moe_recs), (expert_off, expert_recs)):
+        blob = b"".join(recs)
+        buf[off : off + len(blob)] = blob
+    for off, data in placed:
+        buf[off : off + len(data)] = data
+    set_crc(buf)
+    return bytes(buf)
+
+
+def crc_of(image: bytes | bytearray | memoryview) -> int:
+    size = int.from_bytes(bytes(image[12:16]), "little")
+    return zlib.crc32(memoryview(image)[F.CRC_START:size]) & 0xFFFFFFFF
+
+
+def set_crc(buf: bytearray) -> None:
+    """Recompute the header CRC in place (after editing an image)."""
+    buf[F.HEADER_CRC_OFFSET : F.HEADER_CRC_OFFSET + 4] = crc_of(buf).to_bytes(4, "little")
+
+
+# ---------------------------------------------------------------------------
+# Reader
+
+
+def _fail(status: Status, detail: str) -> None:
+    raise error_for(status, detail)
+
+
+class _Reader:
+    def __init__(self, data: bytes | bytearray | memoryview):
+        self.buf = memoryview(data).cast("B")
+        self.n = len(self.buf)
+
+    def header(self) -> tuple:
+        if self.n < F.HEADER_SIZE:
+            _fail(Status.TRUNCATED, f"{self.n} bytes, the header alone is {F.HEADER_SIZE}")
+        h = F.HEADER.unpack_from(self.buf, 0)
+        (magic, version, header_size, crc, size, flags, n_in, n_out, max_batch, *_) = h
+        if magic != F.MAGIC:
+            _fail(Status.BAD_MAGIC, f"magic 0x{magic:08x}")
+        if version != F.VERSION:
+            _fail(Status.BAD_VERSION, f"version {version}, this reader knows {F.VERSION}")
+        if header_size != F.HEADER_SIZE:
+            _fail(Status.BAD_HEADER, f"header_size {header_size}")
+        if size < F.HEADER_SIZE:
+            _fail(Status.BAD_HEADER, f"image_size {size}")
+        if size > self.n:
+            _fail(Status.TRUNCATED, f"image_size {size} but only {self.n} bytes")
+        if crc != crc_of(self.buf):
+            _fail(Status.BAD_CRC, f"stored 0x{crc:08x}, computed 0x{crc_of(self.buf):08x}")
+        if any(self.buf[64:80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
+            _fail(Status.BAD_HEADER, "reserved bits set")
+        if n_in == 0 or n_out == 0:
+            _fail(Status.BAD_HEADER, "input_size and output_size must be >= 1")
+        if not 1 <= max_batch <= F.MAX_BATCH_LIMIT:
+            _fail(Status.BAD_HEADER, f"max_batch {max_batch}")
+        if h[11] == 0:
+            _fail(Status.BAD_HEADER, "no layers")
+        self.size = size
+        return h
+
+    def table(self, count: int, offset: int, rec) -> list[tuple]:
+        end = offset + count * rec.size
+        if offset % 4 or offset < F.HEADER_SIZE or end > self.size:
+            _fail(Status.TABLE_BOUNDS, f"table at {offset} x {count} records exceeds image of {self.size} bytes")
+        return [rec.unpack_from(self.buf, offset + i * rec.size) for i in range(count)]
+
+
+def read(data: bytes | bytearray | memoryview) -> Graph:
+    """Parse and validate an image. Weights are numpy views into `data` (zero copy)."""
+    r = _Reader(data)
+    h = r.header()
+    (_, _, _, _, size, flags, n_in, n_out, max_batch, n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off) = h
+    t_recs = r.table(n_t, t_off, F.TENSOR)
+    l_recs = r.table(n_l, l_off, F.LAYER)
+    m_recs = r.table(n_m, m_off, F.MOE)
+    e_recs = r.table(n_e, e_off, F.EXPERT)
+
+    arrays: list[np.ndarray] = []
+    for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
+        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off + nbytes > size:
+            _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}")
+        if dtype in (DType.F16, DType.I8):
+            _fail(Status.UNSUPPORTED, f"tensor {i} dtype {DType(dtype).name}")
+        if dtype not in (DType.F32, DType.I32):
+            _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
+        if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res or aux != NONE:
+            _fail(Status.BAD_TENSOR, f"tensor {i} shape {rows}x{cols} ndim {ndim}")
+        if nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
+            _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
+        np_dtype = "<f4" if dtype == DType.F32 else "<i4"
+        a = np.frombuffer(r.buf, dtype=np_dtype, count=rows * cols, offset=off)
+        arrays.append(a.reshape((rows, cols) if ndim == 2 else (rows,)))
+
+    def tensor(ref: int, shape: tuple[int, ...], what: str, *, optional: bool = False, dtype: str = "<f4"):
+        if ref == NONE and optional:
+            return None
+        if ref >= n_t or arrays[ref].shape != shape or arrays[ref].dtype != np.dtype(dtype):
+            got = "missing" if ref >= n_t else f"{arrays[ref].shape} {arrays[ref].dtype}"
+            _fail(Status.BAD_REF, f"{what}: expected {shape}, got {got}")
+        return arrays[ref]
+
+    def expert(j: int, d: int, where: str) -> Expert:
+        kind, act, res, hidden, w1, b1, w2, b2, w3, b3 = e_recs[j]
+        if kind not in iter(ExpertKind) or act not in iter(Act) or res or hidden == 0:
+            _fail(Status.BAD_MOE, f"{where}: kind {kind} activation {act} hidden {hidden}")
+        glu = kind == ExpertKind.GLU
+        if (w3 != NONE) != glu or (not glu and b3 != NONE):
+            _fail(Status.BAD_MOE, f"{where}: w3/b3 do not match expert kind")
+        if page and w1 < n_t and t_recs[w1][0] % F.PAGE_SIZE:
+            _fail(Status.TENSOR_BOUNDS, f"{where}: not page aligned")
+        return Expert(
+            kind=ExpertKind(kind), act=Act(act),
+            w1=tensor(w1, (hidden, d), f"{where} w1"),
+            b1=tensor(b1, (hidden,), f"{where} b1", optional=True),
+            w2=tensor(w2, (d, hidden), f"{where} w2"),
+            b2=tensor(b2, (d,), f"{where} b2", optional=True),
+            w3=tensor(w3, (hidden, d), f"{where} w3", optional=True),
+            b3=tensor(b3, (hidden,), f"{where} b3", optional=True),
+        )
+
+    page = bool(flags & F.Flag.PAGE_ALIGNED)
+    layers = []
+    width = n_in
+    depth_widths: list[int] = []
+    for i, (op, kind, res, in_f, out_f, t0, t1, eps, res1, res2) in enumerate(l_recs):
+        where = f"layer {i}"
+        if op not in iter(Op) or res or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
+            _fail(Status.BAD_LAYER, f"{where}: op {op} kind {kind}")
+        if in_f != width:
+            _fail(Status.BAD_LAYER, f"{where}: in_features {in_f}, current width {width}")
+        if op != Op.LINEAR and out_f != in_f:
+            _fail(Status.BAD_LAYER, f"{where}: out_features {out_f} != in_features {in_f}")
+        is_norm = op in (Op.LAYERNORM, Op.RMSNORM)
+        if (is_norm and not (math.isfinite(eps) and eps > 0)) or (not is_norm and eps != 0):
+            _fail(Status.BAD_LAYER, f"{where}: eps {eps}")
+        takes = {Op.LINEAR: 2, Op.LAYERNORM: 2, Op.RMSNORM: 1, Op.MOE: 1}.get(Op(op), 0)
+        if (takes < 1 and t0 != NONE) or (takes < 2 and t1 != NONE):
+            _fail(Status.BAD_LAYER, f"{where}: unexpected tensor reference")
+        if op == Op.LINEAR:
+            layers.append(Linear(tensor(t0, (out_f, in_f), f"{where} weight"), tensor(t1, (out_f,), f"{where} bias", optional=True)))
+        elif op == Op.ACTIVATION:
+            if kind not in iter(Act):
+                _fail(Status.BAD_LAYER, f"{where}: activation {kind}")
+            layers.append(Activation(Act(kind)))
+        elif op == Op.LAYERNORM:
+            layers.append(LayerNorm(in_f, eps, tensor(t0, (in_f,), f"{where} weight", optional=True), tensor(t1, (in_f,), f"{where} bias", optional=True)))
+        elif op == Op.RMSNORM:
+            layers.append(RMSNorm(in_f, eps, tensor(t0, (in_f,), f"{where} weight", optional=True)))
+        elif op == Op.RESIDUAL_PUSH:
+            if len(depth_widths) >= F.MAX_RESIDUAL_DEPTH:
+                _fail(Status.BAD_LAYER, f"{where}: residual nesting deeper than {F.MAX_RESIDUAL_DEPTH}")
+            depth_widths.append(width)
+            layers.append(ResidualPush())
+        elif op == Op.RESIDUAL_ADD:
+            if not depth_widths or depth_widths.pop() != width:
+                _fail(Status.BAD_LAYER, f"{where}: residual add without a matching push of width {width}")
+            layers.append(ResidualAdd())
+        else:  # MOE
+            if t0 >= n_m:
+                _fail(Status.BAD_REF, f"{where}: MoE record {t0} of {n_m}")
+            layers.append(_moe(m_recs[t0], in_f, where, tensor, expert, n_e))
+        width = out_f
+    if depth_widths:
+        _fail(Status.BAD_LAYER, "residual push without add at end of program")
+    if width != n_out:
+        _fail(Status.BAD_LAYER, f"program ends at width {width}, output_size is {n_out}")
+    return Graph(layers=layers, input_size=n_in, output_size=n_out, max_batch=max_batch)
+
+
+def _moe(rec: tuple, width: int, where: str, tensor, expert, n_e: int) -> MoE:
+    d, r_count, n, k, routing, flags, n_shared, rw, rb, emap, first, gate, res1, res2 = rec
+    if routing not in iter(Routing) or res1 or res2:
+        _fail(Status.BAD_MOE, f"{where}: routing mode {routing}")
+    if d != width or not 1 <= r_count <= F.MAX_ROUTES or not 1 <= n <= r_count or n_shared > F.MAX_SHARED:
+        _fail(Status.BAD_MOE, f"{where}: d_model {d} routes {r_count} experts {n} shared {n_shared}")
+    k_ok = {Routing.TOP1: k == 1, Routing.DENSE: k == 0}.get(Routing(routing), 1 <= k <= n)
+    if not k_ok:
+        _fail(Status.BAD_MOE, f"{where}: top_k {k} for {Routing(routing).name}")
+    renorm = bool(flags & F.MoEFlag.RENORMALIZE)
+    if flags & ~int(F.MoEFlag.RENORMALIZE) or (renorm and routing != Routing.SOFTMAX_TOPK):
+        _fail(Status.BAD_MOE, f"{where}: flags {flags}")
+    if first + n + n_shared > n_e:
+        _fail(Status.BAD_REF, f"{where}: experts {first}..{first + n + n_shared} of {n_e}")
+    emap_arr = tensor(emap, (r_count,), f"{where} expert_map", dtype="<i4")
+    kept = emap_arr[emap_arr != -1]
+    if np.any(emap_arr < -1) or sorted(kept.tolist()) != list(range(n)):
+        _fail(Status.BAD_MOE, f"{where}: expert_map is not a permutation of 0..{n - 1} plus -1")
+    return MoE(
+        routing=Routing(routing), top_k=k,
+        router_weight=tensor(rw, (r_count, d), f"{where} router weight"),
+        router_bias=tensor(rb, (r_count,), f"{where} router bias", optional=True),
+        expert_map=emap_arr,
+        renormalize=renorm,
+        experts=[expert(first + i, d, f"{where} expert {i}") for i in range(n)],
+        shared=[expert(first + n + i, d, f"{where} shared expert {i}") for i in range(n_shared)],
+        shared_gate=tensor(gate, (1, d), f"{where} shared gate", optional=True),
+    )

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what Colibri needs on a fresh Debian machine, idempotently:
+# system packages with apt-get (only those missing), then the project and its
+# test dependencies with pip into .venv at the repository root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_pkgs=()
+have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+for pkg in make gcc libc6-dev gcc-arm-none-eabi libnewlib-arm-none-eabi; do
+    have "$pkg" || need_pkgs+=("$pkg")
+done
+# A Python with venv and headers: Debian's, unless the machine already has one.
+if ! python3 -c 'import venv, ensurepip, sysconfig, os; assert os.path.exists(sysconfig.get_paths()["include"] + "/Python.h")' 2>/dev/null; then
+    need_pkgs+=(python3 python3-venv python3-dev)
+fi
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+    echo "setup: installing system packages: ${need_pkgs[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+stamp=.venv/.colibri-installed
+deps_hash=$(cat pyproject.toml setup.py firmware/colibri_core/sources.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps_hash" ]; then
+    echo "setup: installing Python packages into .venv"
+    .venv/bin/pip install -q --upgrade pip
+    # torch is pinned: 2.13.0 is the CPU build; anything looser pulls a multi-GB CUDA build.
+    .venv/bin/pip install -q "torch==2.13.0"
+    .venv/bin/pip install -q -e ".[test]"
+    echo "$deps_hash" > "$stamp"
+fi

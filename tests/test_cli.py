@@ -1,0 +1,104 @@
+"""The `colibri` command from a fresh shell: export, info, run, and one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+
+ROOT = Path(__file__).resolve().parents[1]
+COLIBRI = str(Path(sys.executable).parent / "colibri")
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples"))
+    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli")
+    r = cli("export", "quickstart:build_model", "model.clb", "--max-batch", "4", cwd=d)
+    assert r.returncode == 0, r.stderr
+    assert "wrote model.clb" in r.stdout
+    return d / "model.clb"
+
+
+def test_export_from_saved_module(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from quickstart import build_model
+
+    torch.save(build_model(), tmp_path / "m.pt")
+    r = cli("export", "m.pt", "m.clb", "--max-batch", "2", "--prune", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "pruned: MoE 0: dropped experts [1]" in r.stdout
+    assert colibri.Model(tmp_path / "m.clb").num_experts == 3
+
+
+def test_info(exported: Path) -> None:
+    r = cli("info", exported.name, cwd=exported.parent)
+    assert r.returncode == 0, r.stderr
+    for text in ("MoE", "topk_softmax k=2", "4/4 experts", "glu silu hidden 64", "arena", "image"):
+        assert text in r.stdout
+    d = json.loads(cli("info", exported.name, "--json", cwd=exported.parent).stdout)
+    m = colibri.Model(exported)
+    assert d["arena_bytes"] == m.arena_size and d["image_bytes"] == m.image_size
+    assert d["parameters"] == m.num_parameters
+    assert d["routed_experts"] == 4 and d["shared_experts"] == 1
+
+
+def test_run_npy_and_csv(exported: Path) -> None:
+    d = exported.parent
+    x = np.random.default_rng(0).standard_normal((5, 48)).astype(np.float32)
+    np.save(d / "x.npy", x)
+    np.savetxt(d / "x.csv", x, delimiter=",")
+    r = cli("run", exported.name, "-i", "x.npy", "-o", "y.npy", cwd=d)
+    assert r.returncode == 0, r.stderr
+    want = colibri.reference.run(exported.read_bytes(), x)
+    np.testing.assert_allclose(np.load(d / "y.npy"), want, rtol=1e-5, atol=1e-5)
+    r = cli("run", exported.name, "-i", "x.csv", cwd=d)
+    assert r.returncode == 0, r.stderr
+    printed = np.loadtxt(r.stdout.splitlines(), delimiter=",", ndmin=2)
+    np.testing.assert_allclose(printed, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda b: b[:100], "truncated"),
+        (lambda b: b"XXXX" + b[4:], "bad magic"),
+        (lambda b: b[:200] + bytes([b[200] ^ 0xFF]) + b[201:], "CRC-32 mismatch"),
+    ],
+)
+def test_corrupted_file_is_one_line_error(exported: Path, corrupt, message: str) -> None:
+    bad = exported.parent / "bad.clb"
+    bad.write_bytes(corrupt(exported.read_bytes()))
+    for cmd in (["info", "bad.clb"], ["run", "bad.clb", "-i", "x.npy"]):
+        if cmd[0] == "run":
+            np.save(exported.parent / "x.npy", np.zeros((1, 48), np.float32))
+        r = cli(*cmd, cwd=exported.parent)
+        assert r.returncode != 0
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_module_is_named(tmp_path: Path) -> None:
+    torch.save(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(1, 1, 3)), tmp_path / "bad.pt")
+    r = cli("export", "bad.pt", "out.clb", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "model.1 (torch.nn.modules.conv.Conv1d) is not supported" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.clb").exists()
+
+
+def test_bad_input_shape_is_one_line(exported: Path) -> None:
+    np.save(exported.parent / "wrong.npy", np.zeros((2, 7), np.float32))
+    r = cli("run", exported.name, "-i", "wrong.npy", cwd=exported.parent)
+    assert r.returncode == 1 and "input must be [batch, 48]" in r.stderr

@@ -1,0 +1,68 @@
+"""Expert pruning at export: by list and by calibration, with the routing table remapped."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import nn as cnn
+from colibri import reference
+from colibri.errors import ExportError
+from colibri.exporter import export
+
+
+def _model(routing: str, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 12),
+        cnn.MoE(12, 8, 20, top_k=2 if routing not in ("top1",) else 1, routing=routing,
+                renormalize=routing == "softmax_topk", router_bias=True),
+        torch.nn.Linear(12, 3),
+    ).eval()
+
+
+@pytest.mark.parametrize("routing", cnn.ROUTINGS)
+def test_prune_by_list_drops_experts_and_remaps(routing: str) -> None:
+    model = _model(routing)
+    result = export(model, None, max_batch=4, prune=[1, 5, 6])
+    moe = result.graph.moe_layers()[0]
+    assert len(moe.experts) == 5
+    assert moe.expert_map.tolist() == [0, -1, 1, 2, 3, -1, -1, 4]
+    assert result.pruned.dropped == {0: [1, 5, 6]}
+    assert "dropped experts [1, 5, 6]" in result.pruned.lines()[0]
+    full = export(model, None, max_batch=4)
+    assert len(result.image) < len(full.image)
+    # The C engine runs the pruned image exactly as the reference defines it.
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    np.testing.assert_allclose(colibri.Model(result.image).forward(x), reference.run(result.image, x),
+                               rtol=1e-5, atol=1e-5)
+    # Pruned experts are never selected.
+    h = reference.run(colibri.ir.Graph(result.graph.layers[:1], 6, 12), x)
+    for sel in reference.route(moe, h):
+        assert all(0 <= slot < 5 for slot, _ in sel)
+
+
+@pytest.mark.parametrize("routing", ["top1", "topk_softmax", "softmax_topk"])
+def test_calibration_pruning_keeps_answers_on_calibration_data(routing: str) -> None:
+    model = _model(routing, seed=3)
+    # Inputs that exercise only some experts: a narrow cloud.
+    rng = np.random.default_rng(3)
+    calib = (rng.standard_normal((64, 6)) * 0.05 + rng.standard_normal(6)).astype(np.float32)
+    result = export(model, None, max_batch=64, calibration=calib)
+    dropped = result.pruned.dropped[0]
+    assert dropped, "the narrow calibration set should leave some experts unused"
+    with torch.no_grad():
+        want = model(torch.from_numpy(calib)).numpy()
+    got = colibri.Model(result.image).forward(calib)
+    assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
+
+
+def test_prune_refuses_too_many_or_unknown() -> None:
+    model = _model("topk_softmax")
+    with pytest.raises(ExportError, match="top_k=2"):
+        export(model, None, prune=list(range(7)))
+    with pytest.raises(ExportError, match="cannot prune experts \\[9\\]"):
+        export(model, None, prune=[9])
+    with pytest.raises(ExportError, match="no MoE layer 3"):
+        export(model, None, prune={3: [0]})
