@@ -213,7 +213,7 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
 
     arrays: list[np.ndarray] = []
     for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
-        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off + nbytes > size:
+        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off >= size or off + nbytes > size:
             _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}")
         if dtype in (DType.F16, DType.I8):
             _fail(Status.UNSUPPORTED, f"tensor {i} dtype {DType(dtype).name}")

@@ -7,9 +7,10 @@
  *      the CRC covers (BAD_HEADER);
  *   2. the four tables' bounds (TABLE_BOUNDS);
  *   3. every tensor record (TENSOR_BOUNDS, UNSUPPORTED, BAD_TENSOR);
- *   4. the layer program, top to bottom; a MOE layer validates its MoE record
- *      and that record's experts where it stands. Each record: its own
- *      fields first, then its tensor references (BAD_REF).
+ *   4. the layer program, top to bottom (BAD_LAYER, BAD_REF); a MOE layer
+ *      validates its MoE record where it stands: fields (BAD_MOE), expert
+ *      range and expert_map (BAD_REF, BAD_MOE), router tensors, each routed
+ *      then shared expert (fields, page alignment, tensors), shared gate.
  *
  * This is the order of the Python reader (host_tools/colibri/image.py), so
  * both give the same status for the same image. Everything is read with
