@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import colibri
-from colibri import image, reference
+from colibri import reference
 from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.format import Status
@@ -66,15 +66,6 @@ def test_bad_images_raise_with_status(exported: bytes, corrupt, status: Status, 
     with pytest.raises(cls) as info_ref:
         reference.run(bad, np.zeros((1, 6), np.float32))
     assert info_ref.value.status == status
-
-
-def test_reserved_dtype_is_unsupported(exported: bytes) -> None:
-    b = bytearray(exported)
-    b[80 + 16] = 2  # first tensor record's dtype -> F16 (reserved in v1)
-    image.set_crc(b)
-    with pytest.raises(colibri.UnsupportedError) as info:
-        colibri.Model(bytes(b))
-    assert info.value.status == Status.UNSUPPORTED
 
 
 def test_wrong_input_shape_and_dtype(exported: bytes) -> None:

@@ -102,3 +102,33 @@ def test_bad_input_shape_is_one_line(exported: Path) -> None:
     np.save(exported.parent / "wrong.npy", np.zeros((2, 7), np.float32))
     r = cli("run", exported.name, "-i", "wrong.npy", cwd=exported.parent)
     assert r.returncode == 1 and "input must be [batch, 48]" in r.stderr
+
+
+def test_quantize_with_report_and_plot(exported: Path) -> None:
+    d = exported.parent
+    np.save(d / "calib.npy", np.random.default_rng(2).standard_normal((300, 48)).astype(np.float32))
+    r = cli("quantize", exported.name, "q8.clb", "--dtype", "q8", "--calibration", "calib.npy", "--report",
+            "--plot", "err.png", "--keep", "*.router", cwd=d)
+    assert r.returncode == 0, r.stderr
+    assert "routing agreement, MoE at layer 3" in r.stdout and "end to end over 300 tokens" in r.stdout
+    png = (d / "err.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    q8 = colibri.image.read((d / "q8.clb").read_bytes())
+    moe = q8.moe_layers()[0]
+    assert isinstance(moe.router_weight, np.ndarray)  # kept f32
+    assert isinstance(moe.experts[0].w1, colibri.ir.Q8Weight)
+    assert (d / "q8.clb").stat().st_size < exported.stat().st_size / 2
+    info = cli("info", "q8.clb", cwd=d)
+    assert info.returncode == 0, info.stderr
+    assert "q8+E" in info.stdout
+    again = cli("quantize", "q8.clb", "again.clb", "--dtype", "f16", cwd=d)
+    assert again.returncode == 1 and "already quantised" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_export_f16(tmp_path: Path) -> None:
+    r = cli("export", "quickstart:build_model", "f16.clb", "--dtype", "f16", "--input-size", "48", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "numpy reference vs PyTorch" in r.stdout
+    m = colibri.image.read((tmp_path / "f16.clb").read_bytes())
+    assert isinstance(m.layers[0].weight, colibri.ir.F16Weight)

@@ -44,8 +44,7 @@ def python_status(data: bytes) -> int:
     return 0
 
 
-@pytest.fixture(scope="module")
-def small_image() -> bytes:
+def _small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(5, 8),
@@ -55,7 +54,25 @@ def small_image() -> bytes:
         torch.nn.RMSNorm(8, eps=1e-6),
         torch.nn.Linear(8, 3),
     )
-    return export(model, None, max_batch=3, prune=[2]).image
+    return model
+
+
+QUANT = {
+    "f32": {},
+    "f16": {"dtype": "f16"},
+    # int8 with compensation, int8 activations in the last Linear and the experts, router kept f32
+    "q8": {"dtype": "q8", "compensation": 0.05, "keep": ["*.router"], "int8_act": ["layers.6", "layers.3.experts.*"]},
+}
+
+
+@pytest.fixture(scope="module", params=list(QUANT))
+def small_image(request) -> bytes:
+    return export(_small_model(), None, max_batch=3, prune=[2], **QUANT[request.param]).image
+
+
+@pytest.fixture(scope="module")
+def q8_image() -> bytes:
+    return export(_small_model(), None, max_batch=3, **QUANT["q8"]).image
 
 
 def status(fields: dict[str, str], key: str = "validate") -> int:
@@ -149,7 +166,7 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
         "tensor nbytes past end": _patched(small_image, t_off + 4, "<I", 0xFFFFFFE0),
         "tensor unaligned": _patched(small_image, t_off, "<I", F.TENSOR.unpack_from(small_image, t_off)[0] + 4),
         "tensor dtype unknown": _patched(small_image, t_off + 16, "<B", 9),
-        "tensor dtype f16 (reserved)": _patched(small_image, t_off + 16, "<B", 2),
+        "tensor dtype 6 unknown": _patched(small_image, t_off + 16, "<B", 6),
         "layer weight ref past table": _patched(small_image, l_off + 12, "<I", 1000),
         "unknown op": _patched(small_image, l_off, "<B", 42),
         "moe ref past table": _patched(small_image, l_off + 3 * F.LAYER.size + 12, "<I", 7),
@@ -167,7 +184,7 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
         "absurd layer count": Status.TABLE_BOUNDS, "tensor table past end": Status.TABLE_BOUNDS,
         "tensor offset past end": Status.TENSOR_BOUNDS, "tensor nbytes past end": Status.TENSOR_BOUNDS,
         "tensor unaligned": Status.TENSOR_BOUNDS, "tensor dtype unknown": Status.BAD_TENSOR,
-        "tensor dtype f16 (reserved)": Status.UNSUPPORTED, "layer weight ref past table": Status.BAD_REF,
+        "tensor dtype 6 unknown": Status.BAD_TENSOR, "layer weight ref past table": Status.BAD_REF,
         "unknown op": Status.BAD_LAYER, "moe ref past table": Status.BAD_REF,
         "routing mode unknown": Status.BAD_MOE, "top_k above experts": Status.BAD_MOE,
         "expert range past table": Status.BAD_REF, "expert kind unknown": Status.BAD_MOE,
@@ -186,3 +203,84 @@ def test_random_garbage(c_drivers: Path) -> None:
     cases += [struct.pack("<I", F.MAGIC) + rng.bytes(int(n)) for n in rng.integers(0, 400, 200)]
     for f in check(c_drivers, cases):
         assert status(f) < 0
+
+
+def _q8_companions(data: bytes) -> list[tuple[int, int, int, int, int]]:
+    """(payload offset, nbytes, rows, cols, nnz) of every Q8_PARAMS tensor."""
+    h = F.HEADER.unpack_from(data, 0)
+    out = []
+    for i in range(h[9]):
+        off, nbytes, rows, cols, dtype, *_ = F.TENSOR.unpack_from(data, h[10] + i * F.TENSOR.size)
+        if dtype == F.DType.Q8_PARAMS:
+            out.append((off, nbytes, rows, cols, struct.unpack_from("<I", data, off)[0]))
+    return out
+
+
+def test_quantised_payload_corruptions(c_drivers: Path, q8_image: bytes) -> None:
+    """Every byte of every Q8_PARAMS companion flipped, CRC fixed: C and Python agree, nothing crashes."""
+    cases = []
+    for off, nbytes, *_ in _q8_companions(q8_image):
+        for at in range(off, off + nbytes):
+            for flip in (0x01, 0x80, 0xFF):
+                b = bytearray(q8_image)
+                b[at] ^= flip
+                image.set_crc(b)
+                cases.append(bytes(b))
+    assert len(cases) > 300
+    seen = set()
+    for data, f in zip(cases, check(c_drivers, cases)):
+        got = status(f)
+        assert got == python_status(data)
+        if got == 0:
+            assert status(f, "fwd1") == 0 and status(f, "fwdN") == 0
+        seen.add(got)
+    assert {Status.BAD_QUANT, Status.BAD_COMPENSATION, Status.BAD_TENSOR} <= seen
+
+
+def test_named_quantisation_faults(c_drivers: Path, q8_image: bytes) -> None:
+    h = F.HEADER.unpack_from(q8_image, 0)
+    # A companion with a row holding at least two E entries, to unsort them.
+    for comp in _q8_companions(q8_image):
+        off, nbytes, rows, cols, nnz = comp
+        row_ptr_at = off + 8 + 4 * rows
+        col_at = row_ptr_at + 4 * (rows + 1)
+        ptr = struct.unpack_from(f"<{rows + 1}I", q8_image, row_ptr_at) if nnz else ()
+        wide = [r for r in range(rows) if nnz and ptr[r + 1] - ptr[r] >= 2]
+        if wide:
+            start = ptr[wide[0]]
+            break
+    else:
+        raise AssertionError("no row with two compensation entries: raise the compensation share")
+    c0, c1 = struct.unpack_from("<HH", q8_image, col_at + 2 * start)
+    i8 = [i for i in range(h[9]) if F.TENSOR.unpack_from(q8_image, h[10] + i * F.TENSOR.size)[4] == F.DType.I8][0]
+    i8_rec = h[10] + i8 * F.TENSOR.size
+    i8_rows = F.TENSOR.unpack_from(q8_image, i8_rec)[2]
+    other_shape = next(c for c in _q8_tensor_indices(q8_image) if _q8_rows(q8_image, c) != i8_rows)
+    nan = struct.unpack("<I", struct.pack("<f", float("nan")))[0]
+    cases = {
+        "NaN scale": (_patched(q8_image, off + 8, "<I", nan), Status.BAD_QUANT),
+        "negative scale": (_patched(q8_image, off + 8, "<f", -0.5), Status.BAD_QUANT),
+        "scales count != rows (companion of another shape)": (
+            _patched(q8_image, i8_rec + 20, "<I", other_shape), Status.BAD_QUANT),
+        "companion is not Q8_PARAMS": (_patched(q8_image, i8_rec + 20, "<I", i8), Status.BAD_QUANT),
+        "E column out of range": (_patched(q8_image, col_at + 2 * start, "<H", cols), Status.BAD_COMPENSATION),
+        "E columns unsorted": (_patched(_patched(q8_image, col_at + 2 * start, "<H", c1), col_at + 2 * start + 2,
+                                        "<H", c0), Status.BAD_COMPENSATION),
+        "E row pointer past nnz": (_patched(q8_image, row_ptr_at + 4 * rows, "<I", nnz + 1), Status.BAD_COMPENSATION),
+        "E value infinite": (_patched(q8_image, off + nbytes - 2, "<H", 0x7C00), Status.BAD_COMPENSATION),
+        "nnz disagrees with nbytes": (_patched(q8_image, off, "<I", nnz + 1), Status.BAD_TENSOR),
+    }
+    results = check(c_drivers, [data for data, _ in cases.values()])
+    for (name, (data, want)), f in zip(cases.items(), results):
+        assert status(f) == want, (name, f)
+        assert python_status(data) == want, name
+
+
+def _q8_tensor_indices(data: bytes) -> list[int]:
+    h = F.HEADER.unpack_from(data, 0)
+    return [i for i in range(h[9]) if F.TENSOR.unpack_from(data, h[10] + i * F.TENSOR.size)[4] == F.DType.Q8_PARAMS]
+
+
+def _q8_rows(data: bytes, index: int) -> int:
+    h = F.HEADER.unpack_from(data, 0)
+    return F.TENSOR.unpack_from(data, h[10] + index * F.TENSOR.size)[2]

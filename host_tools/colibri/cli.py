@@ -69,6 +69,24 @@ def _load_inputs(path: Path) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
+def _quant_options(fn):
+    from .quantize import DEFAULT_COMPENSATION, DTYPES
+
+    options = [
+        click.option("--dtype", type=click.Choice(DTYPES), default="f32", show_default=True,
+                     help="Weight storage: f32, f16, or q8 (int8 per output channel + sparse f16 compensation)."),
+        click.option("--compensation", type=float, default=DEFAULT_COMPENSATION, show_default=True,
+                     help="q8: share of each tensor's weights kept exactly in the f16 term E (0 turns E off)."),
+        click.option("--keep", multiple=True, metavar="PATTERN",
+                     help="Leave matching weights in f32, e.g. '*.router' or 'layers.0' (repeatable)."),
+        click.option("--int8-act", multiple=True, metavar="PATTERN",
+                     help="Run matching layers/experts with int8 activations, e.g. 'layers.*' (repeatable)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 @main.command()
 @click.argument("model")
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
@@ -78,8 +96,10 @@ def _load_inputs(path: Path) -> np.ndarray:
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
 @click.option("--page-aligned", is_flag=True, help="Start every expert on a 4 KiB boundary (one madvise range).")
+@_quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
-           calibration: Path | None, page_aligned: bool) -> None:
+           calibration: Path | None, page_aligned: bool, dtype: str, compensation: float,
+           keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
     """Export MODEL (a torch.save'd module or package.module:factory) to a model image."""
     import torch
 
@@ -90,7 +110,8 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     example = torch.randn(max_batch, input_size) if input_size else None
     calib = _load_inputs(calibration) if calibration else None
     result = do_export(module, output, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
-                       calibration=calib, page_aligned=page_aligned)
+                       calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
+                       keep=keep, int8_act=int8_act)
     for line in result.pruned.lines():
         click.echo(f"pruned: {line}")
     if result.max_abs_error is not None:
@@ -100,32 +121,52 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
                f"{sum(len(m.experts) for m in g.moe_layers())} routed experts")
 
 
+def _storage(weights: list) -> str:
+    """Weight storage of a layer: f32, f16, q8 (+E nnz), or a mix."""
+    from .ir import F16Weight, Q8Weight
+
+    kinds = set()
+    for w in weights:
+        if isinstance(w, Q8Weight):
+            kinds.add("q8+E" if w.nnz else "q8")
+        elif isinstance(w, F16Weight):
+            kinds.add("f16")
+        else:
+            kinds.add("f32")
+    return "/".join(sorted(kinds))
+
+
 def describe(data: bytes) -> dict:
     """Everything `colibri info` shows, as plain data."""
     from . import engine, image
     from .ir import Activation, LayerNorm, Linear, MoE, RMSNorm
 
+    def numel(*tensors) -> int:
+        return sum(int(np.prod(t.shape)) for t in tensors if t is not None)
+
     graph = image.read(data)
     layers = []
     params = 0
     for layer in graph.layers:
-        row: dict = {"op": type(layer).__name__}
+        row: dict = {"op": type(layer).__name__, "dtype": ""}
         if isinstance(layer, Linear):
-            n = layer.weight.size + (layer.bias.size if layer.bias is not None else 0)
-            row.update(shape=f"{layer.in_features}->{layer.out_features}", params=n)
+            row.update(shape=f"{layer.in_features}->{layer.out_features}", params=numel(layer.weight, layer.bias),
+                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else ""))
         elif isinstance(layer, Activation):
             row.update(shape=layer.act.name.lower(), params=0)
         elif isinstance(layer, (LayerNorm, RMSNorm)):
-            n = sum(t.size for t in vars(layer).values() if isinstance(t, np.ndarray))
-            row.update(shape=f"{layer.size}, eps={layer.eps:g}", params=n)
+            row.update(shape=f"{layer.size}, eps={layer.eps:g}",
+                       params=numel(layer.weight, getattr(layer, "bias", None)))
         elif isinstance(layer, MoE):
             experts = layer.experts + layer.shared
-            n = sum(t.size for e in experts for t in vars(e).values() if isinstance(t, np.ndarray))
-            n += layer.router_weight.size + sum(t.size for t in (layer.router_bias, layer.shared_gate) if t is not None)
+            n = sum(numel(e.w1, e.b1, e.w2, e.b2, e.w3, e.b3) for e in experts)
+            n += numel(layer.router_weight, layer.router_bias, layer.shared_gate)
             pruned = [int(r) for r in np.flatnonzero(layer.expert_map < 0)]
             e0 = layer.experts[0]
+            weights = [layer.router_weight] + [w for e in experts for w in (e.w1, e.w2, e.w3) if w is not None]
             row.update(
-                shape=f"{layer.d_model}->{layer.d_model}", params=n,
+                shape=f"{layer.d_model}->{layer.d_model}", params=n, dtype=_storage(weights)
+                + (" int8-act" if any(e.int8_act for e in experts) else ""),
                 routing=layer.routing.name.lower(), top_k=layer.top_k, renormalize=layer.renormalize,
                 experts=len(layer.experts), router_outputs=layer.route_count, pruned=pruned,
                 expert=f"{e0.kind.name.lower()} {e0.act.name.lower()} hidden {e0.hidden}",
@@ -137,7 +178,7 @@ def describe(data: bytes) -> dict:
         layers.append(row)
     moes = graph.moe_layers()
     return {
-        "image_bytes": len(data) if len(data) else 0,
+        "image_bytes": len(data),
         "arena_bytes": engine.arena_size(data),
         "input_size": graph.input_size, "output_size": graph.output_size, "max_batch": graph.max_batch,
         "parameters": params,
@@ -160,7 +201,7 @@ def info(image_path: Path, as_json: bool) -> None:
         click.echo(json.dumps(d, indent=2))
         return
     table = Table(title=f"{image_path.name}")
-    for col in ("#", "layer", "shape", "params", "details"):
+    for col in ("#", "layer", "shape", "weights", "params", "details"):
         table.add_column(col)
     for i, row in enumerate(d["layers"]):
         details = ""
@@ -170,8 +211,10 @@ def info(image_path: Path, as_json: bool) -> None:
                        f"{', pruned ' + str(row['pruned']) if row['pruned'] else ''}"
                        f"{', shared ' + str(row['shared']) if row['shared'] else ''}"
                        f"{' gated' if row['shared_gate'] else ''}")
-        table.add_row(str(i), row["op"], row["shape"], f"{row['params']:,}", details)
+        table.add_row(str(i), row["op"], row["shape"], row["dtype"], f"{row['params']:,}", details)
     console = Console()
+    if not console.is_terminal:  # piped: do not wrap the table at 80 columns
+        console = Console(width=160)
     console.print(table)
     console.print(
         f"input {d['input_size']}  output {d['output_size']}  max batch {d['max_batch']}  "
@@ -200,6 +243,38 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
         click.echo(f"wrote {output_path}: {y.shape[0]} x {y.shape[1]}", err=True)
     else:
         np.savetxt(sys.stdout, np.atleast_2d(y), delimiter=",", fmt="%.8g")
+
+
+@main.command()
+@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@_quant_options
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Inputs (.npy/.csv) for the report and routing checks.")
+@click.option("--report", "show_report", is_flag=True, help="Print per-layer and end-to-end error and routing agreement.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw the error distribution per layer (PNG).")
+def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: tuple[str, ...],
+             int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None) -> None:
+    """Quantise an f32 model image SOURCE to OUTPUT (image to image)."""
+    from . import image
+    from . import quantize as q
+    from .report import quantisation_report
+
+    if (show_report or plot) and calibration is None:
+        raise ValueError("--report and --plot need --calibration inputs")
+    data = source.read_bytes()
+    graph = image.read(data)
+    quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True)
+    out = image.write(quantised)
+    output.write_bytes(out)
+    click.echo(f"wrote {output}: {len(out):,} bytes ({len(out) / len(data):.3f} of {len(data):,})")
+    if calibration is not None:
+        rep = quantisation_report(graph, quantised, _load_inputs(calibration), progress=True)
+        for line in rep.lines() if show_report else rep.lines()[-1:]:
+            click.echo(line)
+        if plot:
+            rep.plot(plot)
+            click.echo(f"wrote {plot}")
 
 
 @main.command("gen-header")

@@ -16,7 +16,7 @@ import torch
 from rich.progress import track
 from torch import nn
 
-from . import image, reference
+from . import image, quantize, reference
 from . import nn as cnn
 from .errors import ExportError
 from .format import Act, ExpertKind, Routing
@@ -245,9 +245,16 @@ def export(
     prune: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
     calibration: torch.Tensor | np.ndarray | None = None,
     page_aligned: bool = False,
+    dtype: str = "f32",
+    compensation: float = quantize.DEFAULT_COMPENSATION,
+    keep: Sequence[str] = (),
+    int8_act: Sequence[str] = (),
 ) -> ExportResult:
     """Export a PyTorch model to a Colibri model image (written to `path` if given).
 
+    `dtype` stores the weight matrices as f32, f16 or q8 (int8 per output
+    channel plus a sparse f16 compensation of `compensation` share of the
+    weights); `keep` and `int8_act` are colibri.quantize patterns.
     With `example_input`, the image is run by the numpy reference and compared
     with the module's own forward; the largest absolute difference is reported.
     """
@@ -256,6 +263,7 @@ def export(
         graph, report = build_graph(
             module, max_batch=max_batch, example_input=example_input, prune=prune, calibration=calibration
         )
+        graph = quantize.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act)
         data = image.write(graph, page_aligned=page_aligned)
         err = None
         if example_input is not None:

@@ -36,12 +36,23 @@ class Flag(enum.IntFlag):
 
 class DType(enum.IntEnum):
     F32 = 1
-    F16 = 2  # reserved
-    I8 = 3  # reserved
+    F16 = 2
+    I8 = 3  # per-output-channel int8; `aux` names its Q8_PARAMS companion
     I32 = 4
+    Q8_PARAMS = 5  # scales + sparse f16 compensation of one I8 tensor
 
 
+# Bytes per element; Q8_PARAMS has its own layout (docs/model-format.md).
 DTYPE_SIZE = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
+Q8_PARAMS_HEADER = 8  # u32 nnz, u32 reserved
+
+
+class LayerFlag(enum.IntFlag):
+    INT8_ACT = 1  # LINEAR with an I8 weight: int8 activations, int32 accumulation
+
+
+class ExpertFlag(enum.IntFlag):
+    INT8_ACT = 1  # all of the expert's weights I8: int8 activations
 
 
 class Op(enum.IntEnum):
@@ -102,6 +113,8 @@ class Status(enum.IntEnum):
     BAD_BATCH = -17
     BUFFER_SIZE = -18
     BAD_CONTEXT = -19
+    BAD_QUANT = -20
+    BAD_COMPENSATION = -21
 
 
 STATUS_TEXT = {
@@ -125,6 +138,8 @@ STATUS_TEXT = {
     Status.BAD_BATCH: "batch must be between 1 and the model's max_batch",
     Status.BUFFER_SIZE: "input or output buffer length does not match batch x features",
     Status.BAD_CONTEXT: "context is not initialised or was freed",
+    Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)",
+    Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}
@@ -148,6 +163,7 @@ def c_header() -> str:
         f"#define COLIBRI_MAX_RESIDUAL_DEPTH {MAX_RESIDUAL_DEPTH}u",
         f"#define COLIBRI_HEADER_CRC_OFFSET {HEADER_CRC_OFFSET}u",
         f"#define COLIBRI_CRC_START {CRC_START}u",
+        f"#define COLIBRI_Q8_PARAMS_HEADER {Q8_PARAMS_HEADER}u",
         "",
     ]
     for name, rec in _RECORDS.items():
@@ -155,6 +171,8 @@ def c_header() -> str:
     out.append("")
     for enum_cls, prefix in (
         (Flag, "FLAG"),
+        (LayerFlag, "LAYER_FLAG"),
+        (ExpertFlag, "EXPERT_FLAG"),
         (DType, "DTYPE"),
         (Op, "OP"),
         (Act, "ACT"),

@@ -6,14 +6,18 @@ raises `ImageError` with the same status code the engine would return.
 from __future__ import annotations
 
 import math
+import struct
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import format as F
 from .errors import error_for
 from .format import Act, DType, ExpertKind, Op, Routing, Status
-from .ir import Activation, Expert, Graph, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from .ir import (
+    Activation, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd, ResidualPush, RMSNorm, Weight,
+)
 
 NONE = F.NONE
 
@@ -22,24 +26,54 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+@dataclass
+class _Entry:
+    """One tensor record to be written: its payload and record fields."""
+
+    payload: bytes
+    dtype: DType
+    rows: int
+    cols: int
+    ndim: int
+    aux: int = NONE
+    page: bool = False  # starts a 4 KiB page (first tensor of an expert)
+
+
+def q8_params_payload(w: Q8Weight) -> bytes:
+    """The Q8_PARAMS blob: nnz, reserved, scales, then the CSR compensation if any."""
+    parts = [struct.pack("<II", w.nnz, 0), w.scale.astype("<f4").tobytes()]
+    if w.nnz:
+        col = w.col.astype("<u2").tobytes()
+        parts += [w.row_ptr.astype("<u4").tobytes(), col, bytes(-len(col) % 4), w.val.astype("<f2").tobytes()]
+    return b"".join(parts)
+
+
 class _Tensors:
-    """Collects tensors in reference order; groups mark page-aligned runs."""
+    """Collects tensors in reference order."""
 
     def __init__(self) -> None:
-        self.arrays: list[np.ndarray] = []
-        self.page_start: set[int] = set()
+        self.entries: list[_Entry] = []
 
-    def add(self, arr: np.ndarray | None, dtype: DType = DType.F32, *, page: bool = False) -> int:
+    def _push(self, entry: _Entry) -> int:
+        self.entries.append(entry)
+        return len(self.entries) - 1
+
+    def add(self, arr: Weight | None, dtype: DType = DType.F32, *, page: bool = False) -> int:
         if arr is None:
             return NONE
-        np_dtype = np.float32 if dtype == DType.F32 else np.int32
+        if isinstance(arr, Q8Weight):
+            rows, cols = arr.shape
+            index = self._push(_Entry(np.ascontiguousarray(arr.q, dtype=np.int8).tobytes(), DType.I8, rows, cols, 2, page=page))
+            self.entries[index].aux = self._push(_Entry(q8_params_payload(arr), DType.Q8_PARAMS, rows, cols, 2))
+            return index
+        if isinstance(arr, F16Weight):
+            dtype, arr = DType.F16, arr.data
+        np_dtype = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}[dtype]
         a = np.ascontiguousarray(np.asarray(arr, dtype=np_dtype))
         if a.ndim not in (1, 2) or a.size == 0:
             raise ValueError(f"tensor must be a non-empty vector or matrix, got shape {a.shape}")
-        if page:
-            self.page_start.add(len(self.arrays))
-        self.arrays.append(a)
-        return len(self.arrays) - 1
+        rows, cols = (a.shape[0], 1) if a.ndim == 1 else a.shape
+        return self._push(_Entry(a.tobytes(), dtype, rows, cols, a.ndim, page=page))
 
 
 def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
@@ -53,21 +87,23 @@ def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
     width = graph.input_size
 
     def expert_record(e: Expert) -> bytes:
-        w1 = tensors.add(e.w1, page=page_aligned)
+        flags = F.ExpertFlag.INT8_ACT if e.int8_act else 0
+        w1 = tensors.add(e.w1, page=True)
         b1 = tensors.add(e.b1)
         w2 = tensors.add(e.w2)
         b2 = tensors.add(e.b2)
         w3 = tensors.add(e.w3)
         b3 = tensors.add(e.b3)
-        return F.EXPERT.pack(int(e.kind), int(e.act), 0, e.hidden, w1, b1, w2, b2, w3, b3)
+        return F.EXPERT.pack(int(e.kind), int(e.act), int(flags), e.hidden, w1, b1, w2, b2, w3, b3)
 
     for layer in graph.layers:
         t0 = t1 = NONE
-        kind = 0
+        kind = flags = 0
         eps = 0.0
         in_f = width
         if isinstance(layer, Linear):
             op = Op.LINEAR
+            flags = F.LayerFlag.INT8_ACT if layer.int8_act else 0
             t0 = tensors.add(layer.weight)
             t1 = tensors.add(layer.bias)
             in_f, width = layer.in_features, layer.out_features
@@ -95,20 +131,20 @@ def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
             first = len(expert_recs)
             for e in list(layer.experts) + list(layer.shared):
                 expert_recs.append(expert_record(e))
-            flags = F.MoEFlag.RENORMALIZE if layer.renormalize else 0
+            moe_flags = F.MoEFlag.RENORMALIZE if layer.renormalize else 0
             top_k = 0 if layer.routing == Routing.DENSE else layer.top_k
             t0 = len(moe_recs)
             moe_recs.append(
                 F.MOE.pack(
                     layer.d_model, layer.route_count, len(layer.experts), top_k, int(layer.routing),
-                    int(flags), len(layer.shared), rw, rb, emap, first, gate, 0, 0,
+                    int(moe_flags), len(layer.shared), rw, rb, emap, first, gate, 0, 0,
                 )
             )
         else:
             raise TypeError(f"not a layer: {layer!r}")
-        layer_recs.append(F.LAYER.pack(int(op), kind, 0, in_f, width, t0, t1, eps, 0, 0))
+        layer_recs.append(F.LAYER.pack(int(op), kind, int(flags), in_f, width, t0, t1, eps, 0, 0))
 
-    n_t = len(tensors.arrays)
+    n_t = len(tensors.entries)
     tensor_off = F.HEADER_SIZE
     layer_off = tensor_off + n_t * F.TENSOR.size
     moe_off = layer_off + len(layer_recs) * F.LAYER.size
@@ -117,14 +153,11 @@ def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
 
     tensor_recs = []
     placed: list[tuple[int, bytes]] = []
-    for i, a in enumerate(tensors.arrays):
-        align = F.PAGE_SIZE if i in tensors.page_start else F.PAYLOAD_ALIGN
-        pos = _align(pos, align)
-        dtype = DType.F32 if a.dtype == np.float32 else DType.I32
-        rows, cols = (a.shape[0], 1) if a.ndim == 1 else a.shape
-        tensor_recs.append(F.TENSOR.pack(pos, a.nbytes, rows, cols, int(dtype), a.ndim, 0, NONE))
-        placed.append((pos, a.astype("<" + a.dtype.str[1:], copy=False).tobytes()))
-        pos += a.nbytes
+    for t in tensors.entries:
+        pos = _align(pos, F.PAGE_SIZE if t.page and page_aligned else F.PAYLOAD_ALIGN)
+        tensor_recs.append(F.TENSOR.pack(pos, len(t.payload), t.rows, t.cols, int(t.dtype), t.ndim, 0, t.aux))
+        placed.append((pos, t.payload))
+        pos += len(t.payload)
     image_size = _align(pos, 4)
 
     buf = bytearray(image_size)
@@ -211,56 +244,58 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
 
-    arrays: list[np.ndarray] = []
-    for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
-        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off >= size or off + nbytes > size:
-            _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}")
-        if dtype in (DType.F16, DType.I8):
-            _fail(Status.UNSUPPORTED, f"tensor {i} dtype {DType(dtype).name}")
-        if dtype not in (DType.F32, DType.I32):
-            _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
-        if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res or aux != NONE:
-            _fail(Status.BAD_TENSOR, f"tensor {i} shape {rows}x{cols} ndim {ndim}")
-        if nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
-            _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
-        np_dtype = "<f4" if dtype == DType.F32 else "<i4"
-        a = np.frombuffer(r.buf, dtype=np_dtype, count=rows * cols, offset=off)
-        arrays.append(a.reshape((rows, cols) if ndim == 2 else (rows,)))
+    objs = _tensors(r, t_recs, size)
 
     def tensor(ref: int, shape: tuple[int, ...], what: str, *, optional: bool = False, dtype: str = "<f4"):
+        """A vector/bias (f32) or the expert map (i32) of exactly this shape."""
         if ref == NONE and optional:
             return None
-        if ref >= n_t or arrays[ref].shape != shape or arrays[ref].dtype != np.dtype(dtype):
-            got = "missing" if ref >= n_t else f"{arrays[ref].shape} {arrays[ref].dtype}"
-            _fail(Status.BAD_REF, f"{what}: expected {shape}, got {got}")
-        return arrays[ref]
+        obj = objs[ref] if ref < n_t else None
+        if not isinstance(obj, np.ndarray) or obj.shape != shape or obj.dtype != np.dtype(dtype):
+            _fail(Status.BAD_REF, f"{what}: expected {shape} {np.dtype(dtype)}, got {_describe(obj, ref, n_t)}")
+        return obj
+
+    def weight(ref: int, shape: tuple[int, int], what: str, *, optional: bool = False) -> Weight | None:
+        """A weight matrix: f32, f16 or int8 with its companion."""
+        if ref == NONE and optional:
+            return None
+        obj = objs[ref] if ref < n_t else None
+        is_f32 = isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4")
+        if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape:
+            _fail(Status.BAD_REF, f"{what}: expected weight {shape}, got {_describe(obj, ref, n_t)}")
+        return obj
 
     def expert(j: int, d: int, where: str) -> Expert:
-        kind, act, res, hidden, w1, b1, w2, b2, w3, b3 = e_recs[j]
-        if kind not in iter(ExpertKind) or act not in iter(Act) or res or hidden == 0:
-            _fail(Status.BAD_MOE, f"{where}: kind {kind} activation {act} hidden {hidden}")
+        kind, act, e_flags, hidden, w1, b1, w2, b2, w3, b3 = e_recs[j]
+        if kind not in iter(ExpertKind) or act not in iter(Act) or e_flags & ~int(F.ExpertFlag.INT8_ACT) or hidden == 0:
+            _fail(Status.BAD_MOE, f"{where}: kind {kind} activation {act} flags {e_flags} hidden {hidden}")
         glu = kind == ExpertKind.GLU
         if (w3 != NONE) != glu or (not glu and b3 != NONE):
             _fail(Status.BAD_MOE, f"{where}: w3/b3 do not match expert kind")
         if page and w1 < n_t and t_recs[w1][0] % F.PAGE_SIZE:
             _fail(Status.TENSOR_BOUNDS, f"{where}: not page aligned")
-        return Expert(
+        e = Expert(
             kind=ExpertKind(kind), act=Act(act),
-            w1=tensor(w1, (hidden, d), f"{where} w1"),
+            w1=weight(w1, (hidden, d), f"{where} w1"),
             b1=tensor(b1, (hidden,), f"{where} b1", optional=True),
-            w2=tensor(w2, (d, hidden), f"{where} w2"),
+            w2=weight(w2, (d, hidden), f"{where} w2"),
             b2=tensor(b2, (d,), f"{where} b2", optional=True),
-            w3=tensor(w3, (hidden, d), f"{where} w3", optional=True),
+            w3=weight(w3, (hidden, d), f"{where} w3", optional=True),
             b3=tensor(b3, (hidden,), f"{where} b3", optional=True),
+            int8_act=bool(e_flags & F.ExpertFlag.INT8_ACT),
         )
+        if e.int8_act and not all(isinstance(w, Q8Weight) for w in (e.w1, e.w2, e.w3) if w is not None):
+            _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 weights")
+        return e
 
     page = bool(flags & F.Flag.PAGE_ALIGNED)
     layers = []
     width = n_in
     depth_widths: list[int] = []
-    for i, (op, kind, res, in_f, out_f, t0, t1, eps, res1, res2) in enumerate(l_recs):
+    for i, (op, kind, l_flags, in_f, out_f, t0, t1, eps, res1, res2) in enumerate(l_recs):
         where = f"layer {i}"
-        if op not in iter(Op) or res or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
+        bad_flags = l_flags & ~int(F.LayerFlag.INT8_ACT)
+        if op not in iter(Op) or bad_flags or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
             _fail(Status.BAD_LAYER, f"{where}: op {op} kind {kind}")
         if in_f != width:
             _fail(Status.BAD_LAYER, f"{where}: in_features {in_f}, current width {width}")
@@ -273,7 +308,9 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
         if (takes < 1 and t0 != NONE) or (takes < 2 and t1 != NONE):
             _fail(Status.BAD_LAYER, f"{where}: unexpected tensor reference")
         if op == Op.LINEAR:
-            layers.append(Linear(tensor(t0, (out_f, in_f), f"{where} weight"), tensor(t1, (out_f,), f"{where} bias", optional=True)))
+            w = weight(t0, (out_f, in_f), f"{where} weight")
+            b = tensor(t1, (out_f,), f"{where} bias", optional=True)
+            layers.append(Linear(w, b, int8_act=bool(l_flags & F.LayerFlag.INT8_ACT)))
         elif op == Op.ACTIVATION:
             if kind not in iter(Act):
                 _fail(Status.BAD_LAYER, f"{where}: activation {kind}")
@@ -294,7 +331,9 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
         else:  # MOE
             if t0 >= n_m:
                 _fail(Status.BAD_REF, f"{where}: MoE record {t0} of {n_m}")
-            layers.append(_moe(m_recs[t0], in_f, where, tensor, expert, n_e))
+            layers.append(_moe(m_recs[t0], in_f, where, tensor, weight, expert, n_e))
+        if l_flags and not (op == Op.LINEAR and isinstance(layers[-1].weight, Q8Weight)):
+            _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs a LINEAR with an int8 weight")
         width = out_f
     if depth_widths:
         _fail(Status.BAD_LAYER, "residual push without add at end of program")
@@ -303,7 +342,84 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
     return Graph(layers=layers, input_size=n_in, output_size=n_out, max_batch=max_batch)
 
 
-def _moe(rec: tuple, width: int, where: str, tensor, expert, n_e: int) -> MoE:
+def _describe(obj, ref: int, n_t: int) -> str:
+    if ref >= n_t:
+        return f"tensor {ref} of {n_t}"
+    if obj is None:
+        return "a Q8_PARAMS companion"
+    return f"{type(obj).__name__} {obj.shape}" + (f" {obj.dtype}" if isinstance(obj, np.ndarray) else "")
+
+
+def _q8_params_size(rows: int, nnz: int) -> int:
+    size = F.Q8_PARAMS_HEADER + 4 * rows
+    return size + 4 * (rows + 1) + _align(2 * nnz, 4) + 2 * nnz if nnz else size
+
+
+def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
+    """Checks every tensor record, then every int8 tensor's companion; returns the
+    tensors as arrays / F16Weight / Q8Weight (None for Q8_PARAMS companions)."""
+    buf = r.buf
+    for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
+        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off >= size or off + nbytes > size:
+            _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}")
+        if dtype not in iter(DType):
+            _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
+        if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res:
+            _fail(Status.BAD_TENSOR, f"tensor {i} shape {rows}x{cols} ndim {ndim}")
+        if aux != NONE and dtype != DType.I8:
+            _fail(Status.BAD_TENSOR, f"tensor {i}: only int8 tensors have a companion")
+        if dtype == DType.Q8_PARAMS:
+            nnz = struct.unpack_from("<I", buf, off)[0] if nbytes >= F.Q8_PARAMS_HEADER else 0
+            want = _q8_params_size(rows, nnz) if nbytes >= F.Q8_PARAMS_HEADER else -1
+            if want != nbytes or (nnz and cols > 65536):
+                _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}")
+        elif nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
+            _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
+
+    objs: list = []
+    for i, (off, nbytes, rows, cols, dtype, ndim, _, aux) in enumerate(t_recs):
+        shape = (rows, cols) if ndim == 2 else (rows,)
+        if dtype == DType.Q8_PARAMS:
+            objs.append(None)
+        elif dtype == DType.I8:
+            q = np.frombuffer(buf, dtype=np.int8, count=rows * cols, offset=off).reshape(rows, cols)
+            objs.append(_q8(buf, t_recs, i, q))
+        else:
+            np_dtype = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}[DType(dtype)]
+            a = np.frombuffer(buf, dtype=np_dtype, count=rows * cols, offset=off).reshape(shape)
+            objs.append(F16Weight(a) if dtype == DType.F16 else a)
+    return objs
+
+
+def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray) -> Q8Weight:
+    """The int8 tensor i with its Q8_PARAMS companion, validated."""
+    rows, cols = q.shape
+    aux = t_recs[i][7]
+    if aux >= len(t_recs) or t_recs[aux][4] != DType.Q8_PARAMS or t_recs[aux][2:4] != (rows, cols):
+        _fail(Status.BAD_QUANT, f"tensor {i}: companion {aux} is not a Q8_PARAMS tensor of {rows}x{cols}")
+    off = t_recs[aux][0]
+    nnz, reserved = struct.unpack_from("<II", buf, off)
+    scale = np.frombuffer(buf, dtype="<f4", count=rows, offset=off + 8)
+    if reserved or not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0")
+    at = off + 8 + 4 * rows
+    row_ptr = np.frombuffer(buf, dtype="<u4", count=rows + 1 if nnz else 0, offset=at)
+    col = np.frombuffer(buf, dtype="<u2", count=nnz, offset=at + 4 * (rows + 1) if nnz else at)
+    pad_at = at + 4 * (rows + 1) + 2 * nnz
+    val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=pad_at + (-2 * nnz) % 4 if nnz else at)
+    if nnz:
+        ptr = row_ptr.astype(np.int64)
+        cols_ok = np.all(col < cols)
+        starts = np.zeros(nnz, dtype=bool)
+        starts[ptr[:-1][ptr[:-1] < nnz]] = True  # first entry of each non-empty row
+        increasing = np.all((np.diff(col.astype(np.int64)) > 0) | starts[1:])
+        if (ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != nnz or not cols_ok or not increasing
+                or any(buf[pad_at : pad_at + (-2 * nnz) % 4]) or not np.all(np.isfinite(val))):
+            _fail(Status.BAD_COMPENSATION, f"tensor {i}: malformed compensation term")
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val)
+
+
+def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int) -> MoE:
     d, r_count, n, k, routing, flags, n_shared, rw, rb, emap, first, gate, res1, res2 = rec
     if routing not in iter(Routing) or res1 or res2:
         _fail(Status.BAD_MOE, f"{where}: routing mode {routing}")
@@ -323,11 +439,11 @@ def _moe(rec: tuple, width: int, where: str, tensor, expert, n_e: int) -> MoE:
         _fail(Status.BAD_MOE, f"{where}: expert_map is not a permutation of 0..{n - 1} plus -1")
     return MoE(
         routing=Routing(routing), top_k=k,
-        router_weight=tensor(rw, (r_count, d), f"{where} router weight"),
+        router_weight=weight(rw, (r_count, d), f"{where} router weight"),
         router_bias=tensor(rb, (r_count,), f"{where} router bias", optional=True),
         expert_map=emap_arr,
         renormalize=renorm,
         experts=[expert(first + i, d, f"{where} expert {i}") for i in range(n)],
         shared=[expert(first + n + i, d, f"{where} shared expert {i}") for i in range(n_shared)],
-        shared_gate=tensor(gate, (1, d), f"{where} shared gate", optional=True),
+        shared_gate=weight(gate, (1, d), f"{where} shared gate", optional=True),
     )

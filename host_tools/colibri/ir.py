@@ -1,7 +1,8 @@
 """The layer graph: what the exporter produces, the image holds and the reference runs.
 
-Weights are float32 numpy arrays shaped as in the image: matrices
-`[out_features, in_features]`, vectors `[n]`.
+Weights are shaped as in the image: matrices `[out_features, in_features]`,
+vectors `[n]`. Vectors are float32 arrays; weight matrices are float32
+arrays, or `F16Weight` / `Q8Weight` after `colibri.quantize`.
 """
 from __future__ import annotations
 
@@ -13,9 +14,59 @@ from .format import Act, ExpertKind, Routing
 
 
 @dataclass
+class F16Weight:
+    """IEEE half storage; computed in f32."""
+
+    data: np.ndarray  # float16 [rows, cols]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape
+
+
+@dataclass
+class Q8Weight:
+    """W ≈ Q·S + E: int8 per output channel plus a sparse f16 compensation term (CSR)."""
+
+    q: np.ndarray  # int8 [rows, cols]
+    scale: np.ndarray  # float32 [rows]
+    row_ptr: np.ndarray  # uint32 [rows + 1]
+    col: np.ndarray  # uint16 [nnz], increasing within a row
+    val: np.ndarray  # float16 [nnz]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col.size)
+
+    def compensation(self) -> np.ndarray:
+        """E as a dense float32 [rows, cols] matrix."""
+        e = np.zeros(self.q.shape, dtype=np.float32)
+        rows = np.repeat(np.arange(self.q.shape[0]), np.diff(self.row_ptr.astype(np.int64)))
+        e[rows, self.col.astype(np.int64)] = self.val.astype(np.float32)
+        return e
+
+
+Weight = np.ndarray | F16Weight | Q8Weight
+
+
+def dense(w: Weight) -> np.ndarray:
+    """The float32 matrix a weight stands for (Q·S + E for int8)."""
+    if isinstance(w, F16Weight):
+        return w.data.astype(np.float32)
+    if isinstance(w, Q8Weight):
+        return (w.q.astype(np.float32) * w.scale[:, None] + w.compensation()).astype(np.float32)
+    return w
+
+
+@dataclass
 class Linear:
-    weight: np.ndarray  # [out, in]
+    weight: Weight  # [out, in]
     bias: np.ndarray | None = None  # [out]
+    int8_act: bool = False  # int8 activations (I8 weight only)
 
     @property
     def in_features(self) -> int:
@@ -60,12 +111,13 @@ class ResidualAdd:
 class Expert:
     kind: ExpertKind
     act: Act
-    w1: np.ndarray  # [hidden, d]
-    w2: np.ndarray  # [d, hidden]
+    w1: Weight  # [hidden, d]
+    w2: Weight  # [d, hidden]
     b1: np.ndarray | None = None  # [hidden]
     b2: np.ndarray | None = None  # [d]
-    w3: np.ndarray | None = None  # [hidden, d], GLU only
+    w3: Weight | None = None  # [hidden, d], GLU only
     b3: np.ndarray | None = None  # [hidden], GLU only
+    int8_act: bool = False  # int8 activations (all weights I8 only)
 
     @property
     def hidden(self) -> int:
@@ -82,13 +134,13 @@ class MoE:
 
     routing: Routing
     top_k: int
-    router_weight: np.ndarray  # [R, d]
+    router_weight: Weight  # [R, d]
     experts: list[Expert]  # N kept routed experts
     expert_map: np.ndarray  # [R] int32
     router_bias: np.ndarray | None = None  # [R]
     renormalize: bool = False
     shared: list[Expert] = field(default_factory=list)
-    shared_gate: np.ndarray | None = None  # [1, d]
+    shared_gate: Weight | None = None  # [1, d]
 
     @property
     def d_model(self) -> int:

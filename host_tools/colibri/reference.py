@@ -13,7 +13,9 @@ import numpy as np
 
 from . import image as image_mod
 from .format import Act, ExpertKind, Routing
-from .ir import Activation, Expert, Graph, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from .ir import (
+    Activation, Expert, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd, ResidualPush, RMSNorm, Weight, dense,
+)
 
 f32 = np.float32
 
@@ -53,16 +55,42 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return (e / e.sum(axis=-1, keepdims=True)).astype(f32)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = x @ w.T
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    return np.sign(v) * np.floor(np.abs(v) + f32(0.5))
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token int8 activations as the engine makes them: (xq int32 [n, d], a f32 [n])."""
+    m = np.abs(x).max(axis=1).astype(f32)
+    safe = np.where(m > 0, m, f32(1))
+    inv = (f32(127) / safe).astype(f32)
+    xq = np.clip(_round_half_away((x * inv[:, None]).astype(f32)), -127, 127).astype(np.int64)
+    xq[m == 0] = 0
+    a = np.where(m > 0, (m / f32(127)).astype(f32), f32(0)).astype(f32)
+    return xq, a
+
+
+def _linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False) -> np.ndarray:
+    """y = x Wᵀ + b for every weight storage, by the formulas of docs/model-format.md."""
+    if isinstance(w, Q8Weight):
+        if int8_act:
+            xq, a = quantize_rows(x)
+            acc = (xq @ w.q.astype(np.int64).T).astype(f32)
+            y = acc * (w.scale[None, :] * a[:, None]).astype(f32)
+        else:
+            y = (x @ w.q.astype(f32).T) * w.scale[None, :]
+        if w.nnz:
+            y = y + x @ w.compensation().T
+    else:
+        y = x @ dense(w).T
     return (y + b if b is not None else y).astype(f32)
 
 
 def expert_forward(e: Expert, x: np.ndarray) -> np.ndarray:
-    h = activation(e.act, _linear(x, e.w1, e.b1))
+    h = activation(e.act, _linear(x, e.w1, e.b1, e.int8_act))
     if e.kind == ExpertKind.GLU:
-        h = h * _linear(x, e.w3, e.b3)
-    return _linear(h, e.w2, e.b2)
+        h = h * _linear(x, e.w3, e.b3, e.int8_act)
+    return _linear(h, e.w2, e.b2, e.int8_act)
 
 
 def route(moe: MoE, x: np.ndarray) -> list[list[tuple[int, float]]]:
@@ -107,13 +135,17 @@ def moe_forward(moe: MoE, x: np.ndarray, on_route: Callable[[MoE, list], None] |
     if moe.shared:
         s = sum(expert_forward(e, x) for e in moe.shared)
         if moe.shared_gate is not None:
-            s = _sigmoid(x @ moe.shared_gate.T) * s
+            s = _sigmoid(_linear(x, moe.shared_gate, None)) * s
         y += s
     return y.astype(f32)
 
 
-def run(model: Graph | bytes | bytearray | memoryview, x: np.ndarray, *, on_route=None) -> np.ndarray:
-    """Forward `x [batch, input_size]` through an image or a graph."""
+def run(model: Graph | bytes | bytearray | memoryview, x: np.ndarray, *, on_route=None, on_layer=None) -> np.ndarray:
+    """Forward `x [batch, input_size]` through an image or a graph.
+
+    `on_route(moe, selection)` sees every MoE layer's routing decisions and
+    `on_layer(index, layer, output)` every layer's output, for reports.
+    """
     graph = model if isinstance(model, Graph) else image_mod.read(model)
     x = np.asarray(x, dtype=f32)
     if x.ndim == 1:
@@ -121,9 +153,9 @@ def run(model: Graph | bytes | bytearray | memoryview, x: np.ndarray, *, on_rout
     if x.ndim != 2 or x.shape[1] != graph.input_size:
         raise ValueError(f"input must be [batch, {graph.input_size}], got {x.shape}")
     stack: list[np.ndarray] = []
-    for layer in graph.layers:
+    for index, layer in enumerate(graph.layers):
         if isinstance(layer, Linear):
-            x = _linear(x, layer.weight, layer.bias)
+            x = _linear(x, layer.weight, layer.bias, layer.int8_act)
         elif isinstance(layer, Activation):
             x = activation(layer.act, x)
         elif isinstance(layer, LayerNorm):
@@ -145,4 +177,6 @@ def run(model: Graph | bytes | bytearray | memoryview, x: np.ndarray, *, on_rout
         elif isinstance(layer, MoE):
             x = moe_forward(layer, x, on_route)
         x = x.astype(f32, copy=False)
+        if on_layer is not None:
+            on_layer(index, layer, x)
     return x

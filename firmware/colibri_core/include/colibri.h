@@ -51,7 +51,7 @@ typedef struct colibri_model_info {
     uint32_t num_moe_layers;
     uint32_t num_experts;      /* routed experts kept in the image, all MoE layers */
     uint32_t num_shared_experts;
-    uint64_t num_parameters;   /* elements of all f32 weight tensors */
+    uint64_t num_parameters;   /* elements of all F32, F16 and I8 tensors (not Q8_PARAMS, not I32) */
     size_t arena_size;         /* bytes, as colibri_model_size() */
 } colibri_model_info;
 

@@ -13,6 +13,7 @@
 #define COLIBRI_MAX_RESIDUAL_DEPTH 16u
 #define COLIBRI_HEADER_CRC_OFFSET 8u
 #define COLIBRI_CRC_START 12u
+#define COLIBRI_Q8_PARAMS_HEADER 8u
 
 #define COLIBRI_HEADER_SIZE 80u
 #define COLIBRI_TENSOR_SIZE 24u
@@ -22,10 +23,15 @@
 
 #define COLIBRI_FLAG_PAGE_ALIGNED 1u
 
+#define COLIBRI_LAYER_FLAG_INT8_ACT 1u
+
+#define COLIBRI_EXPERT_FLAG_INT8_ACT 1u
+
 #define COLIBRI_DTYPE_F32 1u
 #define COLIBRI_DTYPE_F16 2u
 #define COLIBRI_DTYPE_I8 3u
 #define COLIBRI_DTYPE_I32 4u
+#define COLIBRI_DTYPE_Q8_PARAMS 5u
 
 #define COLIBRI_OP_LINEAR 1u
 #define COLIBRI_OP_ACTIVATION 2u
@@ -73,6 +79,8 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_BATCH = -17, /* batch must be between 1 and the model's max_batch */
     COLIBRI_E_BUFFER_SIZE = -18, /* input or output buffer length does not match batch x features */
     COLIBRI_E_BAD_CONTEXT = -19, /* context is not initialised or was freed */
+    COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, scale count, NaN or negative scale) */
+    COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -97,6 +105,8 @@ typedef enum colibri_status {
     X(-17, "batch must be between 1 and the model's max_batch") \
     X(-18, "input or output buffer length does not match batch x features") \
     X(-19, "context is not initialised or was freed") \
+    X(-20, "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)") \
+    X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

@@ -25,6 +25,8 @@ struct colibri_ctx {
     float *ring_weight;      /* [N, B] and their gate weights */
     uint32_t *ring_count;    /* [N] entries in each ring */
     float *stack;            /* [depth, B, W] residual stack */
+    int8_t *qrows;           /* [B, Q] int8 activation rows (INT8_ACT only) */
+    float *qscale;           /* [B] and their dequantisation scales */
 };
 
 _Static_assert(_Alignof(struct colibri_ctx) <= COLIBRI_ARENA_ALIGN, "context alignment exceeds the arena's");
@@ -34,7 +36,7 @@ _Static_assert(_Alignof(struct colibri_ctx) <= COLIBRI_ARENA_ALIGN, "context ali
 /* Arena pieces, in address order (docs/model-format.md "Arena"). */
 enum {
     P_CTX, P_ACT0, P_ACT1, P_MOE_ACC, P_HIDDEN0, P_HIDDEN1, P_SCORES, P_SELECT,
-    P_RING_TOKEN, P_RING_WEIGHT, P_RING_COUNT, P_STACK, P_COUNT
+    P_RING_TOKEN, P_RING_WEIGHT, P_RING_COUNT, P_STACK, P_QROWS, P_QSCALE, P_COUNT
 };
 
 /* Byte offset of every piece, each rounded up to 8 bytes; off[P_COUNT] is
@@ -43,7 +45,7 @@ enum {
 static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
 {
     const uint64_t B = m->hdr.max_batch, W = m->width, H = m->hidden, R = m->routes;
-    const uint64_t K = m->select, N = m->experts, f32 = sizeof(float);
+    const uint64_t K = m->select, N = m->experts, Q = m->qwidth, f32 = sizeof(float);
     uint64_t size[P_COUNT];
 
     size[P_CTX] = sizeof(struct colibri_ctx);
@@ -58,6 +60,10 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
     size[P_RING_WEIGHT] = N * B * f32;
     size[P_RING_COUNT] = N * sizeof(uint32_t);
     size[P_STACK] = m->depth * B * W * f32;
+    /* Only with INT8_ACT (Q > 0): Q is the widest row quantised at once, a
+     * LINEAR's in_features or an expert's d_model and hidden. */
+    size[P_QROWS] = B * Q * sizeof(int8_t);
+    size[P_QSCALE] = Q ? B * f32 : 0;
 
     off[0] = 0;
     for (int i = 0; i < P_COUNT; i++)
@@ -127,6 +133,8 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
     c->ring_weight = (float *)(void *)(base + off[P_RING_WEIGHT]);
     c->ring_count = (uint32_t *)(void *)(base + off[P_RING_COUNT]);
     c->stack = (float *)(void *)(base + off[P_STACK]);
+    c->qrows = (int8_t *)(void *)(base + off[P_QROWS]);
+    c->qscale = (float *)(void *)(base + off[P_QSCALE]);
     c->magic = CTX_MAGIC;
     *out = c;
     return COLIBRI_OK;
@@ -149,25 +157,72 @@ static const float *f32_tensor(const colibri_ctx *c, uint32_t index)
     return colibri_payload(c->image, &c->model.hdr, index);
 }
 
+/* The kernel's view of weight tensor `index` (F32, F16 or I8, validated),
+ * an I8 one with its Q8_PARAMS scales and compensation term. */
+static colibri_matrix weight(const colibri_ctx *c, uint32_t index)
+{
+    const colibri_header *hdr = &c->model.hdr;
+    colibri_tensor t;
+    colibri_read_tensor(c->image, hdr, index, &t);
+    colibri_matrix w = {
+        .dtype = t.dtype, .rows = t.rows, .cols = t.cols, .data = c->image + t.offset,
+        .scale = NULL, .nnz = 0, .row_ptr = NULL, .col = NULL, .val = NULL,
+    };
+    if (t.dtype == COLIBRI_DTYPE_I8) {
+        colibri_tensor q;
+        colibri_read_tensor(c->image, hdr, t.aux, &q);
+        /* docs/model-format.md "Quantised weights": nnz, reserved, scale
+         * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
+        const uint8_t *p = c->image + q.offset;
+        const size_t rows = t.rows;
+        w.nnz = colibri_rd_u32(p);
+        w.scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
+        if (w.nnz) {
+            w.row_ptr = (const uint32_t *)(const void *)(w.scale + rows);
+            w.col = (const uint16_t *)(const void *)(w.row_ptr + rows + 1);
+            w.val = w.col + ((2u * (size_t)w.nnz + 3u) & ~(size_t)3u) / 2u;
+        }
+    }
+    return w;
+}
+
+/* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
+ * context's int8 scratch; returns the view the linear kernels take. */
+static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16_t *rows, size_t n, size_t in)
+{
+    colibri_quantize_rows(x, rows, n, in, c->qrows, c->qscale);
+    return (colibri_qrows){c->qrows, c->qscale};
+}
+
 /* y[rows[i]] += scale[i] · expert(x[rows[i]]) for i < n (rows NULL: tokens
  * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
- * index list; the hidden rows [n, H] are compact. */
+ * index list; the hidden rows [n, H] are compact. With INT8_ACT the x rows
+ * are quantised once for w1 and w3, the hidden rows again for w2. */
 static void expert_forward(const colibri_ctx *c, uint32_t index, const float *x, size_t d,
                            const uint16_t *rows, size_t n, const float *scale, float *y)
 {
     colibri_expert e;
     colibri_read_expert(c->image, &c->model.hdr, index, &e);
     const size_t hid = e.hidden;
+    const int int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
     float *h = c->hidden[0];
+    colibri_qrows q = {NULL, NULL};
 
-    colibri_linear_f32(x, rows, n, d, f32_tensor(c, e.w1), f32_tensor(c, e.b1), hid, h);
+    if (int8_act)
+        q = quantize(c, x, rows, n, d);
+    const colibri_matrix w1 = weight(c, e.w1);
+    colibri_linear(x, rows, n, &w1, f32_tensor(c, e.b1), int8_act ? &q : NULL, h);
     colibri_activation_f32(h, n * hid, e.activation);
     if (e.kind == COLIBRI_EXPERT_GLU) {
         float *g = c->hidden[1];
-        colibri_linear_f32(x, rows, n, d, f32_tensor(c, e.w3), f32_tensor(c, e.b3), hid, g);
+        const colibri_matrix w3 = weight(c, e.w3);
+        colibri_linear(x, rows, n, &w3, f32_tensor(c, e.b3), int8_act ? &q : NULL, g);
         colibri_mul_f32(h, g, n * hid);
     }
-    colibri_linear_acc_f32(h, n, hid, f32_tensor(c, e.w2), f32_tensor(c, e.b2), d, rows, scale, y);
+    if (int8_act)
+        q = quantize(c, h, NULL, n, hid);
+    const colibri_matrix w2 = weight(c, e.w2);
+    colibri_linear_acc(h, n, &w2, f32_tensor(c, e.b2), rows, scale, int8_act ? &q : NULL, y);
 }
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for MoE record
@@ -189,8 +244,8 @@ static void moe_forward(const colibri_ctx *c, uint32_t index, const float *x, fl
     };
 
     /* 1. Router logits of the whole batch: scores [batch, R]. */
-    colibri_linear_f32(x, NULL, batch, d, f32_tensor(c, moe.router_weight),
-                       f32_tensor(c, moe.router_bias), routes, c->scores);
+    const colibri_matrix router_weight = weight(c, moe.router_weight);
+    colibri_linear(x, NULL, batch, &router_weight, f32_tensor(c, moe.router_bias), NULL, c->scores);
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
@@ -218,7 +273,8 @@ static void moe_forward(const colibri_ctx *c, uint32_t index, const float *x, fl
     if (moe.shared_count) {
         const float *gate = NULL;
         if (moe.shared_gate != COLIBRI_NONE) {
-            colibri_linear_f32(x, NULL, batch, d, f32_tensor(c, moe.shared_gate), NULL, 1, c->scores);
+            const colibri_matrix shared_gate = weight(c, moe.shared_gate);
+            colibri_linear(x, NULL, batch, &shared_gate, NULL, NULL, c->scores);
             colibri_activation_f32(c->scores, batch, COLIBRI_ACT_SIGMOID);
             gate = c->scores;
         }
@@ -261,13 +317,19 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
         colibri_layer l;
         colibri_read_layer(ctx->image, hdr, i, &l);
-        const size_t in = l.in_features, out = l.out_features;
+        const size_t in = l.in_features;
 
         switch (l.op) {
-        case COLIBRI_OP_LINEAR:
-            colibri_linear_f32(x, NULL, batch, in, f32_tensor(ctx, l.t0), f32_tensor(ctx, l.t1), out, spare);
+        case COLIBRI_OP_LINEAR: {
+            const colibri_matrix w = weight(ctx, l.t0);
+            colibri_qrows q = {NULL, NULL};
+            if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT)
+                q = quantize(ctx, x, NULL, batch, in);
+            colibri_linear(x, NULL, batch, &w, f32_tensor(ctx, l.t1),
+                           (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) ? &q : NULL, spare);
             swap(&x, &spare);
             break;
+        }
         case COLIBRI_OP_ACTIVATION:
             colibri_activation_f32(x, batch * in, l.kind);
             break;

@@ -1,16 +1,26 @@
 /*
  * The model image reader: record parsing and full validation
- * (docs/model-format.md), each failure with its own status, in this order:
+ * (docs/model-format.md "Validation order"), each failure with its own
+ * status, the first failure reported, in this order:
  *
  *   1. header: TRUNCATED, BAD_MAGIC, BAD_VERSION, BAD_HEADER (header_size,
  *      image_size), TRUNCATED (image_size), BAD_CRC, then the header fields
  *      the CRC covers (BAD_HEADER);
  *   2. the four tables' bounds (TABLE_BOUNDS);
- *   3. every tensor record (TENSOR_BOUNDS, UNSUPPORTED, BAD_TENSOR);
- *   4. the layer program, top to bottom (BAD_LAYER, BAD_REF); a MOE layer
- *      validates its MoE record where it stands: fields (BAD_MOE), expert
- *      range and expert_map (BAD_REF, BAD_MOE), router tensors, each routed
- *      then shared expert (fields, page alignment, tensors), shared gate.
+ *   3. pass 1, every tensor record in index order: bounds (TENSOR_BOUNDS),
+ *      then dtype, rank and shape, reserved, aux (NONE unless I8), nbytes
+ *      (BAD_TENSOR; a Q8_PARAMS record needs nbytes >= 8 before its nnz is
+ *      read, then the size formula, and cols <= 65536 when nnz > 0);
+ *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
+ *      a Q8_PARAMS of the same rows and cols), the companion's reserved word,
+ *      its scales (BAD_QUANT), then its compensation term (BAD_COMPENSATION);
+ *   5. the layer program, top to bottom: a layer's fields, flags included
+ *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
+ *      I8 weight (BAD_LAYER); a MOE layer validates its MoE record where it
+ *      stands: fields (BAD_MOE), expert range and expert_map (BAD_REF,
+ *      BAD_MOE), router tensors, each routed then shared expert (fields and
+ *      flags, page alignment, tensors, then INT8_ACT needs I8 weights), the
+ *      shared gate.
  *
  * This is the order of the Python reader (host_tools/colibri/image.py), so
  * both give the same status for the same image. Everything is read with
@@ -72,7 +82,7 @@ void colibri_read_layer(const uint8_t *image, const colibri_header *h, uint32_t 
     const uint8_t *p = image + h->layer_offset + (size_t)index * COLIBRI_LAYER_SIZE;
     l->op = p[0];
     l->kind = p[1];
-    l->reserved = colibri_rd_u16(p + 2);
+    l->flags = colibri_rd_u16(p + 2);
     l->in_features = colibri_rd_u32(p + 4);
     l->out_features = colibri_rd_u32(p + 8);
     l->t0 = colibri_rd_u32(p + 12);
@@ -104,7 +114,7 @@ void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t
     const uint8_t *p = image + h->expert_offset + (size_t)index * COLIBRI_EXPERT_SIZE;
     e->kind = p[0];
     e->activation = p[1];
-    e->reserved = colibri_rd_u16(p + 2);
+    e->flags = colibri_rd_u16(p + 2);
     e->hidden = colibri_rd_u32(p + 4);
     e->w1 = colibri_rd_u32(p + 8);
     e->b1 = colibri_rd_u32(p + 12);
@@ -169,37 +179,143 @@ static int table_ok(const colibri_header *h, uint32_t offset, uint32_t count, ui
 
 /* ---- Tensors ---- */
 
-static colibri_status check_tensor(const colibri_header *h, const colibri_tensor *t)
+/* Bytes of a Q8_PARAMS payload of this many rows and compensation entries. */
+static uint64_t q8_params_size(uint64_t rows, uint64_t nnz)
+{
+    uint64_t n = COLIBRI_Q8_PARAMS_HEADER + 4u * rows; /* nnz, reserved, scale [rows] */
+    if (nnz != 0) /* row_ptr [rows + 1], col [nnz], pad to 4, value [nnz] */
+        n += 4u * (rows + 1u) + ((2u * nnz + 3u) & ~(uint64_t)3u) + 2u * nnz;
+    return n;
+}
+
+/* Pass 1: one tensor record on its own: TENSOR_BOUNDS, then BAD_TENSOR
+ * (dtype, rank and shape, reserved, aux, nbytes). */
+static colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t)
 {
     if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size ||
         t->offset >= h->image_size || (uint64_t)t->offset + t->nbytes > h->image_size)
         return COLIBRI_E_TENSOR_BOUNDS;
 
-    uint64_t elem;
+    uint64_t elem = 0; /* bytes per element; Q8_PARAMS has its own layout */
     switch (t->dtype) {
     case COLIBRI_DTYPE_F32:
     case COLIBRI_DTYPE_I32:
         elem = 4;
         break;
-    case COLIBRI_DTYPE_F16: /* reserved by format v1 */
+    case COLIBRI_DTYPE_F16:
+        elem = 2;
+        break;
     case COLIBRI_DTYPE_I8:
-        return COLIBRI_E_UNSUPPORTED;
+        elem = 1;
+        break;
+    case COLIBRI_DTYPE_Q8_PARAMS:
+        break;
     default:
         return COLIBRI_E_BAD_TENSOR;
     }
     if ((t->ndim != 1 && t->ndim != 2) || (t->ndim == 1 && t->cols != 1) || t->rows == 0 ||
-        t->cols == 0 || t->reserved != 0 || t->aux != COLIBRI_NONE ||
-        t->nbytes != (uint64_t)t->rows * t->cols * elem)
+        t->cols == 0 || t->reserved != 0)
+        return COLIBRI_E_BAD_TENSOR;
+    /* Only an I8 tensor names a companion (checked in pass 2). */
+    if (t->dtype != COLIBRI_DTYPE_I8 && t->aux != COLIBRI_NONE)
+        return COLIBRI_E_BAD_TENSOR;
+
+    if (t->dtype != COLIBRI_DTYPE_Q8_PARAMS) {
+        /* Exact: rows * cols < 2^64, and above 2^32 it cannot match nbytes. */
+        const uint64_t count = (uint64_t)t->rows * t->cols;
+        if (count > UINT32_MAX || count * elem != t->nbytes)
+            return COLIBRI_E_BAD_TENSOR;
+        return COLIBRI_OK;
+    }
+    /* Q8_PARAMS: nbytes follows from rows and nnz, the payload's first word
+     * (inside the image: nbytes >= 8 and the bounds above). */
+    if (t->nbytes < COLIBRI_Q8_PARAMS_HEADER)
+        return COLIBRI_E_BAD_TENSOR;
+    const uint32_t nnz = colibri_rd_u32(image + t->offset);
+    if (t->nbytes != q8_params_size(t->rows, nnz) || (nnz != 0 && t->cols > 65536u))
         return COLIBRI_E_BAD_TENSOR;
     return COLIBRI_OK;
 }
 
+/* Pass 2: the Q8_PARAMS companion of I8 tensor t (pass 1 has checked every
+ * record, so the companion's payload has exactly the size its nnz implies):
+ * BAD_QUANT for the reference, the reserved word and the scales, then
+ * BAD_COMPENSATION for the sparse term E. */
+static colibri_status check_quant(const uint8_t *image, const colibri_header *h, const colibri_tensor *t)
+{
+    if (t->aux >= h->tensor_count)
+        return COLIBRI_E_BAD_QUANT;
+    colibri_tensor c;
+    colibri_read_tensor(image, h, t->aux, &c);
+    if (c.dtype != COLIBRI_DTYPE_Q8_PARAMS || c.rows != t->rows || c.cols != t->cols)
+        return COLIBRI_E_BAD_QUANT;
+
+    const uint8_t *p = image + c.offset;
+    const uint32_t nnz = colibri_rd_u32(p), rows = c.rows;
+    if (colibri_rd_u32(p + 4) != 0)
+        return COLIBRI_E_BAD_QUANT;
+    const uint8_t *scale = p + COLIBRI_Q8_PARAMS_HEADER;
+    for (uint32_t i = 0; i < rows; i++) {
+        const float s = colibri_rd_f32(scale + 4u * (size_t)i);
+        if (!(isfinite(s) && s >= 0.0f))
+            return COLIBRI_E_BAD_QUANT;
+    }
+    if (nnz == 0)
+        return COLIBRI_OK;
+
+    /* Sizes fit size_t even on 32-bit targets: all lie within nbytes. */
+    const uint8_t *row_ptr = scale + 4u * (size_t)rows;
+    const uint8_t *col = row_ptr + 4u * ((size_t)rows + 1u);
+    const size_t col_bytes = 2u * (size_t)nnz, padded = (col_bytes + 3u) & ~(size_t)3u;
+    const uint8_t *val = col + padded;
+
+    /* row_ptr: 0, non-decreasing, nnz; so every row's range lies in [0, nnz). */
+    uint32_t prev = colibri_rd_u32(row_ptr);
+    if (prev != 0)
+        return COLIBRI_E_BAD_COMPENSATION;
+    for (uint32_t i = 1; i <= rows; i++) {
+        const uint32_t next = colibri_rd_u32(row_ptr + 4u * (size_t)i);
+        if (next < prev)
+            return COLIBRI_E_BAD_COMPENSATION;
+        prev = next;
+    }
+    if (prev != nnz)
+        return COLIBRI_E_BAD_COMPENSATION;
+    /* Columns: below cols, strictly increasing within each row. */
+    for (uint32_t i = 0; i < rows; i++) {
+        const uint32_t end = colibri_rd_u32(row_ptr + 4u * ((size_t)i + 1u));
+        uint32_t k = colibri_rd_u32(row_ptr + 4u * (size_t)i);
+        for (uint32_t last = 0, first = 1; k < end; k++, first = 0) {
+            const uint32_t j = colibri_rd_u16(col + 2u * (size_t)k);
+            if (j >= c.cols || (!first && j <= last))
+                return COLIBRI_E_BAD_COMPENSATION;
+            last = j;
+        }
+    }
+    /* Pad bytes zero; values finite (f16 exponent not all ones). */
+    if (any_set(col + col_bytes, padded - col_bytes))
+        return COLIBRI_E_BAD_COMPENSATION;
+    for (uint32_t k = 0; k < nnz; k++)
+        if ((colibri_rd_u16(val + 2u * (size_t)k) & 0x7C00u) == 0x7C00u)
+            return COLIBRI_E_BAD_COMPENSATION;
+    return COLIBRI_OK;
+}
+
+/* Bit sets of dtypes a tensor role accepts. */
+#define DT(d) (1u << (d))
+enum {
+    WEIGHT_DTYPES = DT(COLIBRI_DTYPE_F32) | DT(COLIBRI_DTYPE_F16) | DT(COLIBRI_DTYPE_I8),
+    F32_ONLY = DT(COLIBRI_DTYPE_F32),
+    I32_ONLY = DT(COLIBRI_DTYPE_I32),
+};
+
 typedef enum { REQUIRED, OPTIONAL } ref_need;
 
-/* Tensor reference `index` for a role: present (or NONE if optional), of this
- * dtype and shape: [rows] when ndim is 1, [rows, cols] when ndim is 2. */
+/* Tensor reference `index` for a role: present (or NONE if optional), of one
+ * of these dtypes and this shape: [rows] when ndim is 1, [rows, cols] when
+ * ndim is 2. */
 static colibri_status check_ref(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                ref_need need, uint8_t dtype, uint8_t ndim, uint32_t rows, uint32_t cols)
+                                ref_need need, unsigned dtypes, uint8_t ndim, uint32_t rows, uint32_t cols)
 {
     if (index == COLIBRI_NONE && need == OPTIONAL)
         return COLIBRI_OK;
@@ -207,21 +323,38 @@ static colibri_status check_ref(const uint8_t *image, const colibri_header *h, u
         return COLIBRI_E_BAD_REF;
     colibri_tensor t;
     colibri_read_tensor(image, h, index, &t);
-    if (t.dtype != dtype || t.ndim != ndim || t.rows != rows || t.cols != cols)
+    /* dtype <= COLIBRI_DTYPE_Q8_PARAMS (pass 1), so the shift is defined. */
+    if (!(dtypes & DT(t.dtype)) || t.ndim != ndim || t.rows != rows || t.cols != cols)
         return COLIBRI_E_BAD_REF;
     return COLIBRI_OK;
 }
 
+/* A weight matrix [rows, cols]: F32, F16 or I8. */
 static colibri_status check_matrix(const uint8_t *image, const colibri_header *h, uint32_t index,
                                    ref_need need, uint32_t rows, uint32_t cols)
 {
-    return check_ref(image, h, index, need, COLIBRI_DTYPE_F32, 2, rows, cols);
+    return check_ref(image, h, index, need, WEIGHT_DTYPES, 2, rows, cols);
 }
 
+/* A bias or norm parameter [n]: F32. */
 static colibri_status check_vector(const uint8_t *image, const colibri_header *h, uint32_t index,
                                    ref_need need, uint32_t n)
 {
-    return check_ref(image, h, index, need, COLIBRI_DTYPE_F32, 1, n, 1);
+    return check_ref(image, h, index, need, F32_ONLY, 1, n, 1);
+}
+
+/* Is tensor `index` (a checked reference) int8? */
+static int is_i8(const uint8_t *image, const colibri_header *h, uint32_t index)
+{
+    colibri_tensor t;
+    colibri_read_tensor(image, h, index, &t);
+    return t.dtype == COLIBRI_DTYPE_I8;
+}
+
+static void widen(uint32_t *dim, uint32_t v)
+{
+    if (v > *dim)
+        *dim = v;
 }
 
 /* ---- Experts ---- */
@@ -234,7 +367,7 @@ static colibri_status check_expert(const uint8_t *image, const colibri_header *h
     colibri_read_expert(image, h, index, &e);
     const int glu = e.kind == COLIBRI_EXPERT_GLU;
     if ((e.kind != COLIBRI_EXPERT_MLP && !glu) || !is_activation(e.activation) ||
-        e.reserved != 0 || e.hidden == 0)
+        (e.flags & ~COLIBRI_EXPERT_FLAG_INT8_ACT) || e.hidden == 0)
         return COLIBRI_E_BAD_MOE;
     if (glu ? e.w3 == COLIBRI_NONE : (e.w3 != COLIBRI_NONE || e.b3 != COLIBRI_NONE))
         return COLIBRI_E_BAD_MOE;
@@ -257,8 +390,14 @@ static colibri_status check_expert(const uint8_t *image, const colibri_header *h
         (st = check_vector(image, h, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
         return st;
 
-    if (hid > m->hidden)
-        m->hidden = hid;
+    /* INT8_ACT: every weight int8 (the references are valid by now). */
+    if (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) {
+        if (!is_i8(image, h, e.w1) || !is_i8(image, h, e.w2) || (glu && !is_i8(image, h, e.w3)))
+            return COLIBRI_E_BAD_MOE;
+        widen(&m->qwidth, d); /* quantised rows: x for w1 (w3), then the hidden for w2 */
+        widen(&m->qwidth, hid);
+    }
+    widen(&m->hidden, hid);
     return COLIBRI_OK;
 }
 
@@ -341,7 +480,7 @@ static colibri_status check_moe(const uint8_t *image, const colibri_header *h, u
     if ((uint64_t)moe.first_expert + used > h->expert_count)
         return COLIBRI_E_BAD_REF;
 
-    colibri_status st = check_ref(image, h, moe.expert_map, REQUIRED, COLIBRI_DTYPE_I32, 1, routes, 1);
+    colibri_status st = check_ref(image, h, moe.expert_map, REQUIRED, I32_ONLY, 1, routes, 1);
     if (st != COLIBRI_OK)
         return st;
     colibri_tensor map;
@@ -386,7 +525,8 @@ static const uint8_t op_rules[] = {
 static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width)
 {
     const unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
-    if (!(rules & KNOWN) || l->reserved != 0 || l->reserved_set ||
+    if (!(rules & KNOWN) || l->reserved_set || (l->flags & ~COLIBRI_LAYER_FLAG_INT8_ACT) ||
+        ((l->flags & COLIBRI_LAYER_FLAG_INT8_ACT) && l->op != COLIBRI_OP_LINEAR) ||
         (l->op == COLIBRI_OP_ACTIVATION ? !is_activation(l->kind) : l->kind != 0))
         return COLIBRI_E_BAD_LAYER;
     if (l->in_features != width)
@@ -422,6 +562,11 @@ static colibri_status check_program(const uint8_t *image, colibri_model *m)
             if ((st = check_matrix(image, h, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
                 (st = check_vector(image, h, l.t1, OPTIONAL, out)) != COLIBRI_OK)
                 return st;
+            if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) {
+                if (!is_i8(image, h, l.t0))
+                    return COLIBRI_E_BAD_LAYER;
+                widen(&m->qwidth, in);
+            }
             break;
         case COLIBRI_OP_LAYERNORM:
         case COLIBRI_OP_RMSNORM: /* RMSNORM's t1 is NONE (checked above) */
@@ -481,13 +626,21 @@ colibri_status colibri_check(const void *image, size_t image_len, colibri_model 
         !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE))
         return COLIBRI_E_TABLE_BOUNDS;
 
+    /* Pass 1: every tensor record on its own. */
     for (uint32_t i = 0; i < h->tensor_count; i++) {
         colibri_tensor t;
         colibri_read_tensor(p, h, i, &t);
-        if ((st = check_tensor(h, &t)) != COLIBRI_OK)
+        if ((st = check_tensor(p, h, &t)) != COLIBRI_OK)
             return st;
-        if (t.dtype == COLIBRI_DTYPE_F32)
+        if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8)
             m->parameters += (uint64_t)t.rows * t.cols;
+    }
+    /* Pass 2: every I8 tensor's companion. */
+    for (uint32_t i = 0; i < h->tensor_count; i++) {
+        colibri_tensor t;
+        colibri_read_tensor(p, h, i, &t);
+        if (t.dtype == COLIBRI_DTYPE_I8 && (st = check_quant(p, h, &t)) != COLIBRI_OK)
+            return st;
     }
     return check_program(p, m);
 }

@@ -55,7 +55,7 @@ typedef struct colibri_tensor {
 
 typedef struct colibri_layer {
     uint8_t op, kind;
-    uint16_t reserved;
+    uint16_t flags;     /* COLIBRI_LAYER_FLAG_* */
     uint32_t in_features, out_features;
     uint32_t t0, t1;
     float eps;
@@ -72,7 +72,7 @@ typedef struct colibri_moe {
 
 typedef struct colibri_expert {
     uint8_t kind, activation;
-    uint16_t reserved;
+    uint16_t flags;     /* COLIBRI_EXPERT_FLAG_* */
     uint32_t hidden;
     uint32_t w1, b1, w2, b2, w3, b3;
 } colibri_expert;
@@ -86,8 +86,8 @@ void colibri_read_moe(const uint8_t *image, const colibri_header *h, uint32_t in
 void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_expert *e);
 
 /* Payload of tensor `index` of a validated, 4-byte aligned image; NULL for
- * COLIBRI_NONE. Payloads are 32-byte aligned within the image, so f32 and i32
- * data are read in place. */
+ * COLIBRI_NONE. Payloads are 32-byte aligned within the image, so every dtype
+ * (and every Q8_PARAMS field) is read in place. */
 static inline const void *colibri_payload(const uint8_t *image, const colibri_header *h, uint32_t index)
 {
     if (index == COLIBRI_NONE)
@@ -107,11 +107,12 @@ typedef struct colibri_model {
     uint32_t select;         /* K: largest selection of one token */
     uint32_t experts;        /* N: most routed experts of one MoE layer */
     uint32_t depth;          /* deepest residual stack */
+    uint32_t qwidth;         /* Q: widest input row of an INT8_ACT matrix, 0 if none */
     /* For colibri_get_info(), summed over MoE layers. */
     uint32_t moe_layers;
     uint32_t routed_experts;
     uint32_t shared_experts;
-    uint64_t parameters;     /* elements of all f32 tensors */
+    uint64_t parameters;     /* elements of all F32, F16 and I8 tensors */
 } colibri_model;
 
 /* Full validation (colibri_validate); fills *m on success. Reads the image

@@ -1,28 +1,75 @@
 /*
- * The numeric kernels the graph code calls, and nothing else: the portable
- * reference is kernels/colibri_kernels_ref.c; an optimised backend (AVX2,
- * NEON, CMSIS-DSP) replaces that file at compile time with the same
- * signatures. Inputs are const; the one non-const pointer is the output
- * (or the data transformed in place). Matrices are row-major; a weight
- * matrix is [out, in], as torch.nn.Linear.weight.
+ * The numeric kernels the graph code calls, and nothing else. Inputs are
+ * const; the one non-const pointer is the output (or the data transformed in
+ * place). Matrices are row-major; a weight matrix is [out, in], as
+ * torch.nn.Linear.weight.
+ *
+ * Weight matrices come in several dtypes (docs/model-format.md "Quantised
+ * weights"); the graph code only ever sees a colibri_matrix and calls
+ * colibri_linear / colibri_linear_acc, which dispatch on the dtype to one
+ * matrix-times-row kernel per dtype:
+ *
+ *   kernels/colibri_kernels_ref.c   the dispatch, f32 weights, and every
+ *                                   element-wise kernel below
+ *   kernels/colibri_kernels_f16.c   f16 weights, f32 activations
+ *   kernels/colibri_kernels_q8.c    int8 weights with f32 activations, int8
+ *                                   weights with int8 activations, and the
+ *                                   activation quantiser
+ *
+ * An optimised backend (AVX2, NEON, CMSIS-DSP) replaces any of these files
+ * at compile time with the same signatures.
  */
 #ifndef COLIBRI_KERNELS_H
 #define COLIBRI_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+/* A weight matrix [rows = out, cols = in], read in place from the image.
+ * The pointers are naturally aligned (payloads are 32-byte aligned in a
+ * 4-byte aligned image, and every Q8_PARAMS field is 4-byte aligned but col,
+ * which is 2-byte aligned). */
+typedef struct colibri_matrix {
+    uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
+    uint32_t rows, cols;
+    const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
+    /* I8 only (from the Q8_PARAMS companion); otherwise NULL / 0. */
+    const float *scale;        /* [rows] per-output-channel scale s */
+    uint32_t nnz;              /* entries of the compensation term E; 0: none */
+    const uint32_t *row_ptr;   /* [rows + 1] E entries of row i: row_ptr[i] .. row_ptr[i+1]-1 */
+    const uint16_t *col;       /* [nnz] input column of each entry, < cols */
+    const uint16_t *val;       /* [nnz] f16 bits of each entry */
+} colibri_matrix;
+
+/* Int8 activations of the n rows one call reads (colibri_quantize_rows):
+ * q [n, cols] and the per-row dequantisation scales a [n]. */
+typedef struct colibri_qrows {
+    const int8_t *q;
+    const float *a;
+} colibri_qrows;
 
 /* y[i, :] = x[r, :] Wᵀ + b with r = rows ? rows[i] : i, for i < n.
- * x [*, in], w [out, in], b [out] or NULL, y [n, out]; y must not overlap x. */
-void colibri_linear_f32(const float *x, const uint16_t *rows, size_t n, size_t in,
-                        const float *w, const float *b, size_t out, float *restrict y);
+ * x [*, in], b [out] or NULL, y [n, out] with in = w->cols, out = w->rows;
+ * y must not overlap x. xq: NULL for f32 activations, or the int8 rows of
+ * x[r] (i < n) for an I8 matrix with INT8_ACT; ignored for other dtypes. */
+void colibri_linear(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                    const float *b, const colibri_qrows *xq, float *restrict y);
 
 /* y[r, :] += s · (x[i, :] Wᵀ + b) with r = rows ? rows[i] : i and
  * s = scale ? scale[i] : 1, for i < n: the gated scatter-add of expert outputs.
- * x [n, in], w [out, in], b [out] or NULL, y [*, out]; y must not overlap x. */
-void colibri_linear_acc_f32(const float *x, size_t n, size_t in,
-                            const float *w, const float *b, size_t out,
-                            const uint16_t *rows, const float *scale, float *restrict y);
+ * x [n, in], b [out] or NULL, y [*, out]; y must not overlap x. xq as for
+ * colibri_linear, here the int8 rows of x[i]. */
+void colibri_linear_acc(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                        const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                        float *restrict y);
+
+/* Per-token int8 quantisation (docs/model-format.md "Quantised weights"):
+ * for i < n, row x[r, :] with r = rows ? rows[i] : i becomes q[i, :] [in]
+ * and a[i]: m = max |x|; m = 0 gives q = 0, a = 0; otherwise
+ * q = clamp(roundf(x · (127 / m)), ±127) and a = m / 127. */
+void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_t in,
+                           int8_t *restrict q, float *restrict a);
 
 /* x[i] = act(x[i]) for i < n; kind is a COLIBRI_ACT_* code. */
 void colibri_activation_f32(float *x, size_t n, uint32_t kind);
@@ -43,5 +90,56 @@ void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, fl
 
 /* x [n] = softmax(x), n >= 1, stable (the maximum is subtracted first). */
 void colibri_softmax_f32(float *x, size_t n);
+
+/* ---- Per-dtype matrix-times-row kernels, called by the dispatch only ----
+ *
+ * Each computes, for one token row x [w->cols] and every output o < w->rows,
+ * v_o = (row o of W) · x + b_o (b NULL: no bias), and stores it:
+ * y[o] = v_o when acc is 0, y[o] += s · v_o otherwise. */
+
+void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
+                        int acc, float s, float *restrict y);
+
+void colibri_matvec_f16(const colibri_matrix *w, const float *x, const float *b,
+                        int acc, float s, float *restrict y);
+
+/* I8, f32 activations: v_o = (Σ_j (float)Q_oj · x_j) · s_o + Σ_E e · x_j + b_o. */
+void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
+                       int acc, float s, float *restrict y);
+
+/* I8, int8 activations xq [w->cols] with scale a:
+ * v_o = (float)(Σ_j Q_oj · xq_j in int32) · (s_o · a) + Σ_E e · x_j + b_o,
+ * E applied to the unquantised x. */
+void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
+                         const float *b, int acc, float s, float *restrict y);
+
+/* IEEE binary16 bits -> f32, exactly, by bit manipulation (no compiler
+ * __fp16 needed): normals, subnormals (renormalised), ±0, ±inf, NaN (the
+ * payload is kept, so a NaN stays a NaN). */
+static inline float colibri_f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (uint32_t)(h >> 10) & 0x1Fu;
+    uint32_t man = (uint32_t)h & 0x3FFu;
+    uint32_t bits;
+
+    if (exp == 0x1Fu) {              /* inf, NaN */
+        bits = sign | 0x7F800000u | man << 13;
+    } else if (exp != 0) {           /* normal: rebias 15 -> 127 */
+        bits = sign | (exp + 112u) << 23 | man << 13;
+    } else if (man == 0) {           /* ±0 */
+        bits = sign;
+    } else {                         /* subnormal man · 2^-24: normalise */
+        exp = 113u;                  /* 127 - 14, less one per shift */
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | exp << 23 | (man & 0x3FFu) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 #endif /* COLIBRI_KERNELS_H */

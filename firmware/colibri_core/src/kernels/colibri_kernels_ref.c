@@ -1,43 +1,68 @@
 /*
- * Portable reference kernels (colibri_kernels.h): plain C loops, f32
- * accumulation. Every optimised backend is tested against these.
+ * Portable reference kernels (colibri_kernels.h): the linear dispatch, f32
+ * weights and the element-wise kernels; plain C loops, f32 accumulation.
+ * Every optimised backend is tested against these.
  */
 #include <math.h>
 
 #include "../colibri_kernels.h"
 #include "colibri_format.h"
 
-void colibri_linear_f32(const float *x, const uint16_t *rows, size_t n, size_t in,
-                        const float *w, const float *b, size_t out, float *restrict y)
+/* ---- Linear layers: one dispatch on the weight dtype per token ---- */
+
+/* y = v or y += s · v for one token; see colibri_matvec_*. */
+static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
+                   const float *b, int acc, float s, float *restrict y)
 {
-    for (size_t i = 0; i < n; i++) {
-        const float *xi = x + (rows ? rows[i] : i) * in;
-        float *yi = y + i * out;
-        for (size_t o = 0; o < out; o++) {
-            const float *wo = w + o * in;
-            float acc = 0.0f;
-            for (size_t k = 0; k < in; k++)
-                acc += wo[k] * xi[k];
-            yi[o] = b ? acc + b[o] : acc;
-        }
+    switch (w->dtype) {
+    case COLIBRI_DTYPE_F16:
+        colibri_matvec_f16(w, x, b, acc, s, y);
+        break;
+    case COLIBRI_DTYPE_I8:
+        if (xq)
+            colibri_matvec_q8q8(w, x, xq, a, b, acc, s, y);
+        else
+            colibri_matvec_q8(w, x, b, acc, s, y);
+        break;
+    default: /* F32; weight dtypes are validated */
+        colibri_matvec_f32(w, x, b, acc, s, y);
+        break;
     }
 }
 
-void colibri_linear_acc_f32(const float *x, size_t n, size_t in,
-                            const float *w, const float *b, size_t out,
-                            const uint16_t *rows, const float *scale, float *restrict y)
+void colibri_linear(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                    const float *b, const colibri_qrows *xq, float *restrict y)
 {
-    for (size_t i = 0; i < n; i++) {
-        const float *xi = x + i * in;
-        float *yi = y + (rows ? rows[i] : i) * out;
-        const float s = scale ? scale[i] : 1.0f;
-        for (size_t o = 0; o < out; o++) {
-            const float *wo = w + o * in;
-            float acc = 0.0f;
-            for (size_t k = 0; k < in; k++)
-                acc += wo[k] * xi[k];
-            yi[o] += s * (b ? acc + b[o] : acc);
-        }
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++)
+        matvec(w, x + (rows ? rows[i] : i) * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f,
+               b, 0, 1.0f, y + i * out);
+}
+
+void colibri_linear_acc(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                        const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                        float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++)
+        matvec(w, x + i * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f,
+               b, 1, scale ? scale[i] : 1.0f, y + (rows ? rows[i] : i) * out);
+}
+
+void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
+                        int acc, float s, float *restrict y)
+{
+    const float *wo = w->data;
+    const size_t in = w->cols, out = w->rows;
+    for (size_t o = 0; o < out; o++, wo += in) {
+        float sum = 0.0f;
+        for (size_t k = 0; k < in; k++)
+            sum += wo[k] * x[k];
+        const float v = b ? sum + b[o] : sum;
+        if (acc)
+            y[o] += s * v;
+        else
+            y[o] = v;
     }
 }
 

@@ -1,0 +1,113 @@
+/*
+ * int8 weights Q [out, in] with per-output-channel scales s and the optional
+ * sparse f16 compensation E (W ≈ Q·S + E), docs/model-format.md "Quantised
+ * weights". Two paths, both following the format's arithmetic literally:
+ *
+ *   f32 activations:  v_o = (Σ_j (float)Q_oj · x_j) · s_o + Σ_E e · x_j + b_o
+ *   int8 activations: v_o = (float)(Σ_j Q_oj · xq_j) · (s_o · a) + Σ_E e · x_j + b_o
+ *
+ * Sums run in index order, f32 (or int32 for Q·xq), then the scale, then the
+ * E entries of the row in storage order, then the bias.
+ */
+#include <math.h>
+
+#include "../colibri_kernels.h"
+
+/* v += Σ e · x[col] over row o's compensation entries, in storage order. */
+static float add_compensation(const colibri_matrix *w, size_t o, const float *x, float v)
+{
+    if (w->nnz == 0)
+        return v;
+    for (uint32_t k = w->row_ptr[o]; k < w->row_ptr[o + 1]; k++)
+        v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
+    return v;
+}
+
+void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
+                       int acc, float s, float *restrict y)
+{
+    const int8_t *qo = w->data;
+    const size_t in = w->cols, out = w->rows;
+    for (size_t o = 0; o < out; o++, qo += in) {
+        float sum = 0.0f;
+        for (size_t k = 0; k < in; k++)
+            sum += (float)qo[k] * x[k];
+        float v = add_compensation(w, o, x, sum * w->scale[o]);
+        if (b)
+            v += b[o];
+        if (acc)
+            y[o] += s * v;
+        else
+            y[o] = v;
+    }
+}
+
+/*
+ * Σ a[k] · b[k] over int8 vectors, accumulated in 32 bits.
+ *
+ * Kept as one small function so a Cortex-M7 build can replace it with the
+ * DSP extension: sign-extend four int8 of each operand into two pairs of
+ * int16 (SXTB16, and SXTB16 of the operand rotated by 8), then two SMLAD per
+ * four products (dual 16 x 16 multiply, both added to a 32-bit accumulator),
+ * as CMSIS-NN's arm_nn_read_q7x4 + __SXTB16 + __SMLAD do. The portable form
+ * is the same arithmetic: int16 products (|Q·xq| <= 128 · 127 fits in 16
+ * bits signed pairs) summed into 32 bits. The sum wraps modulo 2^32 like
+ * SMLAD (and numpy int32) instead of overflowing, which is only possible for
+ * rows longer than 132 104 entries; done in uint32 so it is never undefined.
+ */
+static int32_t dot_i8(const int8_t *a, const int8_t *b, size_t n)
+{
+    uint32_t acc = 0;
+    for (size_t k = 0; k < n; k++)
+        acc += (uint32_t)((int32_t)(int16_t)a[k] * (int16_t)b[k]);
+    return (int32_t)acc;
+}
+
+void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
+                         const float *b, int acc, float s, float *restrict y)
+{
+    const int8_t *qo = w->data;
+    const size_t in = w->cols, out = w->rows;
+    for (size_t o = 0; o < out; o++, qo += in) {
+        const int32_t sum = dot_i8(qo, xq, in);
+        float v = add_compensation(w, o, x, (float)sum * (w->scale[o] * a));
+        if (b)
+            v += b[o];
+        if (acc)
+            y[o] += s * v;
+        else
+            y[o] = v;
+    }
+}
+
+void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_t in,
+                           int8_t *restrict q, float *restrict a)
+{
+    for (size_t i = 0; i < n; i++, q += in) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        float m = 0.0f;
+        for (size_t k = 0; k < in; k++) {
+            const float v = fabsf(xi[k]);
+            if (v > m) /* a NaN never compares greater: skipped */
+                m = v;
+        }
+        if (m == 0.0f) {
+            for (size_t k = 0; k < in; k++)
+                q[k] = 0;
+            a[i] = 0.0f;
+            continue;
+        }
+        const float inv = 127.0f / m;
+        for (size_t k = 0; k < in; k++) {
+            float v = roundf(xi[k] * inv); /* half away from zero */
+            if (v > 127.0f)
+                v = 127.0f;
+            else if (v < -127.0f)
+                v = -127.0f;
+            else if (isnan(v)) /* NaN input (or inf · 0): no int8 value; use 0 */
+                v = 0.0f;
+            q[k] = (int8_t)v;
+        }
+        a[i] = m / 127.0f;
+    }
+}

@@ -1,0 +1,142 @@
+"""Weight quantisation of a layer graph: f16, and int8 per output channel with
+a sparse f16 compensation term (W ≈ Q·S + E).
+
+Every weight matrix has a name (`weight_names`): `layers.3` for a Linear,
+`layers.5.router`, `layers.5.shared_gate`, `layers.5.experts.2.w1`,
+`layers.5.shared.0.w3`. `keep` takes fnmatch patterns of names to leave in
+f32 (`*.router`, `layers.0`); `int8_act` patterns select the layers and
+experts (`layers.0`, `layers.5.experts.*`) that also run with int8
+activations.
+"""
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from rich.progress import track
+
+from .errors import ExportError
+from .ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, Weight
+
+DTYPES = ("f32", "f16", "q8")
+DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
+F16_MAX = 65504.0
+
+
+def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8Weight:
+    """int8 per output channel; E takes the `compensation` share of largest residuals.
+
+    The largest-magnitude weights are set aside first so they do not stretch
+    their row's scale; E then stores the largest residuals W − Q·S, which are
+    mostly those outliers, as f16.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    n_e = int(round(compensation * w.size)) if cols <= 65536 else 0
+    body = np.abs(w)
+    if n_e:
+        outliers = np.argpartition(body.ravel(), w.size - n_e)[w.size - n_e :]
+        body = body.copy()
+        body.ravel()[outliers] = 0
+    scale = (body.max(axis=1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+    q[scale == 0] = 0
+    residual = w - q.astype(np.float32) * scale[:, None]
+    row_ptr = np.zeros(rows + 1, dtype=np.uint32)
+    col = np.zeros(0, dtype=np.uint16)
+    val = np.zeros(0, dtype=np.float16)
+    if n_e:
+        flat = np.argpartition(np.abs(residual).ravel(), w.size - n_e)[w.size - n_e :]
+        values = residual.ravel()[flat].astype(np.float16)
+        keep = values != 0
+        flat, values = flat[keep], values[keep]
+        order = np.argsort(flat, kind="stable")  # row-major: rows, then columns increasing
+        flat, values = flat[order], values[order]
+        r, c = np.divmod(flat, cols)
+        row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
+        col, val = c.astype(np.uint16), values
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val)
+
+
+def quantize_f16(w: np.ndarray) -> F16Weight:
+    w = np.asarray(w, dtype=np.float32)
+    if np.abs(w).max(initial=0) > F16_MAX:
+        raise ExportError(f"weight magnitude {np.abs(w).max():.3g} exceeds the f16 range ({F16_MAX:g})")
+    return F16Weight(w.astype(np.float16))
+
+
+def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
+    """(name, owner, attribute) of every weight matrix in the graph."""
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, Linear):
+            yield f"layers.{i}", layer, "weight"
+        elif isinstance(layer, MoE):
+            yield f"layers.{i}.router", layer, "router_weight"
+            if layer.shared_gate is not None:
+                yield f"layers.{i}.shared_gate", layer, "shared_gate"
+            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
+                for j, e in enumerate(experts):
+                    for attr in ("w1", "w2", "w3"):
+                        if getattr(e, attr) is not None:
+                            yield f"layers.{i}.{group}.{j}.{attr}", e, attr
+
+
+def weight_names(graph: Graph) -> list[str]:
+    return [name for name, _, _ in weight_slots(graph)]
+
+
+def _act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, Linear):
+            yield f"layers.{i}", layer
+        elif isinstance(layer, MoE):
+            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
+                for j, e in enumerate(experts):
+                    yield f"layers.{i}.{group}.{j}", e
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def quantize(
+    graph: Graph,
+    dtype: str = "q8",
+    *,
+    compensation: float = DEFAULT_COMPENSATION,
+    keep: Sequence[str] = (),
+    int8_act: Sequence[str] = (),
+    progress: bool = False,
+) -> Graph:
+    """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if not 0 <= compensation < 1:
+        raise ExportError(f"compensation must be a fraction in [0, 1), got {compensation}")
+    out = copy.deepcopy(graph)
+    slots = list(weight_slots(out))
+    for name, owner, attr in slots:
+        w: Weight = getattr(owner, attr)
+        if not isinstance(w, np.ndarray):
+            raise ExportError(f"{name} is already quantised: quantise from an f32 model")
+    names = [n for n, _, _ in slots]
+    for pattern in list(keep) + list(int8_act):
+        if not any(_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
+            raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
+    if dtype != "f32":
+        for name, owner, attr in track(slots, description=f"quantising to {dtype}", disable=not progress):
+            if _matches(name, keep):
+                continue
+            w = getattr(owner, attr)
+            setattr(owner, attr, quantize_q8(w, compensation) if dtype == "q8" else quantize_f16(w))
+    for name, target in _act_targets(out):
+        if not _matches(name, int8_act):
+            continue
+        weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
+        if not all(isinstance(w, Q8Weight) for w in weights):
+            raise ExportError(f"{name}: int8 activations need int8 weights (q8, not kept in f32)")
+        target.int8_act = True
+    return out

@@ -1,0 +1,126 @@
+"""How much quantisation costs: per-layer and end-to-end error against the f32
+model over calibration inputs, and the routing agreement of every MoE layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.progress import Progress
+
+from . import reference
+from .ir import Graph, dense
+from .quantize import weight_slots
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    den = float(np.linalg.norm(want))
+    return float(np.linalg.norm(got - want)) / den if den else float(np.linalg.norm(got))
+
+
+@dataclass
+class LayerError:
+    index: int
+    op: str
+    rel_l2: float  # of this layer's output, quantised model vs f32 model (errors accumulate)
+    abs_errors: np.ndarray  # |Δ| of every output element, for the plot
+
+
+@dataclass
+class QuantReport:
+    layers: list[LayerError]
+    weights: dict[str, float]  # relative L2 error of every quantised weight matrix
+    routing_agreement: dict[int, float]  # MoE layer index -> share of tokens with the same expert set
+    outputs_f32: np.ndarray
+    outputs_quantised: np.ndarray
+    tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def end_to_end_rel_l2(self) -> float:
+        return rel_l2(self.outputs_quantised, self.outputs_f32)
+
+    @property
+    def max_abs_error(self) -> float:
+        return float(np.abs(self.outputs_quantised - self.outputs_f32).max())
+
+    def lines(self) -> list[str]:
+        out = [f"{'layer':>5}  {'op':<12} {'rel L2 (cumulative)':>20}"]
+        for e in self.layers:
+            out.append(f"{e.index:>5}  {e.op:<12} {e.rel_l2:>20.3e}")
+        by_layer: dict[str, list[float]] = {}
+        for name, err in self.weights.items():
+            by_layer.setdefault(".".join(name.split(".")[:2]), []).append(err)
+        for layer, errs in by_layer.items():
+            out.append(f"weights of {layer}: {len(errs)} quantised, rel L2 mean {np.mean(errs):.3e} max {max(errs):.3e}")
+        for i, share in self.routing_agreement.items():
+            out.append(f"routing agreement, MoE at layer {i}: {share * 100:.2f}% of {self.tokens} tokens")
+        out.append(f"end to end over {self.tokens} tokens: rel L2 {self.end_to_end_rel_l2:.3e}, max |Δ| {self.max_abs_error:.3e}")
+        return out
+
+    def plot(self, path: str | Path) -> None:
+        """Box plot of log10 |Δ| per layer."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(self.layers)), 4))
+        data = [np.log10(e.abs_errors.ravel() + 1e-12) for e in self.layers]
+        ax.boxplot(data, showfliers=False)
+        ax.set_xticks(range(1, len(self.layers) + 1), [f"{e.index}\n{e.op}" for e in self.layers], fontsize=7)
+        ax.set_ylabel("log10 |quantised − f32|")
+        ax.set_title(f"Quantisation error per layer ({self.tokens} tokens, end-to-end rel L2 {self.end_to_end_rel_l2:.2e})")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _trace(graph: Graph, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[list[list[frozenset]]]]:
+    outputs: list[np.ndarray] = []
+    routes: list[list[frozenset]] = []
+    y = reference.run(
+        graph, x,
+        on_layer=lambda i, layer, out: outputs.append(out.copy()),
+        on_route=lambda moe, sel: routes.append([frozenset(s for s, _ in token) for token in sel]),
+    )
+    return y, outputs, routes
+
+
+def quantisation_report(f32: Graph, quantised: Graph, calibration: np.ndarray, *, batch: int = 256,
+                        progress: bool = False) -> QuantReport:
+    """Runs both graphs through the numpy reference over the calibration inputs."""
+    x = np.asarray(calibration, dtype=np.float32).reshape(-1, f32.input_size)
+    moe_layers = [i for i, layer in enumerate(f32.layers) if type(layer).__name__ == "MoE"]
+    per_layer: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in f32.layers]
+    same = np.zeros(len(moe_layers))
+    ys, yqs = [], []
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("quantisation report", total=len(x))
+        for start in range(0, len(x), batch):
+            chunk = x[start : start + batch]
+            y, outs, routes = _trace(f32, chunk)
+            yq, outs_q, routes_q = _trace(quantised, chunk)
+            ys.append(y)
+            yqs.append(yq)
+            for i, (a, b) in enumerate(zip(outs, outs_q)):
+                per_layer[i].append((b, a))
+            for j, (r, rq) in enumerate(zip(routes, routes_q)):
+                same[j] += sum(a == b for a, b in zip(r, rq))
+            bar.advance(task, len(chunk))
+    layers = []
+    for i, pairs in enumerate(per_layer):
+        got = np.concatenate([b for b, _ in pairs])
+        want = np.concatenate([a for _, a in pairs])
+        layers.append(LayerError(i, type(f32.layers[i]).__name__, rel_l2(got, want), np.abs(got - want)))
+    originals = {name: getattr(owner, attr) for name, owner, attr in weight_slots(f32)}
+    weights = {
+        name: rel_l2(dense(getattr(owner, attr)), originals[name])
+        for name, owner, attr in weight_slots(quantised)
+        if not isinstance(getattr(owner, attr), np.ndarray)
+    }
+    return QuantReport(
+        layers=layers, weights=weights,
+        routing_agreement={i: float(s / len(x)) for i, s in zip(moe_layers, same)},
+        outputs_f32=np.concatenate(ys), outputs_quantised=np.concatenate(yqs), tokens=len(x),
+    )
