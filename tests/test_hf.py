@@ -10,29 +10,15 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import MixtralConfig, Qwen2MoeConfig, SwitchTransformersConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-from transformers.models.switch_transformers.modeling_switch_transformers import (
-    SwitchTransformersSparseMLP,
-)
 
 import colibri
 from colibri import exporter, hf, reference
 from colibri.errors import ExportError
 from colibri.format import Routing
 
+import hfblocks
+
 assert hf.CONVERTERS is exporter.CONVERTERS
-
-
-def _randomise(module: nn.Module, seed: int) -> nn.Module:
-    """Fill every parameter with N(0, 1/fan_in): transformers 5 leaves torch.empty params uninitialised here."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            fan_in = p.shape[-1] if p.ndim >= 2 else 4
-            p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
-    return module.eval()
 
 
 def _input(batch: int, tokens: int, hidden: int, seed: int) -> torch.Tensor:
@@ -76,15 +62,9 @@ MIXTRAL = [  # hidden, intermediate, experts, top_k, activation, tokens
 ]
 
 
-def _mixtral(hidden: int, inter: int, experts: int, top_k: int, act: str, seed: int) -> nn.Module:
-    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
-                        num_experts_per_tok=top_k, hidden_act=act)
-    return _randomise(MixtralSparseMoeBlock(cfg), seed)
-
-
 @pytest.mark.parametrize("hidden,inter,experts,top_k,act,tokens", MIXTRAL)
 def test_mixtral_matches_hf(hidden: int, inter: int, experts: int, top_k: int, act: str, tokens: int) -> None:
-    block = _mixtral(hidden, inter, experts, top_k, act, seed=hidden * experts + top_k)
+    block = hfblocks.mixtral(hidden, inter, experts, top_k, act, seed=hidden * experts + top_k)
     result = _export_and_check(block, _input(1, tokens, hidden, seed=tokens))
     (moe,) = result.graph.moe_layers()
     assert moe.routing == Routing.TOPK_SOFTMAX and moe.top_k == top_k and len(moe.experts) == experts
@@ -92,7 +72,7 @@ def test_mixtral_matches_hf(hidden: int, inter: int, experts: int, top_k: int, a
 
 def test_mixtral_fused_weight_split() -> None:
     """gate_up_proj[e] = [w1 (activated gate); w3 (up)], down_proj[e] = w2: checked directly on the weights."""
-    block = _mixtral(8, 6, 3, 2, "silu", seed=3)
+    block = hfblocks.mixtral(8, 6, 3, 2, "silu", seed=3)
     (moe,) = exporter.to_layers(block)
     gu, down = block.experts.gate_up_proj.detach().numpy(), block.experts.down_proj.detach().numpy()
     for e, ex in enumerate(moe.experts):
@@ -137,7 +117,7 @@ class MixtralSparseMoeBlock4(nn.Module):
 
 
 def test_mixtral_v4_layout() -> None:
-    block = _randomise(MixtralSparseMoeBlock4(12, 10, 4, 2), seed=7)
+    block = hfblocks.randomised(MixtralSparseMoeBlock4(12, 10, 4, 2), seed=7)
     exporter.CONVERTERS["MixtralSparseMoeBlock4"] = hf.convert_mixtral
     try:
         _export_and_check(block, _input(1, 9, 12, seed=7))
@@ -157,17 +137,10 @@ QWEN = [  # hidden, moe_inter, shared_inter, experts, top_k, norm_topk_prob, act
 ]
 
 
-def _qwen(hidden: int, inter: int, shared: int, experts: int, top_k: int, norm: bool, act: str,
-          seed: int) -> nn.Module:
-    cfg = Qwen2MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, shared_expert_intermediate_size=shared,
-                         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm, hidden_act=act)
-    return _randomise(Qwen2MoeSparseMoeBlock(cfg), seed)
-
-
 @pytest.mark.parametrize("hidden,inter,shared,experts,top_k,norm,act,tokens", QWEN)
 def test_qwen2_moe_matches_hf(hidden: int, inter: int, shared: int, experts: int, top_k: int, norm: bool,
                               act: str, tokens: int) -> None:
-    block = _qwen(hidden, inter, shared, experts, top_k, norm, act, seed=hidden + experts * top_k + norm)
+    block = hfblocks.qwen2_moe(hidden, inter, shared, experts, top_k, norm, act, seed=hidden + experts * top_k + norm)
     result = _export_and_check(block, _input(1, tokens, hidden, seed=tokens + 1))
     (moe,) = result.graph.moe_layers()
     assert moe.routing == Routing.SOFTMAX_TOPK and moe.renormalize == norm and moe.top_k == top_k
@@ -186,16 +159,10 @@ SWITCH = [  # d_model, d_ff, experts, router_bias, activation, tokens
 ]
 
 
-def _switch(d: int, ff: int, experts: int, bias: bool, act: str, capacity: int, seed: int) -> nn.Module:
-    cfg = SwitchTransformersConfig(d_model=d, d_ff=ff, num_experts=experts, router_bias=bias,
-                                   dense_act_fn=act, expert_capacity=capacity)
-    return _randomise(SwitchTransformersSparseMLP(cfg), seed)
-
-
 @pytest.mark.parametrize("d,ff,experts,bias,act,tokens", SWITCH)
 def test_switch_matches_hf(d: int, ff: int, experts: int, bias: bool, act: str, tokens: int) -> None:
     # capacity >= tokens per sequence: HF drops no token, which is what Colibri computes.
-    block = _switch(d, ff, experts, bias, act, capacity=tokens, seed=d + experts + bias)
+    block = hfblocks.switch(d, ff, experts, bias, act, capacity=tokens, seed=d + experts + bias)
     result = _export_and_check(block, _input(1, tokens, d, seed=tokens + 2))
     (moe,) = result.graph.moe_layers()
     assert moe.routing == Routing.TOP1 and (moe.router_bias is not None) == bias
@@ -203,13 +170,13 @@ def test_switch_matches_hf(d: int, ff: int, experts: int, bias: bool, act: str, 
 
 def test_switch_several_sequences() -> None:
     """Capacity counts per sequence: 3 sequences of 5 tokens with capacity 5 drop nothing."""
-    block = _switch(12, 16, 4, True, "relu", capacity=5, seed=11)
+    block = hfblocks.switch(12, 16, 4, True, "relu", capacity=5, seed=11)
     _export_and_check(block, _input(3, 5, 12, seed=11))
 
 
 def test_switch_capacity_not_modelled() -> None:
     """With a binding capacity HF zeroes the overflow tokens; the image runs them. Elsewhere they agree."""
-    block = _switch(8, 12, 2, False, "relu", capacity=1, seed=5)
+    block = hfblocks.switch(8, 12, 2, False, "relu", capacity=1, seed=5)
     x = _input(1, 12, 8, seed=5)
     want = _hf_forward(block, x)
     result = exporter.export(block, None, max_batch=12)
@@ -224,33 +191,33 @@ def test_switch_capacity_not_modelled() -> None:
 
 
 def test_refuses_unsupported_activation_with_path() -> None:
-    block = _mixtral(8, 6, 3, 2, "quick_gelu", seed=1)
+    block = hfblocks.mixtral(8, 6, 3, 2, "quick_gelu", seed=1)
     with pytest.raises(ExportError, match=r"model\.1\.experts\.act_fn .*QuickGELU"):
         exporter.export(nn.Sequential(nn.Identity(), block), None, max_batch=4)
 
 
 def test_refuses_clipped_gelu_in_shared_expert() -> None:
-    block = _qwen(8, 6, 4, 3, 2, True, "gelu_10", seed=1)
+    block = hfblocks.qwen2_moe(8, 6, 4, 3, 2, True, "gelu_10", seed=1)
     with pytest.raises(ExportError, match=r"model\.experts\.act_fn"):
         exporter.export(block, None, max_batch=4)
 
 
 def test_refuses_biased_shared_gate() -> None:
-    block = _qwen(8, 6, 4, 3, 2, False, "silu", seed=2)
+    block = hfblocks.qwen2_moe(8, 6, 4, 3, 2, False, "silu", seed=2)
     block.shared_expert_gate = nn.Linear(8, 1, bias=True)
     with pytest.raises(ExportError, match=r"model\.shared_expert_gate .*bias"):
         exporter.export(block, None, max_batch=4)
 
 
 def test_refuses_non_default_fused_layout() -> None:
-    block = _mixtral(8, 6, 3, 2, "silu", seed=3)
+    block = hfblocks.mixtral(8, 6, 3, 2, "silu", seed=3)
     block.experts.is_transposed = True
     with pytest.raises(ExportError, match=r"model\.experts .*is_transposed"):
         exporter.export(block, None, max_batch=4)
 
 
 def test_refuses_zero_capacity() -> None:
-    block = _switch(8, 12, 2, False, "relu", capacity=0, seed=4)
+    block = hfblocks.switch(8, 12, 2, False, "relu", capacity=0, seed=4)
     with pytest.raises(ExportError, match=r"model\.router .*expert_capacity=0"):
         exporter.export(block, None, max_batch=4)
 
@@ -262,9 +229,9 @@ def test_refuses_zero_capacity() -> None:
 def test_engine_matches_hf(kind: str) -> None:
     tokens, hidden = 13, 16
     block = {
-        "mixtral": lambda: _mixtral(hidden, 24, 4, 2, "silu", seed=21),
-        "qwen2_moe": lambda: _qwen(hidden, 8, 12, 4, 2, True, "silu", seed=22),
-        "switch": lambda: _switch(hidden, 24, 4, True, "relu", capacity=tokens, seed=23),
+        "mixtral": lambda: hfblocks.mixtral(hidden, 24, 4, 2, "silu", seed=21),
+        "qwen2_moe": lambda: hfblocks.qwen2_moe(hidden, 8, 12, 4, 2, True, "silu", seed=22),
+        "switch": lambda: hfblocks.switch(hidden, 24, 4, True, "relu", capacity=tokens, seed=23),
     }[kind]()
     x = _input(1, tokens, hidden, seed=24)
     result = _export_and_check(block, x)
