@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests header clean
+.PHONY: setup demo test engine engine-all c-tests firmware header clean
 
 setup:
 	./scripts/setup.sh
@@ -21,16 +21,22 @@ c-tests: engine-all
 	$(MAKE) -C tests/c VARIANT=asan
 	$(MAKE) -C tests/c VARIANT=tsan
 
+# The runner firmware: QEMU's mps2-an500 (the test target) and the NUCLEO-H743ZI.
+firmware: engine-all
+	$(MAKE) -C firmware/runner BOARD=mps2_an500
+	$(MAKE) -C firmware/runner BOARD=nucleo_h743zi
+
 header: setup
 	.venv/bin/colibri gen-header
 
 demo: setup
 	$(PY) examples/quickstart.py
 
-test: setup c-tests
+test: setup c-tests firmware
 	.venv/bin/pytest -n 2
 
 clean:
 	$(MAKE) -C $(CORE) clean
 	$(MAKE) -C tests/c clean
+	rm -rf firmware/runner/build
 	rm -rf build *.egg-info host_tools/*.egg-info

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (ColibriError, OSError, ValueError, ImportError) as exc:
+        except (ColibriError, OSError, ValueError, ImportError, subprocess.SubprocessError) as exc:
             click.echo(f"colibri: error: {exc}", err=True)
             sys.exit(1)
 
@@ -275,6 +276,100 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
         if plot:
             rep.plot(plot)
             click.echo(f"wrote {plot}")
+
+
+def _target(port: str | None, baud: int, firmware: Path | None):
+    """A context manager giving a Device: the board on `port`, or the runner booted in QEMU."""
+    import contextlib
+
+    from .device import Device
+    from .pytest_plugin import build_runner
+    from .qemu import Qemu
+
+    @contextlib.contextmanager
+    def opened():
+        if port is not None:
+            with Device(port, baudrate=baud) as dev:
+                yield dev, None
+            return
+        elf = firmware or build_runner()
+        with Qemu(elf) as q, Device(q.url) as dev:
+            yield dev, elf
+
+    return opened()
+
+
+def _port_options(fn):
+    options = [
+        click.option("--port", help="Serial port of a board running the runner (default: boot it in QEMU)."),
+        click.option("--baud", default=115200, show_default=True, help="Baud rate for --port."),
+        click.option("--firmware", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="Runner ELF for QEMU (default: build firmware/runner for mps2_an500)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@main.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_port_options
+@click.option("--seed", default=0, show_default=True, help="Seed of the random inputs.")
+def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, seed: int) -> None:
+    """Run MODEL on the target and compare its answers with the host engine."""
+    from . import engine
+    from .footprint import elf_footprint
+
+    data = model_path.read_bytes()
+    host = engine.Model(data)
+    rng = np.random.default_rng(seed)
+    with _target(port, baud, firmware) as (dev, elf):
+        hello = dev.hello()
+        click.echo(f"target: {hello.board}, engine {hello.engine_version}, {hello.build_flags}")
+        info = dev.load(data, progress=True)
+        worst = 0.0
+        for batch in sorted({1, info.max_batch}):
+            x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
+            y, work = dev.forward(x)
+            want = host.forward(x)
+            err = float(np.abs(y - want).max())
+            worst = max(worst, err / (1 + float(np.abs(want).max())))
+            click.echo(f"batch {batch}: max |device - host| {err:.3g}; work {work} ({work.count / batch:,.0f} per token)")
+        stats = dev.stats()
+    click.echo(f"model {len(data):,} B, arena {info.arena_size:,} B, stack high-water {stats.stack_used:,} of {stats.stack_size:,} B")
+    if elf is not None:
+        fp = elf_footprint(elf)
+        click.echo(f"runner firmware: flash {fp.flash:,} B, static RAM {fp.ram:,} B ({elf.name})")
+    if worst > 1e-5:
+        raise ColibriError(f"device and host disagree: max error {worst:.3g} x (1 + max|y|) > 1e-5")
+    click.echo("device agrees with the host engine")
+
+
+@main.command()
+@click.argument("model_path", metavar="MODEL", required=False,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_port_options
+def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Path | None) -> None:
+    """Flash and RAM of the engine alone, of the runner, and for MODEL (with the stack measured on target)."""
+    from .footprint import elf_footprint, engine_footprint
+
+    eng = engine_footprint()
+    click.echo(f"engine (Cortex-M7 libcolibri.a): code {eng.flash:,} B flash, {eng.ram:,} B static RAM")
+    if model_path is None and firmware is None and port is None:
+        return
+    with _target(port, baud, firmware) as (dev, elf):
+        if elf is not None:
+            fp = elf_footprint(elf)
+            hello = dev.hello()
+            click.echo(f"runner ({elf.name}): flash {fp.flash:,} B, static RAM {fp.ram:,} B "
+                       f"(of which model buffer {hello.model_capacity:,} B, arena {hello.arena_capacity:,} B)")
+        if model_path is not None:
+            data = model_path.read_bytes()
+            info = dev.load(data, progress=True)
+            dev.forward(np.zeros((info.max_batch, info.input_size), np.float32))
+            stats = dev.stats()
+            click.echo(f"model {model_path.name}: {len(data):,} B image, {info.arena_size:,} B arena, "
+                       f"stack high-water {stats.stack_used:,} B of {stats.stack_size:,} B")
 
 
 @main.command("gen-header")

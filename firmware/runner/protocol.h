@@ -1,0 +1,44 @@
+/*
+ * The runner wire protocol, version 1 (docs/protocol.md): packet layout,
+ * request types and STATUS codes.
+ */
+#ifndef RUNNER_PROTOCOL_H
+#define RUNNER_PROTOCOL_H
+
+#define PROTO_VERSION 1u
+#define PROTO_MAX_PAYLOAD 4096u
+#define PROTO_HEADER_SIZE 8u  /* u8 type, u8 flags, u16 seq, u32 length */
+#define PROTO_CRC_SIZE 4u     /* CRC-32 (zlib) of header + payload */
+#define PROTO_OVERHEAD (PROTO_HEADER_SIZE + PROTO_CRC_SIZE)
+#define PROTO_RESPONSE 0x80u
+#define PROTO_UNKNOWN_SEQ 0xFFFFu
+#define PROTO_MESSAGE_MAX 96u /* bytes of text after a STATUS code */
+
+/* Request types; a response has type | PROTO_RESPONSE, or is STATUS. */
+#define PROTO_HELLO 0x01u
+#define PROTO_LOAD_BEGIN 0x10u
+#define PROTO_LOAD_CHUNK 0x11u
+#define PROTO_LOAD_END 0x12u
+#define PROTO_INFO 0x20u
+#define PROTO_FORWARD 0x30u
+#define PROTO_STATS 0x40u
+#define PROTO_RESET 0x50u
+#define PROTO_STATUS 0x7Fu
+
+/* STATUS codes beyond the engine's own (0 and -1 ... -99, colibri.h). */
+#define PROTO_OK 0
+#define PROTO_FRAME_CRC (-100)
+#define PROTO_FRAME_DECODE (-101)
+#define PROTO_FRAME_TOO_LONG (-102)
+#define PROTO_FRAME_LENGTH (-103)
+#define PROTO_UNKNOWN_TYPE (-104)
+#define PROTO_BAD_PAYLOAD (-105)
+#define PROTO_NO_MODEL (-106)
+#define PROTO_LOAD_SEQUENCE (-107)
+#define PROTO_LOAD_CRC (-108)
+#define PROTO_TOO_LARGE (-109)
+
+/* FORWARD response header: u32 batch, u32 work_kind, u64 work. */
+#define PROTO_FORWARD_HEADER 16u
+
+#endif /* RUNNER_PROTOCOL_H */

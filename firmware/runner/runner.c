@@ -1,0 +1,557 @@
+/*
+ * Colibri runner: serves the wire protocol of docs/protocol.md on the board's
+ * console UART. It receives a model image into a static RAM buffer, builds an
+ * engine context in a static arena and runs forward passes for the host,
+ * measuring colibri_forward() alone with the board's work counter.
+ *
+ * Everything is static: no heap, no malloc. The capacities come from the
+ * board's board.mk (RUNNER_MODEL_CAPACITY, RUNNER_ARENA_CAPACITY). The model
+ * buffer and the arena are the objects runner_model and runner_arena; built
+ * with -fdata-sections they live in the sections .bss.runner_model and
+ * .bss.runner_arena, which a board's linker script may place in a particular
+ * RAM (otherwise they go with the rest of .bss).
+ */
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "board.h"
+#include "cobs.h"
+#include "colibri.h"
+#include "crc32.h"
+#include "protocol.h"
+
+#ifndef RUNNER_MODEL_CAPACITY
+#error "RUNNER_MODEL_CAPACITY (bytes) must come from the board's board.mk"
+#endif
+#ifndef RUNNER_ARENA_CAPACITY
+#error "RUNNER_ARENA_CAPACITY (bytes) must come from the board's board.mk"
+#endif
+#ifndef RUNNER_BUILD_FLAGS
+#define RUNNER_BUILD_FLAGS ""
+#endif
+
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
+#ifdef COLIBRI_QEMU_ICOUNT_SHIFT
+#define RUNNER_ICOUNT_FLAG " icount_shift=" STR(COLIBRI_QEMU_ICOUNT_SHIFT)
+#else
+#define RUNNER_ICOUNT_FLAG ""
+#endif
+
+/* The HELLO build-flags string: space-separated tokens. */
+static const char build_flags[] = RUNNER_BUILD_FLAGS " gcc=" STR(__GNUC__) "." STR(__GNUC_MINOR__) "." STR(
+    __GNUC_PATCHLEVEL__) RUNNER_ICOUNT_FLAG;
+
+/* Largest packet the runner accepts into its receive buffer. A little slack
+ * beyond MAX_PAYLOAD lets a slightly oversized request still be decoded and
+ * refused with its own seq (BAD_PAYLOAD); anything longer is FRAME_TOO_LONG. */
+#define RX_SLACK 32u
+#define RX_PACKET_MAX (PROTO_OVERHEAD + PROTO_MAX_PAYLOAD + RX_SLACK)
+#define RX_FRAME_MAX COBS_MAX_ENCODED(RX_PACKET_MAX)
+#define TX_PACKET_MAX (PROTO_OVERHEAD + PROTO_MAX_PAYLOAD)
+
+_Static_assert(RUNNER_MODEL_CAPACITY % 8u == 0u, "model capacity must be a multiple of 8");
+_Static_assert(RUNNER_ARENA_CAPACITY % 8u == 0u, "arena capacity must be a multiple of 8");
+
+static uint8_t rx_frame[RX_FRAME_MAX] __attribute__((aligned(8)));  /* encoded frame, decoded in place */
+static uint8_t tx_packet[TX_PACKET_MAX] __attribute__((aligned(8))); /* response packet before COBS */
+static uint8_t runner_model[RUNNER_MODEL_CAPACITY] __attribute__((aligned(8)));
+static uint8_t runner_arena[RUNNER_ARENA_CAPACITY] __attribute__((aligned(8)));
+static float input_buf[PROTO_MAX_PAYLOAD / sizeof(float)] __attribute__((aligned(8)));
+static float output_buf[PROTO_MAX_PAYLOAD / sizeof(float)] __attribute__((aligned(8)));
+
+static struct {
+    colibri_ctx *ctx; /* NULL: no model */
+    uint32_t image_size;
+    uint32_t input_size, output_size, max_batch;
+    uint32_t arena_used;
+
+    bool loading; /* between an accepted LOAD_BEGIN and LOAD_END */
+    uint32_t load_size;
+    uint32_t load_crc;      /* announced */
+    uint32_t load_received; /* bytes so far, = next expected offset */
+    uint32_t load_running;  /* CRC-32 of the bytes so far */
+} state;
+
+/* -- little-endian helpers ------------------------------------------------ */
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint16_t get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | p[1] << 8);
+}
+
+static uint8_t *put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    return p + 2;
+}
+
+static uint8_t *put_u32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+    return p + 4;
+}
+
+static uint8_t *put_u64(uint8_t *p, uint64_t v)
+{
+    p = put_u32(p, (uint32_t)v);
+    return put_u32(p, (uint32_t)(v >> 32));
+}
+
+/* -- STATUS messages -------------------------------------------------------- */
+
+typedef struct {
+    char text[PROTO_MESSAGE_MAX];
+    size_t len;
+} message;
+
+static void msg_str(message *m, const char *s)
+{
+    while (*s != '\0' && m->len < sizeof m->text) {
+        m->text[m->len++] = *s++;
+    }
+}
+
+static void msg_u32(message *m, uint32_t v)
+{
+    char digits[10];
+    size_t n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10u);
+        v /= 10u;
+    } while (v != 0u);
+    while (n > 0u && m->len < sizeof m->text) {
+        m->text[m->len++] = digits[--n];
+    }
+}
+
+/* -- sending ------------------------------------------------------------------ */
+
+static void uart_emit(const uint8_t *piece, size_t len)
+{
+    board_uart_write(piece, len);
+}
+
+/* Sends tx_packet with its payload of len bytes already in place. */
+static void send_packet(uint8_t type, uint16_t seq, uint32_t len)
+{
+    static const uint8_t delimiter = 0u;
+    tx_packet[0] = type;
+    tx_packet[1] = 0u;
+    put_u16(tx_packet + 2, seq);
+    put_u32(tx_packet + 4, len);
+    const size_t body = PROTO_HEADER_SIZE + len;
+    put_u32(tx_packet + body, crc32_update(0u, tx_packet, body));
+    cobs_encode_stream(tx_packet, body + PROTO_CRC_SIZE, uart_emit);
+    board_uart_write(&delimiter, 1);
+}
+
+static uint8_t *payload_out(void)
+{
+    return tx_packet + PROTO_HEADER_SIZE;
+}
+
+static void send_response(uint8_t request, uint16_t seq, const uint8_t *end)
+{
+    send_packet((uint8_t)(request | PROTO_RESPONSE), seq, (uint32_t)(end - payload_out()));
+}
+
+static void send_status_msg(uint16_t seq, int32_t code, const message *m)
+{
+    uint8_t *p = put_u32(payload_out(), (uint32_t)code);
+    memcpy(p, m->text, m->len);
+    send_packet(PROTO_STATUS, seq, (uint32_t)(4u + m->len));
+}
+
+static void send_status(uint16_t seq, int32_t code, const char *text)
+{
+    message m = {.len = 0};
+    msg_str(&m, text);
+    send_status_msg(seq, code, &m);
+}
+
+static void send_ok(uint16_t seq)
+{
+    send_status(seq, PROTO_OK, "ok");
+}
+
+/* An engine status as the STATUS code, with the engine's own text. */
+static void send_engine_status(uint16_t seq, colibri_status status)
+{
+    send_status(seq, (int32_t)status, colibri_strerror((int)status));
+}
+
+static void send_bad_payload(uint16_t seq, uint32_t got, uint32_t want)
+{
+    message m = {.len = 0};
+    msg_str(&m, "payload of ");
+    msg_u32(&m, got);
+    msg_str(&m, " bytes, expected ");
+    msg_u32(&m, want);
+    send_status_msg(seq, PROTO_BAD_PAYLOAD, &m);
+}
+
+/* -- requests ----------------------------------------------------------------- */
+
+static void drop_model(void)
+{
+    if (state.ctx != NULL) {
+        (void)colibri_free(state.ctx);
+    }
+    state.ctx = NULL;
+    state.image_size = 0u;
+    state.arena_used = 0u;
+}
+
+static void handle_hello(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u16(p, (uint16_t)PROTO_VERSION);
+    p = put_u16(p, (uint16_t)PROTO_MAX_PAYLOAD);
+    p = put_u32(p, (uint32_t)RUNNER_MODEL_CAPACITY);
+    p = put_u32(p, (uint32_t)RUNNER_ARENA_CAPACITY);
+    *p++ = (uint8_t)board_work_kind();
+    const char *strings[3] = {board_name(), colibri_version(), build_flags};
+    for (size_t i = 0; i < 3u; i++) {
+        const size_t n = strlen(strings[i]);
+        const size_t room = (size_t)(tx_packet + PROTO_HEADER_SIZE + PROTO_MAX_PAYLOAD - p) - 1u;
+        memcpy(p, strings[i], n < room ? n : room);
+        p += n < room ? n : room;
+        if (i < 2u) {
+            *p++ = 0u;
+        }
+    }
+    send_response(PROTO_HELLO, seq, p);
+}
+
+static void handle_load_begin(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len != 8u) {
+        send_bad_payload(seq, len, 8u);
+        return;
+    }
+    const uint32_t size = get_u32(payload);
+    if (size > (uint32_t)RUNNER_MODEL_CAPACITY) {
+        message m = {.len = 0};
+        msg_str(&m, "image of ");
+        msg_u32(&m, size);
+        msg_str(&m, " bytes exceeds the model buffer of ");
+        msg_u32(&m, (uint32_t)RUNNER_MODEL_CAPACITY);
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return;
+    }
+    drop_model(); /* the buffer is about to be overwritten */
+    state.loading = true;
+    state.load_size = size;
+    state.load_crc = get_u32(payload + 4);
+    state.load_received = 0u;
+    state.load_running = 0u;
+    send_ok(seq);
+}
+
+static void handle_load_chunk(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < 4u) {
+        send_bad_payload(seq, len, 4u);
+        return;
+    }
+    if (!state.loading) {
+        send_status(seq, PROTO_LOAD_SEQUENCE, "LOAD_CHUNK without LOAD_BEGIN");
+        return;
+    }
+    const uint32_t offset = get_u32(payload);
+    const uint32_t n = len - 4u;
+    if (offset != state.load_received) {
+        message m = {.len = 0};
+        msg_str(&m, "chunk at offset ");
+        msg_u32(&m, offset);
+        msg_str(&m, ", expected ");
+        msg_u32(&m, state.load_received);
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    if (n > state.load_size - state.load_received) {
+        message m = {.len = 0};
+        msg_str(&m, "chunk runs past the announced image of ");
+        msg_u32(&m, state.load_size);
+        msg_str(&m, " bytes");
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    memcpy(runner_model + offset, payload + 4, n);
+    state.load_running = crc32_update(state.load_running, payload + 4, n);
+    state.load_received += n;
+    send_ok(seq);
+}
+
+static void handle_load_end(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    if (!state.loading) {
+        send_status(seq, PROTO_LOAD_SEQUENCE, "LOAD_END without LOAD_BEGIN");
+        return;
+    }
+    if (state.load_received != state.load_size) {
+        message m = {.len = 0};
+        msg_str(&m, "LOAD_END after ");
+        msg_u32(&m, state.load_received);
+        msg_str(&m, " of ");
+        msg_u32(&m, state.load_size);
+        msg_str(&m, " bytes");
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    state.loading = false;
+    if (state.load_running != state.load_crc) {
+        send_status(seq, PROTO_LOAD_CRC, "image CRC-32 differs from the one announced");
+        return;
+    }
+    colibri_ctx *ctx = NULL;
+    colibri_status st = colibri_init(&ctx, runner_arena, sizeof runner_arena, runner_model, state.load_size);
+    colibri_model_info info;
+    if (st == COLIBRI_OK) {
+        st = colibri_get_info(runner_model, state.load_size, &info);
+        if (st != COLIBRI_OK) {
+            (void)colibri_free(ctx);
+        }
+    }
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    state.ctx = ctx;
+    state.image_size = state.load_size;
+    state.input_size = info.input_size;
+    state.output_size = info.output_size;
+    state.max_batch = info.max_batch;
+    state.arena_used = (uint32_t)info.arena_size;
+    send_ok(seq);
+}
+
+static void handle_info(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    if (state.ctx == NULL) {
+        send_status(seq, PROTO_NO_MODEL, "no model loaded");
+        return;
+    }
+    colibri_model_info info;
+    const colibri_status st = colibri_get_info(runner_model, state.image_size, &info);
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u32(p, info.input_size);
+    p = put_u32(p, info.output_size);
+    p = put_u32(p, info.max_batch);
+    p = put_u32(p, info.num_layers);
+    p = put_u32(p, info.num_experts);
+    p = put_u32(p, info.image_size);
+    p = put_u32(p, (uint32_t)info.arena_size);
+    send_response(PROTO_INFO, seq, p);
+}
+
+/* The measured region: the work counter around colibri_forward alone. noipa
+ * keeps the compiler from moving work into or out of it. */
+static __attribute__((noipa, noinline)) colibri_status timed_forward(colibri_ctx *ctx, size_t batch,
+                                                                     size_t in_count, size_t out_count,
+                                                                     uint64_t *work)
+{
+    board_work_start();
+    const colibri_status st = colibri_forward(ctx, batch, input_buf, in_count, output_buf, out_count);
+    *work = board_work_stop();
+    return st;
+}
+
+static void handle_forward(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < 4u) {
+        send_bad_payload(seq, len, 4u);
+        return;
+    }
+    if (state.ctx == NULL) {
+        send_status(seq, PROTO_NO_MODEL, "no model loaded");
+        return;
+    }
+    const uint32_t batch = get_u32(payload);
+    const uint64_t in_count = (uint64_t)batch * state.input_size;
+    const uint64_t want = 4u + in_count * sizeof(float);
+    if (want != len) {
+        send_bad_payload(seq, len, want > UINT32_MAX ? UINT32_MAX : (uint32_t)want);
+        return;
+    }
+    if (batch == 0u || batch > state.max_batch) {
+        send_engine_status(seq, COLIBRI_E_BAD_BATCH);
+        return;
+    }
+    const uint64_t out_count = (uint64_t)batch * state.output_size;
+    if (PROTO_FORWARD_HEADER + out_count * sizeof(float) > PROTO_MAX_PAYLOAD) {
+        message m = {.len = 0};
+        msg_str(&m, "output of ");
+        msg_u32(&m, (uint32_t)(out_count * sizeof(float)));
+        msg_str(&m, " bytes does not fit a response; use a smaller batch");
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return;
+    }
+    /* The payload's floats may sit at any alignment: copy them out. */
+    memcpy(input_buf, payload + 4, (size_t)in_count * sizeof(float));
+    uint64_t work = 0u;
+    const colibri_status st = timed_forward(state.ctx, batch, (size_t)in_count, (size_t)out_count, &work);
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u32(p, batch);
+    p = put_u32(p, (uint32_t)board_work_kind());
+    p = put_u64(p, work);
+    memcpy(p, output_buf, (size_t)out_count * sizeof(float)); /* little-endian target */
+    p += out_count * sizeof(float);
+    send_response(PROTO_FORWARD, seq, p);
+}
+
+static void handle_stats(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u32(p, board_stack_size());
+    p = put_u32(p, board_stack_used());
+    p = put_u32(p, (uint32_t)RUNNER_MODEL_CAPACITY);
+    p = put_u32(p, (uint32_t)RUNNER_ARENA_CAPACITY);
+    p = put_u32(p, state.ctx != NULL ? state.arena_used : 0u);
+    send_response(PROTO_STATS, seq, p);
+}
+
+static void handle_reset(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    send_ok(seq);
+    board_reset();
+}
+
+/* -- frames --------------------------------------------------------------------- */
+
+static void handle_frame(size_t encoded_len)
+{
+    const size_t n = cobs_decode(rx_frame, encoded_len, rx_frame, sizeof rx_frame);
+    if (n == COBS_ERROR) {
+        send_status(PROTO_UNKNOWN_SEQ, PROTO_FRAME_DECODE, "bad COBS encoding");
+        return;
+    }
+    if (n < PROTO_OVERHEAD) {
+        send_status(PROTO_UNKNOWN_SEQ, PROTO_FRAME_DECODE, "packet shorter than its header and CRC");
+        return;
+    }
+    const uint8_t *packet = rx_frame;
+    const uint32_t len = get_u32(packet + 4);
+    if (len != n - PROTO_OVERHEAD) {
+        message m = {.len = 0};
+        msg_str(&m, "length field ");
+        msg_u32(&m, len);
+        msg_str(&m, " disagrees with a packet of ");
+        msg_u32(&m, (uint32_t)n);
+        msg_str(&m, " bytes");
+        send_status_msg(PROTO_UNKNOWN_SEQ, PROTO_FRAME_LENGTH, &m);
+        return;
+    }
+    if (crc32_update(0u, packet, PROTO_HEADER_SIZE + len) != get_u32(packet + PROTO_HEADER_SIZE + len)) {
+        send_status(PROTO_UNKNOWN_SEQ, PROTO_FRAME_CRC, "frame CRC mismatch");
+        return;
+    }
+    const uint8_t type = packet[0];
+    const uint16_t seq = get_u16(packet + 2);
+    const uint8_t *payload = packet + PROTO_HEADER_SIZE;
+    if (len > PROTO_MAX_PAYLOAD) {
+        send_bad_payload(seq, len, PROTO_MAX_PAYLOAD);
+        return;
+    }
+    switch (type) {
+    case PROTO_HELLO:
+        handle_hello(seq, len);
+        break;
+    case PROTO_LOAD_BEGIN:
+        handle_load_begin(seq, payload, len);
+        break;
+    case PROTO_LOAD_CHUNK:
+        handle_load_chunk(seq, payload, len);
+        break;
+    case PROTO_LOAD_END:
+        handle_load_end(seq, len);
+        break;
+    case PROTO_INFO:
+        handle_info(seq, len);
+        break;
+    case PROTO_FORWARD:
+        handle_forward(seq, payload, len);
+        break;
+    case PROTO_STATS:
+        handle_stats(seq, len);
+        break;
+    case PROTO_RESET:
+        handle_reset(seq, len);
+        break;
+    default: {
+        message m = {.len = 0};
+        msg_str(&m, "unknown request type ");
+        msg_u32(&m, type);
+        send_status_msg(seq, PROTO_UNKNOWN_TYPE, &m);
+        break;
+    }
+    }
+}
+
+int main(void)
+{
+    board_init();
+    size_t n = 0;
+    bool discarding = false; /* after an overflow: drop bytes up to the next 0x00 */
+    for (;;) {
+        const uint8_t b = board_uart_getc();
+        if (discarding) {
+            discarding = b != 0u;
+            continue;
+        }
+        if (b == 0u) {
+            if (n > 0u) { /* empty frames are ignored */
+                handle_frame(n);
+                n = 0;
+            }
+            continue;
+        }
+        if (n == sizeof rx_frame) {
+            send_status(PROTO_UNKNOWN_SEQ, PROTO_FRAME_TOO_LONG, "frame longer than the receive buffer");
+            n = 0;
+            discarding = true;
+            continue;
+        }
+        rx_frame[n++] = b;
+    }
+}

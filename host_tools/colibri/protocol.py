@@ -1,0 +1,107 @@
+"""The runner wire protocol (docs/protocol.md): packets, COBS framing, CRC-32.
+
+Pure functions over bytes; `colibri.device` moves them over a serial port.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+from cobs import cobs
+
+VERSION = 1
+MAX_PAYLOAD = 4096
+HEADER = struct.Struct("<BBHI")  # type, flags, seq, length
+CRC = struct.Struct("<I")
+RESPONSE = 0x80
+UNKNOWN_SEQ = 0xFFFF
+MESSAGE_MAX = 96
+
+
+class Type(enum.IntEnum):
+    HELLO = 0x01
+    LOAD_BEGIN = 0x10
+    LOAD_CHUNK = 0x11
+    LOAD_END = 0x12
+    INFO = 0x20
+    FORWARD = 0x30
+    STATS = 0x40
+    RESET = 0x50
+    STATUS = 0x7F
+
+
+class ProtocolStatus(enum.IntEnum):
+    FRAME_CRC = -100
+    FRAME_DECODE = -101
+    FRAME_TOO_LONG = -102
+    FRAME_LENGTH = -103
+    UNKNOWN_TYPE = -104
+    BAD_PAYLOAD = -105
+    NO_MODEL = -106
+    LOAD_SEQUENCE = -107
+    LOAD_CRC = -108
+    TOO_LARGE = -109
+
+
+class WorkKind(enum.IntEnum):
+    NONE = 0
+    QEMU_INSTRUCTIONS = 1  # instructions counted under QEMU -icount, not cycles
+    DWT_CYCLES = 2  # core clock cycles on hardware
+
+    @property
+    def unit(self) -> str:
+        return {0: "", 1: "instructions (QEMU -icount, not cycles)", 2: "cycles (DWT)"}[int(self)]
+
+
+@dataclass
+class Packet:
+    type: int
+    seq: int
+    payload: bytes = b""
+    flags: int = 0
+
+
+class FrameError(ValueError):
+    """A frame that does not decode to a valid packet."""
+
+
+def encode(packet: Packet) -> bytes:
+    """Packet -> COBS frame with its 0x00 delimiter."""
+    body = HEADER.pack(packet.type, packet.flags, packet.seq, len(packet.payload)) + packet.payload
+    return cobs.encode(body + CRC.pack(zlib.crc32(body))) + b"\x00"
+
+
+def decode(frame: bytes) -> Packet:
+    """One frame without its delimiter -> Packet, or FrameError."""
+    try:
+        raw = cobs.decode(frame)
+    except cobs.DecodeError as exc:
+        raise FrameError(f"bad COBS: {exc}") from None
+    if len(raw) < HEADER.size + CRC.size:
+        raise FrameError(f"packet of {len(raw)} bytes is shorter than header + CRC")
+    ptype, flags, seq, length = HEADER.unpack_from(raw)
+    if HEADER.size + length + CRC.size != len(raw):
+        raise FrameError(f"length field {length} disagrees with a {len(raw)}-byte packet")
+    (crc,) = CRC.unpack_from(raw, len(raw) - CRC.size)
+    if crc != zlib.crc32(raw[: -CRC.size]):
+        raise FrameError("CRC mismatch")
+    return Packet(ptype, seq, bytes(raw[HEADER.size : -CRC.size]), flags)
+
+
+def status_payload(packet: Packet) -> tuple[int, str]:
+    """(code, message) of a STATUS packet."""
+    (code,) = struct.unpack_from("<i", packet.payload)
+    return code, packet.payload[4:].decode("utf-8", "replace")
+
+
+def status_name(code: int) -> str:
+    from .format import Status
+
+    for enum_cls in (ProtocolStatus, Status):
+        try:
+            return enum_cls(code).name
+        except ValueError:
+            pass
+    return str(code)

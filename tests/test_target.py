@@ -1,0 +1,250 @@
+"""Hardware-in-the-loop: the runner firmware on a device under test, over its serial line.
+
+The `dut` fixture (colibri.pytest_plugin) boots the runner in QEMU mps2-an500
+by default; `pytest --colibri-port /dev/ttyACM0` runs these same tests on a
+board. Nothing here assumes QEMU.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import image
+from colibri import nn as cnn
+from colibri import protocol as P
+from colibri.device import Device, DeviceError
+from colibri.exporter import export
+from colibri.format import Status
+
+MAX_BATCH = 4
+DTYPES = {
+    "f32": {},
+    "f16": {"dtype": "f16"},
+    "q8": {"dtype": "q8"},
+    "q8-int8-act": {"dtype": "q8", "int8_act": ["layers.*"]},
+}
+
+
+def _qemu_children() -> list[int]:
+    """PIDs of qemu-system-arm processes this test process started and has not ended."""
+    me = str(os.getpid())
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = stat.with_name("comm").read_text().strip()
+        except OSError:
+            continue
+        if fields[1] == me and comm.startswith("qemu-system"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_qemu_left_behind():
+    yield
+    assert _qemu_children() == [], "a QEMU process outlived its test"
+
+
+def make_model(routing: str, gated: bool = True, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 16),
+        torch.nn.LayerNorm(16),
+        cnn.Residual(cnn.MoE(16, 4, 24, top_k=2, routing=routing, renormalize=routing == "softmax_topk",
+                             gated=gated, activation="silu" if gated else "gelu", num_shared=1, shared_gate=True)),
+        torch.nn.Linear(16, 6),
+    ).eval()
+
+
+def model_image(routing: str, dtype: str) -> bytes:
+    return export(make_model(routing), None, max_batch=MAX_BATCH, **DTYPES[dtype]).image
+
+
+def assert_matches_host(dut: Device, data: bytes, seed: int = 0) -> None:
+    host = colibri.Model(data)
+    rng = np.random.default_rng(seed)
+    for batch in (1, MAX_BATCH):
+        x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
+        y, work = dut.forward(x)
+        want = host.forward(x)
+        assert np.abs(y - want).max() <= 1e-5 * (1 + np.abs(want).max()), f"batch {batch}"
+        assert work.count > 0 or work.kind == P.WorkKind.NONE
+
+
+def test_hello(dut: Device) -> None:
+    hello = dut.hello()
+    assert hello.protocol_version == P.VERSION and hello.max_payload == P.MAX_PAYLOAD
+    assert hello.engine_version == colibri.version()
+    assert hello.model_capacity >= 64 * 1024 and hello.arena_capacity >= 16 * 1024
+    assert hello.board
+    if hello.work_kind == P.WorkKind.QEMU_INSTRUCTIONS:
+        assert f"icount_shift={colibri.qemu.ICOUNT_SHIFT}" in hello.build_flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing", cnn.ROUTINGS)
+def test_device_matches_host_engine(dut: Device, routing: str, dtype: str) -> None:
+    data = model_image(routing, dtype)
+    info = dut.load(data)
+    assert (info.input_size, info.output_size, info.max_batch) == (12, 6, MAX_BATCH)
+    # The arena holds pointers: a 32-bit target needs a little less than the 64-bit host.
+    assert info.image_size == len(data) and 0 < info.arena_size <= colibri.Model(data).arena_size
+    assert_matches_host(dut, data)
+
+
+def test_work_is_deterministic(dut: Device) -> None:
+    data = model_image("topk_softmax", "q8")
+    dut.load(data)
+    x = np.random.default_rng(3).standard_normal((MAX_BATCH, 12)).astype(np.float32)
+    counts = {dut.forward(x)[1].count for _ in range(3)}
+    assert len(counts) == 1, counts
+
+
+def _frame_status(dut: Device) -> tuple[int, int]:
+    """(seq, code) of the STATUS frame the device sends next."""
+    packet = dut.read_packet()
+    assert packet.type == P.Type.STATUS
+    return packet.seq, P.status_payload(packet)[0]
+
+
+def _still_serves(dut: Device) -> None:
+    assert dut.hello().protocol_version == P.VERSION
+
+
+def test_garbage_gets_a_status_and_resync(dut: Device) -> None:
+    dut.write_raw(b"\x13\x37garbage\xff\xfe\x01\x00")
+    assert _frame_status(dut) == (P.UNKNOWN_SEQ, P.ProtocolStatus.FRAME_DECODE)
+    _still_serves(dut)
+
+
+def test_bad_crc(dut: Device) -> None:
+    body = P.HEADER.pack(P.Type.HELLO, 0, 7, 0)
+    dut.write_raw(P.cobs.encode(body + struct.pack("<I", zlib.crc32(body) ^ 1)) + b"\x00")
+    assert _frame_status(dut) == (P.UNKNOWN_SEQ, P.ProtocolStatus.FRAME_CRC)
+    _still_serves(dut)
+
+
+def test_truncated_frame(dut: Device) -> None:
+    frame = P.encode(P.Packet(P.Type.INFO, 9, b"\x01\x02\x03\x04"))
+    dut.write_raw(frame[: len(frame) // 2] + b"\x00")
+    seq, code = _frame_status(dut)
+    assert seq == P.UNKNOWN_SEQ and code in (P.ProtocolStatus.FRAME_DECODE, P.ProtocolStatus.FRAME_CRC,
+                                             P.ProtocolStatus.FRAME_LENGTH)
+    _still_serves(dut)
+
+
+def test_length_field_lies(dut: Device) -> None:
+    body = P.HEADER.pack(P.Type.HELLO, 0, 5, 1000)
+    dut.write_raw(P.cobs.encode(body + struct.pack("<I", zlib.crc32(body))) + b"\x00")
+    assert _frame_status(dut) == (P.UNKNOWN_SEQ, P.ProtocolStatus.FRAME_LENGTH)
+    _still_serves(dut)
+
+
+def test_oversized_frame(dut: Device) -> None:
+    dut.write_raw(bytes([0x55]) * (P.MAX_PAYLOAD + 200) + b"\x00")
+    assert _frame_status(dut) == (P.UNKNOWN_SEQ, P.ProtocolStatus.FRAME_TOO_LONG)
+    _still_serves(dut)
+
+
+def test_oversized_payload_request(dut: Device) -> None:
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.LOAD_CHUNK, bytes(P.MAX_PAYLOAD + 1))
+    assert info.value.code in (P.ProtocolStatus.FRAME_TOO_LONG, P.ProtocolStatus.BAD_PAYLOAD)
+    _still_serves(dut)
+
+
+def test_unknown_type_and_bad_payload(dut: Device) -> None:
+    with pytest.raises(DeviceError) as info:
+        dut.request(0x66)
+    assert info.value.code == P.ProtocolStatus.UNKNOWN_TYPE
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.LOAD_BEGIN, b"\x01")
+    assert info.value.code == P.ProtocolStatus.BAD_PAYLOAD
+    _still_serves(dut)
+
+
+def test_forward_before_load(dut: Device) -> None:
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.FORWARD, struct.pack("<I", 1) + bytes(48))
+    assert info.value.code == P.ProtocolStatus.NO_MODEL
+    _still_serves(dut)
+
+
+def test_image_with_bad_transfer_crc(dut: Device) -> None:
+    data = model_image("top1", "f32")
+    dut.request(P.Type.LOAD_BEGIN, struct.pack("<II", len(data), zlib.crc32(data) ^ 0x5A5A))
+    for off in range(0, len(data), 2048):
+        dut.request(P.Type.LOAD_CHUNK, struct.pack("<I", off) + data[off : off + 2048])
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.LOAD_END)
+    assert info.value.code == P.ProtocolStatus.LOAD_CRC
+    dut.load(data)  # the next good upload works
+    assert_matches_host(dut, data)
+
+
+def test_image_the_engine_refuses(dut: Device) -> None:
+    bad = bytearray(model_image("dense", "f32"))
+    bad[200] ^= 0x40  # inside the tables: the image's own CRC no longer matches
+    with pytest.raises(DeviceError) as info:
+        dut.load(bytes(bad))
+    assert info.value.code == Status.BAD_CRC
+    image.set_crc(bad)  # now structurally wrong but with a valid CRC
+    with pytest.raises(DeviceError) as info:
+        dut.load(bytes(bad))
+    assert info.value.code in {int(s) for s in Status if s < 0}
+    with pytest.raises(DeviceError) as info:
+        dut.model_info()
+    assert info.value.code == P.ProtocolStatus.NO_MODEL
+
+
+def test_chunks_out_of_order_and_too_large(dut: Device) -> None:
+    data = model_image("top1", "f32")
+    dut.request(P.Type.LOAD_BEGIN, struct.pack("<II", len(data), zlib.crc32(data)))
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.LOAD_CHUNK, struct.pack("<I", 100) + data[100:200])
+    assert info.value.code == P.ProtocolStatus.LOAD_SEQUENCE
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.LOAD_BEGIN, struct.pack("<II", dut.hello().model_capacity + 1, 0))
+    assert info.value.code == P.ProtocolStatus.TOO_LARGE
+    _still_serves(dut)
+
+
+def test_bad_batch(dut: Device) -> None:
+    data = model_image("softmax_topk", "f32")
+    dut.load(data)
+    for batch in (0, MAX_BATCH + 1):
+        with pytest.raises(DeviceError) as info:
+            dut.request(P.Type.FORWARD, struct.pack("<I", batch) + bytes(4 * 12 * batch))
+        assert info.value.code == Status.BAD_BATCH
+    with pytest.raises(DeviceError) as info:
+        dut.request(P.Type.FORWARD, struct.pack("<I", 2) + bytes(4 * 12))
+    assert info.value.code == P.ProtocolStatus.BAD_PAYLOAD
+    assert_matches_host(dut, data)
+
+
+def test_stats(dut: Device) -> None:
+    data = model_image("topk_softmax", "q8-int8-act")
+    info = dut.load(data)
+    dut.forward(np.ones((MAX_BATCH, 12), np.float32))
+    stats = dut.stats()
+    assert 0 < stats.stack_used < stats.stack_size
+    assert stats.arena_used == info.arena_size <= stats.arena_capacity
+
+
+def test_reset(dut: Device, colibri_target) -> None:
+    dut.load(model_image("top1", "f32"))
+    dut.reset()
+    fresh = colibri_target.after_reset(dut)
+    with pytest.raises(DeviceError) as info:
+        fresh.model_info()
+    assert info.value.code == P.ProtocolStatus.NO_MODEL  # the model lived in RAM
+    _still_serves(fresh)
+    fresh.close()
