@@ -372,6 +372,21 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
                        f"stack high-water {stats.stack_used:,} B of {stats.stack_size:,} B")
 
 
+@main.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--c-array", "c_array_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write model.c / model.h (the image as a const array) into this folder.")
+@click.option("--name", default="colibri_model", show_default=True, help="C name prefix of the array and macros.")
+def pack(model_path: Path, c_array_dir: Path | None, name: str) -> None:
+    """Pack MODEL for firmware: a C array to link in."""
+    from . import pack as packing
+
+    if c_array_dir is None:
+        raise ValueError("say what to write: --c-array DIR")
+    packed = packing.c_array(model_path.read_bytes(), c_array_dir, name=name)
+    click.echo(f"wrote {packed.source} and {packed.header}")
+
+
 @main.command("gen-header")
 @click.option("--check", is_flag=True, help="Exit 1 if the header is out of date instead of writing it.")
 def gen_header(check: bool) -> None:

@@ -1,0 +1,84 @@
+"""colibri pack: the C array compiles, links and runs in the engine with the same answers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import nn as cnn
+from colibri.exporter import export
+from colibri.pack import c_array
+
+from conftest import CORE, build_c_tests
+
+COLIBRI = str(Path(sys.executable).parent / "colibri")
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 12), cnn.MoE(12, 3, 16, top_k=2, gated=True), torch.nn.Linear(12, 2))
+    path = tmp_path_factory.mktemp("pack") / "m.clb"
+    export(m, path, max_batch=3, dtype="q8")
+    return path
+
+
+MAIN = r"""
+#include <stdio.h>
+#include "colibri.h"
+#include "model.h"
+
+static uint8_t arena[COLIBRI_MODEL_ARENA_SIZE] __attribute__((aligned(8)));
+
+int main(void) {
+    colibri_ctx *ctx;
+    float in[COLIBRI_MODEL_MAX_BATCH * COLIBRI_MODEL_INPUT_SIZE], out[COLIBRI_MODEL_MAX_BATCH * COLIBRI_MODEL_OUTPUT_SIZE];
+    for (unsigned i = 0; i < sizeof in / sizeof in[0]; i++) in[i] = (float)i / 10.0f - 1.0f;
+    int st = colibri_init(&ctx, arena, sizeof arena, colibri_model_image, colibri_model_image_len);
+    if (st) { printf("init: %s\n", colibri_strerror(st)); return 1; }
+    st = colibri_forward(ctx, COLIBRI_MODEL_MAX_BATCH, in, sizeof in / sizeof in[0], out, sizeof out / sizeof out[0]);
+    if (st) { printf("forward: %s\n", colibri_strerror(st)); return 1; }
+    for (unsigned i = 0; i < sizeof out / sizeof out[0]; i++) printf("%.9g\n", out[i]);
+    return 0;
+}
+"""
+
+
+def test_c_array_links_and_runs(model_file: Path, tmp_path: Path) -> None:
+    data = model_file.read_bytes()
+    packed = c_array(data, tmp_path / "gen")
+    header = packed.header.read_text()
+    m = colibri.Model(data)
+    assert f"#define COLIBRI_MODEL_ARENA_SIZE {m.arena_size}u" in header
+    assert "#define COLIBRI_MODEL_NUM_EXPERTS 3u" in header and "#define COLIBRI_MODEL_MAX_BATCH 3u" in header
+    (tmp_path / "main.c").write_text(MAIN)
+    build_c_tests("host")  # builds the host libcolibri.a
+    exe = tmp_path / "app"
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", str(CORE / "include"), "-I", str(packed.header.parent),
+                    str(tmp_path / "main.c"), str(packed.source), str(CORE / "build" / "host" / "libcolibri.a"), "-lm",
+                    "-o", str(exe)], check=True)
+    got = np.array(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split(), dtype=np.float32)
+    x = (np.arange(3 * 6, dtype=np.float32) / 10 - 1).reshape(3, 6)
+    np.testing.assert_allclose(got.reshape(3, 2), m.forward(x), rtol=1e-6, atol=1e-7)
+    # The array sits in its own section, 32-byte aligned.
+    obj = tmp_path / "model.o"
+    subprocess.run(["gcc", "-c", "-I", str(packed.header.parent), str(packed.source), "-o", str(obj)], check=True)
+    sections = subprocess.run(["objdump", "-h", str(obj)], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in sections.splitlines() if ".rodata.colibri_model" in line)
+    assert line.split()[-1] == "2**5"
+
+
+def test_cli_c_array(model_file: Path, tmp_path: Path) -> None:
+    r = subprocess.run([COLIBRI, "pack", str(model_file), "--c-array", str(tmp_path / "out"), "--name", "meter_model"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "meter_model_image" in (tmp_path / "out" / "model.c").read_text()
+    assert "#define METER_MODEL_IMAGE_SIZE" in (tmp_path / "out" / "model.h").read_text()
+    bad = subprocess.run([COLIBRI, "pack", str(model_file), "--c-array", str(tmp_path / "o2"), "--name", "9bad"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "not a C identifier" in bad.stderr
