@@ -29,8 +29,10 @@ firmware: engine-all
 header: setup
 	.venv/bin/colibri gen-header
 
-demo: setup
-	$(PY) examples/quickstart.py
+# The smart meter story: train (or reuse) the forecaster, quantise, boot the
+# runner in QEMU, put the model on the board, forecast on target.
+demo: setup firmware
+	$(PY) examples/smart_meter/demo.py
 
 test: setup c-tests firmware
 	.venv/bin/pytest -n 2

@@ -31,6 +31,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps_hash" ]; then
     .venv/bin/pip install -q --upgrade pip
     # torch is pinned: 2.13.0 is the CPU build; anything looser pulls a multi-GB CUDA build.
     .venv/bin/pip install -q "torch==2.13.0"
-    .venv/bin/pip install -q -e ".[test]"
+    .venv/bin/pip install -q -e ".[test,examples]"
     echo "$deps_hash" > "$stamp"
 fi
