@@ -82,3 +82,36 @@ def test_cli_c_array(model_file: Path, tmp_path: Path) -> None:
     bad = subprocess.run([COLIBRI, "pack", str(model_file), "--c-array", str(tmp_path / "o2"), "--name", "9bad"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "not a C identifier" in bad.stderr
+
+
+@pytest.mark.parametrize("board,slot", [("nucleo_h743zi", "a"), ("nucleo_h743zi", "b"), ("mps2_an500", "b")])
+def test_flash_image_hex_round_trips(model_file: Path, tmp_path: Path, board: str, slot: str) -> None:
+    from intelhex import IntelHex
+
+    from colibri import slots
+    from colibri.pack import flash_image
+
+    data = model_file.read_bytes()
+    fi = flash_image(data, tmp_path / "slot", board=board, slot=slot, sequence=7)
+    layout = slots.LAYOUTS[board]
+    assert fi.address == (layout.slot_b if slot == "b" else layout.slot_a)
+    raw = fi.bin.read_bytes()
+    assert raw[slots.SLOT_HEADER_SIZE :] == data
+    header = slots.parse_slot_header(raw)
+    assert header is not None and header.sequence == 7 and header.image_ok(raw[slots.SLOT_HEADER_SIZE :])
+    ih = IntelHex(str(fi.hex))
+    assert ih.minaddr() == fi.address and ih.maxaddr() == fi.address + len(raw) - 1
+    assert ih.tobinstr(start=fi.address, size=len(raw)) == raw
+
+
+def test_flash_image_refusals(model_file: Path, tmp_path: Path) -> None:
+    from colibri.pack import flash_image
+
+    with pytest.raises(ValueError, match="unknown board"):
+        flash_image(model_file.read_bytes(), tmp_path / "x", board="esp32")
+    with pytest.raises(colibri.ImageError):
+        flash_image(b"not an image" * 10, tmp_path / "x")
+    r = subprocess.run([COLIBRI, "pack", str(model_file), "--flash-image", str(tmp_path / "s"), "--slot", "b"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "slot B of nucleo_h743zi at 0x08180000" in r.stdout

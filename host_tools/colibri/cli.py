@@ -377,14 +377,25 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
 @click.option("--c-array", "c_array_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write model.c / model.h (the image as a const array) into this folder.")
 @click.option("--name", default="colibri_model", show_default=True, help="C name prefix of the array and macros.")
-def pack(model_path: Path, c_array_dir: Path | None, name: str) -> None:
-    """Pack MODEL for firmware: a C array to link in."""
+@click.option("--flash-image", "flash_stem", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write STEM.bin and STEM.hex: a committed model slot at the board's slot address.")
+@click.option("--board", default="nucleo_h743zi", show_default=True, help="Board profile for --flash-image.")
+@click.option("--slot", type=click.Choice(["a", "b"]), default="a", show_default=True)
+@click.option("--sequence", default=1, show_default=True, help="Slot sequence number (the highest valid boots).")
+def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path | None, board: str, slot: str,
+         sequence: int) -> None:
+    """Pack MODEL for firmware: a C array to link in, and/or a flash slot image (.bin + Intel HEX)."""
     from . import pack as packing
 
-    if c_array_dir is None:
-        raise ValueError("say what to write: --c-array DIR")
-    packed = packing.c_array(model_path.read_bytes(), c_array_dir, name=name)
-    click.echo(f"wrote {packed.source} and {packed.header}")
+    if c_array_dir is None and flash_stem is None:
+        raise ValueError("say what to write: --c-array DIR and/or --flash-image STEM")
+    data = model_path.read_bytes()
+    if c_array_dir is not None:
+        packed = packing.c_array(data, c_array_dir, name=name)
+        click.echo(f"wrote {packed.source} and {packed.header}")
+    if flash_stem is not None:
+        fi = packing.flash_image(data, flash_stem, board=board, slot=slot, sequence=sequence)
+        click.echo(f"wrote {fi.bin} and {fi.hex}: slot {slot.upper()} of {board} at 0x{fi.address:08x}, {fi.size:,} B")
 
 
 @main.command("gen-header")

@@ -3,7 +3,9 @@
 `c_array(image, out_dir)` writes model.c / model.h: the image as an aligned
 `const uint8_t` array in its own section (`.rodata.colibri_model`, so a linker
 script can place it, e.g. in XIP flash) and the sizes a firmware needs as
-`#define`s.
+`#define`s. `flash_image(image, stem, board=...)` writes the bytes of one A/B
+model slot (slot header + image, colibri.slots) as a raw .bin and as Intel
+HEX at the slot's flash address, for a probe or a factory programmer.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import engine, image
+from intelhex import IntelHex
+
+from . import engine, image, slots
 
 ALIGN = 32  # the image's payloads are 32-byte aligned relative to its start
 
@@ -80,3 +84,34 @@ def c_array(data: bytes, out_dir: str | Path, *, name: str = "colibri_model") ->
         f"const size_t {name}_image_len = sizeof {name}_image;\n"
     )
     return Packed(header=header, source=source)
+
+
+@dataclass
+class FlashImage:
+    bin: Path
+    hex: Path
+    address: int
+    size: int
+
+
+def flash_image(data: bytes, stem: str | Path, *, board: str = "nucleo_h743zi", slot: str = "a",
+                sequence: int = 1) -> FlashImage:
+    """Writes `<stem>.bin` and `<stem>.hex`: a committed slot holding `data`, at the board's slot address."""
+    if board not in slots.LAYOUTS:
+        raise ValueError(f"unknown board {board!r}: one of {', '.join(slots.LAYOUTS)}")
+    if slot.lower() not in ("a", "b"):
+        raise ValueError(f"slot must be a or b, not {slot!r}")
+    image.read(data)  # validates before anything is written
+    layout = slots.LAYOUTS[board]
+    if len(data) > layout.capacity:
+        raise ValueError(f"image of {len(data):,} B does not fit a {board} slot ({layout.capacity:,} B)")
+    payload = slots.slot_image(data, sequence)
+    address = layout.address(slot.lower())
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    bin_path, hex_path = stem.with_suffix(".bin"), stem.with_suffix(".hex")
+    bin_path.write_bytes(payload)
+    ih = IntelHex()
+    ih.frombytes(payload, offset=address)
+    ih.write_hex_file(str(hex_path))
+    return FlashImage(bin_path, hex_path, address, len(payload))
