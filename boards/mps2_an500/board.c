@@ -8,9 +8,16 @@
  * instructions executed (not Cortex-M7 cycles: QEMU does not model timing).
  * The fixed cost of board_work_start()/board_work_stop() themselves is
  * measured at boot and subtracted. Exit: semihosting SYS_EXIT_EXTENDED.
+ *
+ * Flash: the board has none; two model slots of emulated STM32H7-like flash
+ * live in QEMU's PSRAM (mps2_an500.ld), with the rules of real flash: erase
+ * sets a 128 KiB sector to 0xFF, a program writes one erased 32-byte word and
+ * only clears bits. A debug hook cuts the power after a chosen number of
+ * flash operations, cleanly or half way through one (BOARD_HAS_POWER_CUT).
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "board.h"
 #include "mps2_an500.h"
@@ -218,6 +225,178 @@ void board_exit(int status)
 void board_reset(void)
 {
     board_exit(0);
+}
+
+/* -- emulated flash ------------------------------------------------------------ */
+
+/* mps2_an500.ld: slots A and B back to back in PSRAM, which nothing else
+ * touches (no ELF segment covers it, Reset_Handler does not clear it). */
+extern uint8_t __model_slot_a_start[], __model_slot_b_start[];
+extern uint8_t __model_slot_size[], __model_slot_sector_size[]; /* absolute symbols: their address is the value */
+
+#define FLASH_WORD 32u
+
+static board_flash_info_t flash_info;
+
+const board_flash_info_t *board_flash_info(void)
+{
+    if (flash_info.slot_size == 0u) {
+        flash_info.slot_base[0] = (uintptr_t)__model_slot_a_start;
+        flash_info.slot_base[1] = (uintptr_t)__model_slot_b_start;
+        flash_info.slot_size = (uint32_t)(uintptr_t)__model_slot_size;
+        flash_info.sector_size = (uint32_t)(uintptr_t)__model_slot_sector_size;
+        flash_info.program_size = FLASH_WORD;
+    }
+    return &flash_info;
+}
+
+/* Whether [addr, addr + n) lies inside one slot and addr is a multiple of align. */
+static int in_slot(uintptr_t addr, size_t n, uint32_t align)
+{
+    const board_flash_info_t *f = board_flash_info();
+    if (addr % align != 0u) {
+        return 0;
+    }
+    for (unsigned i = 0; i < 2u; i++) {
+        if (addr >= f->slot_base[i] && n <= f->slot_size && addr - f->slot_base[i] <= f->slot_size - n) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static uint32_t flash_ops; /* completed or started erases + programs since reset */
+
+#ifdef BOARD_HAS_POWER_CUT
+static struct {
+    uint32_t armed; /* 0: off */
+    uint32_t at;    /* flash_ops value that triggers */
+    uint32_t mode;  /* 0 clean, 1 torn */
+    uint32_t tear;
+} power_cut;
+
+void board_power_cut_arm(uint32_t n, uint32_t mode, uint32_t tear)
+{
+    power_cut.armed = 1u;
+    power_cut.at = flash_ops + n;
+    power_cut.mode = mode;
+    power_cut.tear = tear;
+}
+
+uint32_t board_flash_op_count(void)
+{
+    return flash_ops;
+}
+
+/* Semihosting SYS_WRITE0: a line on QEMU's stderr (not the UART), so the host
+ * knows the board is dead without waiting for a timeout. */
+static void semihosting_write0(const char *text)
+{
+    register uint32_t r0 __asm__("r0") = 0x04u;
+    register const char *r1 __asm__("r1") = text;
+    __asm__ volatile("bkpt 0xAB" : "+r"(r0) : "r"(r1) : "memory");
+}
+
+static __attribute__((noreturn)) void power_lost(void)
+{
+    __asm__ volatile("cpsid i" ::: "memory");
+    semihosting_write0("colibri: power cut\n");
+    for (;;) {
+        __asm__ volatile("" ::: "memory");
+    }
+}
+
+/* Before an operation: dies now for a clean cut at 0 operations, or returns
+ * 1 if this operation is the one to tear. */
+static int power_cut_before_op(void)
+{
+    if (power_cut.armed == 0u) {
+        return 0;
+    }
+    if (power_cut.mode == 0u && flash_ops == power_cut.at) {
+        power_lost();
+    }
+    return power_cut.mode == 1u && flash_ops + 1u == power_cut.at;
+}
+
+static void power_cut_after_op(void)
+{
+    if (power_cut.armed != 0u && power_cut.mode == 0u && flash_ops == power_cut.at) {
+        power_lost();
+    }
+}
+#else
+static int power_cut_before_op(void)
+{
+    return 0;
+}
+
+static void power_cut_after_op(void)
+{
+}
+#endif
+
+int board_flash_erase_sector(uintptr_t addr)
+{
+    const board_flash_info_t *f = board_flash_info();
+    if (!in_slot(addr, f->sector_size, f->sector_size)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    uint8_t *sector = (uint8_t *)addr;
+    if (power_cut_before_op()) {
+#ifdef BOARD_HAS_POWER_CUT
+        /* Torn: the start of the sector is erased, the rest as it was. */
+        const uint32_t most = f->sector_size - FLASH_WORD; /* torn: never the whole sector */
+        const uint32_t n = (power_cut.tear < most ? power_cut.tear : most) / FLASH_WORD * FLASH_WORD;
+        memset(sector, 0xFF, n);
+        power_lost();
+#endif
+    }
+    memset(sector, 0xFF, f->sector_size);
+    flash_ops++;
+    power_cut_after_op();
+    return BOARD_FLASH_OK;
+}
+
+int board_flash_program(uintptr_t addr, const void *data)
+{
+    if (!in_slot(addr, FLASH_WORD, FLASH_WORD)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    uint8_t *word = (uint8_t *)addr;
+    const uint8_t *src = data;
+    for (unsigned i = 0; i < FLASH_WORD; i++) {
+        if (word[i] != 0xFFu) {
+            /* Like the STM32H7, a flash word is programmed once per erase. */
+            return BOARD_FLASH_E_NOT_ERASED;
+        }
+    }
+    if (power_cut_before_op()) {
+#ifdef BOARD_HAS_POWER_CUT
+        /* Torn: only the bytes the mask names reach the array. */
+        for (unsigned i = 0; i < FLASH_WORD; i++) {
+            if ((power_cut.tear >> i) & 1u) {
+                word[i] &= src[i];
+            }
+        }
+        power_lost();
+#endif
+    }
+    for (unsigned i = 0; i < FLASH_WORD; i++) {
+        word[i] &= src[i]; /* programming only clears bits */
+    }
+    flash_ops++;
+    power_cut_after_op();
+    return BOARD_FLASH_OK;
+}
+
+int board_flash_read(void *dst, uintptr_t addr, size_t n)
+{
+    if (!in_slot(addr, n, 1u)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    memcpy(dst, (const void *)addr, n);
+    return BOARD_FLASH_OK;
 }
 
 /* -- faults ------------------------------------------------------------------- */

@@ -11,5 +11,7 @@ BOARD_CFLAGS := -mcpu=cortex-m7 -mthumb -mfpu=fpv5-d16 -mfloat-abi=hard
 # Model buffer 2 MiB and arena 1 MiB, in RAM (the linker script checks they
 # fit with the 64 KiB stack). The host launches QEMU with -icount shift=7:
 # the work counter turns SysTick ticks back into instructions with it.
+# BOARD_HAS_POWER_CUT: the emulated flash's debug power cut and the runner's
+# POWER_CUT_AFTER request (QEMU only; never on a real board).
 BOARD_DEFS := -DRUNNER_MODEL_CAPACITY=2097152 -DRUNNER_ARENA_CAPACITY=1048576 \
-              -DCOLIBRI_QEMU_ICOUNT_SHIFT=7
+              -DCOLIBRI_QEMU_ICOUNT_SHIFT=7 -DBOARD_HAS_POWER_CUT

@@ -13,6 +13,7 @@
  *   7. USART3 on PD8/PD9 (ST-LINK virtual COM port) at 115200 8N1;
  *   8. DWT cycle counter, extended to 64 bits from the SysTick interrupt;
  *   9. an MPU no-access guard under the stack.
+ * Plus the flash driver for the two model slots in bank 2 (board_flash_*).
  * If a step cannot complete (a ready flag that never rises), board_init()
  * keeps the last safe configuration (at worst HSI 64 MHz) instead of hanging,
  * so the console still comes up; the UART baud rate follows the clock it got.
@@ -28,6 +29,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "../board.h"
 #include "stm32h743_regs.h"
@@ -468,6 +470,242 @@ uint64_t board_work_stop(void)
 enum board_work_kind board_work_kind(void)
 {
     return BOARD_WORK_DWT_CYCLES;
+}
+
+/* ---- flash: the model slots in bank 2 ---------------------------------
+ *
+ * RM0433 ch. 4 "Embedded flash memory (FLASH)". Slot A is bank 2 sectors 0-3
+ * (0x08100000), slot B sectors 4-7 (0x08180000), linker.ld. The program runs
+ * from bank 1, so it keeps executing while bank 2 erases or programs
+ * (RM0433 ch. 4, "FLASH parallel operations": one bank can be read while the
+ * other is written); the waits below are polls on FLASH_SR2, bounded by the
+ * cycle counter.
+ *
+ *  - Unlock: FLASH_KEYR2 = KEY1 then KEY2 while FLASH_CR2.LOCK = 1 ("FLASH
+ *    configuration protection"); LOCK is set again after every operation, so
+ *    a stray write can never start one. A wrong sequence keeps it locked
+ *    until reset: reported as BOARD_FLASH_E_LOCKED.
+ *  - Before each operation: no operation in flight (BSY2, QW2, WBNE2 clear)
+ *    and every FLASH_SR2 flag cleared through FLASH_CCR2, including stale
+ *    RDPERR/RDSERR, which otherwise can make the next erase fail (ST's
+ *    advice for the H743).
+ *  - Sector erase ("FLASH erase operations", sector erase sequence): SER = 1,
+ *    SNB = sector within the bank, PSIZE, then START; wait for QW2 to clear;
+ *    check WRPERR, PGSERR, STRBERR, INCERR, OPERR.
+ *  - Program ("FLASH program operations"): PG = 1, then the eight 32-bit
+ *    words of one 256-bit flash word written back to back (interrupts off
+ *    while they go out, DSB after) to a 32-byte aligned address: a full
+ *    write buffer starts programming by itself; wait for QW2, check the same
+ *    errors, PG = 0. Then read back and compare.
+ *  - PSIZE = x32 for both: the parallelism for VDD 2.7-3.6 V without an
+ *    external VPP (the NUCLEO board runs at 3.3 V).
+ *  - Caches: flash is in the Code region, cacheable write-through in the
+ *    Cortex-M7 default memory map, and the engine reads the weights through
+ *    the D-cache. After an erase or program the lines over the range are
+ *    invalidated by address (DCIMVAC, PM0253 cache maintenance), so no
+ *    stale line outlives the new contents. (Flash lines are never dirty, so
+ *    invalidating without cleaning loses nothing.)
+ *  - ECC ("Flash memory error protections" / "Error correction code error"):
+ *    every flash word carries ECC; a word whose program or erase was cut
+ *    off by a power loss can read back with a double error, which the flash
+ *    interface answers with a bus error (and DBECCERR2). board_flash_read()
+ *    therefore reads slots with FAULTMASK set and CCR.BFHFNMIGN = 1, so such
+ *    a load is ignored instead of faulting (PM0253 CCR), and reports
+ *    DBECCERR2 as BOARD_FLASH_E_ECC. The runner reads headers and image CRCs
+ *    that way, and runs an image in place only after it checked out.
+ */
+extern uint8_t __model_slot_a_start[], __model_slot_b_start[];
+extern uint8_t __model_slot_size[], __model_slot_sector_size[]; /* absolute symbols: their address is the value */
+
+#define FLASH_ERASE_TIMEOUT_S 10u    /* datasheet DS12110: a 128 KB sector erase takes seconds at worst */
+#define FLASH_PROGRAM_TIMEOUT_MS 50u /* one flash word: well under a millisecond */
+
+static board_flash_info_t flash_info;
+
+const board_flash_info_t *board_flash_info(void)
+{
+    if (flash_info.slot_size == 0u) {
+        flash_info.slot_base[0] = (uintptr_t)__model_slot_a_start;
+        flash_info.slot_base[1] = (uintptr_t)__model_slot_b_start;
+        flash_info.slot_size = (uint32_t)(uintptr_t)__model_slot_size;
+        flash_info.sector_size = (uint32_t)(uintptr_t)__model_slot_sector_size;
+        flash_info.program_size = FLASH_WORD_SIZE;
+    }
+    return &flash_info;
+}
+
+/* [addr, addr + n) inside one slot (so in bank 2), addr a multiple of align. */
+static bool in_slot(uintptr_t addr, size_t n, uint32_t align)
+{
+    const board_flash_info_t *f = board_flash_info();
+    if (addr % align != 0u || addr < FLASH_BANK2_BASE) {
+        return false;
+    }
+    for (unsigned i = 0; i < 2u; i++) {
+        if (addr >= f->slot_base[i] && n <= f->slot_size && addr - f->slot_base[i] <= f->slot_size - n) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static void dcache_invalidate(uintptr_t addr, size_t n)
+{
+    if ((SCB_CCR & SCB_CCR_DC) == 0u) {
+        return;
+    }
+    const uintptr_t end = addr + n;
+    NH7_DSB();
+    for (uintptr_t line = addr & ~(uintptr_t)(SCB_DCACHE_LINE - 1u); line < end; line += SCB_DCACHE_LINE) {
+        SCB_DCIMVAC = (uint32_t)line;
+    }
+    NH7_DSB();
+    NH7_ISB();
+}
+
+static uint64_t cycles_for_ms(uint32_t ms)
+{
+    return (uint64_t)sysclk_hz / 1000u * ms;
+}
+
+/* Waits until bank 2 has nothing queued, running or buffered. */
+static bool flash_wait_idle(uint64_t timeout_cycles)
+{
+    const uint64_t start = cycles64();
+    while ((FLASH_SR2 & (FLASH_SR_BSY | FLASH_SR_QW | FLASH_SR_WBNE)) != 0u) {
+        if (cycles64() - start > timeout_cycles) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static int flash_begin(void)
+{
+    if ((FLASH_CR2 & FLASH_CR_LOCK) != 0u) {
+        FLASH_KEYR2 = FLASH_KEY1;
+        FLASH_KEYR2 = FLASH_KEY2;
+        if ((FLASH_CR2 & FLASH_CR_LOCK) != 0u) {
+            return BOARD_FLASH_E_LOCKED;
+        }
+    }
+    if (!flash_wait_idle(cycles_for_ms(FLASH_PROGRAM_TIMEOUT_MS))) {
+        FLASH_CR2 |= FLASH_CR_LOCK;
+        return BOARD_FLASH_E_TIMEOUT;
+    }
+    FLASH_CCR2 = FLASH_SR_ALL_FLAGS;
+    return BOARD_FLASH_OK;
+}
+
+/* Waits for the operation, clears its flags, clears `bits` in FLASH_CR2 and locks. */
+static int flash_end(uint64_t timeout_cycles, uint32_t bits)
+{
+    int st = BOARD_FLASH_OK;
+    if (!flash_wait_idle(timeout_cycles)) {
+        st = BOARD_FLASH_E_TIMEOUT;
+    }
+    const uint32_t sr = FLASH_SR2;
+    FLASH_CCR2 = sr & FLASH_SR_ALL_FLAGS;
+    if (st == BOARD_FLASH_OK && (sr & FLASH_SR_PROGRAM_ERRORS) != 0u) {
+        st = BOARD_FLASH_E_HARDWARE;
+    }
+    FLASH_CR2 &= ~bits;
+    FLASH_CR2 |= FLASH_CR_LOCK;
+    return st;
+}
+
+int board_flash_erase_sector(uintptr_t addr)
+{
+    const board_flash_info_t *f = board_flash_info();
+    if (!in_slot(addr, f->sector_size, f->sector_size)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    const uint32_t snb = (uint32_t)(addr - FLASH_BANK2_BASE) / FLASH_SECTOR_SIZE;
+    int st = flash_begin();
+    if (st != BOARD_FLASH_OK) {
+        return st;
+    }
+    FLASH_CR2 = (FLASH_CR2 & ~(FLASH_CR_PG | FLASH_CR_SER | FLASH_CR_BER | FLASH_CR_PSIZE_MASK | FLASH_CR_FW |
+                               FLASH_CR_START | FLASH_CR_SNB_MASK)) |
+                FLASH_CR_PSIZE_X32 | FLASH_CR_SER | (snb << FLASH_CR_SNB_POS);
+    FLASH_CR2 |= FLASH_CR_START;
+    NH7_DSB();
+    st = flash_end(cycles_for_ms(FLASH_ERASE_TIMEOUT_S * 1000u), FLASH_CR_SER | FLASH_CR_SNB_MASK);
+    dcache_invalidate(addr, f->sector_size);
+    return st;
+}
+
+int board_flash_program(uintptr_t addr, const void *data)
+{
+    if (!in_slot(addr, FLASH_WORD_SIZE, FLASH_WORD_SIZE)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    uint32_t words[FLASH_WORD_SIZE / 4u];
+    memcpy(words, data, sizeof words);
+    uint8_t now[FLASH_WORD_SIZE];
+    if (board_flash_read(now, addr, sizeof now) != BOARD_FLASH_OK) {
+        return BOARD_FLASH_E_NOT_ERASED; /* unreadable: a torn word, not an erased one */
+    }
+    for (size_t i = 0; i < sizeof now; i++) {
+        if (now[i] != 0xFFu) {
+            return BOARD_FLASH_E_NOT_ERASED; /* a flash word is programmed once per erase */
+        }
+    }
+    int st = flash_begin();
+    if (st != BOARD_FLASH_OK) {
+        return st;
+    }
+    FLASH_CR2 = (FLASH_CR2 & ~(FLASH_CR_SER | FLASH_CR_BER | FLASH_CR_PSIZE_MASK | FLASH_CR_FW | FLASH_CR_START |
+                               FLASH_CR_SNB_MASK)) |
+                FLASH_CR_PSIZE_X32 | FLASH_CR_PG;
+    NH7_ISB();
+    NH7_DSB();
+    uint32_t primask;
+    __asm__ volatile("mrs %0, primask\n\tcpsid i" : "=r"(primask)::"memory");
+    volatile uint32_t *dst = (volatile uint32_t *)addr;
+    for (size_t i = 0; i < FLASH_WORD_SIZE / 4u; i++) {
+        dst[i] = words[i];
+    }
+    NH7_ISB();
+    NH7_DSB();
+    __asm__ volatile("msr primask, %0" ::"r"(primask) : "memory");
+    st = flash_end(cycles_for_ms(FLASH_PROGRAM_TIMEOUT_MS), FLASH_CR_PG);
+    dcache_invalidate(addr, FLASH_WORD_SIZE);
+    if (st == BOARD_FLASH_OK && (board_flash_read(now, addr, sizeof now) != BOARD_FLASH_OK ||
+                                 memcmp(now, words, sizeof now) != 0)) {
+        st = BOARD_FLASH_E_HARDWARE;
+    }
+    return st;
+}
+
+int board_flash_read(void *dst, uintptr_t addr, size_t n)
+{
+    if (!in_slot(addr, n, 1u)) {
+        return BOARD_FLASH_E_ADDRESS;
+    }
+    uint32_t faultmask;
+    __asm__ volatile("mrs %0, faultmask\n\tcpsid f" : "=r"(faultmask)::"memory");
+    SCB_CCR |= SCB_CCR_BFHFNMIGN;
+    NH7_DSB();
+    NH7_ISB();
+    FLASH_CCR2 = FLASH_SR_SNECCERR | FLASH_SR_DBECCERR;
+    const volatile uint8_t *src = (const volatile uint8_t *)addr;
+    uint8_t *out = dst;
+    for (size_t i = 0; i < n; i++) {
+        out[i] = src[i];
+    }
+    NH7_DSB();
+    const uint32_t sr = FLASH_SR2;
+    SCB_CCR &= ~SCB_CCR_BFHFNMIGN;
+    NH7_DSB();
+    NH7_ISB();
+    __asm__ volatile("msr faultmask, %0" ::"r"(faultmask) : "memory");
+    FLASH_CCR2 = sr & (FLASH_SR_SNECCERR | FLASH_SR_DBECCERR); /* a single error was corrected: fine */
+    if ((sr & FLASH_SR_DBECCERR) != 0u) {
+        dcache_invalidate(addr, n); /* keep no line filled from a failed read */
+        return BOARD_FLASH_E_ECC;
+    }
+    return BOARD_FLASH_OK;
 }
 
 /* ---- identity, stack, reset ------------------------------------------- */

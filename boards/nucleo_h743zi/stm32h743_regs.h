@@ -162,6 +162,55 @@
 #define FLASH_ACR_WRHIGHFREQ_POS 4u
 #define FLASH_ACR_WRHIGHFREQ_MASK (3u << FLASH_ACR_WRHIGHFREQ_POS)
 
+/* FLASH bank 2 (the model slots): RM0433 ch. 4, "FLASH registers" (register
+ * map table: the bank 2 registers sit 0x100 above bank 1's). FLASH_KEYR2
+ * unlock keys KEY1/KEY2 ("FLASH configuration protection", unlocking the
+ * control registers); FLASH_CR2, FLASH_SR2 and the write-1-to-clear
+ * FLASH_CCR2 with their bit positions. */
+#define FLASH_KEYR2 NH7_REG(FLASH_REGS_BASE + 0x104u)
+#define FLASH_CR2 NH7_REG(FLASH_REGS_BASE + 0x10Cu)
+#define FLASH_SR2 NH7_REG(FLASH_REGS_BASE + 0x110u)
+#define FLASH_CCR2 NH7_REG(FLASH_REGS_BASE + 0x114u)
+#define FLASH_KEY1 0x45670123u
+#define FLASH_KEY2 0xCDEF89ABu
+#define FLASH_BANK2_BASE 0x08100000u
+#define FLASH_SECTOR_SIZE 0x20000u /* 128 KB, 8 per bank */
+#define FLASH_WORD_SIZE 32u        /* 256-bit flash word, with 10 bits of ECC */
+
+/* FLASH_CRx: LOCK 0, PG 1, SER 2, BER 3, PSIZE[5:4] (00 x8, 01 x16, 10 x32,
+ * 11 x64), FW 6, START 7, SNB[10:8] (sector in the bank). */
+#define FLASH_CR_LOCK (1u << 0)
+#define FLASH_CR_PG (1u << 1)
+#define FLASH_CR_SER (1u << 2)
+#define FLASH_CR_BER (1u << 3)
+#define FLASH_CR_PSIZE_MASK (3u << 4)
+#define FLASH_CR_PSIZE_X32 (2u << 4)
+#define FLASH_CR_FW (1u << 6)
+#define FLASH_CR_START (1u << 7)
+#define FLASH_CR_SNB_POS 8u
+#define FLASH_CR_SNB_MASK (7u << FLASH_CR_SNB_POS)
+/* FLASH_SRx: BSY 0, WBNE 1 (write buffer not empty), QW 2 (operation queued
+ * or running), EOP 16, WRPERR 17, PGSERR 18, STRBERR 19, INCERR 21, OPERR 22,
+ * RDPERR 23, RDSERR 24, SNECCERR 25, DBECCERR 26. FLASH_CCRx clears the flag
+ * in the same position (CLR_EOP ... CLR_DBECCERR). */
+#define FLASH_SR_BSY (1u << 0)
+#define FLASH_SR_WBNE (1u << 1)
+#define FLASH_SR_QW (1u << 2)
+#define FLASH_SR_EOP (1u << 16)
+#define FLASH_SR_WRPERR (1u << 17)
+#define FLASH_SR_PGSERR (1u << 18)
+#define FLASH_SR_STRBERR (1u << 19)
+#define FLASH_SR_INCERR (1u << 21)
+#define FLASH_SR_OPERR (1u << 22)
+#define FLASH_SR_RDPERR (1u << 23)
+#define FLASH_SR_RDSERR (1u << 24)
+#define FLASH_SR_SNECCERR (1u << 25)
+#define FLASH_SR_DBECCERR (1u << 26)
+#define FLASH_SR_PROGRAM_ERRORS \
+    (FLASH_SR_WRPERR | FLASH_SR_PGSERR | FLASH_SR_STRBERR | FLASH_SR_INCERR | FLASH_SR_OPERR)
+#define FLASH_SR_ALL_FLAGS \
+    (FLASH_SR_EOP | FLASH_SR_PROGRAM_ERRORS | FLASH_SR_RDPERR | FLASH_SR_RDSERR | FLASH_SR_SNECCERR | FLASH_SR_DBECCERR)
+
 /* ------------------------------------------------------------------------
  * GPIOD. RM0433 ch. 11 "General-purpose I/Os (GPIO)", §11.4 GPIO registers.
  * GPIOA at 0x58020000, one port every 0x400 on AHB4.
@@ -234,6 +283,7 @@
 #define SCB_AIRCR_VECTKEY (0x05FAu << 16)
 #define SCB_AIRCR_PRIGROUP_MASK (7u << 8)
 #define SCB_AIRCR_SYSRESETREQ (1u << 2)
+#define SCB_CCR_BFHFNMIGN (1u << 8) /* priority -1/-2 code ignores data BusFaults of loads and stores */
 #define SCB_CCR_DC (1u << 16) /* data cache enable */
 #define SCB_CCR_IC (1u << 17) /* instruction cache enable */
 #define SCB_SHCSR_MEMFAULTENA (1u << 16)
@@ -253,6 +303,8 @@
 #define SCB_CSSELR NH7_REG(0xE000ED84u) /* cache size selection: 0 = L1 data cache */
 #define SCB_ICIALLU NH7_REG(0xE000EF50u) /* I-cache invalidate all to the PoU */
 #define SCB_DCISW NH7_REG(0xE000EF60u)   /* D-cache invalidate by set/way */
+#define SCB_DCIMVAC NH7_REG(0xE000EF5Cu) /* D-cache invalidate by address to the PoC */
+#define SCB_DCACHE_LINE 32u
 #define SCB_CCSIDR_SETS(x) (((x) >> 13) & 0x7FFFu) /* number of sets - 1 */
 #define SCB_CCSIDR_WAYS(x) (((x) >> 3) & 0x3FFu)   /* associativity - 1 */
 #define SCB_DCISW_SET_POS 5u  /* 32-byte lines on the Cortex-M7 */

@@ -23,6 +23,11 @@
 #define PROTO_FORWARD 0x30u
 #define PROTO_STATS 0x40u
 #define PROTO_RESET 0x50u
+#define PROTO_SLOT_INFO 0x60u
+#define PROTO_UPDATE_BEGIN 0x61u
+#define PROTO_UPDATE_CHUNK 0x62u
+#define PROTO_UPDATE_COMMIT 0x63u
+#define PROTO_POWER_CUT_AFTER 0x6Fu /* debug, emulated boards only (BOARD_HAS_POWER_CUT) */
 #define PROTO_STATUS 0x7Fu
 
 /* STATUS codes beyond the engine's own (0 and -1 ... -99, colibri.h). */
@@ -37,8 +42,13 @@
 #define PROTO_LOAD_SEQUENCE (-107)
 #define PROTO_LOAD_CRC (-108)
 #define PROTO_TOO_LARGE (-109)
+#define PROTO_FLASH_ERROR (-110)
 
 /* FORWARD response header: u32 batch, u32 work_kind, u64 work. */
 #define PROTO_FORWARD_HEADER 16u
+
+/* SLOT_INFO: which slot runs (a slot index, or these). */
+#define PROTO_RUNNING_RAM 0xFEu  /* a model uploaded with LOAD_* into RAM */
+#define PROTO_RUNNING_NONE 0xFFu /* no model */
 
 #endif /* RUNNER_PROTOCOL_H */

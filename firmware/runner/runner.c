@@ -4,6 +4,12 @@
  * engine context in a static arena and runs forward passes for the host,
  * measuring colibri_forward() alone with the board's work counter.
  *
+ * It also keeps two model slots in flash (slots.c): at boot it runs the valid
+ * slot with the highest sequence in place (weights read from flash, no
+ * copy), and UPDATE_* writes a new model into the other slot, committing it
+ * with one header word only once its CRC checks in flash, so a power loss at
+ * any point leaves either the old or the new model, never neither.
+ *
  * Everything is static: no heap, no malloc. The capacities come from the
  * board's board.mk (RUNNER_MODEL_CAPACITY, RUNNER_ARENA_CAPACITY). The model
  * buffer and the arena are the objects runner_model and runner_arena; built
@@ -20,6 +26,7 @@
 #include "colibri.h"
 #include "crc32.h"
 #include "protocol.h"
+#include "slots.h"
 
 #ifndef RUNNER_MODEL_CAPACITY
 #error "RUNNER_MODEL_CAPACITY (bytes) must come from the board's board.mk"
@@ -64,6 +71,8 @@ static float output_buf[PROTO_MAX_PAYLOAD / sizeof(float)] __attribute__((aligne
 
 static struct {
     colibri_ctx *ctx; /* NULL: no model */
+    const uint8_t *image; /* what ctx runs: runner_model or a slot's image in flash */
+    uint8_t running;      /* slot index, PROTO_RUNNING_RAM or PROTO_RUNNING_NONE */
     uint32_t image_size;
     uint32_t input_size, output_size, max_batch;
     uint32_t arena_used;
@@ -73,7 +82,15 @@ static struct {
     uint32_t load_crc;      /* announced */
     uint32_t load_received; /* bytes so far, = next expected offset */
     uint32_t load_running;  /* CRC-32 of the bytes so far */
-} state;
+
+    bool updating; /* between an accepted UPDATE_BEGIN and UPDATE_COMMIT */
+    unsigned update_slot;
+    uint32_t update_size, update_crc, update_sequence;
+    uint32_t update_received; /* bytes so far, = next expected offset */
+    uint32_t update_running;  /* CRC-32 of the bytes received */
+    uint32_t word_fill;       /* bytes buffered in word[] */
+    uint8_t word[SLOT_HEADER_SIZE] __attribute__((aligned(4))); /* one flash word being assembled */
+} state = {.running = PROTO_RUNNING_NONE};
 
 /* -- little-endian helpers ------------------------------------------------ */
 
@@ -120,6 +137,18 @@ static void msg_str(message *m, const char *s)
 {
     while (*s != '\0' && m->len < sizeof m->text) {
         m->text[m->len++] = *s++;
+    }
+}
+
+static void msg_hex(message *m, uint32_t v)
+{
+    char text[10] = "0x";
+    for (int i = 0; i < 8; i++) {
+        const uint32_t nibble = (v >> (28 - 4 * i)) & 15u;
+        text[2 + i] = (char)(nibble < 10u ? '0' + nibble : 'a' + nibble - 10u);
+    }
+    for (size_t i = 0; i < sizeof text && m->len < sizeof m->text; i++) {
+        m->text[m->len++] = text[i];
     }
 }
 
@@ -210,8 +239,59 @@ static void drop_model(void)
         (void)colibri_free(state.ctx);
     }
     state.ctx = NULL;
+    state.image = NULL;
+    state.running = PROTO_RUNNING_NONE;
     state.image_size = 0u;
     state.arena_used = 0u;
+}
+
+/* Builds the engine over an image (RAM buffer or flash slot, read in place)
+ * and makes it the running model; on failure nothing runs. */
+static colibri_status start_model(const uint8_t *image, uint32_t size, uint8_t running)
+{
+    drop_model();
+    colibri_ctx *ctx = NULL;
+    colibri_status st = colibri_init(&ctx, runner_arena, sizeof runner_arena, image, size);
+    colibri_model_info info;
+    if (st == COLIBRI_OK) {
+        st = colibri_get_info(image, size, &info);
+        if (st != COLIBRI_OK) {
+            (void)colibri_free(ctx);
+        }
+    }
+    if (st != COLIBRI_OK) {
+        return st;
+    }
+    state.ctx = ctx;
+    state.image = image;
+    state.running = running;
+    state.image_size = size;
+    state.input_size = info.input_size;
+    state.output_size = info.output_size;
+    state.max_batch = info.max_batch;
+    state.arena_used = (uint32_t)info.arena_size;
+    return COLIBRI_OK;
+}
+
+/* At reset: the valid slot with the highest sequence; if the engine refuses
+ * it (say, a larger arena than this firmware has), the other valid one. */
+static void boot_from_slots(void)
+{
+    slot_status st[SLOT_COUNT];
+    for (unsigned i = 0; i < SLOT_COUNT; i++) {
+        slot_scan(i, &st[i]);
+    }
+    const unsigned first = slot_active(st);
+    if (first == SLOT_NONE) {
+        return;
+    }
+    if (start_model(slot_image(first), st[first].image_size, (uint8_t)first) == COLIBRI_OK) {
+        return;
+    }
+    const unsigned other = 1u - first;
+    if (st[other].state == SLOT_VALID) {
+        (void)start_model(slot_image(other), st[other].image_size, (uint8_t)other);
+    }
 }
 
 static void handle_hello(uint16_t seq, uint32_t len)
@@ -324,25 +404,11 @@ static void handle_load_end(uint16_t seq, uint32_t len)
         send_status(seq, PROTO_LOAD_CRC, "image CRC-32 differs from the one announced");
         return;
     }
-    colibri_ctx *ctx = NULL;
-    colibri_status st = colibri_init(&ctx, runner_arena, sizeof runner_arena, runner_model, state.load_size);
-    colibri_model_info info;
-    if (st == COLIBRI_OK) {
-        st = colibri_get_info(runner_model, state.load_size, &info);
-        if (st != COLIBRI_OK) {
-            (void)colibri_free(ctx);
-        }
-    }
+    const colibri_status st = start_model(runner_model, state.load_size, PROTO_RUNNING_RAM);
     if (st != COLIBRI_OK) {
         send_engine_status(seq, st);
         return;
     }
-    state.ctx = ctx;
-    state.image_size = state.load_size;
-    state.input_size = info.input_size;
-    state.output_size = info.output_size;
-    state.max_batch = info.max_batch;
-    state.arena_used = (uint32_t)info.arena_size;
     send_ok(seq);
 }
 
@@ -357,7 +423,7 @@ static void handle_info(uint16_t seq, uint32_t len)
         return;
     }
     colibri_model_info info;
-    const colibri_status st = colibri_get_info(runner_model, state.image_size, &info);
+    const colibri_status st = colibri_get_info(state.image, state.image_size, &info);
     if (st != COLIBRI_OK) {
         send_engine_status(seq, st);
         return;
@@ -457,6 +523,283 @@ static void handle_reset(uint16_t seq, uint32_t len)
     board_reset();
 }
 
+/* -- model slots in flash ----------------------------------------------------------- */
+
+static void send_flash_error(uint16_t seq, const char *what, uintptr_t addr, int status)
+{
+    message m = {.len = 0};
+    msg_str(&m, what);
+    msg_str(&m, " at ");
+    msg_hex(&m, (uint32_t)addr);
+    msg_str(&m, " failed: board flash status ");
+    if (status < 0) {
+        msg_str(&m, "-");
+        msg_u32(&m, (uint32_t)-status);
+    } else {
+        msg_u32(&m, (uint32_t)status);
+    }
+    send_status_msg(seq, PROTO_FLASH_ERROR, &m);
+}
+
+static void handle_slot_info(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    slot_status st[SLOT_COUNT];
+    for (unsigned i = 0; i < SLOT_COUNT; i++) {
+        slot_scan(i, &st[i]);
+    }
+    const board_flash_info_t *f = board_flash_info();
+    uint8_t *p = payload_out();
+    p = put_u32(p, f->slot_size);
+    p = put_u32(p, f->sector_size);
+    p = put_u32(p, f->program_size);
+    *p++ = (uint8_t)slot_active(st);
+    *p++ = state.running;
+    *p++ = state.updating ? 1u : 0u;
+    *p++ = 0u;
+    for (unsigned i = 0; i < SLOT_COUNT; i++) {
+        p = put_u32(p, (uint32_t)f->slot_base[i]);
+        *p++ = st[i].state;
+        *p++ = 0u;
+        p = put_u16(p, 0u);
+        p = put_u32(p, st[i].sequence);
+        p = put_u32(p, st[i].image_size);
+        p = put_u32(p, st[i].image_crc);
+    }
+    send_response(PROTO_SLOT_INFO, seq, p);
+}
+
+/* UPDATE_BEGIN(size, crc): the slot that does not run (or, if no slot runs,
+ * the one that is not active; A if neither is valid) is erased as far as the
+ * image needs, header sector first. The running model keeps running. */
+static void handle_update_begin(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len != 8u) {
+        send_bad_payload(seq, len, 8u);
+        return;
+    }
+    const uint32_t size = get_u32(payload);
+    if (size > slot_capacity()) {
+        message m = {.len = 0};
+        msg_str(&m, "image of ");
+        msg_u32(&m, size);
+        msg_str(&m, " bytes exceeds the slot capacity of ");
+        msg_u32(&m, slot_capacity());
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return;
+    }
+    if (board_flash_info()->program_size != SLOT_HEADER_SIZE) {
+        send_status(seq, PROTO_FLASH_ERROR, "board flash word is not the 32-byte slot header");
+        return;
+    }
+    state.updating = false; /* a new BEGIN abandons an unfinished update */
+    slot_status st[SLOT_COUNT];
+    uint32_t newest = 0u;
+    for (unsigned i = 0; i < SLOT_COUNT; i++) {
+        slot_scan(i, &st[i]);
+        if (st[i].state == SLOT_VALID && st[i].sequence > newest) {
+            newest = st[i].sequence;
+        }
+    }
+    unsigned target;
+    if (state.running < SLOT_COUNT) {
+        target = 1u - state.running;
+    } else {
+        const unsigned active = slot_active(st);
+        target = active == SLOT_NONE ? 0u : 1u - active;
+    }
+    uintptr_t failed_at = 0u;
+    const int fst = slot_erase_for(target, size, &failed_at);
+    if (fst != BOARD_FLASH_OK) {
+        send_flash_error(seq, "sector erase", failed_at, fst);
+        return;
+    }
+    state.updating = true;
+    state.update_slot = target;
+    state.update_size = size;
+    state.update_crc = get_u32(payload + 4);
+    state.update_sequence = newest + 1u; /* above every valid slot: this one wins once committed */
+    state.update_received = 0u;
+    state.update_running = 0u;
+    state.word_fill = 0u;
+    send_ok(seq);
+}
+
+/* Programs the assembled flash word (padded with 0xFF, the erased value). */
+static int flush_word(uintptr_t *addr)
+{
+    memset(state.word + state.word_fill, 0xFF, sizeof state.word - state.word_fill);
+    const uint32_t word_offset = (state.update_received - 1u) / SLOT_HEADER_SIZE * SLOT_HEADER_SIZE;
+    *addr = (uintptr_t)slot_image(state.update_slot) + word_offset;
+    state.word_fill = 0u;
+    return board_flash_program(*addr, state.word);
+}
+
+static void handle_update_chunk(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < 4u) {
+        send_bad_payload(seq, len, 4u);
+        return;
+    }
+    if (!state.updating) {
+        send_status(seq, PROTO_LOAD_SEQUENCE, "UPDATE_CHUNK without UPDATE_BEGIN");
+        return;
+    }
+    const uint32_t offset = get_u32(payload);
+    const uint32_t n = len - 4u;
+    if (offset != state.update_received) {
+        message m = {.len = 0};
+        msg_str(&m, "chunk at offset ");
+        msg_u32(&m, offset);
+        msg_str(&m, ", expected ");
+        msg_u32(&m, state.update_received);
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    if (n > state.update_size - state.update_received) {
+        message m = {.len = 0};
+        msg_str(&m, "chunk runs past the announced image of ");
+        msg_u32(&m, state.update_size);
+        msg_str(&m, " bytes");
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    state.update_running = crc32_update(state.update_running, payload + 4, n);
+    for (uint32_t i = 0; i < n;) {
+        const uint32_t take = n - i < SLOT_HEADER_SIZE - state.word_fill ? n - i : SLOT_HEADER_SIZE - state.word_fill;
+        memcpy(state.word + state.word_fill, payload + 4 + i, take);
+        state.word_fill += take;
+        state.update_received += take;
+        i += take;
+        if (state.word_fill == SLOT_HEADER_SIZE) {
+            uintptr_t addr;
+            const int fst = flush_word(&addr);
+            if (fst != BOARD_FLASH_OK) {
+                state.updating = false;
+                send_flash_error(seq, "program", addr, fst);
+                return;
+            }
+        }
+    }
+    send_ok(seq);
+}
+
+/* UPDATE_COMMIT: last partial word, CRC of the image as it is in flash, the
+ * engine's own validation, then the header word: the one operation that
+ * switches models. Until then the old model runs and stays the active slot. */
+static void handle_update_commit(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    if (!state.updating) {
+        send_status(seq, PROTO_LOAD_SEQUENCE, "UPDATE_COMMIT without UPDATE_BEGIN");
+        return;
+    }
+    if (state.update_received != state.update_size) {
+        message m = {.len = 0};
+        msg_str(&m, "UPDATE_COMMIT after ");
+        msg_u32(&m, state.update_received);
+        msg_str(&m, " of ");
+        msg_u32(&m, state.update_size);
+        msg_str(&m, " bytes");
+        send_status_msg(seq, PROTO_LOAD_SEQUENCE, &m);
+        return;
+    }
+    state.updating = false; /* whatever happens now, the next update starts with UPDATE_BEGIN */
+    const unsigned slot = state.update_slot;
+    if (state.word_fill > 0u) {
+        uintptr_t addr;
+        const int fst = flush_word(&addr);
+        if (fst != BOARD_FLASH_OK) {
+            send_flash_error(seq, "program", addr, fst);
+            return;
+        }
+    }
+    uint32_t crc = 0u;
+    const int fst = slot_image_crc(slot, state.update_size, &crc);
+    if (fst != BOARD_FLASH_OK) {
+        send_flash_error(seq, "read back", (uintptr_t)slot_image(slot), fst);
+        return;
+    }
+    if (crc != state.update_crc) {
+        send_status(seq, PROTO_LOAD_CRC,
+                    state.update_running != state.update_crc ? "image CRC-32 differs from the one announced"
+                                                             : "image CRC-32 in flash differs from the bytes sent");
+        return;
+    }
+    /* Never commit an image this firmware cannot run. */
+    const uint8_t *image = slot_image(slot);
+    colibri_status est = colibri_validate(image, state.update_size);
+    size_t need = 0u;
+    if (est == COLIBRI_OK) {
+        est = colibri_model_size(image, state.update_size, &need);
+    }
+    if (est != COLIBRI_OK) {
+        send_engine_status(seq, est);
+        return;
+    }
+    if (need > sizeof runner_arena) {
+        message m = {.len = 0};
+        msg_str(&m, "model needs an arena of ");
+        msg_u32(&m, (uint32_t)need);
+        msg_str(&m, " bytes, the runner has ");
+        msg_u32(&m, (uint32_t)sizeof runner_arena);
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return;
+    }
+    const int hst = slot_write_header(slot, state.update_sequence, state.update_size, crc);
+    if (hst != BOARD_FLASH_OK) {
+        send_flash_error(seq, "header program", slot_base(slot), hst);
+        return;
+    }
+    /* The new model is committed; read it back as boot would, then run it. */
+    slot_status now;
+    slot_scan(slot, &now);
+    if (now.state != SLOT_VALID || now.sequence != state.update_sequence) {
+        send_status(seq, PROTO_FLASH_ERROR, "committed slot does not read back valid");
+        return;
+    }
+    const uint8_t *old_image = state.image;
+    const uint32_t old_size = state.image_size;
+    const uint8_t old_running = state.running;
+    est = start_model(image, state.update_size, (uint8_t)slot);
+    if (est != COLIBRI_OK) {
+        if (old_image != NULL) {
+            (void)start_model(old_image, old_size, old_running);
+        }
+        send_engine_status(seq, est);
+        return;
+    }
+    send_ok(seq);
+}
+
+#ifdef BOARD_HAS_POWER_CUT
+/* POWER_CUT_AFTER(n, mode, tear): arms the emulated flash's power cut
+ * (board.h); answers with the flash operations done since reset. */
+static void handle_power_cut_after(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len != 12u) {
+        send_bad_payload(seq, len, 12u);
+        return;
+    }
+    const uint32_t n = get_u32(payload);
+    const uint32_t mode = get_u32(payload + 4);
+    if (mode > 1u || (mode == 1u && n == 0u)) {
+        send_status(seq, PROTO_BAD_PAYLOAD, "mode must be 0 (clean) or 1 (torn, n >= 1)");
+        return;
+    }
+    const uint32_t done = board_flash_op_count();
+    board_power_cut_arm(n, mode, get_u32(payload + 8));
+    uint8_t *p = put_u32(payload_out(), done);
+    send_response(PROTO_POWER_CUT_AFTER, seq, p);
+}
+#endif
+
 /* -- frames --------------------------------------------------------------------- */
 
 static void handle_frame(size_t encoded_len)
@@ -518,6 +861,23 @@ static void handle_frame(size_t encoded_len)
     case PROTO_RESET:
         handle_reset(seq, len);
         break;
+    case PROTO_SLOT_INFO:
+        handle_slot_info(seq, len);
+        break;
+    case PROTO_UPDATE_BEGIN:
+        handle_update_begin(seq, payload, len);
+        break;
+    case PROTO_UPDATE_CHUNK:
+        handle_update_chunk(seq, payload, len);
+        break;
+    case PROTO_UPDATE_COMMIT:
+        handle_update_commit(seq, len);
+        break;
+#ifdef BOARD_HAS_POWER_CUT
+    case PROTO_POWER_CUT_AFTER:
+        handle_power_cut_after(seq, payload, len);
+        break;
+#endif
     default: {
         message m = {.len = 0};
         msg_str(&m, "unknown request type ");
@@ -531,6 +891,7 @@ static void handle_frame(size_t encoded_len)
 int main(void)
 {
     board_init();
+    boot_from_slots();
     size_t n = 0;
     bool discarding = false; /* after an overflow: drop bytes up to the next 0x00 */
     for (;;) {

@@ -3,14 +3,16 @@
     with Device("socket://127.0.0.1:4321") as dut:      # QEMU
     with Device("/dev/ttyACM0", baudrate=115200) as dut: # a board
         print(dut.hello())
-        dut.load(image_bytes)
+        dut.load(image_bytes)          # into RAM, gone at reset
+        dut.update(image_bytes)        # into the inactive flash slot, runs from there, survives reset
         y, work = dut.forward(x)
 """
 from __future__ import annotations
 
+import socket
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import serial
@@ -18,7 +20,10 @@ import serial
 from . import protocol as P
 from .errors import ColibriError
 
-CHUNK = P.MAX_PAYLOAD - 4  # LOAD_CHUNK carries a u32 offset
+CHUNK = P.MAX_PAYLOAD - 4  # LOAD_CHUNK and UPDATE_CHUNK carry a u32 offset
+# UPDATE_BEGIN erases the target slot before it answers: on an STM32H743 a
+# 128 KB sector takes about 2 s (4 s worst case), and a slot is 4 sectors.
+ERASE_TIMEOUT = 30.0
 
 
 class DeviceError(ColibriError):
@@ -62,6 +67,38 @@ class Stats:
 
 
 @dataclass
+class Slot:
+    name: str  # "A" or "B"
+    address: int
+    state: P.SlotState
+    sequence: int
+    image_size: int
+    image_crc32: int
+
+    @property
+    def valid(self) -> bool:
+        return self.state == P.SlotState.VALID
+
+
+@dataclass
+class SlotInfo:
+    slot_size: int
+    sector_size: int
+    program_size: int
+    active: str | None  # the valid slot with the highest sequence: what boots
+    running: str | None  # what the engine runs: "A", "B", "RAM" (a LOAD_* upload) or None
+    updating: bool
+    slots: list[Slot] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> Slot:
+        return self.slots["AB".index(name)]
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_size - 32
+
+
+@dataclass
 class Work:
     kind: P.WorkKind
     count: int
@@ -81,6 +118,18 @@ class Device:
         self.info: DeviceInfo | None = None
 
     def close(self) -> None:
+        sock = getattr(self.port, "_socket", None)
+        if sock is not None and self.port.is_open:
+            # pyserial's socket:// close() sleeps 0.3 s "in case of quick reconnects"; a QEMU
+            # serial port is never reopened, and the power-loss tests close a hundred of them.
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+            self.port._socket = None
+            self.port.is_open = False
+            return
         self.port.close()
 
     def __enter__(self) -> Device:
@@ -120,11 +169,21 @@ class Device:
         self.write_raw(P.encode(P.Packet(ptype, self._seq, payload)))
         return self._seq
 
-    def request(self, ptype: int, payload: bytes = b"") -> bytes:
-        """Sends a request; returns the response payload, or raises DeviceError for a STATUS != 0."""
+    def request(self, ptype: int, payload: bytes = b"", *, timeout: float | None = None) -> bytes:
+        """Sends a request; returns the response payload, or raises DeviceError for a STATUS != 0.
+
+        `timeout` (seconds) replaces the port's for this one answer."""
         name = P.Type(ptype).name if ptype in iter(P.Type) else f"type 0x{ptype:02x}"
         seq = self.send(ptype, payload)
-        answer = self.read_packet()
+        if timeout is None:
+            answer = self.read_packet()
+        else:
+            saved, saved_port = self.timeout, self.port.timeout
+            self.timeout = self.port.timeout = timeout
+            try:
+                answer = self.read_packet()
+            finally:
+                self.timeout, self.port.timeout = saved, saved_port
         if answer.seq != seq:
             raise DeviceError(f"answer has seq {answer.seq}, expected {seq}")
         if answer.type == P.Type.STATUS:
@@ -178,3 +237,53 @@ class Device:
 
     def reset(self) -> None:
         self.request(P.Type.RESET)
+
+    # -- model slots in flash ------------------------------------------------
+
+    def slot_info(self) -> SlotInfo:
+        """Both flash slots as the device reads them now, which one is active and what runs."""
+        p = self.request(P.Type.SLOT_INFO)
+        slot_size, sector_size, program_size, active, running, updating, _ = P.SLOT_INFO.unpack_from(p)
+        slots = []
+        for i in range(2):
+            address, state, _, _, sequence, size, crc = P.SLOT_ENTRY.unpack_from(p, P.SLOT_INFO.size + i * P.SLOT_ENTRY.size)
+            slots.append(Slot("AB"[i], address, P.SlotState(state), sequence, size, crc))
+        names = {0: "A", 1: "B", P.RUNNING_RAM: "RAM"}
+        return SlotInfo(slot_size, sector_size, program_size, names.get(active), names.get(running), bool(updating),
+                        slots)
+
+    def update(self, image: bytes, *, progress: bool = False, crc: int | None = None) -> SlotInfo:
+        """Writes a model image into the flash slot that does not run and switches to it.
+
+        UPDATE_BEGIN erases the slot, UPDATE_CHUNKs program it, UPDATE_COMMIT checks the image CRC in
+        flash and commits it with one header word; the device then runs it, and boots it from now on.
+        A power loss before the commit leaves the old model. `crc` overrides the announced CRC-32
+        (tests). Returns SLOT_INFO after the commit."""
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
+            TransferSpeedColumn
+
+        announced = zlib.crc32(image) if crc is None else crc
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn())
+        console = Console(stderr=True)  # stdout stays for results
+        with Progress(*columns, console=console, disable=not (progress and console.is_terminal),
+                      transient=True) as bar:
+            task = bar.add_task("erasing slot", total=len(image))
+            self.request(P.Type.UPDATE_BEGIN, struct.pack("<II", len(image), announced),
+                         timeout=max(self.timeout, ERASE_TIMEOUT))
+            bar.update(task, description="programming")
+            for off in range(0, len(image), CHUNK):
+                self.request(P.Type.UPDATE_CHUNK, struct.pack("<I", off) + image[off : off + CHUNK])
+                bar.advance(task, min(CHUNK, len(image) - off))
+            bar.update(task, description="verifying")
+            self.request(P.Type.UPDATE_COMMIT)
+        self.info = self.model_info()
+        return self.slot_info()
+
+    def power_cut_after(self, n: int, mode: int = 0, tear: int = 0) -> int:
+        """Debug (emulated boards): the power fails after n more flash operations, cleanly (mode 0)
+        or half way through the n-th (mode 1; `tear` = bytes of a sector erased, or mask of the
+        word's bytes programmed). Returns the flash operations done since reset."""
+        (done,) = struct.unpack("<I", self.request(P.Type.POWER_CUT_AFTER, struct.pack("<III", n, mode, tear)))
+        return done

@@ -29,6 +29,11 @@ class Type(enum.IntEnum):
     FORWARD = 0x30
     STATS = 0x40
     RESET = 0x50
+    SLOT_INFO = 0x60
+    UPDATE_BEGIN = 0x61
+    UPDATE_CHUNK = 0x62
+    UPDATE_COMMIT = 0x63
+    POWER_CUT_AFTER = 0x6F  # debug, emulated boards only
     STATUS = 0x7F
 
 
@@ -43,6 +48,23 @@ class ProtocolStatus(enum.IntEnum):
     LOAD_SEQUENCE = -107
     LOAD_CRC = -108
     TOO_LARGE = -109
+    FLASH_ERROR = -110
+
+
+class SlotState(enum.IntEnum):
+    """What SLOT_INFO found in a slot."""
+
+    EMPTY = 0  # header word erased
+    VALID = 1
+    BAD_HEADER = 2  # magic, version, header CRC or size wrong
+    BAD_IMAGE = 3  # header fine, image CRC wrong
+    UNREADABLE = 4  # uncorrectable ECC error in the header word
+
+
+RUNNING_RAM = 0xFE  # SLOT_INFO `running`: a model uploaded into RAM with LOAD_*
+RUNNING_NONE = 0xFF
+SLOT_INFO = struct.Struct("<IIIBBBB")  # slot_size, sector_size, program_size, active, running, updating, 0
+SLOT_ENTRY = struct.Struct("<IBBHIII")  # address, state, 0, 0, sequence, image_size, image_crc32
 
 
 class WorkKind(enum.IntEnum):

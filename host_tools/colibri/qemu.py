@@ -9,19 +9,39 @@ QEMU listens on a free port it picks itself (port 0) and starts the guest
 only when the host connects (wait=on), so no early output is lost; nodelay=on
 keeps small round trips under a millisecond. The process is always ended on
 exit, also when a test fails.
+
+The runner keeps its model slots in emulated flash, a RAM region of QEMU
+(colibri.slots.LAYOUTS["mps2_an500"]) that lives as long as the process. To
+carry it across a "power cycle":
+
+    with Qemu(elf, qmp=True) as q:
+        ...                                   # dut.update(image)
+        q.pause()                             # QMP stop: nothing runs any more
+        q.save_flash("flash.bin")             # QMP pmemsave of the slot region
+    with Qemu(elf, flash="flash.bin") as q:   # -device loader puts it back before reset
+        ...
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
 import subprocess
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .errors import ColibriError
+from .slots import LAYOUTS
 
 ICOUNT_SHIFT = 7  # the firmware converts SysTick ticks to instructions with the same shift
 _PORT = re.compile(r"disconnected:tcp:127\.0\.0\.1:(\d+)")  # the listening port, not the -serial option echoed
+FLASH = LAYOUTS["mps2_an500"]
+FLASH_BASE = FLASH.slot_a  # the emulated flash: slot A, then slot B
+FLASH_SIZE = FLASH.slot_b + FLASH.slot_size - FLASH.slot_a
+POWER_CUT = "colibri: power cut"  # what the firmware prints on stderr (semihosting) when its debug power cut fires
 
 
 class QemuError(ColibriError):
@@ -30,16 +50,24 @@ class QemuError(ColibriError):
 
 class Qemu:
     def __init__(self, firmware: str | Path, *, machine: str = "mps2-an500", timeout: float = 10.0,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, qmp: bool = False, flash: str | Path | None = None):
+        """`qmp`: open a QMP socket (pause, save_flash); `flash`: a file (FLASH_SIZE bytes, as save_flash
+        writes) loaded into the emulated flash before the firmware starts."""
         self.firmware = Path(firmware)
         self.machine = machine
         self.timeout = timeout
         self.extra_args = extra_args or []
+        self.flash = Path(flash) if flash is not None else None
         self.proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self.port: int | None = None
         self._stderr: list[str] = []
+        self._stderr_changed = threading.Condition()
         self.exit_status: int | None = None
+        self.qmp_enabled = qmp
+        self._qmp_dir: str | None = None  # made by start(): a short path, unix socket paths are limited
+        self._qmp: socket.socket | None = None
+        self._qmp_buf = b""
 
     @property
     def url(self) -> str:
@@ -55,12 +83,28 @@ class Qemu:
             "-semihosting-config", "enable=on,target=native",
             "-icount", f"shift={ICOUNT_SHIFT},sleep=off",
             "-serial", "tcp:127.0.0.1:0,server=on,wait=on,nodelay=on",
+            *(["-qmp", f"unix:{self.qmp_path},server=on,wait=off"] if self.qmp_enabled else []),
+            # The generic loader writes the file at reset, before the CPU fetches its first
+            # instruction; no ELF segment covers the region, so nothing else writes it.
+            *(["-device", f"loader,file={self.flash.resolve()},addr=0x{FLASH_BASE:x},force-raw=on"]
+              if self.flash is not None else []),
             *self.extra_args,
         ]
+
+    @property
+    def qmp_path(self) -> str:
+        if not self.qmp_enabled:
+            raise QemuError("no QMP socket: use Qemu(..., qmp=True)")
+        if self._qmp_dir is None:
+            self._qmp_dir = tempfile.mkdtemp(prefix="colibri-qmp-")
+        return str(Path(self._qmp_dir) / "qmp.sock")
 
     def start(self) -> Qemu:
         if not self.firmware.exists():
             raise QemuError(f"{self.firmware}: no such firmware (build it with make firmware)")
+        if self.flash is not None and self.flash.stat().st_size > FLASH_SIZE:
+            raise QemuError(f"{self.flash}: {self.flash.stat().st_size} bytes, more than the "
+                            f"{FLASH_SIZE}-byte emulated flash")
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         found = threading.Event()
@@ -68,12 +112,16 @@ class Qemu:
         def read_stderr() -> None:
             assert self.proc is not None and self.proc.stderr is not None
             for line in self.proc.stderr:
-                self._stderr.append(line)
+                with self._stderr_changed:
+                    self._stderr.append(line)
+                    self._stderr_changed.notify_all()
                 m = _PORT.search(line)
                 if m and self.port is None:
                     self.port = int(m.group(1))
                     found.set()
             found.set()
+            with self._stderr_changed:
+                self._stderr_changed.notify_all()
 
         self._reader = threading.Thread(target=read_stderr, daemon=True)
         self._reader.start()
@@ -88,8 +136,70 @@ class Qemu:
         self.exit_status = self.proc.wait(timeout if timeout is not None else self.timeout)
         return self.exit_status
 
+    def wait_for_stderr(self, text: str, timeout: float | None = None) -> bool:
+        """Waits until a line of QEMU's stderr (where semihosting output goes) contains `text`."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._stderr_changed:
+            while not any(text in line for line in self._stderr):
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc is not None and self.proc.poll() is not None
+                                 and not (self._reader and self._reader.is_alive())):
+                    return any(text in line for line in self._stderr)
+                self._stderr_changed.wait(min(left, 0.5))
+        return True
+
+    # -- QMP -----------------------------------------------------------------
+
+    def qmp(self, command: str, **arguments) -> object:
+        """One QMP command; its "return" value, or QemuError."""
+        if self._qmp is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            sock.connect(self.qmp_path)
+            self._qmp = sock
+            self._qmp_read()  # greeting
+            self._qmp_send("qmp_capabilities")
+        return self._qmp_send(command, **arguments)
+
+    def _qmp_read(self) -> dict:
+        assert self._qmp is not None
+        while b"\n" not in self._qmp_buf:
+            chunk = self._qmp.recv(65536)
+            if not chunk:
+                raise QemuError("QMP connection closed by QEMU")
+            self._qmp_buf += chunk
+        line, self._qmp_buf = self._qmp_buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _qmp_send(self, command: str, **arguments) -> object:
+        assert self._qmp is not None
+        msg = {"execute": command, **({"arguments": arguments} if arguments else {})}
+        self._qmp.sendall(json.dumps(msg).encode() + b"\n")
+        while True:
+            reply = self._qmp_read()
+            if "event" in reply:
+                continue
+            if "error" in reply:
+                raise QemuError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
+            return reply.get("return")
+
+    def pause(self) -> None:
+        """Stops the guest CPU (QMP stop); memory stays as it is."""
+        self.qmp("stop")
+
+    def save_flash(self, path: str | Path) -> Path:
+        """Writes the emulated flash (FLASH_SIZE bytes at FLASH_BASE) to `path` (QMP pmemsave);
+        pause() first for a consistent copy."""
+        path = Path(path).resolve()
+        self.qmp("pmemsave", val=FLASH_BASE, size=FLASH_SIZE, filename=str(path))
+        return path
+
     def stop(self) -> None:
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
         if self.proc is None:
+            self._remove_qmp_dir()
             return
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -104,10 +214,17 @@ class Qemu:
             self._reader.join(5)  # ends at EOF once the process is gone
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+        self._remove_qmp_dir()
+
+    def _remove_qmp_dir(self) -> None:
+        if self._qmp_dir is not None:
+            shutil.rmtree(self._qmp_dir, ignore_errors=True)
+            self._qmp_dir = None
 
     @property
     def stderr(self) -> str:
-        return "".join(self._stderr)
+        with self._stderr_changed:
+            return "".join(self._stderr)
 
     def __enter__(self) -> Qemu:
         return self.start()

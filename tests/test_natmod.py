@@ -1,0 +1,293 @@
+"""The project's .o -> .mpy linker, `colibri.natmod`, and the native modules it builds.
+
+MicroPython's own tools cannot run here (no MicroPython source tree from any
+registry), so the project links native modules itself. These tests parse the
+files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with an
+independent reader of the .mpy layout (/work/shared/facts), compare it with
+`colibri.natmod.read_mpy`, and check every refusal the linker must make: each
+refused input was a crash at run time when it was let through.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+COLIBRI = str(Path(sys.executable).parent / "colibri")
+FIXTURES = ROOT / "tests" / "natmod_fixtures"
+ARCH_CODES = {"x64": 2, "armv7emsp": 7, "armv7emdp": 8}
+WORD = {"x64": 8, "armv7emsp": 4, "armv7emdp": 4}
+MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
+PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "output_size", "max_batch",
+                "arena_size"}
+
+
+# --------------------------------------------------------------------------- building, shared with test_micropython
+
+
+def shared_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder per pytest run that every xdist worker sees, so each .mpy is built once a run."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "natmod-build"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def build_mpy(arch: str, root: Path) -> Path:
+    """`colibri natmod build --arch ARCH -o ...`, the user's command; under a lock, so that parallel
+    workers build each architecture once and never read a half-written file."""
+    out = root / arch / "colibri.mpy"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            out.parent.mkdir(exist_ok=True)
+            r = subprocess.run([COLIBRI, "natmod", "build", "--arch", arch, "-o", str(out)],
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert out.exists(), r.stdout + r.stderr
+    return out
+
+
+# --------------------------------------------------------------------------- an independent .mpy reader
+
+
+@dataclass
+class Mpy:
+    arch: int
+    small_int_bits: int
+    qstrs: list[str]
+    n_obj: int
+    text: bytes
+    scope_flags: int
+    rodata_len: int = 0
+    bss_len: int = 0
+    # (destination, first word, in rodata?, words): the relocation stream, one tuple a run of adjustments
+    relocs: list[tuple[str, int, bool, int]] = field(default_factory=list)
+
+
+class _Bytes:
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def byte(self) -> int:
+        assert self.pos < len(self.data), "file ends inside a record"
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def take(self, n: int) -> bytes:
+        assert self.pos + n <= len(self.data), f"file ends inside a {n}-byte field"
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def vuint(self) -> int:
+        """Big-endian base-128, high bit set on every byte but the last."""
+        value = 0
+        while True:
+            b = self.byte()
+            value = value << 7 | (b & 0x7F)
+            if not b & 0x80:
+                return value
+
+
+def parse_mpy(data: bytes) -> Mpy:
+    """The .mpy layout written down in /work/shared/facts/micropython-natmod-abi.md, read to the last byte."""
+    r = _Bytes(data)
+    magic, version, features, small_int_bits = r.take(4)
+    assert (magic, version, features & 3) == (ord("M"), 6, 3), data[:4]
+    n_qstr, n_obj = r.vuint(), r.vuint()
+    qstrs = []
+    for _ in range(n_qstr):
+        n = r.vuint()
+        assert n & 1 == 0, "qstr marked as static: a native module lists its own"
+        qstrs.append(r.take(n >> 1).decode())
+        assert r.byte() == 0, "qstr not NUL-terminated"
+    kind_len = r.vuint()
+    assert kind_len & 7 == 2, f"raw code kind {kind_len & 7}, expected 2 (native viper, no children)"
+    text = r.take(kind_len >> 3)
+    m = Mpy(features >> 2, small_int_bits, qstrs, n_obj, text, r.vuint())
+    assert m.scope_flags & ~0x70 == 0, f"unknown scope flags {m.scope_flags:#x}"
+    if m.scope_flags & 0x20:
+        m.rodata_len = r.vuint()
+        r.take(m.rodata_len)
+    if m.scope_flags & 0x40:
+        m.bss_len = r.vuint()
+    if m.scope_flags & 0x10:
+        word_index, in_rodata = -1, False
+        while (op := r.byte()) != 0xFF:
+            if op & 1:
+                addr = r.vuint()
+                word_index, in_rodata = addr >> 1, bool(addr & 1)
+            else:
+                word_index += 1
+            d, n = op >> 1, 1
+            if d <= 5:
+                if d & 1:
+                    n = r.vuint()
+                dest = ("text", "rodata", "bss")[d >> 1] if d >> 1 < 3 else f"base{d >> 1}"
+            else:
+                dest = {6: "qstr_table", 7: "obj_table", 8: "fun_table"}.get(d, f"fun_table[{d - 9}]")
+            m.relocs.append((dest, word_index, in_rodata, n))
+            word_index += n - 1
+    assert r.pos == len(data), f"{len(data) - r.pos} bytes after the end of the module"
+    return m
+
+
+def check_relocations(m: Mpy, word: int) -> None:
+    """Every adjustment is one the loader performs, on a word inside text or rodata, to a region that exists."""
+    assert m.relocs, "a native module with no relocations cannot reach mp_fun_table"
+    for dest, index, in_rodata, n in m.relocs:
+        size = m.rodata_len if in_rodata else len(m.text)
+        assert 0 <= index and (index + n) * word <= size, f"{dest} adjustment at word {index}+{n} outside {size} B"
+        if dest.startswith("base"):
+            raise AssertionError(f"destination {dest} is no region the loader knows")
+        if dest == "rodata":
+            assert m.rodata_len, "relocation into rodata, but the module has none"
+        if dest == "bss":
+            assert m.bss_len, "relocation into bss, but the module has none"
+        if dest == "obj_table":
+            assert m.n_obj, "relocation into the object table, but the module has no objects"
+        if dest.startswith("fun_table["):
+            assert int(dest[10:-1]) < MP_FUN_TABLE_SLOTS, f"mp_fun_table has no slot {dest[10:-1]}"
+
+
+def test_parser_rejects_a_cut_stream() -> None:
+    """The reader itself can fail: a module without its end marker, or with a byte after it."""
+    # header, 1 qstr "m", 0 objects, 8 bytes of text, scope flags: relocations; word 0 += &mp_fun_table; end
+    good = bytes([ord("M"), 6, 2 << 2 | 3, 31, 1, 0, 1 << 1, *b"m", 0, 8 << 3 | 2, *bytes(8), 0x10,
+                  8 << 1 | 1, 0 << 1, 0xFF])
+    assert parse_mpy(good).relocs == [("fun_table", 0, False, 1)]
+    with pytest.raises(AssertionError):
+        parse_mpy(good[:-1])
+    with pytest.raises(AssertionError):
+        parse_mpy(good + b"\x00")
+
+
+# --------------------------------------------------------------------------- 5. the built modules
+
+
+@pytest.fixture(scope="module", params=list(ARCH_CODES))
+def built(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, build_mpy(request.param, shared_build_dir(tmp_path_factory))
+
+
+def test_header_bytes(built: tuple[str, Path]) -> None:
+    """'M', version 6, (arch << 2) | sub-version 3, 31 small-int bits: what the interpreter checks first."""
+    arch, path = built
+    assert path.read_bytes()[:4] == bytes([ord("M"), 6, ARCH_CODES[arch] << 2 | 3, 31])
+
+
+def test_module_parses_to_the_end(built: tuple[str, Path]) -> None:
+    """The whole file parses, the stream ends in its marker, and every relocation is one the loader handles."""
+    arch, path = built
+    m = parse_mpy(path.read_bytes())
+    assert m.arch == ARCH_CODES[arch]
+    assert m.qstrs[0].endswith(".mpy") or m.qstrs[0].endswith(".py"), m.qstrs[0]
+    assert PUBLIC_NAMES <= set(m.qstrs), PUBLIC_NAMES - set(m.qstrs)
+    assert m.n_obj == 0
+    assert len(m.text) > 4096  # the engine itself is in there, not just a stub
+    check_relocations(m, WORD[arch])
+    assert any(dest == "qstr_table" for dest, *_ in m.relocs), "names are stored with ids from the qstr table"
+    assert any(dest.startswith("fun") for dest, *_ in m.relocs), "the runtime is reached through mp_fun_table"
+
+
+def test_read_mpy_agrees(built: tuple[str, Path]) -> None:
+    """colibri.natmod.read_mpy reports what the independent reader finds, word for word."""
+    from colibri import natmod
+
+    arch, path = built
+    mine = parse_mpy(path.read_bytes())
+    theirs = natmod.read_mpy(path)
+    assert (theirs.arch, theirs.arch_code, theirs.version, theirs.sub_version) == (arch, ARCH_CODES[arch], 6, 3)
+    assert theirs.qstrs == mine.qstrs
+    assert (theirs.text_size, theirs.rodata_size, theirs.bss_size) == (len(mine.text), mine.rodata_len, mine.bss_len)
+    assert theirs.size == path.stat().st_size
+    words = [("rodata" if in_rodata else "text", index + i, dest)
+             for dest, index, in_rodata, n in mine.relocs for i in range(n)]
+    assert [(r.section, r.word, r.dest) for r in theirs.relocations] == words
+
+
+def test_sp_and_dp_carry_the_same_module(tmp_path_factory) -> None:
+    """Both Cortex-M7 flavours carry the same module: same names, same exported API, their own arch code."""
+    root = shared_build_dir(tmp_path_factory)
+    sp, dp = (parse_mpy(build_mpy(a, root).read_bytes()) for a in ("armv7emsp", "armv7emdp"))
+    assert (sp.arch, dp.arch) == (7, 8)
+    assert sp.qstrs == dp.qstrs
+
+
+# --------------------------------------------------------------------------- refusals
+
+# Each refused object, linked together with entry.c (a valid module on its own), so the bad object is
+# the only thing wrong: fixture -> (the symbol the refusal must name, what else the message must say).
+REFUSALS: dict[str, tuple[str, str]] = {
+    "data": ("fixture_table", ".data"),                   # initialised writable global
+    "static_bss": ("counter", "static"),                  # static .bss, reached PC-relative
+    "undefined": ("fixture_missing_function", "undefined"),
+    "tls": ("fixture_tls_value", "thread-local"),
+    "absolute": ("fixture_target", "{absolute_reloc}"),   # a relocation type the loader cannot apply
+}
+ABSOLUTE_RELOC = {"x64": "R_X86_64_32", "armv7emsp": "R_ARM_THM_MOVW_ABS_NC", "armv7emdp": "R_ARM_THM_MOVW_ABS_NC"}
+# absolute.c without position independence; on ARM, no literal pools (their words would be R_ARM_ABS32,
+# which the linker does turn into relocations), so the address is built by movw/movt.
+NON_PIC = {"x64": ["-fno-pic"], "armv7emsp": ["-fno-pic", "-mslow-flash-data"],
+           "armv7emdp": ["-fno-pic", "-mslow-flash-data"]}
+REFUSAL_ARCHS = ("x64", "armv7emdp")
+
+
+def compile_fixture(name: str, arch: str, out_dir: Path) -> Path:
+    """A fixture compiled by natmod's own compile step, with the flags of the real module build."""
+    from colibri import natmod
+
+    extra = NON_PIC[arch] if name == "absolute" else []
+    return natmod.compile_c(FIXTURES / f"{name}.c", arch, out_dir / arch / f"{name}.o", extra)
+
+
+@pytest.mark.parametrize("arch", REFUSAL_ARCHS)
+def test_minimal_module_links(arch: str, tmp_path: Path) -> None:
+    """The control for the refusals: entry.c alone links, to a module whose one relocation is mp_fun_table."""
+    from colibri import natmod
+
+    out = tmp_path / "entry.mpy"
+    natmod.link([compile_fixture("entry", arch, tmp_path)], arch, out)
+    m = parse_mpy(out.read_bytes())
+    assert m.arch == ARCH_CODES[arch] and m.qstrs == ["entry.mpy"]
+    assert [dest for dest, *_ in m.relocs] == ["fun_table"]
+    check_relocations(m, WORD[arch])
+
+
+def test_minimal_module_imports(tmp_path: Path) -> None:
+    """The x64 control module loads in the real interpreter: import runs mpy_init at text offset 0."""
+    from colibri import natmod
+
+    natmod.link([compile_fixture("entry", "x64", tmp_path)], "x64", tmp_path / "entry.mpy")
+    micropython = Path(sys.executable).parent / "micropython"
+    r = subprocess.run([str(micropython), "-c", "import entry; print('imported', entry.__name__)"],
+                       env=dict(os.environ, MICROPYPATH=str(tmp_path)), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == "imported entry", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("fixture", REFUSALS)
+@pytest.mark.parametrize("arch", REFUSAL_ARCHS)
+def test_linker_refuses(fixture: str, arch: str, tmp_path: Path) -> None:
+    """Each input that once crashed at run time is refused at build time, naming the symbol and the object."""
+    from colibri import natmod
+
+    symbol, what = REFUSALS[fixture]
+    what = what.format(absolute_reloc=ABSOLUTE_RELOC[arch])
+    objects = [compile_fixture("entry", arch, tmp_path), compile_fixture(fixture, arch, tmp_path)]
+    with pytest.raises(natmod.LinkError) as info:
+        natmod.link(objects, arch, tmp_path / "refused.mpy")
+    assert not (tmp_path / "refused.mpy").exists()
+    problems = str(info.value).splitlines()
+    naming = [p for p in problems if f"{fixture}.o" in p and f"'{symbol}'" in p and what in p]
+    assert naming, f"no problem names {symbol!r}, {fixture}.o and {what!r}: {problems}"
+    assert not any("entry.o" in p for p in problems), problems
+    assert len(set(problems)) == len(problems), f"repeated problems: {problems}"
+    assert not any(re.search(r"'\$[adtx](\.\w*)?'", p) for p in problems), f"ARM mapping symbol named: {problems}"
