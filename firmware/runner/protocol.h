@@ -48,6 +48,7 @@
 #define PROTO_FORWARD_HEADER 16u
 
 /* SLOT_INFO: which slot runs (a slot index, or these). */
+#define PROTO_RUNNING_BUILTIN 0xFDu /* the model linked into the firmware (MODEL_C=) */
 #define PROTO_RUNNING_RAM 0xFEu  /* a model uploaded with LOAD_* into RAM */
 #define PROTO_RUNNING_NONE 0xFFu /* no model */
 

@@ -26,6 +26,9 @@
 #include "colibri.h"
 #include "crc32.h"
 #include "protocol.h"
+#ifdef RUNNER_BUILTIN_MODEL
+#include "model.h" /* colibri pack --c-array: colibri_model_image[] in .rodata.colibri_model */
+#endif
 #include "slots.h"
 
 #ifndef RUNNER_MODEL_CAPACITY
@@ -892,6 +895,12 @@ int main(void)
 {
     board_init();
     boot_from_slots();
+#ifdef RUNNER_BUILTIN_MODEL
+    /* The linked-in model runs in place from .rodata when no slot holds one. */
+    if (state.running == PROTO_RUNNING_NONE) {
+        (void)start_model(colibri_model_image, (uint32_t)colibri_model_image_len, PROTO_RUNNING_BUILTIN);
+    }
+#endif
     size_t n = 0;
     bool discarding = false; /* after an overflow: drop bytes up to the next 0x00 */
     for (;;) {

@@ -248,7 +248,7 @@ class Device:
         for i in range(2):
             address, state, _, _, sequence, size, crc = P.SLOT_ENTRY.unpack_from(p, P.SLOT_INFO.size + i * P.SLOT_ENTRY.size)
             slots.append(Slot("AB"[i], address, P.SlotState(state), sequence, size, crc))
-        names = {0: "A", 1: "B", P.RUNNING_RAM: "RAM"}
+        names = {0: "A", 1: "B", P.RUNNING_RAM: "RAM", P.RUNNING_BUILTIN: "built-in"}
         return SlotInfo(slot_size, sector_size, program_size, names.get(active), names.get(running), bool(updating),
                         slots)
 

@@ -61,6 +61,7 @@ class SlotState(enum.IntEnum):
     UNREADABLE = 4  # uncorrectable ECC error in the header word
 
 
+RUNNING_BUILTIN = 0xFD  # SLOT_INFO `running`: the model linked into the firmware (colibri pack --c-array)
 RUNNING_RAM = 0xFE  # SLOT_INFO `running`: a model uploaded into RAM with LOAD_*
 RUNNING_NONE = 0xFF
 SLOT_INFO = struct.Struct("<IIIBBBB")  # slot_size, sector_size, program_size, active, running, updating, 0
