@@ -33,7 +33,9 @@ from colibri.device import Device, Slot
 from colibri.pytest_plugin import build_runner
 from colibri.qemu import POWER_CUT, Qemu
 
-from test_slots import no_qemu_left_behind, other, runs, small_model  # noqa: F401  (fixture re-used)
+from test_slots import other, runs, small_model
+
+pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
 
 NEW = 2  # small_model seed of the update's image
 

@@ -55,24 +55,7 @@ def other(name: str) -> str:
     return "B" if name == "A" else "A"
 
 
-def _qemu_children() -> list[int]:
-    me = str(os.getpid())
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            comm = stat.with_name("comm").read_text().strip()
-        except OSError:
-            continue
-        if fields[1] == me and comm.startswith("qemu-system"):
-            found.append(int(stat.parent.name))
-    return found
-
-
-@pytest.fixture(autouse=True)
-def no_qemu_left_behind():
-    yield
-    assert _qemu_children() == [], "a QEMU process outlived its test"
+pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
 
 
 def test_models_differ() -> None:

@@ -6,10 +6,8 @@ board. Nothing here assumes QEMU.
 """
 from __future__ import annotations
 
-import os
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,25 +30,7 @@ DTYPES = {
 }
 
 
-def _qemu_children() -> list[int]:
-    """PIDs of qemu-system-arm processes this test process started and has not ended."""
-    me = str(os.getpid())
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            comm = stat.with_name("comm").read_text().strip()
-        except OSError:
-            continue
-        if fields[1] == me and comm.startswith("qemu-system"):
-            found.append(int(stat.parent.name))
-    return found
-
-
-@pytest.fixture(autouse=True)
-def no_qemu_left_behind():
-    yield
-    assert _qemu_children() == [], "a QEMU process outlived its test"
+pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
 
 
 def make_model(routing: str, gated: bool = True, seed: int = 0) -> torch.nn.Module:
