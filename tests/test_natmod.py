@@ -222,6 +222,35 @@ def test_sp_and_dp_carry_the_same_module(tmp_path_factory) -> None:
     assert sp.qstrs == dp.qstrs
 
 
+@pytest.mark.parametrize("arch", ["armv7emsp", "armv7emdp"])
+def test_arm_module_runs_on_a_cortex_m7(arch: str, tmp_path_factory) -> None:
+    """No ARM MicroPython runs here, so a stand-in loader on QEMU's Cortex-M7 applies the relocation
+    stream as MicroPython does, imports the module and runs Model/forward: same answers as CPython."""
+    import importlib.util
+
+    import numpy as np
+    import torch
+
+    import colibri
+    from colibri import nn as cnn
+
+    spec = importlib.util.spec_from_file_location("qemu_loader", ROOT / "micropython_module" / "natmod" / "qemu_loader" / "run.py")
+    loader = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loader  # its dataclasses look their module up there
+    spec.loader.exec_module(loader)
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), cnn.MoE(12, 4, 16, top_k=2, gated=True, activation="silu"),
+                                torch.nn.GELU(), torch.nn.Linear(12, 3))
+    image = colibri.export(model, None, max_batch=3, dtype="q8").image
+    host = colibri.Model(image)
+    x = (np.random.default_rng(4).standard_normal((3, 6)) * 3).astype(np.float32)
+    result = loader.run(build_mpy(arch, shared_build_dir(tmp_path_factory)), image, x, host.output_size)
+    assert result.exit_code == 0, result.log
+    want = host.forward(x)
+    assert result.y.shape == want.shape, result.log
+    assert np.abs(result.y - want).max() <= 1e-6 * (1 + np.abs(want).max())
+
+
 # --------------------------------------------------------------------------- refusals
 
 # Each refused object, linked together with entry.c (a valid module on its own), so the bad object is
