@@ -20,9 +20,10 @@
  * Memory: Model() reads the image in place (zero copy: the buffer object is
  * referenced so it stays alive) and makes one allocation, the engine's arena,
  * besides the Model object itself. forward() allocates nothing. A bytearray
- * holding the image must not be changed or resized while a Model uses it.
+ * holding the image must not be changed while a Model uses it; resizing it
+ * moves the bytes, which forward() detects and refuses.
  */
-#if MICROPY_ENABLE_DYNRUNTIME
+#if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
 #include "mp_natmod.h"
 #else
 #include "py/obj.h"
@@ -33,7 +34,7 @@
 
 /* ---- Per-build declarations used by the shared code ---- */
 
-#if MICROPY_ENABLE_DYNRUNTIME
+#if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
 extern mp_obj_full_type_t colibri_type_Model; /* in .bss, filled in by mpy_init */
 #define MODEL_TYPE ((const mp_obj_type_t *)&colibri_type_Model)
 /* The message is copied into the exception (it may be on the stack). */
@@ -268,7 +269,7 @@ static mp_obj_t colibri_mp_version(void)
 
 /* ---- Registration: native module ---- */
 
-#if MICROPY_ENABLE_DYNRUNTIME
+#if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
 
 /* The objects the interpreter sees hold pointers it only knows at load time,
  * so they live in .bss and are filled in here. They are global on purpose:
