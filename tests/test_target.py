@@ -228,3 +228,16 @@ def test_reset(dut: Device, colibri_target) -> None:
     assert info.value.code == P.ProtocolStatus.NO_MODEL  # the model lived in RAM
     _still_serves(fresh)
     fresh.close()
+
+
+def test_fault_handler_reports_and_exits(colibri_target, dut: Device) -> None:
+    """A fault is reported over the UART as one line and ends the board with a non-zero status (QEMU build)."""
+    if not colibri_target.emulated:
+        pytest.skip("FAULT is a debug request of the emulated board only; a real board would reset")
+    for kind, name in ((0, "BusFault"), (1, "UsageFault")):
+        dev = dut if kind == 0 else colibri_target.connect()
+        dev.send(P.Type.FAULT, struct.pack("<I", kind))
+        with pytest.raises(DeviceError, match=rf"device fault: FAULT {name} .*pc=0x[0-9a-f]+ .*cfsr=0x[0-9a-f]+"):
+            dev.read_packet()
+        assert colibri_target.qemu.wait(10) == 3
+        colibri_target.disconnect(dev)

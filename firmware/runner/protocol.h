@@ -28,6 +28,7 @@
 #define PROTO_UPDATE_CHUNK 0x62u
 #define PROTO_UPDATE_COMMIT 0x63u
 #define PROTO_POWER_CUT_AFTER 0x6Fu /* debug, emulated boards only (BOARD_HAS_POWER_CUT) */
+#define PROTO_FAULT 0x6Eu           /* debug, emulated boards only: fault on purpose */
 #define PROTO_STATUS 0x7Fu
 
 /* STATUS codes beyond the engine's own (0 and -1 ... -99, colibri.h). */

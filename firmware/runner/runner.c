@@ -801,6 +801,24 @@ static void handle_power_cut_after(uint16_t seq, const uint8_t *payload, uint32_
     uint8_t *p = put_u32(payload_out(), done);
     send_response(PROTO_POWER_CUT_AFTER, seq, p);
 }
+
+/* FAULT(kind): makes the core fault on purpose, so a test can check that the
+ * board's fault handler reports over the UART and ends with a non-zero status.
+ * Never answers. kind 0: a load from an unmapped address (BusFault);
+ * kind 1: an undefined instruction (UsageFault). */
+static void handle_fault(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len != 4u || get_u32(payload) > 1u) {
+        send_status(seq, PROTO_BAD_PAYLOAD, "FAULT takes u32 kind: 0 bus fault, 1 undefined instruction");
+        return;
+    }
+    if (get_u32(payload) == 0u) {
+        volatile const uint32_t *nowhere = (volatile const uint32_t *)0xF0000000u;
+        (void)*nowhere;
+    } else {
+        __asm volatile("udf #0");
+    }
+}
 #endif
 
 /* -- frames --------------------------------------------------------------------- */
@@ -879,6 +897,9 @@ static void handle_frame(size_t encoded_len)
 #ifdef BOARD_HAS_POWER_CUT
     case PROTO_POWER_CUT_AFTER:
         handle_power_cut_after(seq, payload, len);
+        break;
+    case PROTO_FAULT:
+        handle_fault(seq, payload, len);
         break;
 #endif
     default: {

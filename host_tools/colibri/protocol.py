@@ -34,6 +34,7 @@ class Type(enum.IntEnum):
     UPDATE_CHUNK = 0x62
     UPDATE_COMMIT = 0x63
     POWER_CUT_AFTER = 0x6F  # debug, emulated boards only
+    FAULT = 0x6E  # debug, emulated boards only: the core faults on purpose
     STATUS = 0x7F
 
 
