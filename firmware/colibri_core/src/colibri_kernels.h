@@ -116,6 +116,18 @@ void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *
 /* IEEE binary16 bits -> f32, exactly, by bit manipulation (no compiler
  * __fp16 needed): normals, subnormals (renormalised), ±0, ±inf, NaN (the
  * payload is kept, so a NaN stays a NaN). */
+/* The end of every matvec kernel for output o: add the bias, then either
+ * store (acc 0) or add the gated value s · v into y (acc 1). */
+static inline void colibri_emit(float *y, size_t o, float v, const float *b, int acc, float s)
+{
+    if (b)
+        v += b[o];
+    if (acc)
+        y[o] += s * v;
+    else
+        y[o] = v;
+}
+
 static inline float colibri_f16_to_f32(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

@@ -32,13 +32,7 @@ void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
         float sum = 0.0f;
         for (size_t k = 0; k < in; k++)
             sum += (float)qo[k] * x[k];
-        float v = add_compensation(w, o, x, sum * w->scale[o]);
-        if (b)
-            v += b[o];
-        if (acc)
-            y[o] += s * v;
-        else
-            y[o] = v;
+        colibri_emit(y, o, add_compensation(w, o, x, sum * w->scale[o]), b, acc, s);
     }
 }
 
@@ -70,13 +64,7 @@ void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *
     const size_t in = w->cols, out = w->rows;
     for (size_t o = 0; o < out; o++, qo += in) {
         const int32_t sum = dot_i8(qo, xq, in);
-        float v = add_compensation(w, o, x, (float)sum * (w->scale[o] * a));
-        if (b)
-            v += b[o];
-        if (acc)
-            y[o] += s * v;
-        else
-            y[o] = v;
+        colibri_emit(y, o, add_compensation(w, o, x, (float)sum * (w->scale[o] * a)), b, acc, s);
     }
 }
 

@@ -58,11 +58,7 @@ void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
         float sum = 0.0f;
         for (size_t k = 0; k < in; k++)
             sum += wo[k] * x[k];
-        const float v = b ? sum + b[o] : sum;
-        if (acc)
-            y[o] += s * v;
-        else
-            y[o] = v;
+        colibri_emit(y, o, sum, b, acc, s);
     }
 }
 
