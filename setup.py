@@ -2,20 +2,60 @@
 
 The source list is firmware/colibri_core/sources.txt, shared with the
 engine's Makefile, so `pip install .` needs no separate build step.
+
+The binding carries the hash of the sources it is built from (SOURCE_HASH;
+host_tools/colibri/sources.py), so a checkout refuses a stale build. The wheel
+and the sdist also carry the C sources the commands compile (sources.PACKAGED):
+the wheel under colibri/_src, the sdist at their checkout paths.
 """
+import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
+ROOT = Path(__file__).resolve().parent
 CORE = Path("firmware/colibri_core")
 sources = [str(CORE / line.strip()) for line in (CORE / "sources.txt").read_text().splitlines() if line.strip()]
 
+# colibri/sources.py by path: the package itself cannot be imported before it is built.
+_spec = importlib.util.spec_from_file_location("colibri_sources", ROOT / "host_tools" / "colibri" / "sources.py")
+src = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = src
+_spec.loader.exec_module(src)
+
+
+class BuildPyWithSources(build_py):
+    """Copies the C sources into colibri/_src, where colibri.sources finds them once installed."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:
+            return  # an editable install compiles from the checkout itself
+        dest = Path(self.build_lib) / "colibri" / "_src"
+        for rel in src.files(ROOT, src.PACKAGED):
+            self.mkpath(str((dest / rel).parent))
+            self.copy_file(str(ROOT / rel), str(dest / rel))
+
+
+class SdistWithSources(sdist):
+    """The sdist carries the same C sources, so a wheel built from it has them too."""
+
+    def add_defaults(self):
+        super().add_defaults()
+        self.filelist.extend(src.files(ROOT, src.PACKAGED + src.HASHED))
+
+
 setup(
+    cmdclass={"build_py": BuildPyWithSources, "sdist": SdistWithSources},
     ext_modules=[
         Extension(
             "colibri._engine",
             sources=["host_tools/colibri/_engine.c", *sources],
             include_dirs=[str(CORE / "include"), str(CORE / "src")],
+            define_macros=[("COLIBRI_SOURCE_HASH", f'"{src.source_hash(ROOT)}"')],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
         )
     ]

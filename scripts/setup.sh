@@ -25,12 +25,22 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 stamp=.venv/.colibri-installed
-deps_hash=$(cat pyproject.toml setup.py firmware/colibri_core/sources.txt | sha256sum | cut -d' ' -f1)
+# The dependencies: reinstalled when the project's description changes.
+deps_hash=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps_hash" ]; then
     echo "setup: installing Python packages into .venv"
     .venv/bin/pip install -q --upgrade pip
+    # The build backend in the venv itself, so the binding can be rebuilt without build isolation.
+    .venv/bin/pip install -q "setuptools>=77" wheel
     # torch is pinned: 2.13.0 is the CPU build; anything looser pulls a multi-GB CUDA build.
     .venv/bin/pip install -q "torch==2.13.0"
     .venv/bin/pip install -q -e ".[test,examples]"
     echo "$deps_hash" > "$stamp"
+fi
+# The CPython binding: rebuilt (only it, a few seconds) whenever the engine or
+# binding sources differ from those it was built from, e.g. after any C edit.
+if ! .venv/bin/python scripts/source_hash.py check >/dev/null; then
+    echo "setup: rebuilding the CPython binding (colibri._engine): its C sources changed"
+    .venv/bin/pip install -q --no-build-isolation --no-deps -e .
+    .venv/bin/python scripts/source_hash.py check
 fi

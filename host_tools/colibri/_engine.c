@@ -14,6 +14,12 @@
 
 #include "colibri.h"
 
+/* setup.py passes the hash of the sources it builds from (colibri/sources.py), so
+ * a checkout can tell this binary is stale after a C edit. */
+#ifndef COLIBRI_SOURCE_HASH
+#error "COLIBRI_SOURCE_HASH is not defined: build the binding with setup.py (pip install -e .)"
+#endif
+
 typedef struct {
     PyObject_HEAD
     Py_buffer image_view; /* the caller's buffer, held for the context's life */
@@ -251,7 +257,8 @@ PyMODINIT_FUNC PyInit__engine(void) {
     EngineError = PyErr_NewException("colibri._engine.EngineError", NULL, NULL);
     Py_INCREF(&ContextType);
     if (EngineError == NULL || PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
-        PyModule_AddObject(m, "EngineError", EngineError) < 0) {
+        PyModule_AddObject(m, "EngineError", EngineError) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_HASH", COLIBRI_SOURCE_HASH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

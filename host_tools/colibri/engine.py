@@ -6,8 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _engine
+from . import _engine, sources
 from .errors import error_for
+from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
+
+# Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
+sources.check_binding(_engine)
 
 
 def _call(fn, *args):
