@@ -5,8 +5,8 @@ engine's Makefile, so `pip install .` needs no separate build step.
 
 The binding carries the hash of the sources it is built from (SOURCE_HASH;
 host_tools/colibri/sources.py), so a checkout refuses a stale build. The wheel
-and the sdist also carry the C sources the commands compile (sources.PACKAGED):
-the wheel under colibri/_src, the sdist at their checkout paths.
+also carries the C sources the commands compile (sources.PACKAGED) under
+colibri/_src; the sdist carries them at their checkout paths (MANIFEST.in).
 """
 import importlib.util
 import sys
@@ -14,7 +14,6 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
-from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 CORE = Path("firmware/colibri_core")
@@ -40,16 +39,8 @@ class BuildPyWithSources(build_py):
             self.copy_file(str(ROOT / rel), str(dest / rel))
 
 
-class SdistWithSources(sdist):
-    """The sdist carries the same C sources, so a wheel built from it has them too."""
-
-    def add_defaults(self):
-        super().add_defaults()
-        self.filelist.extend(src.files(ROOT, src.PACKAGED + src.HASHED))
-
-
 setup(
-    cmdclass={"build_py": BuildPyWithSources, "sdist": SdistWithSources},
+    cmdclass={"build_py": BuildPyWithSources},
     ext_modules=[
         Extension(
             "colibri._engine",

@@ -402,12 +402,16 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
 @click.option("--check", is_flag=True, help="Exit 1 if the header is out of date instead of writing it.")
 def gen_header(check: bool) -> None:
     """Regenerate firmware/colibri_core/include/colibri_format.h from colibri.format."""
-    path = Path(__file__).resolve().parents[2] / "firmware/colibri_core/include/colibri_format.h"
+    from . import sources
+
+    path = sources.root() / "firmware/colibri_core/include/colibri_format.h"
     text = F.c_header()
     if check:
         if not path.exists() or path.read_text() != text:
             raise ColibriError(f"{path} is out of date: run `colibri gen-header`")
         return
+    if sources.checkout_root() is None:
+        raise ColibriError("gen-header rewrites a checkout's header: run it in a Colibri checkout (--check works anywhere)")
     path.write_text(text)
     click.echo(f"wrote {path}")
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from elftools.elf.constants import SH_FLAGS
 from elftools.elf.elffile import ELFFile
 
-REPO = Path(__file__).resolve().parents[2]
-CORE = REPO / "firmware" / "colibri_core"
+from . import sources
 
 
 @dataclass
@@ -41,9 +40,10 @@ def elf_footprint(path: str | Path) -> Footprint:
 
 def engine_footprint() -> Footprint:
     """The engine alone: every object of build/cm7/libcolibri.a (built if needed)."""
-    subprocess.run(["make", "-s", "-C", str(CORE), "cm7"], check=True, capture_output=True)
+    core = sources.build_root() / "firmware" / "colibri_core"  # writable, unlike an installed package
+    subprocess.run(["make", "-s", "-C", str(core), "cm7"], check=True, capture_output=True)
     total = Footprint(0, 0)
-    for obj in sorted((CORE / "build" / "cm7" / "obj").glob("*.o")):
+    for obj in sorted((core / "build" / "cm7" / "obj").glob("*.o")):
         fp = _sections(ELFFile(io.BytesIO(obj.read_bytes())))
         total = Footprint(total.flash + fp.flash, total.ram + fp.ram)
     return total

@@ -38,9 +38,10 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
+from . import sources
 from .errors import ColibriError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = sources.root()  # the checkout, or the sources packaged with colibri
 MODULE_DIR = ROOT / "micropython_module"
 MODULE_SOURCE = MODULE_DIR / "colibri_mp.c"
 NATMOD_DIR = MODULE_DIR / "natmod"

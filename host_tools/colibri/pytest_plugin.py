@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from . import sources
 from .device import Device
 from .qemu import Qemu
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_FIRMWARE = REPO / "firmware" / "runner" / "build" / "mps2_an500" / "runner.elf"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,17 +36,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def build_runner() -> Path:
-    """Builds the QEMU runner from this checkout (make is idempotent; a lock serialises xdist workers)."""
-    if not (REPO / "firmware" / "runner" / "Makefile").exists():
+    """Builds the QEMU runner from this checkout, or from the sources packaged with colibri (make is
+    idempotent; a lock serialises xdist workers)."""
+    runner = sources.build_root() / "firmware" / "runner"
+    if not (runner / "Makefile").exists():
         raise pytest.UsageError("no firmware/runner in this checkout: pass --colibri-firmware")
-    lock = REPO / "firmware" / "runner" / ".build.lock"
+    lock = runner / ".build.lock"
     with open(lock, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        r = subprocess.run(["make", "-s", "-C", str(REPO / "firmware" / "runner"), "BOARD=mps2_an500"],
+        r = subprocess.run(["make", "-s", "-C", str(runner), "BOARD=mps2_an500"],
                            capture_output=True, text=True)
     if r.returncode != 0:
         raise pytest.UsageError(f"building the runner failed:\n{r.stdout}{r.stderr}")
-    return DEFAULT_FIRMWARE
+    return runner / "build" / "mps2_an500" / "runner.elf"
 
 
 class Target:
