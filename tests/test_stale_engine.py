@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import colibri
 from colibri import _engine, sources
@@ -85,7 +86,6 @@ def _import_colibri(root: Path) -> subprocess.CompletedProcess:
 
 
 def test_import_refuses_a_binding_older_than_the_sources(checkout: Path) -> None:
-    torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     colibri.export(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), checkout / "m.clb")
 
