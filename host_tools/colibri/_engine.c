@@ -15,9 +15,10 @@
 #include "colibri.h"
 
 /* setup.py passes the hash of the sources it builds from (colibri/sources.py), so
- * a checkout can tell this binary is stale after a C edit. */
+ * a checkout can tell this binary is stale after a C edit. A build without it
+ * (`scripts/source_hash.py hash` gives the value) is refused in a checkout. */
 #ifndef COLIBRI_SOURCE_HASH
-#error "COLIBRI_SOURCE_HASH is not defined: build the binding with setup.py (pip install -e .)"
+#define COLIBRI_SOURCE_HASH "unknown"
 #endif
 
 typedef struct {
