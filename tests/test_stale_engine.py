@@ -139,3 +139,15 @@ def test_setup_sh_rebuilds_the_binding_after_a_c_edit(checkout: Path) -> None:
     assert log.read_text().splitlines() == ["install -q --no-build-isolation --no-deps -e ."]
     # The recording pip built nothing, so setup.sh's own check after the rebuild fails loudly.
     assert r.returncode != 0 and "binding is stale" in r.stdout
+
+
+@pytest.mark.parametrize("built", ["unknown", None, "0" * 64])
+def test_a_binding_without_this_checkouts_hash_is_refused(built: str | None) -> None:
+    import types
+
+    binding = types.SimpleNamespace(__file__="_engine.so")
+    if built is not None:
+        binding.SOURCE_HASH = built
+    with pytest.raises(sources.StaleEngineError, match="make setup"):
+        sources.check_binding(binding)
+    sources.check_binding(_engine)  # the one this session runs with is current
