@@ -2,8 +2,11 @@
 
 `export()` walks the module tree and maps every module onto image layers. An
 unsupported module is refused with its path and type; nothing is skipped
-silently. Experts can be pruned by hand (`prune=`) or by a calibration set
-(`calibration=`: experts that no calibration token selects are dropped).
+silently. So is a graph the engine would refuse or run wrongly (residual
+width or depth, NaN/Inf parameters, q8 compensation beyond f16), before
+anything is written. Experts can be pruned by hand (`prune=`) or by a
+calibration set (`calibration=`: experts that no calibration token selects
+are dropped). With `example_input` the image is checked against PyTorch.
 """
 from __future__ import annotations
 
