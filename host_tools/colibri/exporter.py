@@ -413,35 +413,59 @@ def _engine_output(data: bytes, x: np.ndarray) -> np.ndarray:
         raise ExportError(f"the C engine refuses the exported image: {exc}") from None
 
 
+def _rows_unaffected_by_pruning(full: Graph, x: np.ndarray, report: PruneReport) -> np.ndarray:
+    """Tokens whose routing in the unpruned model selects no dropped expert.
+
+    On those the pruned image must still equal PyTorch (the router normalises
+    over all outputs); on the others it differs by design.
+    """
+    ok = np.ones(len(x), dtype=bool)
+    index = {id(m): i for i, m in enumerate(full.moe_layers())}
+
+    def on_route(moe: MoE, selection: list) -> None:
+        dropped = set(report.dropped.get(index[id(moe)], ()))
+        for t, sel in enumerate(selection):
+            if any(slot in dropped for slot, _ in sel):  # unpruned: slot == router output
+                ok[t] = False
+
+    reference.run(full, x, on_route=on_route)
+    return ok
+
+
 def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype: str,
-           f32_graph: Graph, int8_act: Sequence[str], want: np.ndarray, got_ref: np.ndarray) -> list[Comparison]:
+           f32_graph: Graph, int8_act: Sequence[str], want: np.ndarray, got_ref: np.ndarray,
+           rows: np.ndarray | None = None) -> list[Comparison]:
     """Compare the image with what it must equal; raise ExportCheckError at the first comparison that fails.
 
     f32: the numpy reference and the C engine vs PyTorch. f16: both vs PyTorch
     with its weight matrices rounded to f16 (with `keep`, that comparison uses
     the all-f16 image, and the written image's engine run is held to its
     reference). q8: the C engine vs the numpy reference of the same image (the
-    kernels' stated tolerance, CHECK_RTOL); the error against f32 is only reported.
+    kernels' stated tolerance, CHECK_RTOL); the error against f32 is only
+    reported. `rows` (after pruning) selects the tokens PyTorch comparisons
+    use; with none left, the engine is held to the reference instead.
     """
     flat = x.reshape(-1, graph.input_size).numpy()
+    rows = np.ones(len(flat), dtype=bool) if rows is None else rows
+    some = "" if rows.all() else f" on {int(rows.sum())} of {len(rows)} tokens (the others chose a pruned expert)"
     checks: list[Comparison] = []
-    if dtype == "q8":
-        checks.append(compare("C engine vs numpy reference (q8 image)", _engine_output(data, flat), got_ref))
+    engine = _engine_output(data, flat)
+    if dtype == "q8" or not rows.any():
+        checks.append(compare(f"C engine vs numpy reference ({dtype} image)", engine, got_ref))
     elif dtype == "f16":
-        rounded_want = _torch_forward(_f16_rounded(module), x, graph.output_size)
+        rounded_want = _torch_forward(_f16_rounded(module), x, graph.output_size)[rows]
         kept_f32 = any(isinstance(getattr(o, a), np.ndarray) for _, o, a in quantize.weight_slots(graph))
-        all16 = data
+        ref16, engine16 = got_ref, engine
         if kept_f32:
+            checks.append(compare("C engine vs numpy reference (f16 image with f32 weights kept)", engine, got_ref))
             all16 = image.write(quantize.quantize(f32_graph, "f16", int8_act=int8_act))
-            checks.append(compare("C engine vs numpy reference (f16 image with f32 weights kept)",
-                                  _engine_output(data, flat), got_ref))
-        ref16 = got_ref if all16 is data else reference.run(all16, flat)
-        checks.append(compare("numpy reference vs PyTorch (weights rounded to f16)", ref16, rounded_want))
-        checks.append(compare("C engine vs PyTorch (weights rounded to f16)", _engine_output(all16, flat),
+            ref16, engine16 = reference.run(all16, flat), _engine_output(all16, flat)
+        checks.append(compare(f"numpy reference vs PyTorch (weights rounded to f16){some}", ref16[rows],
                               rounded_want))
+        checks.append(compare(f"C engine vs PyTorch (weights rounded to f16){some}", engine16[rows], rounded_want))
     else:
-        checks.append(compare("numpy reference vs PyTorch (f32)", got_ref, want))
-        checks.append(compare("C engine vs PyTorch (f32)", _engine_output(data, flat), want))
+        checks.append(compare(f"numpy reference vs PyTorch (f32){some}", got_ref[rows], want[rows]))
+        checks.append(compare(f"C engine vs PyTorch (f32){some}", engine[rows], want[rows]))
     for c in checks:
         if not c.ok:
             raise ExportCheckError(c.what, c.error, c.tolerance, c.nonfinite_mismatches,
@@ -506,10 +530,16 @@ def export(
         if example_input is not None:
             x = torch.as_tensor(np.asarray(example_input, dtype=np.float32))
             want = _torch_forward(module, x, graph.output_size)
-            got = reference.run(data, x.reshape(-1, graph.input_size).numpy())
-            err = compare("", got, want).error if got.size else 0.0
+            flat = x.reshape(-1, graph.input_size).numpy()
+            got = reference.run(data, flat)
+            full = compare("", got, want)
+            err = float("nan") if full.nonfinite_mismatches else full.error
             if check:
-                checks = _check(module, x, graph, data, dtype, f32_graph, int8_act, want, got)
+                rows = None
+                if any(report.dropped.values()):
+                    unpruned, _ = build_graph(module, max_batch=max_batch, example_input=example_input)
+                    rows = _rows_unaffected_by_pruning(unpruned, flat, report)
+                checks = _check(module, x, graph, data, dtype, f32_graph, int8_act, want, got, rows)
     if path is not None:
         _write_atomically(Path(path), data)
     return ExportResult(image=data, graph=graph, pruned=report, max_abs_error=err, checks=checks)
