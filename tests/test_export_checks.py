@@ -80,7 +80,8 @@ REFUSALS = {  # model, export options, ExportError pattern (module path and reas
     "nesting": (lambda: nested(format.MAX_RESIDUAL_DEPTH + 1), {},
                 r"model(\.body){16} \(Residual\): residuals nest 17 deep, the engine allows at most 16"),
     "q8 compensation": (q8_overflow, {"dtype": "q8"},
-                        r"model \(layers\.0\): .*compensation value 9\.\d+e\+04 exceeds the f16 range"),
+                        r"model \(layers\.0\): .*compensation value 9\.\d+e\+04 exceeds the f16 range \(65504\); "
+                        r"keep it in f32 with keep=\['layers\.0'\] \(--keep layers\.0\)"),
     "nan weight": (nan_weight, {}, r"model\.2 \(layers\.2\): 1 of 24 values of weight are NaN"),
     "inf norm": (inf_norm, {}, r"model\.1\.body\.0 \(layers\.2\): 1 of 8 values of bias are Inf"),
 }
@@ -117,6 +118,16 @@ def test_deepest_nesting_the_engine_allows_exports() -> None:
     x = torch.randn(3, 4)
     result = exporter.export(nested(format.MAX_RESIDUAL_DEPTH), None, max_batch=3, example_input=x)
     assert colibri.Model(result.image).forward(x.numpy()).shape == (3, 4)
+
+
+def test_q8_refusal_names_the_way_out() -> None:
+    """The refusal suggests keeping the weight in f32; doing so exports an image equal to PyTorch's answer."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    model = q8_overflow()
+    result = exporter.export(model, None, max_batch=3, dtype="q8", keep=["layers.0"], example_input=x)
+    assert isinstance(result.graph.layers[0].weight, np.ndarray)
+    with torch.no_grad():
+        assert result.max_abs_error <= 1e-5 * (1 + float(model(x).abs().max()))
 
 
 def test_q8_outlier_beyond_f16_stays_in_its_row_scale() -> None:

@@ -62,7 +62,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8
         big = np.abs(residual.ravel()[flat]).max(initial=0)
         if big > F16_MAX:
             raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q8: its compensation "
-                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g}); keep it in f32")
+                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
         values = residual.ravel()[flat].astype(np.float16)
         keep = values != 0
         flat, values = flat[keep], values[keep]
@@ -153,7 +153,8 @@ def quantize(
             try:
                 setattr(owner, attr, quantize_q8(w, compensation) if dtype == "q8" else quantize_f16(w))
             except ExportError as exc:
-                raise ExportError(f"{_where(out, name)}: {exc} (keep={name!r})") from None
+                raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
+                                  f"(--keep {name})") from None
     for name, target in _act_targets(out):
         if not _matches(name, int8_act):
             continue
