@@ -75,6 +75,10 @@ def inf_norm() -> nn.Module:
     return m
 
 
+def zero_eps() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.LayerNorm(6, eps=0.0))
+
+
 REFUSALS = {  # model, export options, ExportError pattern (module path and reason)
     "residual width": (width_changing_residual, {}, r"model\.1 \(Residual\): the body maps 8 features to 4"),
     "nesting": (lambda: nested(format.MAX_RESIDUAL_DEPTH + 1), {},
@@ -84,6 +88,9 @@ REFUSALS = {  # model, export options, ExportError pattern (module path and reas
                         r"keep it in f32 with keep=\['layers\.0'\] \(--keep layers\.0\)"),
     "nan weight": (nan_weight, {}, r"model\.2 \(layers\.2\): 1 of 24 values of weight are NaN"),
     "inf norm": (inf_norm, {}, r"model\.1\.body\.0 \(layers\.2\): 1 of 8 values of bias are Inf"),
+    "zero eps": (zero_eps, {}, r"model\.2 \(layers\.2\) \(LayerNorm\): eps=0, the engine needs eps > 0"),
+    "shared experts": (lambda: nn.Sequential(nn.Linear(3, 8), cnn.MoE(8, 2, 4, top_k=1, num_shared=17)), {},
+                       r"model\.1 \(layers\.1\): 17 shared experts, the engine allows at most 16"),
 }
 
 

@@ -217,6 +217,21 @@ def check_finite(graph: Graph) -> None:
                                   f"{'/'.join(kinds)} (uninitialised weights? load or initialise them first)")
 
 
+def check_limits(graph: Graph) -> None:
+    """Refuse, naming the module, what the engine's validator would refuse without saying where."""
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, (LayerNorm, RMSNorm)) and not layer.eps > 0:
+            raise ExportError(f"{graph.where(i)} ({type(layer).__name__}): eps={layer.eps:g}, the engine needs "
+                              "eps > 0")
+        if isinstance(layer, MoE):
+            if len(layer.shared) > F.MAX_SHARED:
+                raise ExportError(f"{graph.where(i)}: {len(layer.shared)} shared experts, the engine allows at "
+                                  f"most {F.MAX_SHARED}")
+            if layer.route_count > F.MAX_ROUTES:
+                raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at "
+                                  f"most {F.MAX_ROUTES}")
+
+
 @dataclass
 class PruneReport:
     """What pruning dropped: MoE layer index -> original expert indices."""
@@ -523,6 +538,7 @@ def export(
             module, max_batch=max_batch, example_input=example_input, prune=prune, calibration=calibration
         )
         check_finite(f32_graph)
+        check_limits(f32_graph)
         graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act)
         data = image.write(graph, page_aligned=page_aligned)
         _engine_validate(data)
