@@ -212,7 +212,7 @@ def check_finite(graph: Graph) -> None:
                 continue
             bad = ~np.isfinite(a)
             if bad.any():
-                kinds = sorted({"NaN" if np.isnan(v) else "Inf" for v in np.asarray(a)[bad].ravel()[:1000]})
+                kinds = [kind for kind, found in (("NaN", np.isnan(a).any()), ("Inf", np.isinf(a).any())) if found]
                 raise ExportError(f"{graph.where(i)}: {int(bad.sum())} of {a.size} values of {name} are "
                                   f"{'/'.join(kinds)} (uninitialised weights? load or initialise them first)")
 
@@ -377,13 +377,15 @@ def _blocks_take_2d(module: nn.Module) -> Iterator[None]:
     per-sequence capacity can drop a token, as in the image — and the output
     is flattened back.
     """
-    def pre(_mod: nn.Module, args: tuple) -> tuple | None:
-        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 2:
-            return (args[0][:, None, :], *args[1:])
-        return None
+    lifted: list[bool] = []  # per call in progress: did `pre` add the axis (a 3-D input is left alone)
 
-    def post(_mod: nn.Module, args: tuple, out: object) -> object:
-        if not (args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3 and args[0].shape[1] == 1):
+    def pre(_mod: nn.Module, args: tuple) -> tuple | None:
+        lift = bool(args) and isinstance(args[0], torch.Tensor) and args[0].ndim == 2
+        lifted.append(lift)
+        return (args[0][:, None, :], *args[1:]) if lift else None
+
+    def post(_mod: nn.Module, _args: tuple, out: object) -> object:
+        if not lifted.pop():
             return None
         first = out[0] if isinstance(out, tuple) else out
         flat = first[:, 0, :] if isinstance(first, torch.Tensor) and first.ndim == 3 else first
