@@ -237,3 +237,30 @@ def test_engine_matches_hf(kind: str) -> None:
     result = _export_and_check(block, x)
     got = colibri.Model(result.image).forward(x.reshape(tokens, hidden).numpy())
     _assert_close(got, _hf_forward(block, x))
+
+
+# --- blocks inside a model, on [batch, features] -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "switch"])
+def test_block_in_sequential_takes_2d_input(kind: str) -> None:
+    """A block in a Sequential fed [tokens, features], as every other layer is; the export check runs on it."""
+    tokens, hidden = 9, 12
+    block = {
+        "mixtral": lambda: hfblocks.mixtral(hidden, 16, 4, 2, "silu", seed=31),
+        "qwen2_moe": lambda: hfblocks.qwen2_moe(hidden, 8, 10, 4, 2, False, "gelu", seed=32),
+        "switch": lambda: hfblocks.switch(hidden, 16, 4, True, "relu", capacity=tokens, seed=33),
+    }[kind]()
+    torch.manual_seed(34)
+    model = nn.Sequential(nn.Linear(5, hidden), block, nn.LayerNorm(hidden), nn.Linear(hidden, 3)).eval()
+    x = torch.randn(tokens, 5, generator=torch.Generator().manual_seed(35))
+    with torch.no_grad():  # the blocks' own calling convention: one sequence of all tokens
+        want = model[3](model[2](model[1](model[0](x)[None])[0])).numpy()
+    for example in (x, x.numpy()):
+        result = exporter.export(model, None, max_batch=tokens, example_input=example)
+        assert [c.ok for c in result.checks] == [True, True]
+        _assert_close(colibri.Model(result.image).forward(x.numpy()), want)
+    # A bare block takes [tokens, H] too.
+    h = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(36))
+    result = exporter.export(block, None, max_batch=tokens, example_input=h)
+    _assert_close(reference.run(result.image, h.numpy()), _hf_forward(block, h[None]))

@@ -66,3 +66,31 @@ def test_prune_refuses_too_many_or_unknown() -> None:
         export(model, None, prune=[9])
     with pytest.raises(ExportError, match="no MoE layer 3"):
         export(model, None, prune={3: [0]})
+
+
+@pytest.mark.parametrize("routing", cnn.ROUTINGS)
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_export_check_after_pruning_uses_the_unaffected_tokens(routing: str, dtype: str) -> None:
+    """A pruned image differs from PyTorch by design on tokens that chose a dropped expert; the
+    check compares the others, and with none left holds the C engine to the reference."""
+    model = _model(routing, seed=2)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
+    result = export(model, None, max_batch=8, example_input=x, prune=[1, 5], dtype=dtype)
+    assert result.checks and all(c.ok for c in result.checks)
+    if routing == "dense":  # every token uses every expert: nothing to compare with PyTorch
+        assert [c.what for c in result.checks] == [f"C engine vs numpy reference ({dtype} image)"]
+    else:
+        used = [int(t.split(" of ")[0].split(" on ")[-1]) for t in (c.what for c in result.checks)]
+        assert all(0 < n < 64 for n in used), [c.what for c in result.checks]
+    assert result.max_abs_error > 1e-3  # the affected tokens changed: reported, not checked
+
+
+def test_export_check_after_pruning_still_catches_a_wrong_conversion() -> None:
+    class Doubled(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    model = _model("topk_softmax", seed=2)
+    model[2] = Doubled(12, 3)
+    with pytest.raises(colibri.errors.ExportCheckError, match=r"on \d+ of 64 tokens"):
+        export(model, None, max_batch=8, example_input=torch.randn(64, 6), prune=[1, 5])

@@ -58,3 +58,65 @@ def test_routing_agreement_counts_changed_expert_sets() -> None:
     rep = quantisation_report(graph, broken, x)
     assert moe.top_k < len(moe.experts), "the model must route sparsely for this test"
     assert rep.routing_agreement[moe_index] < 0.9
+
+
+# --- the plot ------------------------------------------------------------------------------------
+
+
+def relu_report(n_tokens: int = 256):
+    """q8 report of a model with two ReLUs: about half of their outputs are 0 in both models (|Δ| exactly 0)."""
+    import torch
+
+    from colibri import nn as cnn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 32), torch.nn.ReLU(), cnn.Residual(torch.nn.LayerNorm(32), cnn.MoE(32, 4, 48, top_k=2)),
+        torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6),
+    )
+    graph, _ = build_graph(model.eval(), max_batch=16)
+    x = np.random.default_rng(7).standard_normal((n_tokens, 24)).astype(np.float32)
+    return quantisation_report(graph, quantize(graph, "q8"), x)
+
+
+def _texts(fig) -> list:
+    return [t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
+            if t.get_visible() and t.get_text()]
+
+
+def test_plot_leaves_exact_zeros_out_of_the_log_axis() -> None:
+    rep = relu_report()
+    zero_layers = [e for e in rep.layers if np.mean(e.abs_errors == 0) > 0.3]
+    assert len(zero_layers) >= 2, "the ReLUs must give exact zeros for this test"
+    fig = rep.figure()
+    box_axes, zero_axes = fig.axes
+    assert box_axes.get_yscale() == "log"
+    smallest = min(float(e.abs_errors[e.abs_errors > 0].min()) for e in rep.layers if (e.abs_errors > 0).any())
+    drawn = np.concatenate([np.asarray(line.get_ydata(), dtype=float) for line in box_axes.get_lines()])
+    assert drawn.size and drawn.min() >= smallest  # nothing at a stand-in value such as 1e-12
+    lo, _ = box_axes.get_ylim()
+    assert lo >= smallest / 10
+    shown = [e for e in rep.layers if e.op != "ResidualPush"]
+    heights = [p.get_height() for p in zero_axes.patches]
+    np.testing.assert_allclose(heights, [100 * np.mean(e.abs_errors == 0) for e in shown])
+    assert max(heights) > 30
+
+
+def test_plot_title_and_labels_fit_and_do_not_overlap(tmp_path: Path) -> None:
+    rep = relu_report()
+    fig = rep.figure()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = fig.bbox
+    for text in _texts(fig):
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= frame.x0 - 1 and box.x1 <= frame.x1 + 1 and box.y0 >= frame.y0 - 1 and \
+            box.y1 <= frame.y1 + 1, f"{text.get_text()!r} is cut off: {box} outside {frame}"
+    assert "end-to-end relative L2" in fig.get_suptitle()
+    ticks = [t.get_window_extent(renderer) for t in fig.axes[-1].get_xticklabels() if t.get_text()]
+    assert len(ticks) == len([e for e in rep.layers if e.op != "ResidualPush"])
+    for a, b in zip(ticks, ticks[1:]):
+        assert not a.overlaps(b), "layer labels overlap"
+    assert min(t.get_fontsize() for t in fig.axes[-1].get_xticklabels()) >= 8
+    rep.plot(tmp_path / "err.png")
+    assert (tmp_path / "err.png").read_bytes()[:4] == b"\x89PNG"

@@ -97,9 +97,11 @@ def _quant_options(fn):
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
 @click.option("--page-aligned", is_flag=True, help="Start every expert on a 4 KiB boundary (one madvise range).")
+@click.option("--no-check", is_flag=True,
+              help="With --input-size: write the image even if it does not match PyTorch on a random batch.")
 @_quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
-           calibration: Path | None, page_aligned: bool, dtype: str, compensation: float,
+           calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
            keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
     """Export MODEL (a torch.save'd module or package.module:factory) to a model image."""
     import torch
@@ -112,7 +114,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     calib = _load_inputs(calibration) if calibration else None
     result = do_export(module, output, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
-                       keep=keep, int8_act=int8_act)
+                       keep=keep, int8_act=int8_act, check=not no_check)
     for line in result.pruned.lines():
         click.echo(f"pruned: {line}")
     if result.max_abs_error is not None:

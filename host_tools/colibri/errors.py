@@ -37,6 +37,27 @@ class ExportError(ColibriError):
     """A PyTorch module could not be exported (unsupported layer, bad option)."""
 
 
+class ExportCheckError(ExportError):
+    """The exported image does not compute what the PyTorch module computes on `example_input`.
+
+    `comparison` says what was compared with what (e.g. "C engine vs PyTorch
+    (f32)"), `error` is the largest |difference| over the outputs both give as
+    finite numbers, `tolerance` the bound it had to stay within, and
+    `nonfinite_mismatches` the outputs where one side is NaN or ±Inf and the
+    other is not (any such output fails the check).
+    """
+
+    def __init__(self, comparison: str, error: float, tolerance: float, nonfinite_mismatches: int = 0,
+                 hint: str = ""):
+        self.comparison, self.error, self.tolerance = comparison, error, tolerance
+        self.nonfinite_mismatches = nonfinite_mismatches
+        what = f"max |Δ| {error:.3g} > tolerance {tolerance:.3g}" if error > tolerance else \
+            f"max |Δ| {error:.3g} (tolerance {tolerance:.3g})"
+        if nonfinite_mismatches:
+            what += f", {nonfinite_mismatches} outputs NaN/Inf on one side only"
+        super().__init__(f"export check failed, {comparison}: {what}{hint}")
+
+
 _IMAGE = {
     Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
     Status.TABLE_BOUNDS, Status.TENSOR_BOUNDS, Status.BAD_TENSOR, Status.BAD_REF,

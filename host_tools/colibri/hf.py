@@ -44,6 +44,12 @@ class name, so the blocks are recognised wherever they sit in a model):
     `expert_capacity` ≥ the longest sequence (or ≥ `max_batch`) when
     comparing. `expert_capacity < 1` (every token dropped) is refused.
 
+The blocks unpack `batch, seq, hidden = x.shape`. When the exporter runs a
+model on [tokens, features] (its example_input check), each block is fed
+[tokens, 1, features] and its output flattened back (`exporter._blocks_take_2d`):
+one token per sequence, so Switch capacity never drops a token there, as in
+the image. A [batch, seq, features] example is passed through unchanged.
+
 Refused with `ExportError` naming the module path: anything that changes the
 eval-mode forward and has no image equivalent — unsupported activations (e.g.
 `quick_gelu`, `gelu_10`, `relu2`), fused-expert layouts other than the default

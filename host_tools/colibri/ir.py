@@ -160,6 +160,15 @@ class Graph:
     input_size: int
     output_size: int
     max_batch: int = 1
+    # The module path each layer came from (`model.2.body.0`), parallel to `layers`,
+    # so errors found after conversion can still name the module; empty for graphs
+    # read back from an image.
+    paths: list[str] = field(default_factory=list)
+
+    def where(self, index: int) -> str:
+        """`model.2.body.0 (layers.5)`, or just `layers.5` without a recorded path."""
+        name = f"layers.{index}"
+        return f"{self.paths[index]} ({name})" if index < len(self.paths) else name
 
     def moe_layers(self) -> list[MoE]:
         return [layer for layer in self.layers if isinstance(layer, MoE)]

@@ -45,11 +45,24 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8
     q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
     q[scale == 0] = 0
     residual = w - q.astype(np.float32) * scale[:, None]
+    if n_e:
+        # A set-aside outlier beyond f16's range cannot sit in E (it would be stored
+        # as Inf): its row keeps every weight in the scale instead, which bounds
+        # the row's residuals by scale / 2.
+        wide = np.flatnonzero((np.abs(residual) > F16_MAX).any(axis=1))
+        if wide.size:
+            scale[wide] = (np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32)
+            q[wide] = np.clip(np.rint(w[wide] / scale[wide, None]), -127, 127).astype(np.int8)
+            residual[wide] = w[wide] - q[wide].astype(np.float32) * scale[wide, None]
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
     col = np.zeros(0, dtype=np.uint16)
     val = np.zeros(0, dtype=np.float16)
     if n_e:
         flat = np.argpartition(np.abs(residual).ravel(), w.size - n_e)[w.size - n_e :]
+        big = np.abs(residual.ravel()[flat]).max(initial=0)
+        if big > F16_MAX:
+            raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q8: its compensation "
+                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
         values = residual.ravel()[flat].astype(np.float16)
         keep = values != 0
         flat, values = flat[keep], values[keep]
@@ -98,6 +111,12 @@ def _act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
                     yield f"layers.{i}.{group}.{j}", e
 
 
+def _where(graph: Graph, name: str) -> str:
+    """`model.3.experts (layers.5.experts.2.w1)`: the module path too when the graph records it."""
+    index = int(name.split(".")[1])
+    return f"{graph.paths[index]} ({name})" if index < len(graph.paths) else name
+
+
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
 
@@ -131,7 +150,11 @@ def quantize(
             if _matches(name, keep):
                 continue
             w = getattr(owner, attr)
-            setattr(owner, attr, quantize_q8(w, compensation) if dtype == "q8" else quantize_f16(w))
+            try:
+                setattr(owner, attr, quantize_q8(w, compensation) if dtype == "q8" else quantize_f16(w))
+            except ExportError as exc:
+                raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
+                                  f"(--keep {name})") from None
     for name, target in _act_targets(out):
         if not _matches(name, int8_act):
             continue

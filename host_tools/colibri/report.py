@@ -58,20 +58,52 @@ class QuantReport:
         out.append(f"end to end over {self.tokens} tokens: rel L2 {self.end_to_end_rel_l2:.3e}, max |Δ| {self.max_abs_error:.3e}")
         return out
 
-    def plot(self, path: str | Path) -> None:
-        """Box plot of log10 |Δ| per layer."""
+    def figure(self):
+        """The error picture as a matplotlib Figure (see `plot`)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(self.layers)), 4))
-        data = [np.log10(e.abs_errors.ravel() + 1e-12) for e in self.layers]
-        ax.boxplot(data, showfliers=False)
-        ax.set_xticks(range(1, len(self.layers) + 1), [f"{e.index}\n{e.op}" for e in self.layers], fontsize=7)
-        ax.set_ylabel("log10 |quantised − f32|")
-        ax.set_title(f"Quantisation error per layer ({self.tokens} tokens, end-to-end rel L2 {self.end_to_end_rel_l2:.2e})")
-        fig.tight_layout()
+        # A ResidualPush outputs its input unchanged: its column would repeat the previous one.
+        shown = [e for e in self.layers if e.op != "ResidualPush"]
+        n = len(shown)
+        fig, (ax, az) = plt.subplots(2, 1, sharex=True, figsize=(max(6.4, 0.85 * n + 1.5), 5.6),
+                                     height_ratios=(3, 1), layout="constrained")
+        # Exact zeros (e.g. where a ReLU gives 0 in both models) have no logarithm: they
+        # are counted in the lower panel, and only the nonzero errors are drawn.
+        nonzero = [e.abs_errors[e.abs_errors > 0].ravel() for e in shown]
+        zero_share = [100.0 * float(np.mean(e.abs_errors == 0)) if e.abs_errors.size else 0.0 for e in shown]
+        positions = [i + 1 for i, v in enumerate(nonzero) if v.size]
+        if positions:
+            ax.boxplot([nonzero[p - 1] for p in positions], positions=positions, whis=(1, 99), showfliers=False,
+                       widths=0.6, medianprops={"color": "tab:orange", "linewidth": 2})
+            ax.set_yscale("log")
+        for i, v in enumerate(nonzero):
+            if not v.size:
+                ax.text(i + 1, 0.5, "no error", transform=ax.get_xaxis_transform(), ha="center", va="center",
+                        rotation=90, fontsize=9, color="0.4")
+        ax.set_ylabel("|quantised − f32|")
+        ax.grid(axis="y", which="major", alpha=0.3)
+        ax.set_title("nonzero errors; box: quartiles, orange: median, whiskers: 1st–99th percentile",
+                     fontsize=9, color="0.3")
+        bars = az.bar(range(1, n + 1), zero_share, width=0.6, color="tab:gray")
+        az.bar_label(bars, labels=[f"{z:.3g}%" for z in zero_share], fontsize=8, padding=2)
+        az.set_ylim(0, 119)
+        az.set_yticks([0, 50, 100])
+        az.set_ylabel("exactly 0 (%)")
+        az.set_xticks(range(1, n + 1), [f"{e.index} {e.op}" for e in shown], rotation=30, ha="right", fontsize=9)
+        az.set_xlim(0.4, n + 0.6)
+        fig.suptitle(f"Quantisation error per layer, {self.tokens} tokens\n"
+                     f"end-to-end relative L2 {self.end_to_end_rel_l2:.2e}, max |Δ| {self.max_abs_error:.2e}",
+                     fontsize=11)
+        return fig
+
+    def plot(self, path: str | Path) -> None:
+        """Box plot of the nonzero |Δ| per layer on a log axis, and the share of exact zeros below it."""
+        import matplotlib.pyplot as plt
+
+        fig = self.figure()
         fig.savefig(path, dpi=120)
         plt.close(fig)
 
