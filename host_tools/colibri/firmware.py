@@ -1,0 +1,39 @@
+"""The runner firmware for the emulated board: where it is and how it is built.
+
+Shared by the `colibri` command (hil, footprint, flash) and the pytest plugin,
+so it must not import pytest: the CLI works without the test extra.
+"""
+from __future__ import annotations
+
+import fcntl
+import subprocess
+from pathlib import Path
+
+from .errors import BuildError
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_FIRMWARE = REPO / "firmware" / "runner" / "build" / "mps2_an500" / "runner.elf"
+
+
+def _first_error(output: str) -> str:
+    """The line of a make/compiler log that says what went wrong (the first `error`), else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower():
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def build_runner() -> Path:
+    """Builds the QEMU runner from this checkout (make is idempotent; a lock serialises xdist workers)."""
+    if not (REPO / "firmware" / "runner" / "Makefile").exists():
+        raise BuildError("no firmware/runner in this checkout: pass the runner ELF with --firmware")
+    lock = REPO / "firmware" / "runner" / ".build.lock"
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        r = subprocess.run(["make", "-s", "-C", str(REPO / "firmware" / "runner"), "BOARD=mps2_an500"],
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"building the runner failed: {_first_error(r.stdout + r.stderr)}",
+                         log=r.stdout + r.stderr)
+    return DEFAULT_FIRMWARE
