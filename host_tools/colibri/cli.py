@@ -61,6 +61,9 @@ class _Main(_HelpGroup):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.Abort:  # Ctrl-C or end of input inside click's own parsing
             _fail("interrupted", 130)
+        except click.exceptions.NoArgsIsHelpError as exc:  # `colibri` or `colibri natmod` alone: show the help
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
         except click.ClickException as exc:
             ctx = getattr(exc, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if isinstance(exc, click.UsageError) and ctx else ""
@@ -206,7 +209,8 @@ def _load_module(spec: str):
         raise ColibriError(f"{spec}: no such file, and not a package.module:factory path")
     if not isinstance(model, torch.nn.Module):
         what = " (a state_dict? save the module itself: torch.save(model, path))" if isinstance(model, dict) else ""
-        raise ColibriError(f"{spec} is a {type(model).__name__}, not a torch.nn.Module{what}")
+        raise ColibriError(f"{spec} holds a {type(model).__module__}.{type(model).__qualname__} object, "
+                           f"not a torch.nn.Module{what}")
     return model
 
 
@@ -221,8 +225,9 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
     return out
 
 
-def _load_inputs(path: Path, width: int | None = None) -> np.ndarray:
-    """Inputs [tokens, features] from .npy or .csv; `width`: the features the model takes."""
+def _load_inputs(path: Path, width: int | None = None, *, calibration: bool = False) -> np.ndarray:
+    """Inputs [tokens, features] from .npy or .csv; `width`: the features the model takes. Calibration
+    inputs may also be [batch, sequence, features], as a Hugging Face block takes them."""
     suffix = path.suffix.lower()
     if suffix == ".npy":
         try:
@@ -236,6 +241,8 @@ def _load_inputs(path: Path, width: int | None = None) -> np.ndarray:
             raise ColibriError(f"{path}: not rows of comma-separated numbers ({_one_line(exc)})") from None
     else:
         raise ColibriError(f"{path}: inputs must be .npy or .csv")
+    if calibration and x.ndim > 2:
+        x = x.reshape(-1, x.shape[-1])
     if x.ndim != 2:
         raise ColibriError(f"{path}: inputs must be [tokens, features], not an array of shape {x.shape}")
     if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
@@ -305,7 +312,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     calib = None
     if calibration is not None:
         width = build_graph(module, max_batch=max_batch, example_input=example)[0].input_size
-        calib = _load_inputs(calibration, width)
+        calib = _load_inputs(calibration, width, calibration=True)
     result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
                        keep=keep, int8_act=int8_act)
@@ -476,7 +483,7 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
         raise ColibriError("--report and --plot need --calibration inputs")
     data = source.read_bytes()
     graph = image.read(data)
-    calib = _load_inputs(calibration, graph.input_size) if calibration is not None else None
+    calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
     quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True)
     out = image.write(quantised)
     rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None
