@@ -153,10 +153,10 @@ class Qemu:
         if self.proc is None:
             return None
         try:
-            status = self.proc.wait(grace)
+            status = self.proc.wait(grace) if grace > 0 else self.proc.poll()
         except subprocess.TimeoutExpired:
             return None
-        if status == 0:
+        if status is None or status == 0:
             return None
         if self._reader is not None:
             self._reader.join(2)  # the rest of stderr
@@ -265,7 +265,9 @@ class Qemu:
     def __exit__(self, exc_type, exc, tb) -> None:
         # A failure while talking to the firmware (a reset connection, a timeout) whose real cause is that
         # QEMU itself stopped: report QEMU's reason instead.
-        why = self.ended_early() if isinstance(exc, Exception) and not isinstance(exc, QemuError) else None
+        # A broken connection (OSError) means QEMU is going: give it a moment to finish saying why.
+        why = (self.ended_early(grace=1.0 if isinstance(exc, OSError) else 0.0)
+               if isinstance(exc, Exception) and not isinstance(exc, QemuError) else None)
         self.stop()
         if why is not None:
             raise QemuError(why) from exc
