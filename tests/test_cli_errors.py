@@ -255,15 +255,24 @@ def runner_elf() -> Path:
     return build_runner()
 
 
-@pytest.mark.parametrize("firmware", ["nucleo_h743zi runner", "/bin/ls"])
-def test_hil_with_wrong_firmware_reports_qemu_reason(work: Path, firmware: str) -> None:
-    if firmware.endswith("runner"):  # the runner built for the real board, not for the emulated one
-        r = make("-C", str(ROOT / "firmware" / "runner"), "BOARD=nucleo_h743zi")
-        assert r.returncode == 0, r.stdout + r.stderr
-        firmware = str(ROOT / "firmware" / "runner" / "build" / "nucleo_h743zi" / "runner.elf")
-    r = colibri_cmd("hil", "model.clb", "--firmware", firmware, cwd=work)
+def test_hil_with_firmware_for_another_board_reports_qemu_reason(work: Path) -> None:
+    r = make("-C", str(ROOT / "firmware" / "runner"), "BOARD=nucleo_h743zi")  # the real board's runner
+    assert r.returncode == 0, r.stdout + r.stderr
+    firmware = ROOT / "firmware" / "runner" / "build" / "nucleo_h743zi" / "runner.elf"
+    r = colibri_cmd("hil", "model.clb", "--firmware", str(firmware), cwd=work)
     assert_one_line_error(r, f"QEMU stopped (killed by signal 6) running {firmware}: qemu: fatal: Lockup")
     assert "Connection reset" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["hil", "flash", "footprint"])
+@pytest.mark.parametrize("firmware, text", [
+    ("/bin/ls", "/bin/ls is an ELF for X86_64, not for Arm"),
+    ("mymodels.py", "mymodels.py is not an ELF file"),  # QEMU would run it as raw bytes: silence, then a timeout
+])
+def test_firmware_that_is_no_arm_elf_is_refused(work: Path, command: str, firmware: str, text: str) -> None:
+    start = time.monotonic()
+    assert_one_line_error(colibri_cmd(command, "model.clb", "--firmware", firmware, cwd=work), text)
+    assert time.monotonic() - start < 60  # refused up front, not after the 10 s serial timeout
 
 
 def test_qemu_reports_why_it_stopped(no_qemu_left_behind) -> None:

@@ -503,7 +503,7 @@ def _target(port: str | None, baud: int, firmware: Path | None):
     import contextlib
 
     from .device import Device
-    from .firmware import build_runner
+    from .firmware import build_runner, check_emulator_elf
     from .qemu import Qemu
 
     @contextlib.contextmanager
@@ -512,7 +512,7 @@ def _target(port: str | None, baud: int, firmware: Path | None):
             with Device(port, baudrate=baud) as dev:
                 yield dev, None
             return
-        elf = firmware or build_runner()
+        elf = check_emulator_elf(firmware) if firmware else build_runner()
         with Qemu(elf) as q, Device(q.url) as dev:
             yield dev, elf
 
@@ -591,6 +591,10 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
 
     _refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
                    "with --port (the board runs what it was flashed with)" if port else "without --port")
+    if firmware is not None:
+        from .firmware import check_emulator_elf
+
+        check_emulator_elf(firmware)  # before the first line of output, not after it
     eng = engine_footprint()
     click.echo(f"engine (Cortex-M7 libcolibri.a): code {eng.flash:,} B flash, {eng.ram:,} B static RAM")
     if model_path is None and firmware is None and port is None:
@@ -702,7 +706,7 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
     import zlib
 
     from .device import Device
-    from .firmware import build_runner
+    from .firmware import build_runner, check_emulator_elf
     from .qemu import Qemu
 
     def update(dev: Device) -> str:
@@ -727,7 +731,7 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
         with Device(port, baudrate=baud) as dev:
             click.echo(update(dev))
         return
-    elf = firmware or build_runner()
+    elf = check_emulator_elf(firmware) if firmware else build_runner()
     load = qemu_flash if qemu_flash is not None and qemu_flash.exists() else None
     with Qemu(elf, qmp=qemu_flash is not None, flash=load) as q, Device(q.url) as dev:
         line = update(dev)

@@ -9,7 +9,7 @@ import fcntl
 import subprocess
 from pathlib import Path
 
-from .errors import BuildError
+from .errors import BuildError, ColibriError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FIRMWARE = REPO / "firmware" / "runner" / "build" / "mps2_an500" / "runner.elf"
@@ -37,3 +37,23 @@ def build_runner() -> Path:
         raise BuildError(f"building the runner failed: {_first_error(r.stdout + r.stderr)}",
                          log=r.stdout + r.stderr)
     return DEFAULT_FIRMWARE
+
+
+def check_emulator_elf(path: Path) -> Path:
+    """Refuses, before QEMU boots it, a --firmware that is no Arm ELF: QEMU would load it as raw bytes or
+    at the wrong addresses and run garbage, which the host sees only as silence on the serial line."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"\x7fELF":
+            raise ColibriError(f"{path} is not an ELF file: give the runner's .elf built for mps2_an500")
+        fh.seek(0)
+        try:
+            machine = ELFFile(fh)["e_machine"]
+        except ELFError as exc:
+            raise ColibriError(f"{path}: a broken ELF file ({exc})") from None
+    if machine != "EM_ARM":
+        raise ColibriError(f"{path} is an ELF for {machine.removeprefix('EM_')}, not for Arm: give the runner's "
+                           ".elf built for mps2_an500")
+    return path
