@@ -66,7 +66,7 @@ def on_target(image: bytes, data: F.Dataset) -> dict:
     (as `colibri flash` does), and forecasts the held-out days on the Cortex-M7."""
     from colibri.device import Device
     from colibri.footprint import elf_footprint
-    from colibri.pytest_plugin import build_runner
+    from colibri.firmware import build_runner
     from colibri.qemu import Qemu
 
     elf = build_runner()

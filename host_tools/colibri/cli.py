@@ -3,49 +3,214 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import numpy as np
 
 from . import format as F
-from .errors import ColibriError
+from .errors import ColibriError, UserCodeError
+
+DEBUG_ENV = "COLIBRI_DEBUG"  # set (to anything but 0): errors re-raised with their traceback
+# Failures a user causes and can fix from the message alone; anything else is reported as unexpected.
+EXPECTED = (ColibriError, OSError, ValueError, ImportError, subprocess.SubprocessError)
 
 
-class _Group(click.Group):
-    """Turns expected failures into one line on stderr and exit status 1."""
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _one_line(text: object) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _fail(message: str, status: int = 1) -> NoReturn:
+    click.echo(f"colibri: {message}", err=True)
+    sys.exit(status)
+
+
+class _HelpGroup(click.Group):
+    """Lists each command with its whole first sentence (click cuts them at ~45 characters)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=1000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class _Main(_HelpGroup):
+    """Every failure is one line on stderr and exit status 1: usage errors, expected failures
+    (ColibriError, OSError, ...) and unexpected ones (pointing at COLIBRI_DEBUG=1, which re-raises
+    for the traceback). Ctrl-C ends with one line and status 130."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort:  # Ctrl-C or end of input inside click's own parsing
+            _fail("interrupted", 130)
+        except click.exceptions.NoArgsIsHelpError as exc:  # `colibri` or `colibri natmod` alone: show the help
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if isinstance(exc, click.UsageError) and ctx else ""
+            _fail(f"error: {' '.join(exc.format_message().split())}{hint}")  # click's lists span lines
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (ColibriError, OSError, ValueError, ImportError, subprocess.SubprocessError) as exc:
-            click.echo(f"colibri: error: {exc}", err=True)
-            sys.exit(1)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except BrokenPipeError:
+            raise  # output piped into e.g. `head`: click ends quietly
+        except Exception as exc:
+            if _debug():
+                raise
+            if isinstance(exc, EXPECTED):
+                _fail(f"error: {_one_line(exc) or type(exc).__name__}")
+            _fail(f"error: unexpected {type(exc).__name__}: {_one_line(exc)} "
+                  f"(run with {DEBUG_ENV}=1 for the traceback)")
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Main)
 @click.version_option(package_name="colibri-moe")
 def main() -> None:
-    """Colibri: Mixture-of-Experts models on microcontrollers."""
+    """Colibri: Mixture-of-Experts models on microcontrollers.
+
+    Every error is one line on stderr and exit status 1 (COLIBRI_DEBUG=1 shows its traceback).
+    """
+
+
+def _on_path_like_python_m() -> None:
+    """The current folder first on sys.path, as `python -m` has it, so `pkg.mod:build` and the
+    classes a torch.save'd module refers to resolve from where the command runs."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def _load_saved(path: Path):
+    """A module saved with torch.save(model, path), or ColibriError saying what the file is instead."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    if path.is_dir():
+        raise ColibriError(f"{path} is a folder, not a torch.save'd module")
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if not head:
+        raise ColibriError(f"{path} is empty, not a torch.save'd module")
+    if head[:4] == F.MAGIC.to_bytes(4, "little"):
+        raise ColibriError(f"{path} is a Colibri model image already (`colibri info` shows it); export takes a "
+                           "PyTorch module: a torch.save'd file or package.module:factory")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+        if any(n.endswith(("/archive_format", "/serialized_exported_program.json")) for n in names):
+            raise ColibriError(f"{path} is a torch.export program (.pt2), which Colibri does not read: save the "
+                               "nn.Module itself (torch.save(model, 'model.pt')) or give package.module:factory")
+        if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            raise ColibriError(f"{path} is a zip archive, but not one torch.save writes")
+    elif head[0] != 0x80:  # a pickle of protocol 2 or later starts so, as torch.save's legacy format does
+        raise ColibriError(f"{path} is not a file torch.save writes (neither its zip archive nor a pickle)")
+    try:
+        return torch.load(path, weights_only=False, map_location="cpu")
+    except AttributeError as exc:
+        text = str(exc)
+        found = re.search(r"attribute '([^']+)' on <module '__main__'", text)
+        if found:
+            cls = found.group(1)
+            raise ColibriError(f"{path} holds a {cls} defined in the __main__ script that saved it, which cannot "
+                               f"be imported here: move class {cls} into a module (a .py file next to the script) "
+                               "and save again, or give module:factory") from exc
+        raise ColibriError(f"{path}: a class it refers to is no longer where it was saved from: {text}") from exc
+    except ModuleNotFoundError as exc:
+        raise ColibriError(f"{path} needs the module {exc.name!r}, which is not importable here (the current "
+                           "folder and PYTHONPATH are searched)") from exc
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
+        raise ColibriError(f"{path}: torch.load cannot read it: {_one_line(exc)}") from exc
+
+
+def _load_factory(spec: str):
+    """`package.module:factory`: the module imported (the current folder first on the path) and the
+    factory called with no arguments; or a torch.nn.Module object named there."""
+    import inspect
+
+    import torch
+
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ColibriError(f"{spec}: expected package.module:factory")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+            raise ColibriError(f"{spec}: no module named {mod_name!r} in the current folder "
+                               "or on PYTHONPATH") from exc
+        raise UserCodeError(f"{spec}: importing {mod_name} failed: {_one_line(exc)}") from exc
+    except Exception as exc:
+        raise UserCodeError(f"{spec}: importing {mod_name} failed: {type(exc).__name__}: {_one_line(exc)} "
+                            f"({DEBUG_ENV}=1 shows the traceback)") from exc
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ColibriError(f"{spec}: module {mod_name} ({module.__file__}) has no {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if not callable(obj):
+        raise ColibriError(f"{spec} is a {type(obj).__name__}, neither a torch.nn.Module nor a factory")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        signature = None  # a builtin without one: just call it
+    if signature is not None:
+        try:
+            signature.bind()
+        except TypeError:
+            raise ColibriError(f"{spec} needs arguments {signature}: name a factory that takes none, e.g. "
+                               f"def build(): return {attr}(...)") from None
+    try:
+        return obj()
+    except Exception as exc:
+        raise UserCodeError(f"{spec}() raised {type(exc).__name__}: {_one_line(exc)} "
+                            f"({DEBUG_ENV}=1 shows the traceback)") from exc
 
 
 def _load_module(spec: str):
     """A torch.save'd module file, or `package.module:factory` (called with no arguments)."""
     import torch
 
+    _on_path_like_python_m()
     path = Path(spec)
     if path.exists():
-        model = torch.load(path, weights_only=False, map_location="cpu")
+        model = _load_saved(path)
     elif ":" in spec:
-        mod_name, _, attr = spec.partition(":")
-        obj = getattr(importlib.import_module(mod_name), attr)
-        model = obj() if callable(obj) and not isinstance(obj, torch.nn.Module) else obj
+        model = _load_factory(spec)
     else:
-        raise ValueError(f"{spec}: no such file, and not a package.module:factory path")
+        raise ColibriError(f"{spec}: no such file, and not a package.module:factory path")
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"{spec} is a {type(model).__name__}, not a torch.nn.Module")
+        what = " (a state_dict? save the module itself: torch.save(model, path))" if isinstance(model, dict) else ""
+        raise ColibriError(f"{spec} holds a {type(model).__module__}.{type(model).__qualname__} object, "
+                           f"not a torch.nn.Module{what}")
     return model
 
 
@@ -60,22 +225,49 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
     return out
 
 
-def _load_inputs(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
-        x = np.load(path)
-    elif path.suffix in (".csv", ".txt"):
-        x = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+def _load_inputs(path: Path, width: int | None = None, *, calibration: bool = False) -> np.ndarray:
+    """Inputs [tokens, features] from .npy or .csv; `width`: the features the model takes. Calibration
+    inputs may also be [batch, sequence, features], as a Hugging Face block takes them."""
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        try:
+            x = np.load(path)
+        except (ValueError, EOFError) as exc:  # not an .npy file, or one holding Python objects
+            raise ColibriError(f"{path}: not a numpy .npy array file ({_one_line(exc)})") from None
+    elif suffix in (".csv", ".txt"):
+        try:
+            x = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+        except ValueError as exc:
+            raise ColibriError(f"{path}: not rows of comma-separated numbers ({_one_line(exc)})") from None
     else:
-        raise ValueError(f"{path}: inputs must be .npy or .csv")
+        raise ColibriError(f"{path}: inputs must be .npy or .csv")
+    if calibration and x.ndim > 2:
+        x = x.reshape(-1, x.shape[-1])
+    if x.ndim != 2:
+        raise ColibriError(f"{path}: inputs must be [tokens, features], not an array of shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+        raise ColibriError(f"{path}: inputs must be real numbers, not {x.dtype}")
+    if width is not None and x.shape[1] != width:
+        raise ColibriError(f"{path}: {x.shape[1]} features per token, the model takes {width}")
+    if x.shape[0] == 0:
+        raise ColibriError(f"{path}: no tokens")
     return np.asarray(x, dtype=np.float32)
 
 
-def _quant_options(fn):
+def _quant_options(fn=None, *, dtype_required: bool = False):
+    """--dtype (export: f32 by default; quantize: no default, as f32 would only copy the image) and the
+    options that tune it."""
+    if fn is None:
+        return lambda f: _quant_options(f, dtype_required=dtype_required)
     from .quantize import DEFAULT_COMPENSATION, DTYPES
 
+    dtype = (click.option("--dtype", type=click.Choice(DTYPES), required=True,
+                          help="Weight storage: f16, or q8 (int8 per output channel + sparse f16 compensation).")
+             if dtype_required else
+             click.option("--dtype", type=click.Choice(DTYPES), default="f32", show_default=True,
+                          help="Weight storage: f32, f16, or q8 (int8 per output channel + sparse f16 compensation)."))
     options = [
-        click.option("--dtype", type=click.Choice(DTYPES), default="f32", show_default=True,
-                     help="Weight storage: f32, f16, or q8 (int8 per output channel + sparse f16 compensation)."),
+        dtype,
         click.option("--compensation", type=float, default=DEFAULT_COMPENSATION, show_default=True,
                      help="q8: share of each tensor's weights kept exactly in the f16 term E (0 turns E off)."),
         click.option("--keep", multiple=True, metavar="PATTERN",
@@ -91,8 +283,9 @@ def _quant_options(fn):
 @main.command()
 @click.argument("model")
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--max-batch", default=1, show_default=True, help="Tokens per forward the arena is sized for.")
-@click.option("--input-size", type=int, help="Features in, when the first layer does not say.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tokens per forward the arena is sized for.")
+@click.option("--input-size", type=click.IntRange(min=1), help="Features in, when the first layer does not say.")
 @click.option("--prune", help="Experts to drop: '1,3' or per MoE layer '0:1,3;1:2'.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
@@ -103,18 +296,30 @@ def _quant_options(fn):
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
            keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
-    """Export MODEL (a torch.save'd module or package.module:factory) to a model image."""
+    """Export MODEL (a torch.save'd module or package.module:factory) to a model image.
+
+    MODEL is a file written by torch.save(model, path), or package.module:factory, a function
+    called with no arguments that returns the module. As with `python -m`, the current folder
+    comes first on the module search path (then PYTHONPATH): `colibri export mymodel:build m.clb`
+    finds ./mymodel.py. The output folder is made if missing; nothing is written on failure.
+    """
     import torch
 
     from . import hf  # noqa: F401  registers the Hugging Face converters
-    from .exporter import export as do_export
+    from .exporter import build_graph
+    from .exporter import export as do_export, write_atomically
 
     module = _load_module(model)
     example = torch.randn(max_batch, input_size) if input_size else None
-    calib = _load_inputs(calibration) if calibration else None
-    result = do_export(module, output, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
+    calib = None
+    if calibration is not None:
+        width = build_graph(module, max_batch=max_batch, example_input=example)[0].input_size
+        calib = _load_inputs(calibration, width, calibration=True)
+    result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
                        keep=keep, int8_act=int8_act, check=not no_check)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(output, result.image)
     for line in result.pruned.lines():
         click.echo(f"pruned: {line}")
     if result.max_abs_error is not None:
@@ -231,48 +436,63 @@ def info(image_path: Path, as_json: bool) -> None:
 @click.option("--input", "-i", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs [batch, input_size] as .npy or .csv.")
 @click.option("--output", "-o", "output_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write outputs to .npy (default: print CSV to stdout).")
+              help="Write outputs to this .npy or .csv file (default: print CSV to stdout).")
 @click.option("--reference", is_flag=True, help="Use the numpy reference instead of the C engine.")
 def run(image_path: Path, input_path: Path, output_path: Path | None, reference: bool) -> None:
     """Run a model image on inputs."""
     from . import engine
     from . import reference as ref
 
+    kind = output_path.suffix.lower() if output_path is not None else None
+    if kind not in (None, ".npy", ".csv"):
+        raise ColibriError(f"{output_path}: outputs are written as .npy or .csv, "
+                           f"not {output_path.suffix or 'a name without extension'}")
     data = image_path.read_bytes()
     x = _load_inputs(input_path)
-    y = ref.run(data, x) if reference else engine.Model(data).forward(x)
-    if output_path is not None:
-        np.save(output_path, y)
-        click.echo(f"wrote {output_path}: {y.shape[0]} x {y.shape[1]}", err=True)
+    y = np.atleast_2d(ref.run(data, x) if reference else engine.Model(data).forward(x))
+    if output_path is None:
+        np.savetxt(sys.stdout, y, delimiter=",", fmt="%.8g")
+        return
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == ".npy":
+        with open(output_path, "wb") as fh:  # np.save(path) would append .npy to any other name
+            np.save(fh, y)
     else:
-        np.savetxt(sys.stdout, np.atleast_2d(y), delimiter=",", fmt="%.8g")
+        np.savetxt(output_path, y, delimiter=",", fmt="%.8g")
+    click.echo(f"wrote {output_path}: {y.shape[0]} x {y.shape[1]}", err=True)
 
 
 @main.command()
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
-@_quant_options
+@_quant_options(dtype_required=True)
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv) for the report and routing checks.")
 @click.option("--report", "show_report", is_flag=True, help="Print per-layer and end-to-end error and routing agreement.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw the error distribution per layer (PNG).")
 def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: tuple[str, ...],
              int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None) -> None:
-    """Quantise an f32 model image SOURCE to OUTPUT (image to image)."""
+    """Quantise an f32 model image SOURCE to OUTPUT (image to image).
+
+    Everything (the calibration inputs, the report) is checked before OUTPUT is written: on an
+    error nothing is written.
+    """
     from . import image
     from . import quantize as q
     from .report import quantisation_report
 
     if (show_report or plot) and calibration is None:
-        raise ValueError("--report and --plot need --calibration inputs")
+        raise ColibriError("--report and --plot need --calibration inputs")
     data = source.read_bytes()
     graph = image.read(data)
+    calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
     quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True)
     out = image.write(quantised)
+    rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(out)
     click.echo(f"wrote {output}: {len(out):,} bytes ({len(out) / len(data):.3f} of {len(data):,})")
-    if calibration is not None:
-        rep = quantisation_report(graph, quantised, _load_inputs(calibration), progress=True)
+    if rep is not None:
         for line in rep.lines() if show_report else rep.lines()[-1:]:
             click.echo(line)
         if plot:
@@ -285,7 +505,7 @@ def _target(port: str | None, baud: int, firmware: Path | None):
     import contextlib
 
     from .device import Device
-    from .pytest_plugin import build_runner
+    from .firmware import build_runner, check_emulator_elf
     from .qemu import Qemu
 
     @contextlib.contextmanager
@@ -294,11 +514,25 @@ def _target(port: str | None, baud: int, firmware: Path | None):
             with Device(port, baudrate=baud) as dev:
                 yield dev, None
             return
-        elf = firmware or build_runner()
+        elf = check_emulator_elf(firmware) if firmware else build_runner()
         with Qemu(elf) as q, Device(q.url) as dev:
             yield dev, elf
 
     return opened()
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user gave option `name` (rather than click filling in its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source not in (click.core.ParameterSource.DEFAULT,
+                                                  click.core.ParameterSource.DEFAULT_MAP)
+
+
+def _refuse_unused(ctx: click.Context, names: list[str], why: str) -> None:
+    """An option that would be silently ignored in this combination is an error, not a no-op."""
+    given = [f"--{n.replace('_', '-')}" for n in names if _given(ctx, n)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect {why}", ctx)
 
 
 def _port_options(fn):
@@ -325,6 +559,8 @@ def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, se
     data = model_path.read_bytes()
     host = engine.Model(data)
     rng = np.random.default_rng(seed)
+    _refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
+                   "with --port (the board runs what it was flashed with)" if port else "without --port")
     with _target(port, baud, firmware) as (dev, elf):
         hello = dev.hello()
         click.echo(f"target: {hello.board}, engine {hello.engine_version}, {hello.build_flags}")
@@ -355,6 +591,12 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
     """Flash and RAM of the engine alone, of the runner, and for MODEL (with the stack measured on target)."""
     from .footprint import elf_footprint, engine_footprint
 
+    _refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
+                   "with --port (the board runs what it was flashed with)" if port else "without --port")
+    if firmware is not None:
+        from .firmware import check_emulator_elf
+
+        check_emulator_elf(firmware)  # before the first line of output, not after it
     eng = engine_footprint()
     click.echo(f"engine (Cortex-M7 libcolibri.a): code {eng.flash:,} B flash, {eng.ram:,} B static RAM")
     if model_path is None and firmware is None and port is None:
@@ -382,7 +624,8 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
 @click.option("--flash-image", "flash_stem", type=click.Path(dir_okay=False, path_type=Path),
               help="Write STEM.bin and STEM.hex: a committed model slot at the board's slot address.")
 @click.option("--board", default="nucleo_h743zi", show_default=True, help="Board profile for --flash-image.")
-@click.option("--slot", type=click.Choice(["a", "b"]), default="a", show_default=True)
+@click.option("--slot", type=click.Choice(["A", "B"], case_sensitive=False), default="A", show_default=True,
+              help="--flash-image: the model slot (A or B, either case).")
 @click.option("--sequence", default=1, show_default=True, help="Slot sequence number (the highest valid boots).")
 def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path | None, board: str, slot: str,
          sequence: int) -> None:
@@ -390,7 +633,10 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
     from . import pack as packing
 
     if c_array_dir is None and flash_stem is None:
-        raise ValueError("say what to write: --c-array DIR and/or --flash-image STEM")
+        raise click.UsageError("say what to write: --c-array DIR and/or --flash-image STEM")
+    slot = slot.upper()
+    if flash_stem is None:
+        _refuse_unused(click.get_current_context(), ["board", "slot", "sequence"], "without --flash-image")
     data = model_path.read_bytes()
     if c_array_dir is not None:
         packed = packing.c_array(data, c_array_dir, name=name)
@@ -400,7 +646,7 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
         click.echo(f"wrote {fi.bin} and {fi.hex}: slot {slot.upper()} of {board} at 0x{fi.address:08x}, {fi.size:,} B")
 
 
-@main.command("gen-header")
+@main.command("gen-header", hidden=True)  # for maintainers (make header), not in the user's list
 @click.option("--check", is_flag=True, help="Exit 1 if the header is out of date instead of writing it.")
 def gen_header(check: bool) -> None:
     """Regenerate firmware/colibri_core/include/colibri_format.h from colibri.format."""
@@ -418,7 +664,7 @@ def gen_header(check: bool) -> None:
     click.echo(f"wrote {path}")
 
 
-@main.group()
+@main.group(cls=_HelpGroup)
 def natmod() -> None:
     """The MicroPython native module (colibri.mpy): build it for a MicroPython port."""
 
@@ -466,7 +712,7 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
     import zlib
 
     from .device import Device
-    from .pytest_plugin import build_runner
+    from .firmware import build_runner, check_emulator_elf
     from .qemu import Qemu
 
     def update(dev: Device) -> str:
@@ -491,7 +737,7 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
         with Device(port, baudrate=baud) as dev:
             click.echo(update(dev))
         return
-    elf = firmware or build_runner()
+    elf = check_emulator_elf(firmware) if firmware else build_runner()
     load = qemu_flash if qemu_flash is not None and qemu_flash.exists() else None
     with Qemu(elf, qmp=qemu_flash is not None, flash=load) as q, Device(q.url) as dev:
         line = update(dev)
@@ -565,7 +811,9 @@ def _flash_with_probe(model_path: Path, data: bytes, firmware: Path | None, targ
 @click.option("--probe-target", default="stm32h743zitx", show_default=True, help="--probe: pyOCD target type.")
 @click.option("--board", type=click.Choice(["nucleo_h743zi"]), default="nucleo_h743zi", show_default=True,
               help="--probe: the board whose flash map to use.")
-@click.option("--slot", type=click.Choice(["A", "B"]), default="A", show_default=True, help="--probe: slot to write.")
+@click.option("--slot", type=click.Choice(["A", "B"], case_sensitive=False), default="A", show_default=True,
+              help="--probe: slot to write (A or B, either case). Over serial the runner picks the slot it "
+                   "does not run.")
 @click.option("--sequence", default=1, show_default=True, help="--probe: the slot's sequence number.")
 def flash(model_path: Path, port: str | None, baud: int, firmware: Path | None, qemu_flash: Path | None, probe: bool,
           probe_target: str, board: str, slot: str, sequence: int) -> None:
@@ -580,9 +828,19 @@ def flash(model_path: Path, port: str | None, baud: int, firmware: Path | None, 
     the slot's address (MODEL may also be a slot .hex), the other slot's header sector erased, and
     --firmware (the runner .elf/.hex/.bin for the board) if given.
     """
+    ctx = click.get_current_context()
+    if probe:
+        _refuse_unused(ctx, ["port", "baud", "qemu_flash"], "with --probe (it programs through the SWD probe)")
+    else:
+        # Over the serial line the runner writes the slot it is not running from and numbers it itself:
+        # a --slot asked for here could not be honoured, so it is refused rather than ignored.
+        _refuse_unused(ctx, ["slot", "sequence", "probe_target", "board"],
+                       "without --probe (over serial the runner writes its inactive slot)")
+        if port is not None:
+            _refuse_unused(ctx, ["firmware", "qemu_flash"], "with --port (they are for the runner in QEMU)")
     data = model_path.read_bytes()
     if probe:
-        _flash_with_probe(model_path, data, firmware, probe_target, board, slot, sequence)
+        _flash_with_probe(model_path, data, firmware, probe_target, board, slot.upper(), sequence)
         return
     image, _ = _slot_payload(data)
     from . import image as cimage

@@ -80,3 +80,15 @@ def error_for(status: int, detail: str | None = None) -> ColibriError:
         cls = ColibriError
     text = STATUS_TEXT[st] if detail is None else f"{STATUS_TEXT[st]}: {detail}"
     return cls(text, status=st)
+
+
+class BuildError(ColibriError):
+    """Building firmware (the runner, a native module) failed; `log` holds the tool's whole output."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+
+class UserCodeError(ColibriError):
+    """The user's own code (a model factory, the module it lives in) raised; the cause is chained."""

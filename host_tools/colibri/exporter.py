@@ -490,7 +490,7 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
     return checks
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """The whole image or nothing: a failed write leaves no partial file at `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -559,7 +559,7 @@ def export(
                     rows = _rows_unaffected_by_pruning(unpruned, flat, report)
                 checks = _check(module, x, graph, data, dtype, f32_graph, int8_act, want, got, rows)
     if path is not None:
-        _write_atomically(Path(path), data)
+        write_atomically(Path(path), data)
     return ExportResult(image=data, graph=graph, pruned=report, max_abs_error=err, checks=checks)
 
 

@@ -11,9 +11,7 @@ emulated flash over QMP, end QEMU, boot a new one with that flash loaded.
 """
 from __future__ import annotations
 
-import fcntl
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from . import sources
+from . import firmware
 from .device import Device
+from .errors import BuildError
 from .qemu import Qemu
 
 
@@ -36,19 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def build_runner() -> Path:
-    """Builds the QEMU runner from this checkout, or from the sources packaged with colibri (make is
-    idempotent; a lock serialises xdist workers)."""
-    runner = sources.build_root() / "firmware" / "runner"
-    if not (runner / "Makefile").exists():
-        raise pytest.UsageError("no firmware/runner in this checkout: pass --colibri-firmware")
-    lock = runner / ".build.lock"
-    with open(lock, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        r = subprocess.run(["make", "-s", "-C", str(runner), "BOARD=mps2_an500"],
-                           capture_output=True, text=True)
-    if r.returncode != 0:
-        raise pytest.UsageError(f"building the runner failed:\n{r.stdout}{r.stderr}")
-    return runner / "build" / "mps2_an500" / "runner.elf"
+    """colibri.firmware.build_runner, its failure reported as a pytest usage error with make's whole output."""
+    try:
+        return firmware.build_runner()
+    except BuildError as exc:
+        raise pytest.UsageError(f"{exc}\n{exc.log}") from None
 
 
 class Target:

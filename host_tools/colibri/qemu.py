@@ -48,6 +48,20 @@ class QemuError(ColibriError):
     pass
 
 
+# QEMU's chatter that is never the reason it stopped: the port banner, warnings, the register dump
+# that follows a fatal error.
+_NOISE = re.compile(r"info: QEMU waiting for connection|: warning: |^[RSsdD]\d\d=|^(XPSR|FPSCR|PSR|CPSR)[=:]")
+
+
+def _reason(stderr: str) -> str:
+    """The line of QEMU's stderr that says why it stopped (e.g. `qemu: fatal: Lockup: ...`)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not _NOISE.search(line.strip())]
+    for line in lines:
+        if "fatal" in line or "error" in line.lower():
+            return line
+    return lines[0] if lines else "no message"
+
+
 class Qemu:
     def __init__(self, firmware: str | Path, *, machine: str = "mps2-an500", timeout: float = 10.0,
                  extra_args: list[str] | None = None, qmp: bool = False, flash: str | Path | None = None):
@@ -127,8 +141,27 @@ class Qemu:
         self._reader.start()
         if not found.wait(self.timeout) or self.port is None:
             self.stop()
-            raise QemuError(f"QEMU did not open its serial port: {''.join(self._stderr).strip()[-500:]}")
+            raise QemuError(f"QEMU did not open its serial port: {_reason(self.stderr)}")
         return self
+
+    def ended_early(self, grace: float = 1.0) -> str | None:
+        """If QEMU stopped on its own with a failure (waiting up to `grace` s for it to), why: its exit
+        status and the line of its stderr that gives the reason; else None.
+
+        A firmware QEMU cannot run (an ELF for another board, not an ELF at all) shows up on the host
+        only as a reset serial connection; the reason is in QEMU's stderr."""
+        if self.proc is None:
+            return None
+        try:
+            status = self.proc.wait(grace) if grace > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+        if status is None or status == 0:
+            return None
+        if self._reader is not None:
+            self._reader.join(2)  # the rest of stderr
+        how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+        return f"QEMU stopped ({how}) running {self.firmware}: {_reason(self.stderr)}"
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for the firmware to end QEMU (semihosting exit); returns its status."""
@@ -229,6 +262,13 @@ class Qemu:
     def __enter__(self) -> Qemu:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # A failure while talking to the firmware (a reset connection, a timeout) whose real cause is that
+        # QEMU itself stopped: report QEMU's reason instead.
+        # A broken connection (OSError) means QEMU is going: give it a moment to finish saying why.
+        why = (self.ended_early(grace=1.0 if isinstance(exc, OSError) else 0.0)
+               if isinstance(exc, Exception) and not isinstance(exc, QemuError) else None)
         self.stop()
+        if why is not None:
+            raise QemuError(why) from exc
 
