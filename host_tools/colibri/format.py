@@ -147,8 +147,7 @@ STATUS_TEXT = {
     Status.BAD_CONTEXT: "context is not initialised or was freed",
     Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
-    Status.UNSUPPORTED_VERSION: "model image format version outside the versions this engine reads "
-                                "(COLIBRI_FORMAT_VERSION_MIN..MAX): a newer image needs a newer engine",
+    Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}

@@ -198,6 +198,15 @@ def version_text(version: int, accepted: tuple[int, int] = (F.MIN_READ_VERSION, 
     return f"image format version {version} is {age} than {reader} reads ({lo}..{hi})"
 
 
+def check_version(data: bytes | bytearray | memoryview, accepted: tuple[int, int], reader: str) -> None:
+    """Raises ImageError(UNSUPPORTED_VERSION) when a firmware reading the `accepted` (min, max) format
+    versions would refuse `data` for its version; anything else wrong is left to `read`."""
+    if len(data) >= 6 and bytes(data[:4]) == F.MAGIC.to_bytes(4, "little"):
+        version = int.from_bytes(bytes(data[4:6]), "little")
+        if version not in F.INVALID_VERSIONS and not accepted[0] <= version <= accepted[1]:
+            _fail(Status.UNSUPPORTED_VERSION, version_text(version, accepted, reader))
+
+
 def _fail(status: Status, detail: str) -> None:
     raise error_for(status, detail)
 

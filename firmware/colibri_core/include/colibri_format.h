@@ -83,7 +83,7 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_CONTEXT = -19, /* context is not initialised or was freed */
     COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, scale count, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
-    COLIBRI_E_UNSUPPORTED_VERSION = -22, /* model image format version outside the versions this engine reads (COLIBRI_FORMAT_VERSION_MIN..MAX): a newer image needs a newer engine */
+    COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -110,7 +110,7 @@ typedef enum colibri_status {
     X(-19, "context is not initialised or was freed") \
     X(-20, "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
-    X(-22, "model image format version outside the versions this engine reads (COLIBRI_FORMAT_VERSION_MIN..MAX): a newer image needs a newer engine") \
+    X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
 
 
 #endif /* COLIBRI_FORMAT_H */
