@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header clean
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean
 
 setup:
 	./scripts/setup.sh
@@ -28,6 +28,11 @@ firmware: engine-all
 
 header: setup
 	.venv/bin/colibri gen-header
+
+# Every deterministic figure README.md quotes, measured (scripts/measure.py, build/measure.json);
+# `scripts/measure.py --write-readme` puts them into README.md, tests/test_readme_figures.py compares.
+measure: setup firmware
+	$(PY) scripts/measure.py
 
 # The smart meter story: train (or reuse) the forecaster, quantise, boot the
 # runner in QEMU, put the model on the board, forecast on target.

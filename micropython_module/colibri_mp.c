@@ -22,6 +22,14 @@
  * besides the Model object itself. forward() allocates nothing. A bytearray
  * holding the image must not be changed while a Model uses it; resizing it
  * moves the bytes, which forward() detects and refuses.
+ *
+ * That check re-reads the buffer of the object the Model references, so it
+ * only works for objects that own their bytes. Read-only buffers (bytes, a
+ * memoryview of bytes or of ROM) cannot move; bytearray and array own their
+ * bytes. A writable memoryview (of a bytearray or array) keeps the address it
+ * saw at creation and no reference to its base object, so a resize of the
+ * base is invisible through it: Model() refuses those, and any other writable
+ * buffer type it cannot re-check.
  */
 #if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
 #include "mp_natmod.h"
@@ -101,6 +109,15 @@ typedef struct colibri_model_obj {
     uint32_t input_size, output_size, max_batch, num_experts;
 } colibri_model_obj;
 
+/* bytearray and array: forward() re-reads their buffer, so a resize that moved
+ * the bytes is caught. Compared by type name, which both builds have whether
+ * or not the port enables memoryview. */
+static bool owns_its_bytes(mp_obj_t obj)
+{
+    const qstr name = mp_obj_get_type(obj)->name;
+    return name == MP_QSTR_bytearray || name == MP_QSTR_array;
+}
+
 static mp_obj_t model_make_new(const mp_obj_type_t *type, size_t n_args, size_t n_kw, const mp_obj_t *args)
 {
     if (n_args != 1 || n_kw != 0)
@@ -125,6 +142,12 @@ static mp_obj_t model_make_new(const mp_obj_type_t *type, size_t n_args, size_t 
         msg_add(&m, " mod 4; bytes(buffer) makes an aligned copy)");
         RAISE(mp_type_ValueError, m.text);
     }
+
+    mp_buffer_info_t writable;
+    if (mp_get_buffer(args[0], &writable, MP_BUFFER_WRITE) && !owns_its_bytes(args[0]))
+        RAISE(mp_type_TypeError, "colibri.Model: a writable memoryview (or other view) cannot be guarded: "
+                                 "resizing its bytearray would free the weights under the model; "
+                                 "pass the bytearray itself, or bytes(view)");
 
     colibri_model_obj *self = m_malloc_maybe(sizeof *self);
     /* Over-allocated so the arena can start on COLIBRI_ARENA_ALIGN whatever the heap's block size. */

@@ -86,3 +86,28 @@ def test_colibri_footprint(model_file: Path) -> None:
     assert re.search(r"engine \(Cortex-M7 libcolibri.a\): code [\d,]+ B flash, 0 B static RAM", r.stdout)
     assert re.search(r"runner \(runner.elf\): flash [\d,]+ B", r.stdout)
     assert re.search(r"stack high-water [\d,]+ B", r.stdout)
+
+
+def test_runner_reports_and_enforces_format_versions(model_file: Path, no_qemu_left_behind) -> None:
+    """HELLO says which image format versions the runner's engine reads; an image of a newer version
+    is refused over serial with the engine's UNSUPPORTED_VERSION, a corrupt version field with
+    BAD_VERSION, and the runner goes on with the next good image."""
+    from colibri import format as F
+    from colibri.device import Device, DeviceError
+    from colibri.pack import firmware_formats
+    from colibri.qemu import Qemu
+
+    elf = build("mps2_an500")
+    data = model_file.read_bytes()
+    with Qemu(elf) as q, Device(q.url) as dev:
+        hello = dev.hello()
+        assert hello.formats == (F.MIN_READ_VERSION, F.MAX_READ_VERSION) == firmware_formats(elf)
+        for version, status in ((F.MAX_READ_VERSION + 1, F.Status.UNSUPPORTED_VERSION),
+                                (0xFFFF, F.Status.BAD_VERSION)):
+            b = bytearray(data)
+            b[4:6] = version.to_bytes(2, "little")
+            with pytest.raises(DeviceError) as exc:
+                dev.load(bytes(b))
+            assert exc.value.code == status, exc.value
+            assert "UNSUPPORTED_VERSION" in str(exc.value) or status != F.Status.UNSUPPORTED_VERSION
+        assert dev.load(data).image_size == len(data)

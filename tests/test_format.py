@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import re
+import struct
 
+import pytest
+import torch
+
+import colibri
 from colibri import format as F
+from colibri import image
+from colibri.errors import ImageError
+from colibri.exporter import export
 
 from conftest import CORE
 
@@ -25,3 +33,55 @@ def test_status_codes_distinct_and_described() -> None:
     codes = [int(s) for s in F.Status]
     assert len(set(codes)) == len(codes)
     assert set(F.STATUS_TEXT) == set(F.Status)
+
+
+def _with_version(data: bytes, version: int) -> bytes:
+    """The image with another format version (the version is outside the CRC, which stays right)."""
+    b = bytearray(data)
+    struct.pack_into("<H", b, 4, version)
+    return bytes(b)
+
+
+@pytest.fixture(scope="module")
+def tiny_image() -> bytes:
+    torch.manual_seed(0)
+    return export(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)), None).image
+
+
+def test_version_policy_in_the_header() -> None:
+    """The engine reads exactly versions MIN..MAX, and the writer writes one of them."""
+    text = (CORE / "include" / "colibri_format.h").read_text()
+    assert f"#define COLIBRI_FORMAT_VERSION_MIN {F.MIN_READ_VERSION}u" in text
+    assert f"#define COLIBRI_FORMAT_VERSION_MAX {F.MAX_READ_VERSION}u" in text
+    assert F.MIN_READ_VERSION <= F.VERSION <= F.MAX_READ_VERSION
+    assert F.Status.UNSUPPORTED_VERSION != F.Status.BAD_VERSION
+
+
+@pytest.mark.parametrize("version,status", [
+    (F.MAX_READ_VERSION + 1, F.Status.UNSUPPORTED_VERSION),  # the next format: a newer engine reads it
+    (0x1234, F.Status.UNSUPPORTED_VERSION),
+    (0, F.Status.BAD_VERSION),  # never a version
+    (0xFFFF, F.Status.BAD_VERSION),  # erased flash
+])
+def test_newer_or_corrupt_version_c_and_python_agree(tiny_image: bytes, version: int, status: F.Status) -> None:
+    data = _with_version(tiny_image, version)
+    with pytest.raises(ImageError) as py:
+        image.read(data)
+    assert py.value.status == status
+    with pytest.raises(ImageError) as c:
+        colibri.validate(data)  # the C engine through the CPython binding
+    assert c.value.status == status
+    with pytest.raises(ImageError) as init:
+        colibri.Model(data)
+    assert init.value.status == status
+    if status == F.Status.UNSUPPORTED_VERSION:
+        want = f"image format version {version} is newer than this engine reads " \
+               f"({F.MIN_READ_VERSION}..{F.MAX_READ_VERSION})"
+        assert want in str(py.value)
+
+
+def test_every_readable_version_is_read(tiny_image: bytes) -> None:
+    for version in range(F.MIN_READ_VERSION, F.MAX_READ_VERSION + 1):
+        data = _with_version(tiny_image, version)
+        image.read(data)
+        colibri.validate(data)

@@ -457,6 +457,21 @@ def resized_under_the_model():
     buf.extend(bytes(100000))  # the bytes move; the model must notice, not read freed memory
     moved.forward(f32(I), f32(O))
 
+
+def array_resized_under_the_model():
+    arr = array("B", data)
+    moved = colibri.Model(arr)
+    arr.extend(bytes(100000))
+    moved.forward(f32(I), f32(O))
+
+
+def view_base_resized_under_the_model():
+    # a memoryview keeps the old address, not its bytearray: the resize cannot be seen through it
+    buf = bytearray(data)
+    moved = colibri.Model(memoryview(buf))
+    buf.extend(bytes(100000))
+    moved.forward(f32(I), f32(O))
+
 CASES = (
     ("model_int", lambda: colibri.Model(123)),
     ("model_none", lambda: colibri.Model(None)),
@@ -488,6 +503,10 @@ CASES = (
     ("function_none_model", lambda: colibri.forward(None, f32(I), f32(O))),
     ("function_batch_too_big", lambda: colibri.forward(m, f32(I * (B + 1)), f32(O * (B + 1)))),
     ("forward_image_resized", resized_under_the_model),
+    ("forward_array_image_resized", array_resized_under_the_model),
+    ("forward_view_base_resized", view_base_resized_under_the_model),
+    ("model_view_of_array", lambda: colibri.Model(memoryview(array("B", data)))),
+    ("model_view_slice_of_bytearray", lambda: colibri.Model(memoryview(bytearray(data))[0:len(data)])),
 )
 for name, call in CASES:
     try:
@@ -538,6 +557,11 @@ BAD_CALLS: dict[str, tuple[str, Status | None]] = {
     "function_none_model": ("TypeError", None),
     "function_batch_too_big": ("ValueError", Status.BAD_BATCH),
     "forward_image_resized": ("ValueError", None),
+    "forward_array_image_resized": ("ValueError", None),
+    # a writable view cannot be guarded (it does not know its base object): refused at construction
+    "forward_view_base_resized": ("TypeError", None),
+    "model_view_of_array": ("TypeError", None),
+    "model_view_slice_of_bytearray": ("TypeError", None),
 }
 
 

@@ -115,3 +115,123 @@ def test_flash_image_refusals(model_file: Path, tmp_path: Path) -> None:
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "slot B of nucleo_h743zi at 0x08180000" in r.stdout
+
+
+# --------------------------------------------------------------------------- format versions
+
+
+def with_version(data: bytes, version: int) -> bytes:
+    b = bytearray(data)
+    b[4:6] = version.to_bytes(2, "little")  # outside the CRC: the image stays intact otherwise
+    return bytes(b)
+
+
+def fake_firmware(path: Path, formats: tuple[int, int] | None) -> Path:
+    """A firmware file carrying runner.c's format record (or none, as every runner before it)."""
+    from colibri.pack import FORMATS_RECORD, FORMATS_TAG
+
+    record = FORMATS_RECORD.pack(FORMATS_TAG, *formats) if formats else b""
+    path.write_bytes(b"\x00" * 256 + record + b"\xff" * 64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runner_elf() -> Path:
+    from conftest import ROOT, make
+
+    r = make("-C", str(ROOT / "firmware" / "runner"), "BOARD=nucleo_h743zi")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return ROOT / "firmware" / "runner" / "build" / "nucleo_h743zi" / "runner.elf"
+
+
+def test_firmware_formats_from_elf_bin_and_hex(runner_elf: Path, tmp_path: Path) -> None:
+    """The runner carries the versions its engine reads; found in each file kind a programmer takes."""
+    from colibri import format as F
+    from colibri.pack import firmware_formats
+
+    want = (F.MIN_READ_VERSION, F.MAX_READ_VERSION)
+    assert firmware_formats(runner_elf) == want
+    assert firmware_formats(runner_elf.with_suffix(".bin")) == want
+    hex_path = tmp_path / "runner.hex"
+    subprocess.run(["arm-none-eabi-objcopy", "-O", "ihex", str(runner_elf), str(hex_path)], check=True)
+    assert firmware_formats(hex_path) == want
+    assert firmware_formats(fake_firmware(tmp_path / "new.bin", (2, 5))) == (2, 5)
+    assert firmware_formats(fake_firmware(tmp_path / "old.bin", None)) == (1, 1)  # before the record: format 1
+
+
+def test_flash_image_refuses_a_version_the_firmware_does_not_read(model_file: Path, tmp_path: Path,
+                                                                  runner_elf: Path, monkeypatch) -> None:
+    from colibri import format as F
+    from colibri.errors import ImageError
+    from colibri.pack import flash_image
+
+    data = model_file.read_bytes()
+    newer = with_version(data, F.MAX_READ_VERSION + 1)
+    with pytest.raises(ImageError) as exc:  # newer than the engine packaged with this colibri
+        flash_image(newer, tmp_path / "a")
+    assert exc.value.status == F.Status.UNSUPPORTED_VERSION and not (tmp_path / "a.bin").exists()
+    # A colibri that reads the next version too, packing for a runner that does not: the firmware decides.
+    monkeypatch.setattr(F, "MAX_READ_VERSION", F.MAX_READ_VERSION + 1)
+    flash_image(newer, tmp_path / "ok")  # no firmware named: this colibri's engine is the target
+    with pytest.raises(ImageError) as exc:
+        flash_image(newer, tmp_path / "b", firmware=runner_elf)
+    assert exc.value.status == F.Status.UNSUPPORTED_VERSION and not (tmp_path / "b.bin").exists()
+    assert f"is newer than firmware runner.elf reads (1..{F.MAX_READ_VERSION - 1})" in str(exc.value)
+    flash_image(newer, tmp_path / "c", firmware=fake_firmware(tmp_path / "fw.bin", (1, F.MAX_READ_VERSION)))
+    assert (tmp_path / "c.bin").exists()
+
+
+def test_cli_pack_and_probe_refuse_versions(model_file: Path, tmp_path: Path) -> None:
+    """`pack --flash-image` and `flash --probe` make the check the runner makes over serial, before
+    anything is written: for this colibri's engine, or for the firmware named with --firmware."""
+    import os
+
+    from colibri import format as F
+
+    from test_slots import FAKE_PYOCD
+
+    newer = tmp_path / "newer.clb"
+    newer.write_bytes(with_version(model_file.read_bytes(), F.MAX_READ_VERSION + 1))
+    future_fw = fake_firmware(tmp_path / "future.bin", (F.MAX_READ_VERSION + 1, F.MAX_READ_VERSION + 1))
+    bin_dir, log = tmp_path / "bin", tmp_path / "pyocd.log"
+    bin_dir.mkdir()
+    (bin_dir / "pyocd").write_text(FAKE_PYOCD.format(log=log, fail=""))
+    (bin_dir / "pyocd").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    # a slot .hex written before (as a factory would keep it), then made newer
+    good_hex = tmp_path / "slot"
+    r = subprocess.run([COLIBRI, "pack", str(model_file), "--flash-image", str(good_hex)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from intelhex import IntelHex
+
+    ih = IntelHex(str(good_hex.with_suffix(".hex")))
+    from colibri import slots
+
+    raw = ih.tobinstr(start=ih.minaddr(), end=ih.maxaddr())
+    newer_slot = slots.slot_image(with_version(raw[slots.SLOT_HEADER_SIZE:], F.MAX_READ_VERSION + 1), 3)
+    newer_hex = tmp_path / "newer-slot.hex"
+    out = IntelHex()
+    out.frombytes(newer_slot, offset=ih.minaddr())
+    out.write_hex_file(str(newer_hex))
+    newer_bin = tmp_path / "newer-slot.bin"
+    newer_bin.write_bytes(newer_slot)
+
+    cases = [
+        (["pack", str(newer), "--flash-image", str(tmp_path / "x")], "newer than this engine reads"),
+        (["pack", str(model_file), "--flash-image", str(tmp_path / "y"), "--firmware", str(future_fw)],
+         f"is older than firmware future.bin reads ({F.MAX_READ_VERSION + 1}..{F.MAX_READ_VERSION + 1})"),
+        (["flash", str(newer), "--probe"], "newer than this engine reads"),
+        (["flash", str(newer_bin), "--probe"], "newer than this engine reads"),
+        (["flash", str(newer_hex), "--probe"], "newer than this engine reads"),
+        (["flash", str(model_file), "--probe", "--firmware", str(future_fw)], "is older than firmware future.bin"),
+    ]
+    for args, message in cases:
+        r = subprocess.run([COLIBRI, *args], capture_output=True, text=True, env=env)
+        assert r.returncode == 1 and message in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+        assert str(F.Status.UNSUPPORTED_VERSION.value) in r.stderr or "format version" in r.stderr
+    assert not log.exists(), "pyocd ran for an image the firmware cannot read"
+    assert not (tmp_path / "x.bin").exists() and not (tmp_path / "y.bin").exists()
+    # the same slot .hex unchanged goes through
+    r = subprocess.run([COLIBRI, "flash", str(good_hex.with_suffix(".hex")), "--probe"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr

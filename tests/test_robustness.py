@@ -158,6 +158,8 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
         "wrong crc": (lambda b: b[:8] + bytes([b[8] ^ 1]) + b[9:])(small_image),
         "bad magic": b"CLBX" + small_image[4:],
         "version 2": _patched(small_image, 4, "<H", 2),
+        "version 0": _patched(small_image, 4, "<H", 0),
+        "version erased": _patched(small_image, 4, "<H", 0xFFFF),
         "image_size past end": _patched(small_image, 12, "<I", len(small_image) + 4),
         "absurd tensor count": _patched(small_image, 32, "<I", 0x7FFFFFFF),
         "absurd layer count": _patched(small_image, 40, "<I", 0xFFFFFFFF),
@@ -179,7 +181,8 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
         "image_size covers padding": bytes(big),
     }
     expected = {
-        "wrong crc": Status.BAD_CRC, "bad magic": Status.BAD_MAGIC, "version 2": Status.BAD_VERSION,
+        "wrong crc": Status.BAD_CRC, "bad magic": Status.BAD_MAGIC, "version 2": Status.UNSUPPORTED_VERSION,
+        "version 0": Status.BAD_VERSION, "version erased": Status.BAD_VERSION,
         "image_size past end": Status.TRUNCATED, "absurd tensor count": Status.TABLE_BOUNDS,
         "absurd layer count": Status.TABLE_BOUNDS, "tensor table past end": Status.TABLE_BOUNDS,
         "tensor offset past end": Status.TENSOR_BOUNDS, "tensor nbytes past end": Status.TENSOR_BOUNDS,

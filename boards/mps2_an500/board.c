@@ -155,6 +155,11 @@ __attribute__((noipa, noinline)) uint64_t board_work_stop(void)
 {
     uint32_t isr_runs;
     const uint64_t ticks = systick_ticks(&isr_runs);
+    /* Off until the next start: a wrap interrupt outside the measured region
+     * lands wherever host timing put the UART polling, so the painted-stack
+     * high-water would vary run to run by where its frame was pushed. */
+    SYST_CSR = 0u;
+    SCB_ICSR = ICSR_PENDSTCLR;
     /* instructions = ticks x 40 ns / 2^shift ns, rounded to nearest: the
      * rounding error of a tick count is under one tick, 40 / 128 of an
      * instruction at shift 7, so the count is exact. */

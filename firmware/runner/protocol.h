@@ -1,11 +1,11 @@
 /*
- * The runner wire protocol, version 1 (docs/protocol.md): packet layout,
+ * The runner wire protocol, version 2 (docs/protocol.md): packet layout,
  * request types and STATUS codes.
  */
 #ifndef RUNNER_PROTOCOL_H
 #define RUNNER_PROTOCOL_H
 
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u /* 2: HELLO reports the model image format versions read */
 #define PROTO_MAX_PAYLOAD 4096u
 #define PROTO_HEADER_SIZE 8u  /* u8 type, u8 flags, u16 seq, u32 length */
 #define PROTO_CRC_SIZE 4u     /* CRC-32 (zlib) of header + payload */

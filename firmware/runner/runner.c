@@ -54,6 +54,20 @@
 static const char build_flags[] = RUNNER_BUILD_FLAGS " gcc=" STR(__GNUC__) "." STR(__GNUC_MINOR__) "." STR(
     __GNUC_PATCHLEVEL__) RUNNER_ICOUNT_FLAG;
 
+/* The model image format versions this firmware's engine reads: in HELLO, and
+ * findable by the host in the firmware file (ELF, .bin or .hex) by its tag, so
+ * `colibri pack --firmware` and `colibri flash --probe` can refuse an image
+ * this firmware would not run before anything is written. The volatile read
+ * in HELLO keeps it through --gc-sections. */
+typedef struct runner_formats {
+    char tag[8];          /* "CLBRFMTS" */
+    uint16_t min_version; /* COLIBRI_FORMAT_VERSION_MIN */
+    uint16_t max_version; /* COLIBRI_FORMAT_VERSION_MAX */
+} runner_formats;
+
+const runner_formats colibri_runner_formats = {
+    {'C', 'L', 'B', 'R', 'F', 'M', 'T', 'S'}, COLIBRI_FORMAT_VERSION_MIN, COLIBRI_FORMAT_VERSION_MAX};
+
 /* Largest packet the runner accepts into its receive buffer. A little slack
  * beyond MAX_PAYLOAD lets a slightly oversized request still be decoded and
  * refused with its own seq (BAD_PAYLOAD); anything longer is FRAME_TOO_LONG. */
@@ -309,6 +323,9 @@ static void handle_hello(uint16_t seq, uint32_t len)
     p = put_u32(p, (uint32_t)RUNNER_MODEL_CAPACITY);
     p = put_u32(p, (uint32_t)RUNNER_ARENA_CAPACITY);
     *p++ = (uint8_t)board_work_kind();
+    const volatile runner_formats *formats = &colibri_runner_formats;
+    p = put_u16(p, formats->min_version);
+    p = put_u16(p, formats->max_version);
     const char *strings[3] = {board_name(), colibri_version(), build_flags};
     for (size_t i = 0; i < 3u; i++) {
         const size_t n = strlen(strings[i]);

@@ -627,8 +627,11 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
 @click.option("--slot", type=click.Choice(["A", "B"], case_sensitive=False), default="A", show_default=True,
               help="--flash-image: the model slot (A or B, either case).")
 @click.option("--sequence", default=1, show_default=True, help="Slot sequence number (the highest valid boots).")
+@click.option("--firmware", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="--flash-image: the runner firmware (.elf/.bin/.hex) the slot is for; refuse an image format "
+                   "version it does not read (default: the engine packaged with this colibri).")
 def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path | None, board: str, slot: str,
-         sequence: int) -> None:
+         sequence: int, firmware: Path | None) -> None:
     """Pack MODEL for firmware: a C array to link in, and/or a flash slot image (.bin + Intel HEX)."""
     from . import pack as packing
 
@@ -642,7 +645,7 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
         packed = packing.c_array(data, c_array_dir, name=name)
         click.echo(f"wrote {packed.source} and {packed.header}")
     if flash_stem is not None:
-        fi = packing.flash_image(data, flash_stem, board=board, slot=slot, sequence=sequence)
+        fi = packing.flash_image(data, flash_stem, board=board, slot=slot, sequence=sequence, firmware=firmware)
         click.echo(f"wrote {fi.bin} and {fi.hex}: slot {slot.upper()} of {board} at 0x{fi.address:08x}, {fi.size:,} B")
 
 
@@ -717,6 +720,9 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
 
     def update(dev: Device) -> str:
         hello = dev.hello()
+        from . import image as cimage
+
+        cimage.check_version(image, hello.formats, reader=f"the firmware on the {hello.board}")
         before = dev.slot_info()
         if len(image) > before.capacity:
             raise ColibriError(f"{model_path.name}: {len(image):,} bytes do not fit a {before.capacity:,}-byte slot "
@@ -748,6 +754,32 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
     click.echo(line)
 
 
+def _probe_check(image: bytes, firmware: Path | None) -> None:
+    """The checks the runner makes before it commits a slot over serial, made before the probe writes:
+    a valid image, of a format version the target firmware reads (--firmware, else this colibri's engine)."""
+    from . import image as cimage
+    from .pack import firmware_formats
+
+    if firmware is not None:
+        cimage.check_version(image, firmware_formats(firmware), reader=f"firmware {firmware.name}")
+    cimage.read(image)
+
+
+def _probe_hex_image(path: Path, layout, firmware: Path | None) -> None:
+    """A slot .hex (colibri pack --flash-image) at one of the board's slots, holding an image that passes
+    _probe_check."""
+    from intelhex import IntelHex
+
+    ih = IntelHex(str(path))
+    start = ih.minaddr()
+    if start not in (layout.address("A"), layout.address("B")):
+        raise ColibriError(f"{path.name}: starts at 0x{start:08x}, not at a model slot of the board")
+    image, seq = _slot_payload(ih.tobinstr(start=start, end=ih.maxaddr()))
+    if seq is None:
+        raise ColibriError(f"{path.name}: no slot header at 0x{start:08x} (write it with colibri pack --flash-image)")
+    _probe_check(image, firmware)
+
+
 def _flash_with_probe(model_path: Path, data: bytes, firmware: Path | None, target: str, board: str, slot: str,
                       sequence: int) -> None:
     """Factory programming through an SWD probe: a thin wrapper around the `pyocd` command."""
@@ -757,28 +789,26 @@ def _flash_with_probe(model_path: Path, data: bytes, firmware: Path | None, targ
 
     from .slots import LAYOUTS, slot_image
 
-    pyocd = shutil.which("pyocd")
-    if pyocd is None:
-        raise ColibriError("--probe needs pyOCD, which is not installed (pip install pyocd; "
-                           f"then pyocd pack install {target})")
     layout = LAYOUTS[board]
     address = layout.address(slot)
     other = layout.address("B" if slot == "A" else "A")
     steps: list[tuple[str, list[str]]] = []
     with tempfile.TemporaryDirectory(prefix="colibri-probe-") as tmp:
         if model_path.suffix.lower() == ".hex":
+            _probe_hex_image(model_path, layout, firmware)
             slot_file, what = model_path, f"{model_path.name} (Intel HEX, at its own addresses)"
         else:
             image, seq = _slot_payload(data)
-            if seq is None:
-                from . import image as cimage
-
-                cimage.read(image)  # a model image, or a clear error
+            _probe_check(image, firmware)
             if len(image) > layout.capacity:
                 raise ColibriError(f"{model_path.name}: {len(image):,} bytes do not fit a {layout.capacity:,}-byte slot")
             slot_file = Path(tmp) / "slot.bin"
             slot_file.write_bytes(slot_image(image, seq if seq is not None else sequence))
             what = f"slot {slot} at 0x{address:08x} ({len(image):,}-byte model, sequence {seq or sequence})"
+        pyocd = shutil.which("pyocd")
+        if pyocd is None:
+            raise ColibriError("--probe needs pyOCD, which is not installed (pip install pyocd; "
+                               f"then pyocd pack install {target})")
         base = [pyocd]
         connect = ["-t", target, "-W"]  # -W: fail at once when no probe is connected instead of waiting
         # The other slot's header sector first: a valid older slot there with a higher sequence would win.

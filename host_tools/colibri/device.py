@@ -44,6 +44,7 @@ class Hello:
     board: str
     engine_version: str
     build_flags: str
+    formats: tuple[int, int]  # (min, max) model image format versions the firmware's engine reads
 
 
 @dataclass
@@ -200,9 +201,16 @@ class Device:
     def hello(self) -> Hello:
         p = self.request(P.Type.HELLO)
         version, max_payload, model_cap, arena_cap, kind = struct.unpack_from("<HHIIB", p)
-        strings = p[struct.calcsize("<HHIIB") :].split(b"\x00")
+        rest = p[struct.calcsize("<HHIIB") :]
+        if version >= 2:
+            formats = struct.unpack_from("<HH", rest)
+            rest = rest[4:]
+        else:
+            formats = (1, 1)  # every protocol-1 runner read format 1 alone
+        strings = rest.split(b"\x00")
         board, engine, flags = (s.decode() for s in (strings + [b"", b"", b""])[:3])
-        return Hello(version, max_payload, model_cap, arena_cap, P.WorkKind(kind), board, engine, flags)
+        return Hello(version, max_payload, model_cap, arena_cap, P.WorkKind(kind), board, engine, flags,
+                     tuple(formats))
 
     def load(self, image: bytes, *, progress: bool = False) -> DeviceInfo:
         """Streams a model image into the device's RAM, checks its CRC there and initialises the engine."""

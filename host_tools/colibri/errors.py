@@ -59,7 +59,7 @@ class ExportCheckError(ExportError):
 
 
 _IMAGE = {
-    Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
+    Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.UNSUPPORTED_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
     Status.TABLE_BOUNDS, Status.TENSOR_BOUNDS, Status.BAD_TENSOR, Status.BAD_REF,
     Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN,
 }

@@ -9,7 +9,13 @@ import enum
 import struct
 
 MAGIC = 0x52424C43  # b"CLBR" little-endian
-VERSION = 1
+VERSION = 1  # the version this writer produces
+# The versions this engine and this reader accept (docs/model-format.md "Compatibility").
+# A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
+# versions and stay BAD_VERSION, as a corrupt field.
+MIN_READ_VERSION = 1
+MAX_READ_VERSION = 1
+INVALID_VERSIONS = (0, 0xFFFF)
 NONE = 0xFFFFFFFF  # absent tensor reference
 PAYLOAD_ALIGN = 32
 PAGE_SIZE = 4096
@@ -115,6 +121,7 @@ class Status(enum.IntEnum):
     BAD_CONTEXT = -19
     BAD_QUANT = -20
     BAD_COMPENSATION = -21
+    UNSUPPORTED_VERSION = -22
 
 
 STATUS_TEXT = {
@@ -122,7 +129,7 @@ STATUS_TEXT = {
     Status.NULL_ARG: "a required pointer argument is NULL",
     Status.TRUNCATED: "image is truncated: buffer shorter than the header or image_size",
     Status.BAD_MAGIC: "not a Colibri model image (bad magic)",
-    Status.BAD_VERSION: "unsupported model image version",
+    Status.BAD_VERSION: "invalid model image version field (0 or 0xFFFF: corrupt or erased)",
     Status.BAD_HEADER: "invalid model image header field",
     Status.BAD_CRC: "model image CRC-32 mismatch (corrupted image)",
     Status.TABLE_BOUNDS: "a table lies outside the image or is misaligned",
@@ -140,6 +147,7 @@ STATUS_TEXT = {
     Status.BAD_CONTEXT: "context is not initialised or was freed",
     Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
+    Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}
@@ -154,6 +162,8 @@ def c_header() -> str:
         "",
         f"#define COLIBRI_MAGIC 0x{MAGIC:08X}u",
         f"#define COLIBRI_FORMAT_VERSION {VERSION}u",
+        f"#define COLIBRI_FORMAT_VERSION_MIN {MIN_READ_VERSION}u",
+        f"#define COLIBRI_FORMAT_VERSION_MAX {MAX_READ_VERSION}u",
         f"#define COLIBRI_NONE 0x{NONE:08X}u",
         f"#define COLIBRI_PAYLOAD_ALIGN {PAYLOAD_ALIGN}u",
         f"#define COLIBRI_PAGE_SIZE {PAGE_SIZE}u",

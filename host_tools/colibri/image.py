@@ -190,6 +190,23 @@ def set_crc(buf: bytearray) -> None:
 # Reader
 
 
+def version_text(version: int, accepted: tuple[int, int] = (F.MIN_READ_VERSION, F.MAX_READ_VERSION),
+                 reader: str = "this engine") -> str:
+    """Why an image of `version` cannot run on a reader of the `accepted` (min, max) versions."""
+    lo, hi = accepted
+    age = "newer" if version > hi else "older"
+    return f"image format version {version} is {age} than {reader} reads ({lo}..{hi})"
+
+
+def check_version(data: bytes | bytearray | memoryview, accepted: tuple[int, int], reader: str) -> None:
+    """Raises ImageError(UNSUPPORTED_VERSION) when a firmware reading the `accepted` (min, max) format
+    versions would refuse `data` for its version; anything else wrong is left to `read`."""
+    if len(data) >= 6 and bytes(data[:4]) == F.MAGIC.to_bytes(4, "little"):
+        version = int.from_bytes(bytes(data[4:6]), "little")
+        if version not in F.INVALID_VERSIONS and not accepted[0] <= version <= accepted[1]:
+            _fail(Status.UNSUPPORTED_VERSION, version_text(version, accepted, reader))
+
+
 def _fail(status: Status, detail: str) -> None:
     raise error_for(status, detail)
 
@@ -206,8 +223,10 @@ class _Reader:
         (magic, version, header_size, crc, size, flags, n_in, n_out, max_batch, *_) = h
         if magic != F.MAGIC:
             _fail(Status.BAD_MAGIC, f"magic 0x{magic:08x}")
-        if version != F.VERSION:
-            _fail(Status.BAD_VERSION, f"version {version}, this reader knows {F.VERSION}")
+        if version in F.INVALID_VERSIONS:
+            _fail(Status.BAD_VERSION, f"version field 0x{version:04x}")
+        if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
+            _fail(Status.UNSUPPORTED_VERSION, version_text(version))
         if header_size != F.HEADER_SIZE:
             _fail(Status.BAD_HEADER, f"header_size {header_size}")
         if size < F.HEADER_SIZE:

@@ -6,6 +6,9 @@ script can place it, e.g. in XIP flash) and the sizes a firmware needs as
 `#define`s. `flash_image(image, stem, board=...)` writes the bytes of one A/B
 model slot (slot header + image, colibri.slots) as a raw .bin and as Intel
 HEX at the slot's flash address, for a probe or a factory programmer.
+
+`firmware_formats(path)` reads which model image format versions a runner
+firmware reads, so a slot is never written for firmware that would refuse it.
 """
 from __future__ import annotations
 
@@ -13,11 +16,50 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import struct
+
+from elftools.elf.elffile import ELFFile
 from intelhex import IntelHex
 
 from . import engine, image, slots
 
 ALIGN = 32  # the image's payloads are 32-byte aligned relative to its start
+
+# runner.c's colibri_runner_formats: an 8-byte tag, then u16 min and max format version.
+FORMATS_SYMBOL = "colibri_runner_formats"
+FORMATS_TAG = b"CLBRFMTS"
+FORMATS_RECORD = struct.Struct("<8sHH")
+
+
+def firmware_formats(path: str | Path) -> tuple[int, int]:
+    """(min, max) model image format versions the runner firmware at `path` (.elf, .bin or .hex) reads.
+
+    From the record the runner carries: through its symbol in an ELF with symbols, else by its tag in
+    the bytes. A firmware without the record predates it, and every such runner read version 1 alone."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw[:4] == b"\x7fELF":
+        with open(path, "rb") as fh:
+            elf = ELFFile(fh)
+            symtab = elf.get_section_by_name(".symtab")
+            found = symtab.get_symbol_by_name(FORMATS_SYMBOL) if symtab is not None else None
+            if found:
+                addr = found[0]["st_value"]
+                for seg in elf.iter_segments():
+                    start = seg["p_vaddr"]
+                    if seg["p_type"] == "PT_LOAD" and start <= addr and addr + FORMATS_RECORD.size <= start + seg["p_filesz"]:
+                        tag, lo, hi = FORMATS_RECORD.unpack_from(seg.data(), addr - start)
+                        if tag != FORMATS_TAG:
+                            raise ValueError(f"{path.name}: {FORMATS_SYMBOL} does not hold the format record")
+                        return lo, hi
+                raise ValueError(f"{path.name}: {FORMATS_SYMBOL} is not in a loadable segment")
+    elif path.suffix.lower() == ".hex":
+        raw = IntelHex(str(path)).tobinstr()
+    records = {FORMATS_RECORD.unpack_from(raw, m.start())[1:] for m in re.finditer(re.escape(FORMATS_TAG), raw)
+               if m.start() + FORMATS_RECORD.size <= len(raw)}
+    if len(records) > 1:
+        raise ValueError(f"{path.name}: several format records disagree: {sorted(records)}")
+    return records.pop() if records else (1, 1)
 
 
 @dataclass
@@ -95,12 +137,17 @@ class FlashImage:
 
 
 def flash_image(data: bytes, stem: str | Path, *, board: str = "nucleo_h743zi", slot: str = "a",
-                sequence: int = 1) -> FlashImage:
-    """Writes `<stem>.bin` and `<stem>.hex`: a committed slot holding `data`, at the board's slot address."""
+                sequence: int = 1, firmware: str | Path | None = None) -> FlashImage:
+    """Writes `<stem>.bin` and `<stem>.hex`: a committed slot holding `data`, at the board's slot address.
+
+    The image must be one the target firmware reads: `firmware` (its .elf, .bin or .hex) says which
+    format versions; without it, the engine packaged with this colibri is the target."""
     if board not in slots.LAYOUTS:
         raise ValueError(f"unknown board {board!r}: one of {', '.join(slots.LAYOUTS)}")
     if slot.lower() not in ("a", "b"):
         raise ValueError(f"slot must be a or b, not {slot!r}")
+    if firmware is not None:
+        image.check_version(data, firmware_formats(firmware), reader=f"firmware {Path(firmware).name}")
     image.read(data)  # validates before anything is written
     layout = slots.LAYOUTS[board]
     if len(data) > layout.capacity:

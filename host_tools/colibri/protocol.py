@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cobs import cobs
 
-VERSION = 1
+VERSION = 2  # 2: HELLO reports the model image format versions the engine reads
 MAX_PAYLOAD = 4096
 HEADER = struct.Struct("<BBHI")  # type, flags, seq, length
 CRC = struct.Struct("<I")

@@ -4,6 +4,8 @@
 
 #define COLIBRI_MAGIC 0x52424C43u
 #define COLIBRI_FORMAT_VERSION 1u
+#define COLIBRI_FORMAT_VERSION_MIN 1u
+#define COLIBRI_FORMAT_VERSION_MAX 1u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -63,7 +65,7 @@ typedef enum colibri_status {
     COLIBRI_E_NULL_ARG = -1, /* a required pointer argument is NULL */
     COLIBRI_E_TRUNCATED = -2, /* image is truncated: buffer shorter than the header or image_size */
     COLIBRI_E_BAD_MAGIC = -3, /* not a Colibri model image (bad magic) */
-    COLIBRI_E_BAD_VERSION = -4, /* unsupported model image version */
+    COLIBRI_E_BAD_VERSION = -4, /* invalid model image version field (0 or 0xFFFF: corrupt or erased) */
     COLIBRI_E_BAD_HEADER = -5, /* invalid model image header field */
     COLIBRI_E_BAD_CRC = -6, /* model image CRC-32 mismatch (corrupted image) */
     COLIBRI_E_TABLE_BOUNDS = -7, /* a table lies outside the image or is misaligned */
@@ -81,6 +83,7 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_CONTEXT = -19, /* context is not initialised or was freed */
     COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, scale count, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
+    COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -89,7 +92,7 @@ typedef enum colibri_status {
     X(-1, "a required pointer argument is NULL") \
     X(-2, "image is truncated: buffer shorter than the header or image_size") \
     X(-3, "not a Colibri model image (bad magic)") \
-    X(-4, "unsupported model image version") \
+    X(-4, "invalid model image version field (0 or 0xFFFF: corrupt or erased)") \
     X(-5, "invalid model image header field") \
     X(-6, "model image CRC-32 mismatch (corrupted image)") \
     X(-7, "a table lies outside the image or is misaligned") \
@@ -107,6 +110,7 @@ typedef enum colibri_status {
     X(-19, "context is not initialised or was freed") \
     X(-20, "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
+    X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

@@ -3,8 +3,9 @@
  * (docs/model-format.md "Validation order"), each failure with its own
  * status, the first failure reported, in this order:
  *
- *   1. header: TRUNCATED, BAD_MAGIC, BAD_VERSION, BAD_HEADER (header_size,
- *      image_size), TRUNCATED (image_size), BAD_CRC, then the header fields
+ *   1. header: TRUNCATED, BAD_MAGIC, BAD_VERSION (0, 0xFFFF),
+ *      UNSUPPORTED_VERSION, BAD_HEADER (header_size, image_size),
+ *      TRUNCATED (image_size), BAD_CRC, then the header fields
  *      the CRC covers (BAD_HEADER);
  *   2. the four tables' bounds (TABLE_BOUNDS);
  *   3. pass 1, every tensor record in index order: bounds (TENSOR_BOUNDS),
@@ -154,8 +155,12 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
 {
     if (h->magic != COLIBRI_MAGIC)
         return COLIBRI_E_BAD_MAGIC;
-    if (h->version != COLIBRI_FORMAT_VERSION)
+    /* 0 and erased flash are no version; anything else outside the range is an
+     * image this engine does not read (docs/model-format.md "Compatibility"). */
+    if (h->version == 0u || h->version == 0xFFFFu)
         return COLIBRI_E_BAD_VERSION;
+    if (h->version < COLIBRI_FORMAT_VERSION_MIN || h->version > COLIBRI_FORMAT_VERSION_MAX)
+        return COLIBRI_E_UNSUPPORTED_VERSION;
     if (h->header_size != COLIBRI_HEADER_SIZE || h->image_size < COLIBRI_HEADER_SIZE)
         return COLIBRI_E_BAD_HEADER;
     if (image_len < h->image_size)

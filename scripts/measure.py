@@ -1,0 +1,471 @@
+"""Every deterministic figure README.md quotes, measured from the code (`make measure`).
+
+    .venv/bin/python scripts/measure.py                  # measure, print the table, write build/measure.json
+    .venv/bin/python scripts/measure.py --write-readme   # ... and rewrite the figures in README.md in place
+    .venv/bin/python scripts/measure.py --check          # exit 1 where README.md disagrees (no rewrite)
+    .venv/bin/python scripts/measure.py --group quickstart,engine   # some groups only
+
+In README.md a measured figure is written `<!--m:KEY-->TEXT<!--/m-->`; the few
+inside code blocks (where a comment would show) are found by the patterns in
+CODE_FIGURES. Everything else in README.md that looks like a number must be
+matched by NOT_MEASURED, which says why it is not measured here: a design
+constant (with where it is defined), or a wall-clock timing (labelled as such
+in the README, with the script that produces it). tests/test_readme_figures.py
+runs the groups and fails on any disagreement or unaccounted number.
+
+The figures are deterministic on a given toolchain: byte sizes, parameter
+counts, instructions counted under QEMU `-icount` (identical run to run), the
+painted-stack high-water mark, the test count, and errors of seeded models
+(printed to 2-3 significant digits). The smart meter's trained figures reuse
+`make demo`'s cached training (build/smart_meter), or train as it does (one
+thread, seeded); training is reproducible on one machine and PyTorch build.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+OUT = ROOT / "build" / "measure.json"
+RUNNER = ROOT / "firmware" / "runner"
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples"), str(ROOT / "examples" / "smart_meter")]
+
+
+@dataclass
+class Figure:
+    key: str
+    text: str  # exactly as README.md shows it
+    what: str
+    value: float | int | None = None
+
+
+def fig(key: str, value, what: str, fmt: str = "{:,}") -> Figure:
+    return Figure(key, fmt.format(value), what, value)
+
+
+def pct(x: float, digits: int = 2) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def sci(x: float) -> str:
+    """2 significant digits, README style: 2.7e-4."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def group_tests() -> list[Figure]:
+    """The test count of `make test` (pytest's collection), and the sweep / power-cut counts in it."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                       capture_output=True, text=True)
+    ids = [line for line in r.stdout.splitlines() if "::" in line]
+    if r.returncode != 0 or not ids:
+        raise SystemExit(f"pytest --collect-only failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    sweeps = [i for i in ids if i.startswith("tests/test_equivalence.py::test_random_model_matches_pytorch[")]
+    cuts = [i for i in ids if i.startswith("tests/test_power_loss.py::test_power_cut[")]
+    return [fig("tests.total", len(ids), "pytest tests in make test"),
+            fig("tests.sweeps", len(sweeps), "random-model sweeps against PyTorch"),
+            fig("tests.power_cuts", len(cuts), "power cuts over erase, program and commit")]
+
+
+def group_engine() -> list[Figure]:
+    """The engine alone for Cortex-M7 (build/cm7/libcolibri.a, -O2, fpv5-d16): arm-none-eabi-size totals."""
+    from colibri.footprint import CORE, engine_footprint
+
+    engine_footprint()  # builds the library if needed
+    objs = sorted(str(p) for p in (CORE / "build" / "cm7" / "obj").glob("*.o"))
+    out = subprocess.run(["arm-none-eabi-size", "-t", *objs], capture_output=True, text=True, check=True).stdout
+    text, data, bss = (int(v) for v in out.strip().splitlines()[-1].split()[:3])
+    return [fig("engine.text", text, "engine code, Cortex-M7, text (code + read-only data)"),
+            fig("engine.data", data, "engine .data"), fig("engine.bss", bss, "engine .bss")]
+
+
+def runner_elf(board: str) -> Path:
+    """The runner for `board`, built if needed (under the lock colibri.pytest_plugin.build_runner takes,
+    so parallel test workers never build it at once; after `make firmware` this is a no-op)."""
+    import fcntl
+
+    with open(RUNNER / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = subprocess.run(["make", "-s", "-C", str(RUNNER), f"BOARD={board}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"building the runner for {board} failed:\n{r.stdout}{r.stderr}")
+    return RUNNER / "build" / board / "runner.elf"
+
+
+def group_runner() -> list[Figure]:
+    from colibri.footprint import elf_footprint
+
+    return [fig("runner.flash.mps2_an500", elf_footprint(runner_elf("mps2_an500")).flash,
+                "runner firmware flash, mps2-an500 (code, read-only data, .data initialisers)"),
+            fig("runner.flash.nucleo_h743zi", elf_footprint(runner_elf("nucleo_h743zi")).flash,
+                "runner firmware flash, NUCLEO-H743ZI")]
+
+
+def group_quickstart() -> list[Figure]:
+    """examples/quickstart.py's model: sizes on the host, and work, arena and stack on the emulated Cortex-M7."""
+    import numpy as np
+
+    import colibri
+    from colibri.exporter import export
+    from quickstart import build_model
+
+    model = build_model()
+    f32 = export(model, None, max_batch=16).image
+    q8 = export(model, None, max_batch=16, dtype="q8").image
+    m = colibri.Model(f32)
+    figures = [fig("quickstart.params", m.num_parameters, "quickstart model parameters"),
+               fig("quickstart.image.f32", m.image_size, "quickstart image bytes, f32"),
+               fig("quickstart.arena.host", m.arena_size, "quickstart arena bytes at max_batch 16, 64-bit host"),
+               fig("quickstart.arena.host.raw", m.arena_size, "the same, as MicroPython prints it (x64)", "{}")]
+    rng = np.random.default_rng(0)  # as `colibri hil` runs it: batch 1, then max_batch, standard normal
+    batches = [rng.standard_normal((b, m.input_size)).astype(np.float32) for b in (1, 16)]
+    for name, image in (("f32", f32), ("q8", q8)):
+        run = on_qemu(image, batches)
+        figures += [fig(f"quickstart.m7.{name}.batch1", run["work"][0],
+                        f"quickstart {name}: instructions per inference at batch 1 (QEMU -icount)"),
+                    fig(f"quickstart.m7.{name}.per_token16", run["work"][1] // 16,
+                        f"quickstart {name}: instructions per token at batch 16 (QEMU -icount)"),
+                    fig(f"quickstart.m7.{name}.stack", run["stack"], f"runner stack high-water, quickstart {name}")]
+        if name == "f32":
+            figures.append(fig("quickstart.m7.arena", run["arena"], "quickstart arena bytes on the Cortex-M7"))
+    return figures
+
+
+def group_quantisation() -> list[Figure]:
+    """Errors of quantised weights on the seeded models tests/test_quantize.py bounds, and image-size ratios."""
+    import numpy as np
+    import torch
+
+    import test_quantize as TQ
+    from colibri import image
+    from colibri import nn as cnn
+    from colibri.quantize import DEFAULT_COMPENSATION, quantize
+
+    torch.set_num_threads(1)
+    f16 = [TQ.rel_l2(g, quantize(g, "f16"), TQ.inputs(TQ.TOKENS, g.input_size, seed=1))
+           for g in (TQ.graph_of(make()) for make in TQ.F16_MODELS.values())]
+    q8 = [TQ.rel_l2(g, quantize(g, "q8"), TQ.inputs(TQ.TOKENS, g.input_size, seed=2))
+          for g in (TQ.graph_of(make()) for make in TQ.Q8_MODELS.values())]
+    heavy = {}
+    for kind in ("linear", "glu_expert"):
+        g = TQ.heavy_tailed_graph(kind)
+        x = TQ.inputs(TQ.TOKENS, g.input_size, seed=3)
+        without, with_e = (TQ.rel_l2(g, quantize(g, "q8", compensation=c), x) for c in (0.0, DEFAULT_COMPENSATION))
+        heavy[kind] = without / with_e
+    torch.manual_seed(5)  # test_image_size_ratios' model
+    g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
+    base = len(image.write(g))
+    ratio = {name: len(image.write(quantize(g, dtype, **kw))) / base
+             for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8_noE", "q8", {"compensation": 0.0}))}
+
+    trained = TQ.digits_classifier(seed=0)
+    q8g = quantize(trained.graph, "q8")
+    acc = {name: TQ.accuracy(TQ.reference.run(image.write(gr), trained.x_test), trained.y_test)
+           for name, gr in (("f32", trained.graph), ("q8", q8g))}
+    before, after = (TQ.expert_sets(gr, trained.x_test) for gr in (trained.graph, q8g))
+    agreement = float(np.mean([a == b for a, b in zip(before, after, strict=True)]))
+    return [
+        Figure("quant.f16.models", str(len(TQ.F16_MODELS)), "models of the f16 range", len(TQ.F16_MODELS)),
+        Figure("quant.f16.nn_models", str(len(TQ.NN_MODELS)), "of them colibri.nn models", len(TQ.NN_MODELS)),
+        Figure("quant.f16.min", sci(min(f16)), "f16 vs f32, end-to-end relative L2, lowest", min(f16)),
+        Figure("quant.f16.max", sci(max(f16)), "f16 vs f32, end-to-end relative L2, highest", max(f16)),
+        Figure("quant.q8.min", pct(min(q8)), "q8 vs f32 relative L2, tests/test_quantize.py Q8_MODELS, lowest", min(q8)),
+        Figure("quant.q8.max", pct(max(q8)), "q8 vs f32 relative L2, Q8_MODELS, highest", max(q8)),
+        Figure("quant.heavy.linear", f"{heavy['linear']:.1f}", "Student-t Linear: error without E / with E",
+               heavy["linear"]),
+        Figure("quant.heavy.glu", f"{heavy['glu_expert']:.1f}", "Student-t SwiGLU expert: error without E / with E",
+               heavy["glu_expert"]),
+        Figure("quant.ratio.f16", f"{ratio['f16']:.3f}", "image bytes / f32, weight-dominated model, f16", ratio["f16"]),
+        Figure("quant.ratio.q8", f"{ratio['q8']:.3f}", "image bytes / f32, q8 (E included)", ratio["q8"]),
+        Figure("quant.ratio.q8_noE", f"{ratio['q8_noE']:.3f}", "image bytes / f32, q8 without E", ratio["q8_noE"]),
+        Figure("digits.test_images", f"{len(trained.y_test)}", "digits held-out images", len(trained.y_test)),
+        Figure("digits.acc.f32", pct(acc["f32"]), "digits accuracy, f32", acc["f32"]),
+        Figure("digits.acc.q8", pct(acc["q8"]), "digits accuracy, q8", acc["q8"]),
+        Figure("digits.routing", pct(agreement, 1).replace("100.0%", "100%"), "digits routing agreement q8 vs f32", agreement),
+    ]
+
+
+RANDOM_SEEDS = 50  # the first of the sweep's 300 models (tests/test_equivalence.py), to keep the test short
+
+
+def group_random_q8() -> list[Figure]:
+    """q8 on the sweep's random models (tests/randmodels.py), untrained, many with 8-16 experts: q8 error
+    in a router flips tokens to another expert set and each flip moves a whole output row, so these are
+    no bound (the README says so); the figures show how far it goes."""
+    import numpy as np
+    import torch
+
+    import test_quantize as TQ
+    from colibri.quantize import quantize
+    from randmodels import random_model
+
+    torch.set_num_threads(1)
+    many = []
+    for seed in range(RANDOM_SEEDS):
+        module, _, max_batch = random_model(seed)
+        g = TQ.graph_of(module, max_batch)
+        if max(len(m.experts) for m in g.moe_layers()) < 8:
+            continue
+        with np.errstate(invalid="ignore"):
+            err = TQ.rel_l2(g, quantize(g, "q8"), TQ.inputs(TQ.TOKENS, g.input_size, seed=2))
+        if np.isfinite(err):  # a model whose f32 output is all zeros has no relative error
+            many.append(err)
+    return [
+        Figure("quant.q8.random.last", str(RANDOM_SEEDS - 1), "last sweep seed measured", RANDOM_SEEDS - 1),
+        Figure("quant.q8.random.many", str(len(many)), "of them with 8-16 experts in a MoE layer", len(many)),
+        Figure("quant.q8.random.median", pct(float(np.median(many)), 1), "q8 relative L2 on those, median",
+               float(np.median(many))),
+        Figure("quant.q8.random.max", pct(max(many), 1), "q8 relative L2 on those, highest", max(many)),
+    ]
+
+
+def group_smart_meter() -> list[Figure]:
+    """`make demo`'s figures: its trained models (cached in build/smart_meter, or trained as the demo does)."""
+    import numpy as np
+    import torch
+
+    import colibri
+    import demo
+    import forecaster as FC
+    from colibri import quantize as Q
+    from colibri.exporter import build_graph
+
+    torch.set_num_threads(1)
+    out = ROOT / "build" / "smart_meter"
+    out.mkdir(parents=True, exist_ok=True)
+    data = FC.dataset()
+    moe, dense = demo.trained_models(out, retrain=False)
+    with torch.no_grad():
+        moe_f32 = moe(torch.from_numpy(data.x_test)).numpy()
+        dense_f32 = dense(torch.from_numpy(data.x_test)).numpy()
+    graph, _ = build_graph(moe, max_batch=7)
+    image = colibri.image.write(Q.quantize(graph, "q8"))
+    # the demo's forecast on target: the held-out days in batches of 7, then one day at batch 1
+    n = len(data.x_test)
+    run = on_qemu(image, [data.x_test[i : i + 7] for i in range(0, n, 7)] + [data.x_test[:1]], into_slot=True)
+    prediction = np.concatenate(run["outputs"][:-1])
+    return [
+        fig("meter.test_days", n, "held-out days"),
+        fig("meter.mae.naive", FC.naive_mae(data), "seasonal naive MAE (MW)", "{:.0f}"),
+        fig("meter.weights.dense", FC.n_weights(dense), "dense MLP weights"),
+        fig("meter.mae.dense", FC.mae_mw(dense_f32, data), "dense MLP MAE (MW)", "{:.0f}"),
+        fig("meter.weights.moe", FC.n_weights(moe), "MoE weights"),
+        fig("meter.mae.moe", FC.mae_mw(moe_f32, data), "MoE f32 MAE (MW)", "{:.0f}"),
+        fig("meter.mae.target", FC.mae_mw(prediction, data), "MoE q8 on the emulated Cortex-M7, MAE (MW)", "{:.0f}"),
+        fig("meter.image", len(image), "smart meter q8 image bytes"),
+        fig("meter.arena", run["arena"], "smart meter arena on the Cortex-M7"),
+        fig("meter.batch1", run["work"][-1], "instructions per inference at batch 1 (QEMU -icount)"),
+        fig("meter.stack", run["stack"], "runner stack high-water, smart meter model"),
+    ]
+
+
+def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False) -> dict:
+    """Boots the mps2-an500 runner in QEMU, puts `image` on it over the emulated UART (into RAM as
+    `colibri hil` does, or into a flash slot as `colibri flash` and `make demo` do), forwards each input
+    batch, reads STATS: the stack high-water covers the upload too, as a firmware's stack must."""
+    import numpy as np
+
+    from colibri.device import Device
+    from colibri.qemu import Qemu
+
+    with Qemu(runner_elf("mps2_an500")) as q, Device(q.url) as dev:
+        if into_slot:
+            dev.update(image)
+        else:
+            dev.load(image)
+        info = dev.model_info()
+        work, outputs = [], []
+        for x in inputs:
+            y, w = dev.forward(np.asarray(x, dtype=np.float32))
+            work.append(w.count)
+            outputs.append(y)
+        stats = dev.stats()
+    return {"work": work, "arena": info.arena_size, "stack": stats.stack_used, "outputs": outputs}
+
+
+GROUPS: dict[str, Callable[[], list[Figure]]] = {
+    "tests": group_tests,
+    "engine": group_engine,
+    "runner": group_runner,
+    "quickstart": group_quickstart,
+    "quantisation": group_quantisation,
+    "random_q8": group_random_q8,
+    "smart_meter": group_smart_meter,
+}
+
+# Which group measures a key: the longest matching prefix.
+KEY_GROUPS = {
+    "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart",
+    "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
+}
+
+
+def group_of(key: str) -> str | None:
+    prefixes = [p for p in KEY_GROUPS if key.startswith(p)]
+    return KEY_GROUPS[max(prefixes, key=len)] if prefixes else None
+
+
+# --------------------------------------------------------------------------- README.md
+
+MARK = re.compile(r"<!--m:([\w.]+)-->(.*?)<!--/m-->")
+# Figures inside code blocks, where a marker would show: key -> pattern whose group 1 is the figure.
+CODE_FIGURES = {
+    "quickstart.arena.host.raw": re.compile(r"<colibri\.Model input_size=48 output_size=24 num_experts=4 "
+                                            r"max_batch=16 arena_size=(\d+)>"),
+}
+# Numbers in README.md that are not measured here, and why: (regular expression, reason). Every pattern
+# must match README.md's prose (outside code and markers), and every number there must lie inside a match.
+NOT_MEASURED: list[tuple[str, str]] = [
+    # design constants and facts, with where they are defined
+    (r"Debian 12", "the supported OS release"),
+    (r"GCC\s+12\.2\.1|QEMU 7\.2", "toolchain versions (Debian 12's packages)"),
+    (r"next 24\s+hours of electricity demand from the last 24 hours", "design: forecaster.HORIZON (48 half-hours)"),
+    (r"summer 2000", "the data set (pmdarima's taylor series)"),
+    (r"a 3-expert MoE", "design: forecaster.build_moe"),
+    (r"dual 16-bit MACs", "hardware: the Cortex-M7's SIMD multiply-accumulate"),
+    (r"1–2 MB of flash", "design: the target class (STM32H7-class parts)"),
+    (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quantize.DEFAULT_COMPENSATION"),
+    (r"exit status 1", "design: the CLI's failure status"),
+    (r"10,000 forwards", "design: the count tests/test_micropython.py runs"),
+    (r"32-byte header", "design constant: colibri.slots.SLOT_HEADER_SIZE"),
+    (r"CRC-32", "name of the checksum"),
+    (r"480 MHz", "design: the NUCLEO-H743ZI's clock tree (boards/nucleo_h743zi)"),
+    (r"max_batch 16|batch 1 and 16|at batch 1\b|at batch 16|batch-16", "the batch sizes a figure is for"),
+    (r"64-bit host", "the host word size the arena figure is for"),
+    (r"seeds 0–", "the first seed of the sweep"),
+    (r"8–16 experts", "design: tests/randmodels.py draws 1-16 experts"),
+    (r"0\.3-scaled", "design: branch_scale of Q8_MODELS in tests/test_quantize.py"),
+    (r"\(d 128, 8 experts × hidden 512\)", "design: the model of test_image_size_ratios"),
+    # wall-clock timings: labelled in the README, produced by the named script, not pinned
+    (r"about 10 s of wall clock", "timing: training in make demo (examples/smart_meter/demo.py)"),
+    (r"2 cores\), 2026-\d\d-\d\d", "the CI machine and the date of the timings"),
+    (r"\| `make test` \| under[^\n]*", "timing row: make test's wall clock"),
+    (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
+    (r"\| host speed, quickstart model[^\n]*", "timing row: bench/host_bench.py"),
+]
+
+
+def readme_figures(text: str) -> dict[str, list[str]]:
+    """Every figure README.md shows: key -> the texts (a key may appear more than once)."""
+    found: dict[str, list[str]] = {}
+    for m in MARK.finditer(text):
+        found.setdefault(m.group(1), []).append(m.group(2))
+    for key, pattern in CODE_FIGURES.items():
+        found.setdefault(key, []).extend(m.group(1) for m in pattern.finditer(text))
+    return found
+
+
+def rewrite(text: str, figures: dict[str, Figure]) -> str:
+    text = MARK.sub(lambda m: f"<!--m:{m.group(1)}-->{figures[m.group(1)].text}<!--/m-->"
+                    if m.group(1) in figures else m.group(0), text)
+    for key, pattern in CODE_FIGURES.items():
+        if key in figures:
+            text = pattern.sub(lambda m: m.group(0)[: m.start(1) - m.start(0)] + figures[key].text
+                               + m.group(0)[m.end(1) - m.start(0):], text)
+    return text
+
+
+def disagreements(text: str, figures: dict[str, Figure]) -> list[str]:
+    shown = readme_figures(text)
+    problems = []
+    for key, f in figures.items():
+        if key not in shown:
+            problems.append(f"{key}: measured {f.text!r} but README.md does not show it")
+        for t in shown.get(key, []):
+            if t != f.text:
+                problems.append(f"{key}: README.md says {t!r}, measured {f.text!r} ({f.what})")
+    return problems
+
+
+def unknown_keys(text: str, figures: dict[str, Figure], groups: list[str]) -> list[str]:
+    """Keys README.md shows that the groups measured should have given but did not (a typo, or a figure
+    the script lost)."""
+    return sorted(k for k in readme_figures(text) if group_of(k) in groups and k not in figures)
+
+
+def strip_code(text: str) -> str:
+    """README.md without code (fenced blocks, inline spans: commands and names, not figures), figure
+    markers with what they hold, and HTML comments."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = MARK.sub("", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    return re.sub(r"`[^`\n]+`", lambda m: re.sub(r"\d", "#", m.group(0)), text)
+
+
+# A number: digits with thousands commas or decimals, and an exponent; not part of a name (f32, x64, w1).
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?:e-?\d+)?")
+
+
+def unaccounted_numbers(text: str) -> list[str]:
+    """Numbers in README.md prose and tables that neither a marker nor NOT_MEASURED accounts for."""
+    prose = strip_code(text)
+    covered = [False] * len(prose)
+    for pattern, _ in NOT_MEASURED:
+        for m in re.finditer(pattern, prose):
+            covered[m.start() : m.end()] = [True] * (m.end() - m.start())
+    left = []
+    for m in NUMBER.finditer(prose):
+        if not all(covered[m.start() : m.end()]):
+            line = prose.count("\n", 0, m.start()) + 1
+            context = prose[max(0, m.start() - 30) : m.end() + 30].replace("\n", " ")
+            left.append(f"{m.group(0)!r} (prose line {line}: …{context}…)")
+    return left
+
+
+def unused_not_measured(text: str) -> list[str]:
+    prose = strip_code(text)
+    return [p for p, _ in NOT_MEASURED if not re.search(p, prose)]
+
+
+def measure(groups: list[str]) -> dict[str, Figure]:
+    figures: dict[str, Figure] = {}
+    for name in groups:
+        for f in GROUPS[name]():
+            figures[f.key] = f
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--group", default=",".join(GROUPS), help=f"comma-separated, of: {', '.join(GROUPS)}")
+    ap.add_argument("--json", type=Path, default=OUT, help="where to write the figures")
+    ap.add_argument("--write-readme", action="store_true", help="rewrite the figures in README.md in place")
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md disagrees with the measurement")
+    args = ap.parse_args()
+    groups = [g for g in args.group.split(",") if g]
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        ap.error(f"unknown group(s) {', '.join(sorted(unknown))}; groups: {', '.join(GROUPS)}")
+    figures = measure(groups)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({k: asdict(f) for k, f in figures.items()}, indent=1) + "\n")
+    width = max(len(k) for k in figures)
+    for f in figures.values():
+        print(f"{f.key:<{width}}  {f.text:>12}  {f.what}")
+    text = README.read_text()
+    if args.write_readme:
+        text = rewrite(text, figures)
+        README.write_text(text)
+        print(f"rewrote the figures in {README.relative_to(ROOT)}")
+    problems = disagreements(text, figures)
+    problems += [f"{k}: shown in README.md, measured by no group" for k in unknown_keys(text, figures, groups)]
+    problems += [f"unaccounted number {n}" for n in unaccounted_numbers(text)]
+    problems += [f"NOT_MEASURED pattern {p!r} matches nothing" for p in unused_not_measured(text)]
+    for p in problems:
+        print(f"README: {p}", file=sys.stderr)
+    if args.check and problems:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
