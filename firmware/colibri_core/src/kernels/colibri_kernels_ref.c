@@ -3,6 +3,7 @@
  * weights and the element-wise kernels; plain C loops, f32 accumulation.
  * Every optimised backend is tested against these.
  */
+#include <float.h>
 #include <math.h>
 
 #include "../colibri_kernels.h"
@@ -77,7 +78,7 @@ void colibri_activation_f32(float *x, size_t n, uint32_t kind)
         const float v = x[i];
         switch (kind) {
         case COLIBRI_ACT_RELU:
-            x[i] = v > 0.0f ? v : 0.0f;
+            x[i] = v < 0.0f ? 0.0f : v; /* NaN fails the test and stays NaN, as in PyTorch */
             break;
         case COLIBRI_ACT_GELU_ERF:
             x[i] = 0.5f * v * (1.0f + erff(v * inv_sqrt2));
@@ -123,7 +124,10 @@ void colibri_layernorm_f32(float *x, size_t rows, size_t n,
         for (size_t i = 0; i < n; i++)
             var += (x[i] - mean) * (x[i] - mean);
         var /= (float)n;
-        const float den = sqrtf(var + eps);
+        /* Statistics beyond f32 (an overflowed or non-finite variance) make
+         * the row NaN: x / inf would be a confident 0 (docs/model-format.md
+         * "Numerics: non-finite values"). NaN already fails the test. */
+        const float den = var <= FLT_MAX ? sqrtf(var + eps) : NAN;
         for (size_t i = 0; i < n; i++) {
             float v = (x[i] - mean) / den;
             if (gamma)
@@ -150,6 +154,9 @@ void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, fl
 
 void colibri_softmax_f32(float *x, size_t n)
 {
+    /* The maximum only keeps exp() in range: a NaN it passes over still
+     * makes its exp() and so the sum NaN, and every output with it; +inf
+     * is the maximum and inf - inf is NaN. Both as PyTorch. */
     float max = x[0], sum = 0.0f;
     for (size_t i = 1; i < n; i++)
         if (x[i] > max)
