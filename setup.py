@@ -16,7 +16,9 @@ setup(
             "colibri._engine",
             sources=["host_tools/colibri/_engine.c", *sources],
             include_dirs=[str(CORE / "include"), str(CORE / "src")],
-            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
+            # -ffp-contract=off -fno-math-errno: the engine's floating-point contract
+            # (firmware/colibri_core/Makefile), whatever CFLAGS Python was built with.
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno"],
         )
     ]
 )

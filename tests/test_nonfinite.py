@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -365,3 +366,62 @@ def test_subnormals_are_not_flushed() -> None:
     got, _, want = run_all("tanh", "f32", x)
     np.testing.assert_array_equal(got, want)
     assert math.isclose(float(got[0, 0]), 1e-40, rel_tol=1e-3)
+
+
+# --------------------------------------------------------------------------- the engine's own exp, erf, tanh
+
+SWEEP_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "colibri_math.h"
+
+/* |got - want| in units in the last place of the float nearest to want. */
+static double ulps(float got, double want)
+{
+    const float w = (float)want;
+    if (isnan(want) || isinf(w) || isinf(got))
+        return (isnan(got) && isnan(want)) || got == w ? 0.0 : INFINITY;
+    int e;
+    frexpf(w == 0.0f ? 0x1p-149f : w, &e);
+    return fabs((double)got - want) / ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
+}
+
+int main(int argc, char **argv)
+{
+    const uint64_t step = strtoull(argv[1], NULL, 10);
+    double worst[3] = {0, 0, 0};
+    for (uint64_t b = 0; b < (1ull << 32); b += step) {
+        const uint32_t bits = (uint32_t)b;
+        float x;
+        memcpy(&x, &bits, sizeof x);
+        const double e[3] = {ulps(colibri_expf(x), exp((double)x)), ulps(colibri_erff(x), erf((double)x)),
+                             ulps(colibri_tanhf(x), tanh((double)x))};
+        for (int i = 0; i < 3; i++)
+            worst[i] = e[i] > worst[i] ? e[i] : worst[i];
+    }
+    printf("%.6f %.6f %.6f\n", worst[0], worst[1], worst[2]);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("variant, bound", [("double", 0.5001), ("float-only", 1.6)])
+def test_engine_math_accuracy(tmp_path, variant: str, bound: float) -> None:
+    """colibri_expf/erff/tanhf over every 257th float (NaN, ±inf and subnormals included) against
+    glibc's double functions: correctly rounded where the FPU has double precision (host, Cortex-M7),
+    within 1.6 ulp in the float-only variant (single-precision FPUs)."""
+    import subprocess
+
+    src = tmp_path / "sweep.c"
+    src.write_text(SWEEP_C)
+    core = Path(__file__).resolve().parents[1] / "firmware" / "colibri_core" / "src"
+    flags = ["-DCOLIBRI_MATH_FLOAT_ONLY"] if variant == "float-only" else []
+    exe = tmp_path / "sweep"
+    subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-math-errno", *flags,
+                    f"-I{core}", str(src), "-lm", "-o", str(exe)], check=True)
+    worst = [float(v) for v in subprocess.run([str(exe), "257"], capture_output=True, text=True,
+                                              check=True, timeout=300).stdout.split()]
+    assert max(worst) <= bound, dict(zip(("exp", "erf", "tanh"), worst))

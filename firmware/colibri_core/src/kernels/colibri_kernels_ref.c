@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "../colibri_kernels.h"
+#include "../colibri_math.h"
 #include "colibri_format.h"
 
 /* ---- Linear layers: one dispatch on the weight dtype per token ---- */
@@ -65,7 +66,7 @@ void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
 
 static float sigmoid(float v)
 {
-    return 1.0f / (1.0f + expf(-v));
+    return 1.0f / (1.0f + colibri_expf(-v));
 }
 
 void colibri_activation_f32(float *x, size_t n, uint32_t kind)
@@ -81,16 +82,16 @@ void colibri_activation_f32(float *x, size_t n, uint32_t kind)
             x[i] = v < 0.0f ? 0.0f : v; /* NaN fails the test and stays NaN, as in PyTorch */
             break;
         case COLIBRI_ACT_GELU_ERF:
-            x[i] = 0.5f * v * (1.0f + erff(v * inv_sqrt2));
+            x[i] = 0.5f * v * (1.0f + colibri_erff(v * inv_sqrt2));
             break;
         case COLIBRI_ACT_GELU_TANH:
-            x[i] = 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * (v + 0.044715f * v * v * v)));
+            x[i] = 0.5f * v * (1.0f + colibri_tanhf(sqrt_2_over_pi * (v + 0.044715f * v * v * v)));
             break;
         case COLIBRI_ACT_SILU:
             x[i] = v * sigmoid(v);
             break;
         case COLIBRI_ACT_TANH:
-            x[i] = tanhf(v);
+            x[i] = colibri_tanhf(v);
             break;
         case COLIBRI_ACT_SIGMOID:
             x[i] = sigmoid(v);
@@ -162,7 +163,7 @@ void colibri_softmax_f32(float *x, size_t n)
         if (x[i] > max)
             max = x[i];
     for (size_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - max);
+        x[i] = colibri_expf(x[i] - max);
         sum += x[i];
     }
     for (size_t i = 0; i < n; i++)
