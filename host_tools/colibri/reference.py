@@ -103,15 +103,22 @@ def _in_order(x: np.ndarray, w: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def _risky_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Rows of x whose products with w hold a non-finite value or could sum beyond f32."""
-    big = (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T).max(axis=1, initial=0) >= _RISKY
-    return np.flatnonzero(big | ~np.isfinite(x).all(axis=1))
+    """Rows of x holding a non-finite value or whose products with w could sum beyond f32
+    (max|x| · the largest row sum of |w| bounds every partial sum)."""
+    xmax = np.abs(x).max(axis=1, initial=0).astype(np.float64)  # NaN and inf stay NaN and inf
+    bound = float(np.abs(w).sum(axis=1, dtype=np.float64).max(initial=0))
+    return np.flatnonzero(~(xmax * bound < _RISKY))
+
+
+def _may_overflow(x: np.ndarray, w: np.ndarray) -> bool:
+    """A quick test for the whole batch (False when NaN or inf is in x): only then are rows sorted out."""
+    return not float(np.abs(x).max(initial=0)) * float(np.abs(w).max(initial=0)) * w.shape[1] < _RISKY
 
 
 def _matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     y = (x @ w.T).astype(f32)
-    risky = _risky_rows(x, w)
-    if len(risky):
+    if _may_overflow(x, w):
+        risky = _risky_rows(x, w)
         y[risky] = _in_order(x, w, risky)
     return y
 
@@ -120,8 +127,8 @@ def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight) -> np.ndarray:
     """y + x Eᵀ; rows at risk add each stored entry in storage order, as the engine does, so a zero
     of E never meets an inf of x."""
     e = w.compensation()
-    risky = _risky_rows(x, e)
     out = (y + x @ e.T).astype(f32)
+    risky = _risky_rows(x, e) if _may_overflow(x, e) else []
     if len(risky):
         rows = np.repeat(np.arange(w.q.shape[0]), np.diff(w.row_ptr.astype(np.int64)))
         for i in risky:
