@@ -73,7 +73,7 @@ def mp_script(tmp: Path, name: str, code: str) -> Path:
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """max|Δ| ≤ 1e-6·(1+max|y|): the same engine, only libm versus the natmod's own math differs."""
+    """max|Δ| ≤ 1e-6·(1+max|y|): for numbers that went through decimal text (the REPL, print)."""
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     err = float(np.abs(got - want).max())
     tol = 1e-6 * (1 + float(np.abs(want).max()))
