@@ -47,7 +47,9 @@ setup(
             sources=["host_tools/colibri/_engine.c", *sources],
             include_dirs=[str(CORE / "include"), str(CORE / "src")],
             define_macros=[("COLIBRI_SOURCE_HASH", f'"{src.source_hash(ROOT)}"')],
-            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
+            # -ffp-contract=off -fno-math-errno: the engine's floating-point contract
+            # (firmware/colibri_core/Makefile), whatever CFLAGS Python was built with.
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno"],
         )
     ]
 )

@@ -26,4 +26,9 @@ target_include_directories(usermod_colibri INTERFACE
     ${COLIBRI_CORE_DIR}/include
 )
 
+# The engine's floating-point contract (firmware/colibri_core/Makefile): no
+# fused multiply-add, no errno from math functions. Interface options reach
+# the whole firmware build; both only make its floating point stricter.
+target_compile_options(usermod_colibri INTERFACE -ffp-contract=off -fno-math-errno)
+
 target_link_libraries(usermod INTERFACE usermod_colibri)

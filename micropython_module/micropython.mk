@@ -18,3 +18,8 @@ SRC_USERMOD_C += $(COLIBRI_MP_DIR)/colibri_mp.c
 SRC_USERMOD_LIB_C += $(addprefix $(COLIBRI_CORE_DIR)/,$(shell cat $(COLIBRI_CORE_DIR)/sources.txt))
 
 CFLAGS_USERMOD += -I$(COLIBRI_CORE_DIR)/include
+# The engine's floating-point contract (firmware/colibri_core/Makefile): no
+# fused multiply-add (ports build with gnu99 and would fuse), no errno from
+# math functions. CFLAGS_USERMOD reaches the whole firmware build; both flags
+# only make its floating point stricter.
+CFLAGS_USERMOD += -ffp-contract=off -fno-math-errno

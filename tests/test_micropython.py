@@ -3,9 +3,10 @@
 The x64 native module is built once per session by `colibri natmod build`
 (the path a user takes) and imported by the PyPI unix interpreter
 (`micropython`, x86-64, the same .mpy ABI as the Cortex-M7 firmware). Both it
-and the CPython binding run the same C engine on the same image, so their
-outputs agree to float rounding (the natmod build brings its own expf, erff,
-tanhf; hence 1e-6 relative, not bit equality).
+and the CPython binding run the same C engine on the same image, with the
+engine's own exp, erf and tanh and no fused multiply-add, so their outputs
+are the same bits (NaN where the host has NaN). Numbers printed by the REPL
+are compared to 1e-6 relative (they pass through decimal text).
 
 Data moves through files: inputs as raw float32, which `array('f', bytes)`
 reads in MicroPython, outputs written back from the arrays' buffers.
@@ -72,11 +73,20 @@ def mp_script(tmp: Path, name: str, code: str) -> Path:
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """max|Δ| ≤ 1e-6·(1+max|y|): the same engine, only libm versus the natmod's own math differs."""
+    """max|Δ| ≤ 1e-6·(1+max|y|): for numbers that went through decimal text (the REPL, print)."""
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     err = float(np.abs(got - want).max())
     tol = 1e-6 * (1 + float(np.abs(want).max()))
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """The host engine's float32 bits, and NaN exactly where it has NaN."""
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    nan = np.isnan(want)
+    diff = np.flatnonzero((np.isnan(got) != nan) | (~nan & (got.view(np.uint32) != want.view(np.uint32))))
+    assert not len(diff), (f"{what}: {len(diff)} of {got.size} outputs differ, first at {diff[0]}: "
+                           f"{got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
 
 
 def make_model(routing: str, seed: int = 0) -> torch.nn.Module:
@@ -229,7 +239,60 @@ def test_outputs_equal_cpython_engine(matrix: MatrixRun, routing: str, dtype: st
         want = host.forward(matrix.inputs[case])
         for how in ("method", "function"):
             got = np.fromfile(matrix.folder / f"{case}.f32.{how}", dtype=np.float32).reshape(want.shape)
-            assert_close(got, want, f"{case} {how}")
+            assert_same_bits(got, want, f"{case} {how}")
+
+
+NONFINITE = [float("nan"), float("inf"), -float("inf"), 1e38, -3e38, 1e-40, -2.5e-39]
+
+
+@pytest.fixture(scope="module")
+def nonfinite(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
+    """Every dtype x routing on inputs holding NaN, ±inf, FLT_MAX-scale and subnormal values (alone at
+    the first, middle and last position, and as whole rows), through the interpreter in one run."""
+    tmp = tmp_path_factory.mktemp("nonfinite")
+    rng = np.random.default_rng(13)
+    rows = []
+    for v in NONFINITE:
+        for p in (0, 6, 11):
+            r = rng.standard_normal(12)
+            r[p] = v
+            rows.append(r)
+    rows += [rng.standard_normal(12) * 1e-39, rng.standard_normal(12) * 1e37, np.full(12, np.nan)]
+    x = np.array(rows, dtype=np.float32)
+    images, inputs, lines = {}, {}, []
+    for routing in ROUTINGS:
+        torch_model = make_model(routing)
+        for dtype, options in DTYPES.items():
+            name = f"{routing}-{dtype}"
+            images[name] = colibri.export(torch_model, tmp / f"{name}.clb", max_batch=MAX_BATCH, **options).image
+            for start in range(0, len(x), MAX_BATCH):
+                case = f"{name}-r{start}"
+                inputs[case] = x[start:start + MAX_BATCH]
+                (tmp / f"{case}.f32").write_bytes(inputs[case].tobytes())
+                lines.append(f"{case} {SOURCES[len(lines) % 3]} {name}.clb {case}.f32")
+    (tmp / "manifest.txt").write_text("\n".join(lines) + "\n")
+    r = run_mp(mp_script(tmp, "matrix.py", MATRIX_SCRIPT), "manifest.txt", mpy_dir=mpy_dir, cwd=tmp)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return MatrixRun(tmp, images, inputs, {}, "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_nonfinite_inputs_equal_cpython_engine(nonfinite: MatrixRun, routing: str, dtype: str) -> None:
+    """NaN stays NaN (ReLU, norms, routers, INT8_ACT), ±inf and overflow as on the host: the same bits."""
+    host = colibri.Model(nonfinite.images[f"{routing}-{dtype}"])
+    nan_rows = 0
+    for case, x in nonfinite.inputs.items():
+        if not case.startswith(f"{routing}-{dtype}-r"):
+            continue
+        want = host.forward(x)
+        for how in ("method", "function"):
+            got = np.fromfile(nonfinite.folder / f"{case}.f32.{how}", dtype=np.float32).reshape(want.shape)
+            assert_same_bits(got, want, f"{case} {how}")
+            # A NaN input reaches every output of its row (the first layer mixes it into all): never a number.
+            assert np.isnan(got[np.isnan(x).any(axis=1)]).all(), f"{case} {how}: a NaN input gave a number"
+        nan_rows += int(np.isnan(x).any(axis=1).sum())
+    assert nan_rows >= 4
 
 
 def test_model_attributes_and_version(matrix: MatrixRun) -> None:

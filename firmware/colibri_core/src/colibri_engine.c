@@ -253,6 +253,12 @@ static void moe_forward(const colibri_ctx *c, uint32_t index, const float *x, fl
     for (size_t t = 0; t < batch; t++) {
         const size_t n = router.route(c->scores + t * routes, &routing, c->sel_weight, c->sel_slot);
         for (size_t j = 0; j < n; j++) {
+            /* A gate weight of exactly 0 adds nothing: the expert does not
+             * run for the token, so an output it would overflow cannot turn
+             * 0 · inf into NaN (docs/model-format.md "Numerics: non-finite
+             * values"). A NaN weight runs, and the token's output is NaN. */
+            if (c->sel_weight[j] == 0.0f)
+                continue;
             const size_t s = c->sel_slot[j], at = s * batch + c->ring_count[s]++;
             c->ring_token[at] = (uint16_t)t; /* t < max_batch <= 65535 */
             c->ring_weight[at] = c->sel_weight[j];

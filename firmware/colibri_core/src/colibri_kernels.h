@@ -66,8 +66,9 @@ void colibri_linear_acc(const float *x, size_t n, const colibri_matrix *w, const
 
 /* Per-token int8 quantisation (docs/model-format.md "Quantised weights"):
  * for i < n, row x[r, :] with r = rows ? rows[i] : i becomes q[i, :] [in]
- * and a[i]: m = max |x|; m = 0 gives q = 0, a = 0; otherwise
- * q = clamp(roundf(x · (127 / m)), ±127) and a = m / 127. */
+ * and a[i]: m = max |x|; m = 0 gives q = 0, a = 0; a NaN or inf in the row
+ * gives q = 0, a = NaN; otherwise q = clamp(roundf(x · (127 / m)), ±127)
+ * (x and m scaled by 2^100 first when m < 2^-100) and a = m / 127. */
 void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_t in,
                            int8_t *restrict q, float *restrict a);
 

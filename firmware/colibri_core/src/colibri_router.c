@@ -8,11 +8,19 @@
 #include "colibri_internal.h"
 #include "colibri_kernels.h"
 
+/* a ranks above b: the larger, with NaN above every number, as torch.sort
+ * and torch.topk order them (docs/model-format.md "Numerics: non-finite
+ * values"). Two NaN are equal. */
+static int above(float a, float b)
+{
+    return a > b || (a != a && b == b);
+}
+
 /* The k largest v[r] over kept router outputs r, in descending order, ties
- * to the lower r (r is visited in ascending order and only a strictly larger
- * value moves ahead). Writes their values and expert slots; returns k. The
- * caller guarantees k <= kept outputs (validated: k <= N and all N slots are
- * in the map). */
+ * to the lower r (r is visited in ascending order and only a value ranking
+ * strictly above moves ahead). Writes their values and expert slots;
+ * returns k. The caller guarantees k <= kept outputs (validated: k <= N and
+ * all N slots are in the map). */
 static size_t select_top_k(const float *v, const colibri_routing *r, float *weight, uint32_t *slot)
 {
     const size_t k = r->top_k;
@@ -23,11 +31,11 @@ static size_t select_top_k(const float *v, const colibri_routing *r, float *weig
         size_t pos;
         if (n < k)
             pos = n++;
-        else if (v[i] > weight[k - 1])
+        else if (above(v[i], weight[k - 1]))
             pos = k - 1; /* replaces the smallest */
         else
             continue;
-        for (; pos > 0 && v[i] > weight[pos - 1]; pos--) {
+        for (; pos > 0 && above(v[i], weight[pos - 1]); pos--) {
             weight[pos] = weight[pos - 1];
             slot[pos] = slot[pos - 1];
         }

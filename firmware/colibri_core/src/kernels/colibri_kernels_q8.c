@@ -73,27 +73,33 @@ void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_
 {
     for (size_t i = 0; i < n; i++, q += in) {
         const float *xi = x + (rows ? rows[i] : i) * in;
-        float m = 0.0f;
+        float m = 0.0f, nonfinite = 0.0f;
         for (size_t k = 0; k < in; k++) {
             const float v = fabsf(xi[k]);
-            if (v > m) /* a NaN never compares greater: skipped */
+            if (v > m)
                 m = v;
+            nonfinite += v * 0.0f; /* stays 0 unless some v is NaN or inf */
         }
-        if (m == 0.0f) {
+        if (nonfinite != 0.0f || m == 0.0f) {
+            /* All zeros: a = 0. A NaN or inf has no int8 value and no finite
+             * scale: a = NaN (what nonfinite holds then) makes every output
+             * of the row NaN instead of a made-up number. */
             for (size_t k = 0; k < in; k++)
                 q[k] = 0;
-            a[i] = 0.0f;
+            a[i] = nonfinite;
             continue;
         }
-        const float inv = 127.0f / m;
+        /* 127 / m overflows for m below 2^-121; for such tiny rows x and m
+         * are first scaled by 2^100, exactly (powers of two), which leaves
+         * every other row's products unchanged (s = 1). */
+        const float s = m < 0x1p-100f ? 0x1p100f : 1.0f;
+        const float inv = 127.0f / (m * s);
         for (size_t k = 0; k < in; k++) {
-            float v = roundf(xi[k] * inv); /* half away from zero */
+            float v = roundf((xi[k] * s) * inv); /* half away from zero */
             if (v > 127.0f)
                 v = 127.0f;
             else if (v < -127.0f)
                 v = -127.0f;
-            else if (isnan(v)) /* NaN input (or inf · 0): no int8 value; use 0 */
-                v = 0.0f;
             q[k] = (int8_t)v;
         }
         a[i] = m / 127.0f;

@@ -3,9 +3,11 @@
  * weights and the element-wise kernels; plain C loops, f32 accumulation.
  * Every optimised backend is tested against these.
  */
+#include <float.h>
 #include <math.h>
 
 #include "../colibri_kernels.h"
+#include "../colibri_math.h"
 #include "colibri_format.h"
 
 /* ---- Linear layers: one dispatch on the weight dtype per token ---- */
@@ -64,7 +66,7 @@ void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
 
 static float sigmoid(float v)
 {
-    return 1.0f / (1.0f + expf(-v));
+    return 1.0f / (1.0f + colibri_expf(-v));
 }
 
 void colibri_activation_f32(float *x, size_t n, uint32_t kind)
@@ -77,19 +79,19 @@ void colibri_activation_f32(float *x, size_t n, uint32_t kind)
         const float v = x[i];
         switch (kind) {
         case COLIBRI_ACT_RELU:
-            x[i] = v > 0.0f ? v : 0.0f;
+            x[i] = v < 0.0f ? 0.0f : v; /* NaN fails the test and stays NaN, as in PyTorch */
             break;
         case COLIBRI_ACT_GELU_ERF:
-            x[i] = 0.5f * v * (1.0f + erff(v * inv_sqrt2));
+            x[i] = 0.5f * v * (1.0f + colibri_erff(v * inv_sqrt2));
             break;
         case COLIBRI_ACT_GELU_TANH:
-            x[i] = 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * (v + 0.044715f * v * v * v)));
+            x[i] = 0.5f * v * (1.0f + colibri_tanhf(sqrt_2_over_pi * (v + 0.044715f * v * v * v)));
             break;
         case COLIBRI_ACT_SILU:
             x[i] = v * sigmoid(v);
             break;
         case COLIBRI_ACT_TANH:
-            x[i] = tanhf(v);
+            x[i] = colibri_tanhf(v);
             break;
         case COLIBRI_ACT_SIGMOID:
             x[i] = sigmoid(v);
@@ -123,7 +125,10 @@ void colibri_layernorm_f32(float *x, size_t rows, size_t n,
         for (size_t i = 0; i < n; i++)
             var += (x[i] - mean) * (x[i] - mean);
         var /= (float)n;
-        const float den = sqrtf(var + eps);
+        /* Statistics beyond f32 (an overflowed or non-finite variance) make
+         * the row NaN: x / inf would be a confident 0 (docs/model-format.md
+         * "Numerics: non-finite values"). NaN already fails the test. */
+        const float den = var <= FLT_MAX ? sqrtf(var + eps) : NAN;
         for (size_t i = 0; i < n; i++) {
             float v = (x[i] - mean) / den;
             if (gamma)
@@ -150,12 +155,15 @@ void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, fl
 
 void colibri_softmax_f32(float *x, size_t n)
 {
+    /* The maximum only keeps exp() in range: a NaN it passes over still
+     * makes its exp() and so the sum NaN, and every output with it; +inf
+     * is the maximum and inf - inf is NaN. Both as PyTorch. */
     float max = x[0], sum = 0.0f;
     for (size_t i = 1; i < n; i++)
         if (x[i] > max)
             max = x[i];
     for (size_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - max);
+        x[i] = colibri_expf(x[i] - max);
         sum += x[i];
     }
     for (size_t i = 0; i < n; i++)
