@@ -14,15 +14,15 @@
  * Accuracy is glibc's: every function works in `real_t`, double where the
  * FPU has double precision (x86-64, AArch64, Cortex-M7 with FPv5-D16), so
  * only the final rounding to float is left (max error about 0.5 ulp,
- * tests/c/colibri_math_sweep.c); float on single-precision FPUs (Cortex-M4F),
+ * test_engine_math_accuracy in tests/test_nonfinite.py); float on single-precision FPUs (Cortex-M4F),
  * where double would be emulated in software, with errors of one or two ulp.
  * NaN in gives NaN out; ±inf and overflow give the limits.
  *
  * Algorithms: exp by reduction to e^r, |r| <= ln2/2, and its Taylor series;
  * tanh by its Taylor series below 0.55 and 1 - 2/(e^2x + 1) above; erf by
  * its Taylor series below 1 and 1 - e^-x² R(x) above, with R(x) = e^x²
- * erfc(x) fitted by a polynomial (micropython_module/natmod/
- * libm_coefficients.py derives every coefficient). Polynomials near zero are
+ * erfc(x) fitted by a polynomial (scripts/
+ * math_coefficients.py derives every coefficient). Polynomials near zero are
  * written as x + x·(small correction) so that the correction's rounding
  * error is scaled down by its size.
  *

@@ -1,6 +1,6 @@
-"""Derives the polynomial coefficients in natmod_libm.c (run it to check them).
+"""Derives the polynomial coefficients in firmware/colibri_core/src/colibri_math.h (run it to check them).
 
-    .venv/bin/python micropython_module/natmod/libm_coefficients.py
+    .venv/bin/python scripts/math_coefficients.py
 
 Needs mpmath (a torch dependency). Everything is computed at 50 digits:
 - tanh: Taylor coefficients of (tanh(x) - x) / x^3 in x^2, for |x| < 0.55;
