@@ -31,6 +31,7 @@ from colibri import nn as cnn
 from colibri.engine import arena_size
 from colibri.format import STATUS_TEXT, Status
 from conftest import ROOT
+from nonfinite_inputs import nonfinite_rows
 from test_natmod import build_mpy, shared_build_dir
 
 MICROPYTHON = Path(sys.executable).parent / "micropython"
@@ -242,23 +243,12 @@ def test_outputs_equal_cpython_engine(matrix: MatrixRun, routing: str, dtype: st
             assert_same_bits(got, want, f"{case} {how}")
 
 
-NONFINITE = [float("nan"), float("inf"), -float("inf"), 1e38, -3e38, 1e-40, -2.5e-39]
-
-
 @pytest.fixture(scope="module")
 def nonfinite(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
     """Every dtype x routing on inputs holding NaN, ±inf, FLT_MAX-scale and subnormal values (alone at
     the first, middle and last position, and as whole rows), through the interpreter in one run."""
     tmp = tmp_path_factory.mktemp("nonfinite")
-    rng = np.random.default_rng(13)
-    rows = []
-    for v in NONFINITE:
-        for p in (0, 6, 11):
-            r = rng.standard_normal(12)
-            r[p] = v
-            rows.append(r)
-    rows += [rng.standard_normal(12) * 1e-39, rng.standard_normal(12) * 1e37, np.full(12, np.nan)]
-    x = np.array(rows, dtype=np.float32)
+    x = nonfinite_rows(13, 12, (0, 6, 11))
     images, inputs, lines = {}, {}, []
     for routing in ROUTINGS:
         torch_model = make_model(routing)

@@ -20,6 +20,7 @@ from colibri import protocol as P
 from colibri.device import Device, DeviceError
 from colibri.exporter import export
 from colibri.format import Status
+from nonfinite_inputs import nonfinite_rows
 
 MAX_BATCH = 4
 DTYPES = {
@@ -92,22 +93,11 @@ def test_device_matches_host_engine(dut: Device, routing: str, dtype: str) -> No
     assert_matches_host(dut, data)
 
 
-NONFINITE = [float("nan"), float("inf"), -float("inf"), 1e38, -3e38, 1e-40, -2.5e-39]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nonfinite_inputs_match_host_bits(dut: Device, dtype: str) -> None:
     """NaN, ±inf, FLT_MAX-scale and subnormal inputs, alone at several positions and as whole rows:
     the device answers what the host engine answers, NaN for NaN, bit for bit (every routing mode)."""
-    rng = np.random.default_rng(11)
-    rows = []
-    for v in NONFINITE:
-        for p in (0, 5, 11):
-            r = rng.standard_normal(12)
-            r[p] = v
-            rows.append(r)
-    rows += [rng.standard_normal(12) * 1e-39, rng.standard_normal(12) * 1e37, np.full(12, np.nan)]
-    x = np.array(rows, dtype=np.float32)
+    x = nonfinite_rows(11, 12, (0, 5, 11))
     for routing in cnn.ROUTINGS:
         data = model_image(routing, dtype)
         dut.load(data)
