@@ -346,6 +346,10 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"8–16 experts", "design: tests/randmodels.py draws 1-16 experts"),
     (r"0\.3-scaled", "design: branch_scale of Q8_MODELS in tests/test_quantize.py"),
     (r"\(d 128, 8 experts × hidden 512\)", "design: the model of test_image_size_ratios"),
+    (r"nested deeper than 16", "design constant: COLIBRI_MAX_RESIDUAL_DEPTH (colibri.format.MAX_RESIDUAL_DEPTH)"),
+    (r"transformers 5 block", "the transformers major version whose blocks start uninitialised"),
+    (r"f16's 65504", "IEEE 754 half precision's largest finite value"),
+    (r"within 1e-5·\(1\+max\|y\|\)", "design constant: the export check's tolerance (colibri.exporter)"),
     # wall-clock timings: labelled in the README, produced by the named script, not pinned
     (r"about 10 s of wall clock", "timing: training in make demo (examples/smart_meter/demo.py)"),
     (r"2 cores\), 2026-\d\d-\d\d", "the CI machine and the date of the timings"),
