@@ -2,7 +2,7 @@
 
     .venv/bin/python fuzz/make_seeds.py [OUT_DIR]    (default fuzz/seeds)
 
-Each model is tiny on purpose (a few KB) so that libFuzzer's mutations reach
+Each model is tiny on purpose (about 1-2 KB; 9 KB page-aligned) so that libFuzzer's mutations reach
 every record quickly; together they cover every weight dtype (f32, f16, q8,
 q8 with int8 activations), every routing mode, shared experts with and
 without a gate, pruned experts, GLU and MLP experts, every activation,
@@ -23,11 +23,11 @@ from colibri import nn as cnn
 from colibri.exporter import export
 
 
-def _moe_model(d: int = 6, **moe) -> torch.nn.Module:
+def _moe_model(d: int = 4, experts: int = 3, hidden: int = 3, **moe) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(3, d),
         torch.nn.LayerNorm(d),
-        cnn.Residual(cnn.MoE(d, 4, 5, **moe)),
+        cnn.Residual(cnn.MoE(d, experts, hidden, **moe)),
         torch.nn.RMSNorm(d, eps=1e-6),
         torch.nn.Linear(d, 2),
     )
@@ -35,9 +35,9 @@ def _moe_model(d: int = 6, **moe) -> torch.nn.Module:
 
 def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.GELU(),
-        torch.nn.Linear(8, 8), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(8, 8), torch.nn.SiLU(),
-        torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(), torch.nn.Linear(8, 2),
+        torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.GELU(),
+        torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4, 4), torch.nn.SiLU(),
+        torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Sigmoid(), torch.nn.Linear(4, 2),
     )
 
 
@@ -60,8 +60,8 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
     "dense-shared-gate-f32": (
         lambda: _moe_model(routing="dense", num_shared=2, shared_gate=True, router_bias=True), {}),
     "shared-nogate-pruned-f32": (
-        lambda: _moe_model(routing="topk_softmax", top_k=2, num_shared=1), {"prune": [1, 3]}),
-    "page-aligned-f32": (lambda: _moe_model(routing="top1", gated=True), {"page_aligned": True}),
+        lambda: _moe_model(routing="topk_softmax", top_k=2, num_shared=1), {"prune": [1]}),
+    "page-aligned-f32": (lambda: _moe_model(experts=2, routing="top1", gated=True), {"page_aligned": True}),
     "softmax-topk-q8": (lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), Q8),
     "glu-q8-int8act": (
         lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, expert_bias=False), Q8_ACT),
