@@ -206,10 +206,10 @@ class Work:
 
 
 class _Reader:
-    def __init__(self, data: bytes | bytearray | memoryview, work: Work):
+    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None):
         self.buf = memoryview(data).cast("B")
         self.n = len(self.buf)
-        self.work = work
+        self.work = Work() if work is None else work
 
     def header(self) -> tuple:
         if self.n < F.HEADER_SIZE:
