@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke
 
 setup:
 	./scripts/setup.sh
@@ -39,8 +39,19 @@ measure: setup firmware
 demo: setup firmware
 	$(PY) examples/smart_meter/demo.py
 
-test: setup c-tests firmware
+test: setup c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2
+
+# Fuzzing (fuzz/README.md): the engine, the runner's frame handler and the
+# C-vs-Python validator comparison, each for a stated number of executions.
+FUZZ_RUNS ?= 1000000
+SMOKE_RUNS ?= 100000
+
+fuzz: setup
+	$(MAKE) -C fuzz fuzz-all RUNS=$(FUZZ_RUNS)
+
+fuzz-smoke: setup
+	$(MAKE) -C fuzz fuzz-all RUNS=$(SMOKE_RUNS)
 
 clean:
 	$(MAKE) -C $(CORE) clean

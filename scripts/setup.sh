@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm; do
+# clang-16 + libclang-rt-16-dev: libFuzzer and the sanitizers for fuzz/ (make fuzz, make fuzz-smoke).
+for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm \
+           clang-16 libclang-rt-16-dev; do
     have "$pkg" || need_pkgs+=("$pkg")
 done
 # A Python with venv and headers: Debian's, unless the machine already has one.

@@ -1,7 +1,8 @@
 """The model image: `write(graph) -> bytes` and `read(bytes) -> Graph`.
 
 The layout is docs/model-format.md. `read` validates as the C engine does and
-raises `ImageError` with the same status code the engine would return.
+raises `ImageError` with the same status code the engine would return, in the
+same order ("Validation order"), in time linear in the image size.
 """
 from __future__ import annotations
 
@@ -211,10 +212,21 @@ def _fail(status: Status, detail: str) -> None:
     raise error_for(status, detail)
 
 
+@dataclass
+class Work:
+    """What `read` visited: table records read plus payload entries scanned.
+
+    Pass one to `read(data, work=...)` to bound the reader's work by a count
+    (the C validator's twin is colibri_check_work, tests/c/colibri_work.c)."""
+
+    visits: int = 0
+
+
 class _Reader:
-    def __init__(self, data: bytes | bytearray | memoryview):
+    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None):
         self.buf = memoryview(data).cast("B")
         self.n = len(self.buf)
+        self.work = Work() if work is None else work
 
     def header(self) -> tuple:
         if self.n < F.HEADER_SIZE:
@@ -250,12 +262,23 @@ class _Reader:
         end = offset + count * rec.size
         if offset % 4 or offset < F.HEADER_SIZE or end > self.size:
             _fail(Status.TABLE_BOUNDS, f"table at {offset} x {count} records exceeds image of {self.size} bytes")
+        self.work.visits += count
         return [rec.unpack_from(self.buf, offset + i * rec.size) for i in range(count)]
 
 
-def read(data: bytes | bytearray | memoryview) -> Graph:
-    """Parse and validate an image. Weights are numpy views into `data` (zero copy)."""
-    r = _Reader(data)
+class _Owners:
+    """The next MOE layer must name a MoE record, experts and an expert map
+    that no earlier MOE layer owns: indices from these on."""
+
+    moe = expert = emap = 0
+
+
+def read(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> Graph:
+    """Parse and validate an image. Weights are numpy views into `data` (zero copy).
+
+    `work`, if given, is increased by the records and payload entries visited."""
+    work = Work() if work is None else work
+    r = _Reader(data, work)
     h = r.header()
     (_, _, _, _, size, flags, n_in, n_out, max_batch, n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off) = h
     t_recs = r.table(n_t, t_off, F.TENSOR)
@@ -270,6 +293,7 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
         if ref == NONE and optional:
             return None
         obj = objs[ref] if ref < n_t else None
+        work.visits += ref < n_t
         if not isinstance(obj, np.ndarray) or obj.shape != shape or obj.dtype != np.dtype(dtype):
             _fail(Status.BAD_REF, f"{what}: expected {shape} {np.dtype(dtype)}, got {_describe(obj, ref, n_t)}")
         return obj
@@ -279,20 +303,25 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
         if ref == NONE and optional:
             return None
         obj = objs[ref] if ref < n_t else None
+        work.visits += ref < n_t
         is_f32 = isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4")
-        if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape:
+        # The record's rank, not the array's: int8 payloads are always viewed as [rows, cols].
+        if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape or t_recs[ref][5] != 2:
             _fail(Status.BAD_REF, f"{what}: expected weight {shape}, got {_describe(obj, ref, n_t)}")
         return obj
 
     def expert(j: int, d: int, where: str) -> Expert:
         kind, act, e_flags, hidden, w1, b1, w2, b2, w3, b3 = e_recs[j]
+        work.visits += 1
         if kind not in iter(ExpertKind) or act not in iter(Act) or e_flags & ~int(F.ExpertFlag.INT8_ACT) or hidden == 0:
             _fail(Status.BAD_MOE, f"{where}: kind {kind} activation {act} flags {e_flags} hidden {hidden}")
         glu = kind == ExpertKind.GLU
         if (w3 != NONE) != glu or (not glu and b3 != NONE):
             _fail(Status.BAD_MOE, f"{where}: w3/b3 do not match expert kind")
-        if page and w1 < n_t and t_recs[w1][0] % F.PAGE_SIZE:
-            _fail(Status.TENSOR_BOUNDS, f"{where}: not page aligned")
+        if page and w1 < n_t:
+            work.visits += 1
+            if t_recs[w1][0] % F.PAGE_SIZE:
+                _fail(Status.TENSOR_BOUNDS, f"{where}: not page aligned")
         e = Expert(
             kind=ExpertKind(kind), act=Act(act),
             w1=weight(w1, (hidden, d), f"{where} w1"),
@@ -303,6 +332,8 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
             b3=tensor(b3, (hidden,), f"{where} b3", optional=True),
             int8_act=bool(e_flags & F.ExpertFlag.INT8_ACT),
         )
+        if e.int8_act:
+            work.visits += 2 + glu
         if e.int8_act and not all(isinstance(w, Q8Weight) for w in (e.w1, e.w2, e.w3) if w is not None):
             _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 weights")
         return e
@@ -311,11 +342,15 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
     layers = []
     width = n_in
     depth_widths: list[int] = []
+    owners = _Owners()
     for i, (op, kind, l_flags, in_f, out_f, t0, t1, eps, res1, res2) in enumerate(l_recs):
         where = f"layer {i}"
+        work.visits += 1
         bad_flags = l_flags & ~int(F.LayerFlag.INT8_ACT)
         if op not in iter(Op) or bad_flags or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
             _fail(Status.BAD_LAYER, f"{where}: op {op} kind {kind}")
+        if l_flags and op != Op.LINEAR:
+            _fail(Status.BAD_LAYER, f"{where}: INT8_ACT on a {Op(op).name} layer (LINEAR only)")
         if in_f != width:
             _fail(Status.BAD_LAYER, f"{where}: in_features {in_f}, current width {width}")
         if op != Op.LINEAR and out_f != in_f:
@@ -350,9 +385,15 @@ def read(data: bytes | bytearray | memoryview) -> Graph:
         else:  # MOE
             if t0 >= n_m:
                 _fail(Status.BAD_REF, f"{where}: MoE record {t0} of {n_m}")
-            layers.append(_moe(m_recs[t0], in_f, where, tensor, weight, expert, n_e))
-        if l_flags and not (op == Op.LINEAR and isinstance(layers[-1].weight, Q8Weight)):
-            _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs a LINEAR with an int8 weight")
+            if t0 < owners.moe:
+                _fail(Status.BAD_REF, f"{where}: MoE record {t0} belongs to an earlier MOE layer")
+            work.visits += 1
+            layers.append(_moe(m_recs[t0], in_f, where, tensor, weight, expert, n_e, owners, work))
+            owners.moe = t0 + 1
+        if l_flags:
+            work.visits += 1
+            if not isinstance(layers[-1].weight, Q8Weight):
+                _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs an int8 weight")
         width = out_f
     if depth_widths:
         _fail(Status.BAD_LAYER, "residual push without add at end of program")
@@ -378,9 +419,12 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
     """Checks every tensor record, then every int8 tensor's companion; returns the
     tensors as arrays / F16Weight / Q8Weight (None for Q8_PARAMS companions)."""
     buf = r.buf
+    prev_end = 0  # payloads lie in table order and never overlap
     for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
-        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off >= size or off + nbytes > size:
-            _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}")
+        r.work.visits += 1
+        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off < prev_end or off >= size or off + nbytes > size:
+            _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}" + (
+                f" overlaps the previous payload (ends at {prev_end})" if off < prev_end else ""))
         if dtype not in iter(DType):
             _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
         if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res:
@@ -394,15 +438,17 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
                 _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}")
         elif nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
             _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
+        prev_end = off + nbytes
 
     objs: list = []
     for i, (off, nbytes, rows, cols, dtype, ndim, _, aux) in enumerate(t_recs):
+        r.work.visits += 1
         shape = (rows, cols) if ndim == 2 else (rows,)
         if dtype == DType.Q8_PARAMS:
             objs.append(None)
         elif dtype == DType.I8:
             q = np.frombuffer(buf, dtype=np.int8, count=rows * cols, offset=off).reshape(rows, cols)
-            objs.append(_q8(buf, t_recs, i, q))
+            objs.append(_q8(buf, t_recs, i, q, r.work))
         else:
             np_dtype = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}[DType(dtype)]
             a = np.frombuffer(buf, dtype=np_dtype, count=rows * cols, offset=off).reshape(shape)
@@ -410,16 +456,20 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
     return objs
 
 
-def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray) -> Q8Weight:
+def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work) -> Q8Weight:
     """The int8 tensor i with its Q8_PARAMS companion, validated."""
     rows, cols = q.shape
     aux = t_recs[i][7]
     if aux >= len(t_recs) or t_recs[aux][4] != DType.Q8_PARAMS or t_recs[aux][2:4] != (rows, cols):
         _fail(Status.BAD_QUANT, f"tensor {i}: companion {aux} is not a Q8_PARAMS tensor of {rows}x{cols}")
+    work.visits += 1
     off = t_recs[aux][0]
     nnz, reserved = struct.unpack_from("<II", buf, off)
+    if reserved:
+        _fail(Status.BAD_QUANT, f"tensor {i}: companion reserved word {reserved}")
+    work.visits += rows
     scale = np.frombuffer(buf, dtype="<f4", count=rows, offset=off + 8)
-    if reserved or not np.all(np.isfinite(scale)) or np.any(scale < 0):
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
         _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0")
     at = off + 8 + 4 * rows
     row_ptr = np.frombuffer(buf, dtype="<u4", count=rows + 1 if nnz else 0, offset=at)
@@ -427,6 +477,7 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray) -> Q8Weight
     pad_at = at + 4 * (rows + 1) + 2 * nnz
     val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=pad_at + (-2 * nnz) % 4 if nnz else at)
     if nnz:
+        work.visits += rows + 1 + 2 * nnz
         ptr = row_ptr.astype(np.int64)
         cols_ok = np.all(col < cols)
         starts = np.zeros(nnz, dtype=bool)
@@ -438,7 +489,7 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray) -> Q8Weight
     return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val)
 
 
-def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int) -> MoE:
+def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int, owners: _Owners, work: Work) -> MoE:
     d, r_count, n, k, routing, flags, n_shared, rw, rb, emap, first, gate, res1, res2 = rec
     if routing not in iter(Routing) or res1 or res2:
         _fail(Status.BAD_MOE, f"{where}: routing mode {routing}")
@@ -452,10 +503,16 @@ def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int) -
         _fail(Status.BAD_MOE, f"{where}: flags {flags}")
     if first + n + n_shared > n_e:
         _fail(Status.BAD_REF, f"{where}: experts {first}..{first + n + n_shared} of {n_e}")
+    if first < owners.expert:
+        _fail(Status.BAD_REF, f"{where}: expert {first} belongs to an earlier MOE layer")
     emap_arr = tensor(emap, (r_count,), f"{where} expert_map", dtype="<i4")
+    if emap < owners.emap:
+        _fail(Status.BAD_REF, f"{where}: expert_map tensor {emap} belongs to an earlier MOE layer")
+    work.visits += r_count
     kept = emap_arr[emap_arr != -1]
     if np.any(emap_arr < -1) or sorted(kept.tolist()) != list(range(n)):
         _fail(Status.BAD_MOE, f"{where}: expert_map is not a permutation of 0..{n - 1} plus -1")
+    owners.expert, owners.emap = first + n + n_shared, emap + 1
     return MoE(
         routing=Routing(routing), top_k=k,
         router_weight=weight(rw, (r_count, d), f"{where} router weight"),

@@ -4,8 +4,15 @@
  * The caller owns all memory. colibri_init() places the context and every
  * activation buffer in the caller's arena; weights are read in place from the
  * model image (XIP flash, a const array, an mmap'd file). The engine has no
- * mutable globals, calls no malloc/free and does no I/O, so any number of
- * contexts may run at once in different threads.
+ * mutable globals, calls no malloc/free and does no I/O.
+ *
+ * Threads: a context is single-threaded. One thread at a time may call
+ * colibri_forward() or colibri_free() on it (forward writes the context's
+ * buffers in the arena); share a context between threads only behind a lock.
+ * Distinct contexts are independent: each in its own arena, they may run at
+ * once in different threads, even over the same image. The image-only calls
+ * (validate, model_size, get_info, get_num_experts) only read the image and
+ * may run from any thread at any time.
  *
  *   size_t need;
  *   colibri_model_size(image, image_len, &need);          // exact arena bytes

@@ -8,20 +8,29 @@
  *      TRUNCATED (image_size), BAD_CRC, then the header fields
  *      the CRC covers (BAD_HEADER);
  *   2. the four tables' bounds (TABLE_BOUNDS);
- *   3. pass 1, every tensor record in index order: bounds (TENSOR_BOUNDS),
- *      then dtype, rank and shape, reserved, aux (NONE unless I8), nbytes
- *      (BAD_TENSOR; a Q8_PARAMS record needs nbytes >= 8 before its nnz is
- *      read, then the size formula, and cols <= 65536 when nnz > 0);
+ *   3. pass 1, every tensor record in index order: bounds (TENSOR_BOUNDS:
+ *      aligned, inside the image, not before the end of the previous
+ *      tensor's payload), then dtype, rank and shape, reserved, aux (NONE
+ *      unless I8), nbytes (BAD_TENSOR; a Q8_PARAMS record needs nbytes >= 8
+ *      before its nnz is read, then the size formula, and cols <= 65536 when
+ *      nnz > 0);
  *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
  *      a Q8_PARAMS of the same rows and cols), the companion's reserved word,
  *      its scales (BAD_QUANT), then its compensation term (BAD_COMPENSATION);
  *   5. the layer program, top to bottom: a layer's fields, flags included
  *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
- *      I8 weight (BAD_LAYER); a MOE layer validates its MoE record where it
- *      stands: fields (BAD_MOE), expert range and expert_map (BAD_REF,
+ *      I8 weight (BAD_LAYER); a MOE layer names a MoE record (in range and
+ *      after the previous MOE layer's, BAD_REF) and validates it where it
+ *      stands: fields (BAD_MOE), expert range (inside the table and after
+ *      the previous MOE layer's, BAD_REF), expert_map (BAD_REF, then a
+ *      tensor after the previous MOE layer's map, BAD_REF, then its entries,
  *      BAD_MOE), router tensors, each routed then shared expert (fields and
  *      flags, page alignment, tensors, then INT8_ACT needs I8 weights), the
  *      shared gate.
+ *
+ * Non-overlapping payloads and one owning MOE layer per MoE record, expert
+ * and expert map make validation linear in the image size: no record or
+ * payload is scanned on behalf of many others.
  *
  * This is the order of the Python reader (host_tools/colibri/image.py), so
  * both give the same status for the same image. Everything is read with
@@ -182,6 +191,31 @@ static int table_ok(const colibri_header *h, uint32_t offset, uint32_t count, ui
            (uint64_t)offset + (uint64_t)count * record_size <= h->image_size;
 }
 
+/* ---- The validator's state ---- */
+
+/* What the checks below share: the image, its header, the model summary
+ * being filled, and the work done so far. Validation is linear in the image
+ * size: every table record is read a bounded number of times and every
+ * payload entry scanned at most once (tensor payloads do not overlap, and
+ * each MoE record, expert record and expert map has one owning MOE layer).
+ * `work` counts those reads and scans, so a test can bound it. */
+typedef struct checker {
+    const uint8_t *image;
+    const colibri_header *h;
+    colibri_model *m;
+    uint64_t work;          /* records read + payload entries scanned */
+    /* Ownership, in program order: the next MOE layer must name a MoE
+     * record from next_moe on, experts from next_expert on, and an expert
+     * map tensor from next_map on. */
+    uint32_t next_moe, next_expert, next_map;
+} checker;
+
+static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
+{
+    c->work++;
+    colibri_read_tensor(c->image, c->h, index, t);
+}
+
 /* ---- Tensors ---- */
 
 /* Bytes of a Q8_PARAMS payload of this many rows and compensation entries. */
@@ -193,11 +227,13 @@ static uint64_t q8_params_size(uint64_t rows, uint64_t nnz)
     return n;
 }
 
-/* Pass 1: one tensor record on its own: TENSOR_BOUNDS, then BAD_TENSOR
- * (dtype, rank and shape, reserved, aux, nbytes). */
-static colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t)
+/* Pass 1: one tensor record on its own: TENSOR_BOUNDS (inside the image,
+ * aligned, at or after the end of the previous tensor's payload, prev_end),
+ * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */
+static colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
+                                   uint64_t prev_end)
 {
-    if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size ||
+    if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size || t->offset < prev_end ||
         t->offset >= h->image_size || (uint64_t)t->offset + t->nbytes > h->image_size)
         return COLIBRI_E_TENSOR_BOUNDS;
 
@@ -246,20 +282,23 @@ static colibri_status check_tensor(const uint8_t *image, const colibri_header *h
  * record, so the companion's payload has exactly the size its nnz implies):
  * BAD_QUANT for the reference, the reserved word and the scales, then
  * BAD_COMPENSATION for the sparse term E. */
-static colibri_status check_quant(const uint8_t *image, const colibri_header *h, const colibri_tensor *t)
+static colibri_status check_quant(checker *ck, const colibri_tensor *t)
 {
-    if (t->aux >= h->tensor_count)
+    if (t->aux >= ck->h->tensor_count)
         return COLIBRI_E_BAD_QUANT;
     colibri_tensor c;
-    colibri_read_tensor(image, h, t->aux, &c);
+    read_tensor(ck, t->aux, &c);
     if (c.dtype != COLIBRI_DTYPE_Q8_PARAMS || c.rows != t->rows || c.cols != t->cols)
         return COLIBRI_E_BAD_QUANT;
 
-    const uint8_t *p = image + c.offset;
+    /* Each scan below visits at most rows * cols + rows + 1 entries, no more
+     * than the I8 tensor's own (non-overlapping) payload holds bytes. */
+    const uint8_t *p = ck->image + c.offset;
     const uint32_t nnz = colibri_rd_u32(p), rows = c.rows;
     if (colibri_rd_u32(p + 4) != 0)
         return COLIBRI_E_BAD_QUANT;
     const uint8_t *scale = p + COLIBRI_Q8_PARAMS_HEADER;
+    ck->work += rows;
     for (uint32_t i = 0; i < rows; i++) {
         const float s = colibri_rd_f32(scale + 4u * (size_t)i);
         if (!(isfinite(s) && s >= 0.0f))
@@ -278,6 +317,7 @@ static colibri_status check_quant(const uint8_t *image, const colibri_header *h,
     uint32_t prev = colibri_rd_u32(row_ptr);
     if (prev != 0)
         return COLIBRI_E_BAD_COMPENSATION;
+    ck->work += (uint64_t)rows + 1u;
     for (uint32_t i = 1; i <= rows; i++) {
         const uint32_t next = colibri_rd_u32(row_ptr + 4u * (size_t)i);
         if (next < prev)
@@ -291,6 +331,7 @@ static colibri_status check_quant(const uint8_t *image, const colibri_header *h,
         const uint32_t end = colibri_rd_u32(row_ptr + 4u * ((size_t)i + 1u));
         uint32_t k = colibri_rd_u32(row_ptr + 4u * (size_t)i);
         for (uint32_t last = 0, first = 1; k < end; k++, first = 0) {
+            ck->work++;
             const uint32_t j = colibri_rd_u16(col + 2u * (size_t)k);
             if (j >= c.cols || (!first && j <= last))
                 return COLIBRI_E_BAD_COMPENSATION;
@@ -300,6 +341,7 @@ static colibri_status check_quant(const uint8_t *image, const colibri_header *h,
     /* Pad bytes zero; values finite (f16 exponent not all ones). */
     if (any_set(col + col_bytes, padded - col_bytes))
         return COLIBRI_E_BAD_COMPENSATION;
+    ck->work += nnz;
     for (uint32_t k = 0; k < nnz; k++)
         if ((colibri_rd_u16(val + 2u * (size_t)k) & 0x7C00u) == 0x7C00u)
             return COLIBRI_E_BAD_COMPENSATION;
@@ -319,15 +361,15 @@ typedef enum { REQUIRED, OPTIONAL } ref_need;
 /* Tensor reference `index` for a role: present (or NONE if optional), of one
  * of these dtypes and this shape: [rows] when ndim is 1, [rows, cols] when
  * ndim is 2. */
-static colibri_status check_ref(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                ref_need need, unsigned dtypes, uint8_t ndim, uint32_t rows, uint32_t cols)
+static colibri_status check_ref(checker *c, uint32_t index, ref_need need, unsigned dtypes, uint8_t ndim,
+                                uint32_t rows, uint32_t cols)
 {
     if (index == COLIBRI_NONE && need == OPTIONAL)
         return COLIBRI_OK;
-    if (index >= h->tensor_count)
+    if (index >= c->h->tensor_count)
         return COLIBRI_E_BAD_REF;
     colibri_tensor t;
-    colibri_read_tensor(image, h, index, &t);
+    read_tensor(c, index, &t);
     /* dtype <= COLIBRI_DTYPE_Q8_PARAMS (pass 1), so the shift is defined. */
     if (!(dtypes & DT(t.dtype)) || t.ndim != ndim || t.rows != rows || t.cols != cols)
         return COLIBRI_E_BAD_REF;
@@ -335,24 +377,22 @@ static colibri_status check_ref(const uint8_t *image, const colibri_header *h, u
 }
 
 /* A weight matrix [rows, cols]: F32, F16 or I8. */
-static colibri_status check_matrix(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                   ref_need need, uint32_t rows, uint32_t cols)
+static colibri_status check_matrix(checker *c, uint32_t index, ref_need need, uint32_t rows, uint32_t cols)
 {
-    return check_ref(image, h, index, need, WEIGHT_DTYPES, 2, rows, cols);
+    return check_ref(c, index, need, WEIGHT_DTYPES, 2, rows, cols);
 }
 
 /* A bias or norm parameter [n]: F32. */
-static colibri_status check_vector(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                   ref_need need, uint32_t n)
+static colibri_status check_vector(checker *c, uint32_t index, ref_need need, uint32_t n)
 {
-    return check_ref(image, h, index, need, F32_ONLY, 1, n, 1);
+    return check_ref(c, index, need, F32_ONLY, 1, n, 1);
 }
 
 /* Is tensor `index` (a checked reference) int8? */
-static int is_i8(const uint8_t *image, const colibri_header *h, uint32_t index)
+static int is_i8(checker *c, uint32_t index)
 {
     colibri_tensor t;
-    colibri_read_tensor(image, h, index, &t);
+    read_tensor(c, index, &t);
     return t.dtype == COLIBRI_DTYPE_I8;
 }
 
@@ -365,11 +405,12 @@ static void widen(uint32_t *dim, uint32_t v)
 /* ---- Experts ---- */
 
 /* Expert record `index` of an MoE layer of width d. */
-static colibri_status check_expert(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                   uint32_t d, colibri_model *m)
+static colibri_status check_expert(checker *c, uint32_t index, uint32_t d)
 {
+    const colibri_header *h = c->h;
     colibri_expert e;
-    colibri_read_expert(image, h, index, &e);
+    c->work++;
+    colibri_read_expert(c->image, h, index, &e);
     const int glu = e.kind == COLIBRI_EXPERT_GLU;
     if ((e.kind != COLIBRI_EXPERT_MLP && !glu) || !is_activation(e.activation) ||
         (e.flags & ~COLIBRI_EXPERT_FLAG_INT8_ACT) || e.hidden == 0)
@@ -380,29 +421,29 @@ static colibri_status check_expert(const uint8_t *image, const colibri_header *h
     /* PAGE_ALIGNED: each expert starts on a page, so it is one madvise range. */
     if ((h->flags & COLIBRI_FLAG_PAGE_ALIGNED) && e.w1 < h->tensor_count) {
         colibri_tensor w1;
-        colibri_read_tensor(image, h, e.w1, &w1);
+        read_tensor(c, e.w1, &w1);
         if (w1.offset % COLIBRI_PAGE_SIZE != 0)
             return COLIBRI_E_TENSOR_BOUNDS;
     }
 
     const uint32_t hid = e.hidden;
     colibri_status st;
-    if ((st = check_matrix(image, h, e.w1, REQUIRED, hid, d)) != COLIBRI_OK ||
-        (st = check_vector(image, h, e.b1, OPTIONAL, hid)) != COLIBRI_OK ||
-        (st = check_matrix(image, h, e.w2, REQUIRED, d, hid)) != COLIBRI_OK ||
-        (st = check_vector(image, h, e.b2, OPTIONAL, d)) != COLIBRI_OK ||
-        (st = check_matrix(image, h, e.w3, OPTIONAL, hid, d)) != COLIBRI_OK || /* present iff GLU, above */
-        (st = check_vector(image, h, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
+    if ((st = check_matrix(c, e.w1, REQUIRED, hid, d)) != COLIBRI_OK ||
+        (st = check_vector(c, e.b1, OPTIONAL, hid)) != COLIBRI_OK ||
+        (st = check_matrix(c, e.w2, REQUIRED, d, hid)) != COLIBRI_OK ||
+        (st = check_vector(c, e.b2, OPTIONAL, d)) != COLIBRI_OK ||
+        (st = check_matrix(c, e.w3, OPTIONAL, hid, d)) != COLIBRI_OK || /* present iff GLU, above */
+        (st = check_vector(c, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
         return st;
 
     /* INT8_ACT: every weight int8 (the references are valid by now). */
     if (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) {
-        if (!is_i8(image, h, e.w1) || !is_i8(image, h, e.w2) || (glu && !is_i8(image, h, e.w3)))
+        if (!is_i8(c, e.w1) || !is_i8(c, e.w2) || (glu && !is_i8(c, e.w3)))
             return COLIBRI_E_BAD_MOE;
-        widen(&m->qwidth, d); /* quantised rows: x for w1 (w3), then the hidden for w2 */
-        widen(&m->qwidth, hid);
+        widen(&c->m->qwidth, d); /* quantised rows: x for w1 (w3), then the hidden for w2 */
+        widen(&c->m->qwidth, hid);
     }
-    widen(&m->hidden, hid);
+    widen(&c->m->hidden, hid);
     return COLIBRI_OK;
 }
 
@@ -411,13 +452,14 @@ static colibri_status check_expert(const uint8_t *image, const colibri_header *h
 /* expert_map [R] (i32, read by bytes): every entry -1 or a slot below n, and
  * every slot exactly once. With exactly n in-range entries that is the same
  * as every slot appearing, checked in windows of a fixed-size bitmap so the
- * stack use does not grow with n. */
-static colibri_status check_expert_map(const uint8_t *map, uint32_t routes, uint32_t n)
+ * stack use does not grow with n (at most 32 windows: n <= R <= 65535). */
+static colibri_status check_expert_map(checker *c, const uint8_t *map, uint32_t routes, uint32_t n)
 {
     enum { WINDOW = 2048 };
     uint8_t seen[WINDOW / 8];
     uint32_t kept = 0;
 
+    c->work += routes;
     for (uint32_t r = 0; r < routes; r++) {
         const uint32_t v = colibri_rd_u32(map + 4u * r);
         if (v == COLIBRI_NONE)
@@ -431,6 +473,7 @@ static colibri_status check_expert_map(const uint8_t *map, uint32_t routes, uint
 
     for (uint32_t base = 0; base < n; base += WINDOW) {
         memset(seen, 0, sizeof seen);
+        c->work += routes;
         for (uint32_t r = 0; r < routes; r++) {
             const uint32_t v = colibri_rd_u32(map + 4u * r);
             if (v != COLIBRI_NONE && v >= base && v - base < WINDOW)
@@ -445,12 +488,14 @@ static colibri_status check_expert_map(const uint8_t *map, uint32_t routes, uint
 }
 
 /* MoE record `index` used by a MOE layer of this width, and its experts. */
-static colibri_status check_moe(const uint8_t *image, const colibri_header *h, uint32_t index,
-                                uint32_t width, colibri_model *m)
+static colibri_status check_moe(checker *c, uint32_t index, uint32_t width)
 {
+    const colibri_header *h = c->h;
+    colibri_model *m = c->m;
     colibri_moe moe;
     colibri_router router;
-    colibri_read_moe(image, h, index, &moe);
+    c->work++;
+    colibri_read_moe(c->image, h, index, &moe);
     if (!colibri_router_find(moe.routing, &router))
         return COLIBRI_E_BAD_MOE;
     if (moe.reserved_set || moe.d_model != width ||
@@ -479,27 +524,34 @@ static colibri_status check_moe(const uint8_t *image, const colibri_header *h, u
     if (moe.flags & ~router.flags)
         return COLIBRI_E_BAD_MOE;
 
-    /* Routed experts first_expert .. +N-1, then the shared ones. */
+    /* Routed experts first_expert .. +N-1, then the shared ones: inside the
+     * table, and after every expert an earlier MOE layer owns. */
     const uint32_t d = moe.d_model, routes = moe.route_count, n = moe.expert_count;
     const uint32_t used = n + moe.shared_count;
-    if ((uint64_t)moe.first_expert + used > h->expert_count)
+    if ((uint64_t)moe.first_expert + used > h->expert_count || moe.first_expert < c->next_expert)
         return COLIBRI_E_BAD_REF;
 
-    colibri_status st = check_ref(image, h, moe.expert_map, REQUIRED, I32_ONLY, 1, routes, 1);
+    /* The expert map: an I32 [R] that no earlier MOE layer owns. */
+    colibri_status st = check_ref(c, moe.expert_map, REQUIRED, I32_ONLY, 1, routes, 1);
     if (st != COLIBRI_OK)
         return st;
+    if (moe.expert_map < c->next_map)
+        return COLIBRI_E_BAD_REF;
     colibri_tensor map;
-    colibri_read_tensor(image, h, moe.expert_map, &map);
-    if ((st = check_expert_map(image + map.offset, routes, n)) != COLIBRI_OK ||
-        (st = check_matrix(image, h, moe.router_weight, REQUIRED, routes, d)) != COLIBRI_OK ||
-        (st = check_vector(image, h, moe.router_bias, OPTIONAL, routes)) != COLIBRI_OK)
+    read_tensor(c, moe.expert_map, &map);
+    if ((st = check_expert_map(c, c->image + map.offset, routes, n)) != COLIBRI_OK ||
+        (st = check_matrix(c, moe.router_weight, REQUIRED, routes, d)) != COLIBRI_OK ||
+        (st = check_vector(c, moe.router_bias, OPTIONAL, routes)) != COLIBRI_OK)
         return st;
     for (uint32_t i = 0; i < used; i++)
-        if ((st = check_expert(image, h, moe.first_expert + i, d, m)) != COLIBRI_OK)
+        if ((st = check_expert(c, moe.first_expert + i, d)) != COLIBRI_OK)
             return st;
-    if ((st = check_matrix(image, h, moe.shared_gate, OPTIONAL, 1, d)) != COLIBRI_OK)
+    if ((st = check_matrix(c, moe.shared_gate, OPTIONAL, 1, d)) != COLIBRI_OK)
         return st;
 
+    c->next_moe = index + 1u; /* index < moe_count, so no wrap */
+    c->next_expert = moe.first_expert + used;
+    c->next_map = moe.expert_map + 1u;
     if (routes > m->routes)
         m->routes = routes;
     if (k > m->select)
@@ -546,9 +598,10 @@ static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width)
     return COLIBRI_OK;
 }
 
-static colibri_status check_program(const uint8_t *image, colibri_model *m)
+static colibri_status check_program(checker *c)
 {
-    const colibri_header *h = &m->hdr;
+    const colibri_header *h = c->h;
+    colibri_model *m = c->m;
     uint32_t width = h->input_size;
     uint32_t stack[COLIBRI_MAX_RESIDUAL_DEPTH]; /* widths pushed */
     uint32_t depth = 0;
@@ -557,26 +610,27 @@ static colibri_status check_program(const uint8_t *image, colibri_model *m)
     m->width = width;
     for (uint32_t i = 0; i < h->layer_count; i++) {
         colibri_layer l;
-        colibri_read_layer(image, h, i, &l);
+        c->work++;
+        colibri_read_layer(c->image, h, i, &l);
         if ((st = check_layer_fields(&l, width)) != COLIBRI_OK)
             return st;
 
         const uint32_t in = l.in_features, out = l.out_features;
         switch (l.op) {
         case COLIBRI_OP_LINEAR:
-            if ((st = check_matrix(image, h, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
-                (st = check_vector(image, h, l.t1, OPTIONAL, out)) != COLIBRI_OK)
+            if ((st = check_matrix(c, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
+                (st = check_vector(c, l.t1, OPTIONAL, out)) != COLIBRI_OK)
                 return st;
             if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) {
-                if (!is_i8(image, h, l.t0))
+                if (!is_i8(c, l.t0))
                     return COLIBRI_E_BAD_LAYER;
                 widen(&m->qwidth, in);
             }
             break;
         case COLIBRI_OP_LAYERNORM:
         case COLIBRI_OP_RMSNORM: /* RMSNORM's t1 is NONE (checked above) */
-            if ((st = check_vector(image, h, l.t0, OPTIONAL, in)) != COLIBRI_OK ||
-                (st = check_vector(image, h, l.t1, OPTIONAL, in)) != COLIBRI_OK)
+            if ((st = check_vector(c, l.t0, OPTIONAL, in)) != COLIBRI_OK ||
+                (st = check_vector(c, l.t1, OPTIONAL, in)) != COLIBRI_OK)
                 return st;
             break;
         case COLIBRI_OP_RESIDUAL_PUSH:
@@ -592,9 +646,11 @@ static colibri_status check_program(const uint8_t *image, colibri_model *m)
             depth--;
             break;
         case COLIBRI_OP_MOE:
-            if (l.t0 >= h->moe_count)
+            /* A MoE record belongs to one MOE layer: the layers name records
+             * in increasing order. */
+            if (l.t0 >= h->moe_count || l.t0 < c->next_moe)
                 return COLIBRI_E_BAD_REF;
-            if ((st = check_moe(image, h, l.t0, in, m)) != COLIBRI_OK)
+            if ((st = check_moe(c, l.t0, in)) != COLIBRI_OK)
                 return st;
             break;
         default: /* ACTIVATION: nothing beyond its fields */
@@ -611,12 +667,14 @@ static colibri_status check_program(const uint8_t *image, colibri_model *m)
 
 /* ---- Everything, in order ---- */
 
-colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m)
+colibri_status colibri_check_work(const void *image, size_t image_len, colibri_model *m, uint64_t *work)
 {
     const uint8_t *p = image;
     const colibri_header *h = &m->hdr;
+    checker c = {.image = p, .h = h, .m = m};
     colibri_status st;
 
+    *work = 0;
     if (!image)
         return COLIBRI_E_NULL_ARG;
     if (image_len < COLIBRI_HEADER_SIZE)
@@ -631,23 +689,34 @@ colibri_status colibri_check(const void *image, size_t image_len, colibri_model 
         !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE))
         return COLIBRI_E_TABLE_BOUNDS;
 
-    /* Pass 1: every tensor record on its own. */
+    /* Pass 1: every tensor record on its own, payloads in table order. */
+    uint64_t prev_end = 0;
     for (uint32_t i = 0; i < h->tensor_count; i++) {
         colibri_tensor t;
-        colibri_read_tensor(p, h, i, &t);
-        if ((st = check_tensor(p, h, &t)) != COLIBRI_OK)
-            return st;
+        read_tensor(&c, i, &t);
+        if ((st = check_tensor(p, h, &t, prev_end)) != COLIBRI_OK)
+            break;
+        prev_end = (uint64_t)t.offset + t.nbytes;
         if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8)
             m->parameters += (uint64_t)t.rows * t.cols;
     }
     /* Pass 2: every I8 tensor's companion. */
-    for (uint32_t i = 0; i < h->tensor_count; i++) {
+    for (uint32_t i = 0; st == COLIBRI_OK && i < h->tensor_count; i++) {
         colibri_tensor t;
-        colibri_read_tensor(p, h, i, &t);
-        if (t.dtype == COLIBRI_DTYPE_I8 && (st = check_quant(p, h, &t)) != COLIBRI_OK)
-            return st;
+        read_tensor(&c, i, &t);
+        if (t.dtype == COLIBRI_DTYPE_I8)
+            st = check_quant(&c, &t);
     }
-    return check_program(p, m);
+    if (st == COLIBRI_OK)
+        st = check_program(&c);
+    *work = c.work;
+    return st;
+}
+
+colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m)
+{
+    uint64_t work;
+    return colibri_check_work(image, image_len, m, &work);
 }
 
 colibri_status colibri_validate(const void *image, size_t image_len)

@@ -119,6 +119,11 @@ typedef struct colibri_model {
  * with byte loads only, so any image alignment is accepted here. */
 colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m);
 
+/* colibri_check, also reporting in *work the table records it read and the
+ * payload entries it scanned: tests bound it to show validation is linear
+ * in the image size (tests/c/colibri_work.c). */
+colibri_status colibri_check_work(const void *image, size_t image_len, colibri_model *m, uint64_t *work);
+
 /* ---- Routing (colibri_router.c). ---- */
 
 /* One MoE layer's routing parameters. */

@@ -1,0 +1,85 @@
+"""Writes the fuzzers' seed images: small real exports of every dtype and option.
+
+    .venv/bin/python fuzz/make_seeds.py [OUT_DIR]    (default fuzz/seeds)
+
+Each model is tiny on purpose (about 1-2 KB; 9 KB page-aligned) so that libFuzzer's mutations reach
+every record quickly; together they cover every weight dtype (f32, f16, q8,
+q8 with int8 activations), every routing mode, shared experts with and
+without a gate, pruned experts, GLU and MLP experts, every activation,
+LayerNorm, RMSNorm, residual blocks, a PAGE_ALIGNED image and int8 weights
+of one input column. The runner
+fuzzer also loads one of them (runner-model.clb) into its emulated flash.
+"""
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from colibri import nn as cnn
+from colibri.exporter import export
+
+
+def _moe_model(d: int = 4, experts: int = 3, hidden: int = 3, **moe) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, d),
+        torch.nn.LayerNorm(d),
+        cnn.Residual(cnn.MoE(d, experts, hidden, **moe)),
+        torch.nn.RMSNorm(d, eps=1e-6),
+        torch.nn.Linear(d, 2),
+    )
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.GELU(),
+        torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4, 4), torch.nn.SiLU(),
+        torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Sigmoid(), torch.nn.Linear(4, 2),
+    )
+
+
+def _narrow() -> torch.nn.Module:
+    """One input feature: int8 weights [n, 1], where a rank-1 record would also fit the shape."""
+    return torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+Q8 = {"dtype": "q8", "compensation": 0.05, "keep": ["*.router"]}
+Q8_ACT = {**Q8, "int8_act": ["layers.6", "layers.3.experts.*", "layers.3.shared.*"]}
+
+# name: (model factory, export options); each model is built under its own torch seed.
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
+    "mlp-activations-f32": (_mlp, {}),
+    "narrow-q8-int8act": (_narrow, {"dtype": "q8", "int8_act": ["layers.0", "layers.2"]}),
+    "top1-f32": (lambda: _moe_model(routing="top1", activation="relu"), {}),
+    "topk-softmax-glu-f32": (lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, activation="silu"), {}),
+    "softmax-topk-renorm-f16": (
+        lambda: _moe_model(routing="softmax_topk", top_k=2, renormalize=True), {"dtype": "f16"}),
+    "dense-shared-gate-f32": (
+        lambda: _moe_model(routing="dense", num_shared=2, shared_gate=True, router_bias=True), {}),
+    "shared-nogate-pruned-f32": (
+        lambda: _moe_model(routing="topk_softmax", top_k=2, num_shared=1), {"prune": [1]}),
+    "page-aligned-f32": (lambda: _moe_model(experts=2, routing="top1", gated=True), {"page_aligned": True}),
+    "softmax-topk-q8": (lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), Q8),
+    "glu-q8-int8act": (
+        lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, expert_bias=False), Q8_ACT),
+    "dense-pruned-q8-int8act": (
+        lambda: _moe_model(routing="dense", router_bias=True, num_shared=1), {**Q8_ACT, "prune": [0]}),
+}
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (factory, opts) in MODELS.items():
+        torch.manual_seed(zlib.crc32(name.encode()))
+        data = export(factory(), None, max_batch=3, **opts).image
+        (out / f"{name}.clb").write_bytes(data)
+        print(f"{name}.clb: {len(data)} bytes")
+    # The runner fuzzer boots this one from its emulated flash slot.
+    (out / "runner-model.clb").write_bytes((out / "top1-f32.clb").read_bytes())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "seeds")
