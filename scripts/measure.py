@@ -358,7 +358,7 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"about 1\.5 minutes", "timing: make fuzz-smoke's wall clock"),
     (r"about 10 s of wall clock", "timing: training in make demo (examples/smart_meter/demo.py)"),
     (r"2 cores\), 2026-\d\d-\d\d", "the CI machine and the date of the timings"),
-    (r"\| `make test` \| under[^\n]*", "timing row: make test's wall clock"),
+    (r"\| `make test` \| about[^\n]*", "timing row: make test's wall clock"),
     (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
     (r"\| host speed, quickstart model[^\n]*", "timing row: bench/host_bench.py"),
 ]
