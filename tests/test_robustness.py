@@ -19,7 +19,6 @@ import torch
 from colibri import format as F
 from colibri import image
 from colibri import nn as cnn
-from colibri.errors import ColibriError
 from colibri.exporter import export
 from colibri.format import Status
 
@@ -34,14 +33,6 @@ def check(drivers: Path, images: list[bytes]) -> list[dict[str, str]]:
     lines = r.stdout.decode().splitlines()
     assert len(lines) == len(images), r.stderr.decode()[-3000:]
     return [dict(f.split("=", 1) for f in line.split()) for line in lines]
-
-
-def python_status(data: bytes) -> int:
-    try:
-        image.read(data)
-    except ColibriError as exc:
-        return int(exc.status)
-    return 0
 
 
 def _small_model() -> torch.nn.Module:
@@ -112,7 +103,7 @@ def test_every_single_byte_corruption_of_header_and_tables(c_drivers: Path, smal
     for (off, flip), data, f in zip(where, cases, check(c_drivers, cases)):
         got = status(f)
         assert got < 0, (off, flip)
-        assert got == python_status(data), (off, flip, got)
+        assert got == image.status(data), (off, flip, got)
         if off >= F.CRC_START and off not in range(12, 16):
             assert got == Status.BAD_CRC, (off, flip, got)
 
@@ -131,7 +122,7 @@ def test_corruptions_past_the_crc_get_specific_statuses(c_drivers: Path, small_i
     seen = set()
     for (off, flip), data, f in zip(where, cases, results):
         got = status(f)
-        assert got == python_status(data), (off, flip, got, python_status(data))
+        assert got == image.status(data), (off, flip, got, image.status(data))
         if got == 0:  # still a valid image (e.g. a weight-free field such as eps): it must run
             assert status(f, "init") == 0 and status(f, "fwd1") == 0 and status(f, "fwdN") == 0
         seen.add(got)
@@ -197,7 +188,7 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
     results = check(c_drivers, list(cases.values()))
     for (name, data), f in zip(cases.items(), results):
         assert status(f) == expected[name], (name, f)
-        assert python_status(data) == expected[name], name
+        assert image.status(data) == expected[name], name
 
 
 def test_random_garbage(c_drivers: Path) -> None:
@@ -233,7 +224,7 @@ def test_quantised_payload_corruptions(c_drivers: Path, q8_image: bytes) -> None
     seen = set()
     for data, f in zip(cases, check(c_drivers, cases)):
         got = status(f)
-        assert got == python_status(data)
+        assert got == image.status(data)
         if got == 0:
             assert status(f, "fwd1") == 0 and status(f, "fwdN") == 0
         seen.add(got)
@@ -276,7 +267,7 @@ def test_named_quantisation_faults(c_drivers: Path, q8_image: bytes) -> None:
     results = check(c_drivers, [data for data, _ in cases.values()])
     for (name, (data, want)), f in zip(cases.items(), results):
         assert status(f) == want, (name, f)
-        assert python_status(data) == want, name
+        assert image.status(data) == want, name
 
 
 def _q8_tensor_indices(data: bytes) -> list[int]:

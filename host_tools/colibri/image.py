@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as F
-from .errors import error_for
+from .errors import ColibriError, error_for
 from .format import Act, DType, ExpertKind, Op, Routing, Status
 from .ir import (
     Activation, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd, ResidualPush, RMSNorm, Weight,
@@ -271,6 +271,16 @@ class _Owners:
     that no earlier MOE layer owns: indices from these on."""
 
     moe = expert = emap = 0
+
+
+def status(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> int:
+    """What colibri_validate returns for this image: 0 (OK) or the negative Status of the first
+    failure, found in the same order (the differential tests and fuzzer compare the two)."""
+    try:
+        read(data, work=work)
+    except ColibriError as exc:
+        return int(exc.status)
+    return 0
 
 
 def read(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> Graph:
