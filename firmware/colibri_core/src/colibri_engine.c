@@ -13,49 +13,12 @@
 
 #define CTX_MAGIC 0x58424C43u /* "CLBX" */
 
-/* ---- The plan: the layer program, resolved at init ---- */
-
-/* One expert: x [n, d] -> act(x W1ᵀ + b1) (⊙ (x W3ᵀ + b3) if GLU) W2ᵀ + b2. */
-typedef struct plan_expert {
-    colibri_matrix w1;        /* [hidden, d] */
-    colibri_matrix w2;        /* [d, hidden] */
-    colibri_matrix w3;        /* [hidden, d] GLU gate path; MLP: zero, unused */
-    const float *b1, *b2, *b3; /* [hidden], [d], [hidden], each or NULL */
-    uint32_t hidden;
-    uint8_t glu;              /* COLIBRI_EXPERT_GLU */
-    uint8_t activation;       /* COLIBRI_ACT_* after w1 */
-    uint8_t int8_act;         /* COLIBRI_EXPERT_FLAG_INT8_ACT: int8 activation rows */
-} plan_expert;
-
-/* One MOE layer: router, dispatch, its routed then shared experts. */
-typedef struct plan_moe {
-    colibri_matrix router;         /* [R, d] */
-    colibri_matrix shared_gate;    /* [1, d]; data NULL: shared experts ungated */
-    const float *router_bias;      /* [R] or NULL */
-    colibri_route_fn route;        /* the routing mode's selector */
-    colibri_routing routing;       /* expert map [R], R, top_k, flags */
-    const plan_expert *expert;     /* [n_experts routed, then shared_count shared] */
-    uint32_t d, n_experts, shared_count;
-} plan_moe;
-
-/* One layer of the program. */
-typedef struct plan_layer {
-    uint8_t op;               /* COLIBRI_OP_* */
-    uint8_t act;              /* ACTIVATION: COLIBRI_ACT_* */
-    uint8_t int8_act;         /* LINEAR: COLIBRI_LAYER_FLAG_INT8_ACT */
-    uint32_t in;              /* in_features (the activation width) */
-    float eps;                /* LAYERNORM, RMSNORM */
-    uint32_t moe;             /* MOE: index into the plan's MoE layers */
-    colibri_matrix w;         /* LINEAR [out, in] */
-    const float *t0, *t1;     /* LINEAR bias [out], -; LAYERNORM gamma, beta [in]; RMSNORM gamma [in] */
-} plan_layer;
-
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
-    plan_layer *layer;       /* [layer_count] the program */
-    plan_moe *moe;           /* [moe_layers] */
-    plan_expert *expert;     /* [routed + shared experts of all MoE layers] */
+    colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
+    colibri_plan_moe *moe;       /* [MoE layers] */
+    colibri_plan_expert *expert; /* [routed + shared experts of all MoE layers] */
     float *act[2];           /* [B, W] ping-pong activations */
     float *moe_acc;          /* [B, W] MoE layer output */
     float *hidden[2];        /* [B, H] expert hidden rows: W1 path, W3 (GLU gate) path */
@@ -71,7 +34,8 @@ struct colibri_ctx {
 };
 
 _Static_assert(_Alignof(struct colibri_ctx) <= COLIBRI_ARENA_ALIGN, "context alignment exceeds the arena's");
-_Static_assert(_Alignof(plan_layer) <= 8 && _Alignof(plan_moe) <= 8 && _Alignof(plan_expert) <= 8,
+_Static_assert(_Alignof(colibri_plan_layer) <= 8 && _Alignof(colibri_plan_moe) <= 8 &&
+                   _Alignof(colibri_plan_expert) <= 8,
                "plan alignment exceeds the arena pieces' 8 bytes");
 
 /* ---- Arena ---- */
@@ -94,9 +58,9 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
     size[P_CTX] = sizeof(struct colibri_ctx);
     /* The plan: one entry per layer, per MoE layer of the program, and per
      * expert (routed and shared) those MoE layers use. */
-    size[P_PLAN_LAYERS] = (uint64_t)m->hdr.layer_count * sizeof(plan_layer);
-    size[P_PLAN_MOES] = (uint64_t)m->moe_layers * sizeof(plan_moe);
-    size[P_PLAN_EXPERTS] = ((uint64_t)m->routed_experts + m->shared_experts) * sizeof(plan_expert);
+    size[P_PLAN_LAYERS] = (uint64_t)m->hdr.layer_count * sizeof(colibri_plan_layer);
+    size[P_PLAN_MOES] = (uint64_t)m->moe_layers * sizeof(colibri_plan_moe);
+    size[P_PLAN_EXPERTS] = ((uint64_t)m->routed_experts + m->shared_experts) * sizeof(colibri_plan_expert);
     size[P_ACT0] = B * W * f32;
     size[P_ACT1] = B * W * f32;
     size[P_MOE_ACC] = m->moe_layers ? B * W * f32 : 0;
@@ -186,12 +150,12 @@ static colibri_matrix weight(const uint8_t *image, const colibri_header *hdr, ui
     return w;
 }
 
-static plan_expert plan_one_expert(const uint8_t *image, const colibri_header *hdr, uint32_t index)
+static colibri_plan_expert plan_one_expert(const uint8_t *image, const colibri_header *hdr, uint32_t index)
 {
     colibri_expert e;
     colibri_read_expert(image, hdr, index, &e);
     const int glu = e.kind == COLIBRI_EXPERT_GLU;
-    return (plan_expert){
+    return (colibri_plan_expert){
         .w1 = weight(image, hdr, e.w1),
         .w2 = weight(image, hdr, e.w2),
         .w3 = weight(image, hdr, glu ? e.w3 : COLIBRI_NONE),
@@ -215,8 +179,8 @@ static void build_plan(colibri_ctx *c, const uint8_t *image)
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
         colibri_layer l;
         colibri_read_layer(image, hdr, i, &l);
-        plan_layer *p = &c->layer[i];
-        *p = (plan_layer){
+        colibri_plan_layer *p = &c->layer[i];
+        *p = (colibri_plan_layer){
             .op = l.op,
             .act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0,
             .int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0,
@@ -235,9 +199,9 @@ static void build_plan(colibri_ctx *c, const uint8_t *image)
         colibri_read_moe(image, hdr, l.t0, &r);
         (void)colibri_router_find(r.routing, &router); /* validated: always found */
         p->moe = n_moe;
-        plan_moe *moe = &c->moe[n_moe++];
-        plan_expert *expert = &c->expert[n_expert];
-        *moe = (plan_moe){
+        colibri_plan_moe *moe = &c->moe[n_moe++];
+        colibri_plan_expert *expert = &c->expert[n_expert];
+        *moe = (colibri_plan_moe){
             .router = weight(image, hdr, r.router_weight),
             .shared_gate = weight(image, hdr, r.shared_gate),
             .router_bias = f32_tensor(image, hdr, r.router_bias),
@@ -283,9 +247,9 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
     uint8_t *base = arena;
     colibri_ctx *c = arena;
     c->model = m;
-    c->layer = (plan_layer *)(void *)(base + off[P_PLAN_LAYERS]);
-    c->moe = (plan_moe *)(void *)(base + off[P_PLAN_MOES]);
-    c->expert = (plan_expert *)(void *)(base + off[P_PLAN_EXPERTS]);
+    c->layer = (colibri_plan_layer *)(void *)(base + off[P_PLAN_LAYERS]);
+    c->moe = (colibri_plan_moe *)(void *)(base + off[P_PLAN_MOES]);
+    c->expert = (colibri_plan_expert *)(void *)(base + off[P_PLAN_EXPERTS]);
     c->act[0] = (float *)(void *)(base + off[P_ACT0]);
     c->act[1] = (float *)(void *)(base + off[P_ACT1]);
     c->moe_acc = (float *)(void *)(base + off[P_MOE_ACC]);
@@ -330,7 +294,7 @@ static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16
  * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
  * index list; the hidden rows [n, H] are compact. With INT8_ACT the x rows
  * are quantised once for w1 and w3, the hidden rows again for w2. */
-static void expert_forward(const colibri_ctx *c, const plan_expert *e, const float *x, size_t d,
+static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, const float *x, size_t d,
                            const uint16_t *rows, size_t n, const float *scale, float *y)
 {
     const size_t hid = e->hidden;
@@ -353,7 +317,7 @@ static void expert_forward(const colibri_ctx *c, const plan_expert *e, const flo
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
-static void moe_forward(const colibri_ctx *c, const plan_moe *moe, const float *x, float *y, size_t batch)
+static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
 {
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
 
@@ -433,7 +397,7 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
 
     memcpy(x, input, input_count * sizeof *x);
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
-        const plan_layer *l = &ctx->layer[i];
+        const colibri_plan_layer *l = &ctx->layer[i];
         const size_t in = l->in;
 
         switch (l->op) {
