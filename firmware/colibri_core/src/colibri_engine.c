@@ -115,23 +115,21 @@ static const float *f32_tensor(const uint8_t *image, const colibri_header *hdr, 
     return colibri_payload(image, hdr, index);
 }
 
-/* The kernel's view of weight tensor `index` (F32, F16 or I8, validated),
- * an I8 one with its Q8_PARAMS scales and compensation term; all zero for
- * COLIBRI_NONE. */
-static colibri_matrix weight(const uint8_t *image, const colibri_header *hdr, uint32_t index)
+/* Fills *w, the kernel's view of weight tensor `index` (F32, F16 or I8,
+ * validated), an I8 one with its Q8_PARAMS scales and compensation term;
+ * all zero for COLIBRI_NONE. The plan entries are written in place, field
+ * by field, so init needs no struct-sized temporaries on a small stack. */
+static void weight(colibri_matrix *w, const uint8_t *image, const colibri_header *hdr, uint32_t index)
 {
-    colibri_matrix w = {
-        .dtype = 0, .rows = 0, .cols = 0, .nnz = 0,
-        .data = NULL, .scale = NULL, .row_ptr = NULL, .col = NULL, .val = NULL,
-    };
+    memset(w, 0, sizeof *w);
     if (index == COLIBRI_NONE)
-        return w;
+        return;
     colibri_tensor t;
     colibri_read_tensor(image, hdr, index, &t);
-    w.dtype = t.dtype;
-    w.rows = t.rows;
-    w.cols = t.cols;
-    w.data = image + t.offset;
+    w->dtype = t.dtype;
+    w->rows = t.rows;
+    w->cols = t.cols;
+    w->data = image + t.offset;
     if (t.dtype == COLIBRI_DTYPE_I8) {
         colibri_tensor q;
         colibri_read_tensor(image, hdr, t.aux, &q);
@@ -139,39 +137,70 @@ static colibri_matrix weight(const uint8_t *image, const colibri_header *hdr, ui
          * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
         const uint8_t *p = image + q.offset;
         const size_t rows = t.rows;
-        w.nnz = colibri_rd_u32(p);
-        w.scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
-        if (w.nnz) {
-            w.row_ptr = (const uint32_t *)(const void *)(w.scale + rows);
-            w.col = (const uint16_t *)(const void *)(w.row_ptr + rows + 1);
-            w.val = w.col + ((2u * (size_t)w.nnz + 3u) & ~(size_t)3u) / 2u;
+        w->nnz = colibri_rd_u32(p);
+        w->scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
+        if (w->nnz) {
+            w->row_ptr = (const uint32_t *)(const void *)(w->scale + rows);
+            w->col = (const uint16_t *)(const void *)(w->row_ptr + rows + 1);
+            w->val = w->col + ((2u * (size_t)w->nnz + 3u) & ~(size_t)3u) / 2u;
         }
     }
-    return w;
 }
 
-static colibri_plan_expert plan_one_expert(const uint8_t *image, const colibri_header *hdr, uint32_t index)
+static void plan_expert(colibri_plan_expert *p, const uint8_t *image, const colibri_header *hdr, uint32_t index)
 {
     colibri_expert e;
     colibri_read_expert(image, hdr, index, &e);
     const int glu = e.kind == COLIBRI_EXPERT_GLU;
-    return (colibri_plan_expert){
-        .w1 = weight(image, hdr, e.w1),
-        .w2 = weight(image, hdr, e.w2),
-        .w3 = weight(image, hdr, glu ? e.w3 : COLIBRI_NONE),
-        .b1 = f32_tensor(image, hdr, e.b1),
-        .b2 = f32_tensor(image, hdr, e.b2),
-        .b3 = glu ? f32_tensor(image, hdr, e.b3) : NULL,
-        .hidden = e.hidden,
-        .glu = (uint8_t)glu,
-        .activation = e.activation,
-        .int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0,
-    };
+    weight(&p->w1, image, hdr, e.w1);
+    weight(&p->w2, image, hdr, e.w2);
+    weight(&p->w3, image, hdr, glu ? e.w3 : COLIBRI_NONE);
+    p->b1 = f32_tensor(image, hdr, e.b1);
+    p->b2 = f32_tensor(image, hdr, e.b2);
+    p->b3 = glu ? f32_tensor(image, hdr, e.b3) : NULL;
+    p->hidden = e.hidden;
+    p->glu = (uint8_t)glu;
+    p->activation = e.activation;
+    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
 }
+
+/* MOE layer record `index`: its entry, and its routed then shared experts
+ * from *expert on. */
+static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uint8_t *image,
+                     const colibri_header *hdr, uint32_t index)
+{
+    colibri_moe r;
+    colibri_router router;
+    colibri_read_moe(image, hdr, index, &r);
+    (void)colibri_router_find(r.routing, &router); /* validated: always found */
+    weight(&p->router, image, hdr, r.router_weight);
+    weight(&p->shared_gate, image, hdr, r.shared_gate);
+    p->router_bias = f32_tensor(image, hdr, r.router_bias);
+    p->route = router.route;
+    p->routing.map = colibri_payload(image, hdr, r.expert_map);
+    p->routing.routes = r.route_count;
+    p->routing.top_k = r.top_k;
+    p->routing.flags = r.flags;
+    p->expert = expert;
+    p->d = r.d_model;
+    p->n_experts = r.expert_count;
+    p->shared_count = r.shared_count;
+    for (uint32_t j = 0; j < r.expert_count + r.shared_count; j++)
+        plan_expert(&expert[j], image, hdr, r.first_expert + j);
+}
+
+/* Kept out of colibri_init: inlined, its record buffers would sit in the
+ * same frame as init's model summary and offsets, and raise the stack
+ * high-water mark a device reserves for init. */
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#else
+#define NOINLINE
+#endif
 
 /* Resolves the validated program of c->model into the plan arrays the
  * context points at, which arena_layout sized from the same counts. */
-static void build_plan(colibri_ctx *c, const uint8_t *image)
+static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
 {
     const colibri_header *hdr = &c->model.hdr;
     uint32_t n_moe = 0, n_expert = 0;
@@ -180,46 +209,21 @@ static void build_plan(colibri_ctx *c, const uint8_t *image)
         colibri_layer l;
         colibri_read_layer(image, hdr, i, &l);
         colibri_plan_layer *p = &c->layer[i];
-        *p = (colibri_plan_layer){
-            .op = l.op,
-            .act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0,
-            .int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0,
-            .in = l.in_features,
-            .eps = l.eps,
-            .moe = 0,
-            .w = weight(image, hdr, l.op == COLIBRI_OP_LINEAR ? l.t0 : COLIBRI_NONE),
-            .t0 = l.op == COLIBRI_OP_LINEAR || l.op == COLIBRI_OP_MOE ? NULL : f32_tensor(image, hdr, l.t0),
-            .t1 = f32_tensor(image, hdr, l.t1),
-        };
-        if (l.op != COLIBRI_OP_MOE)
-            continue;
-
-        colibri_moe r;
-        colibri_router router;
-        colibri_read_moe(image, hdr, l.t0, &r);
-        (void)colibri_router_find(r.routing, &router); /* validated: always found */
-        p->moe = n_moe;
-        colibri_plan_moe *moe = &c->moe[n_moe++];
-        colibri_plan_expert *expert = &c->expert[n_expert];
-        *moe = (colibri_plan_moe){
-            .router = weight(image, hdr, r.router_weight),
-            .shared_gate = weight(image, hdr, r.shared_gate),
-            .router_bias = f32_tensor(image, hdr, r.router_bias),
-            .route = router.route,
-            .routing = {
-                .map = colibri_payload(image, hdr, r.expert_map),
-                .routes = r.route_count,
-                .top_k = r.top_k,
-                .flags = r.flags,
-            },
-            .expert = expert,
-            .d = r.d_model,
-            .n_experts = r.expert_count,
-            .shared_count = r.shared_count,
-        };
-        for (uint32_t j = 0; j < r.expert_count + r.shared_count; j++)
-            expert[j] = plan_one_expert(image, hdr, r.first_expert + j);
-        n_expert += r.expert_count + r.shared_count;
+        const int linear = l.op == COLIBRI_OP_LINEAR, moe = l.op == COLIBRI_OP_MOE;
+        p->op = l.op;
+        p->act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0;
+        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0;
+        p->in = l.in_features;
+        p->eps = l.eps;
+        p->moe = 0;
+        weight(&p->w, image, hdr, linear ? l.t0 : COLIBRI_NONE);
+        p->t0 = linear || moe ? NULL : f32_tensor(image, hdr, l.t0);
+        p->t1 = f32_tensor(image, hdr, l.t1);
+        if (moe) {
+            p->moe = n_moe;
+            plan_moe(&c->moe[n_moe++], &c->expert[n_expert], image, hdr, l.t0);
+            n_expert += c->moe[p->moe].n_experts + c->moe[p->moe].shared_count;
+        }
     }
 }
 
