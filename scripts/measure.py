@@ -112,6 +112,38 @@ def group_runner() -> list[Figure]:
                 "runner firmware flash, NUCLEO-H743ZI")]
 
 
+PLAN_PROBE = """#include "colibri_internal.h"
+colibri_plan_layer probe_layer;
+colibri_plan_moe probe_moe;
+colibri_plan_expert probe_expert;
+"""
+
+
+def plan_entry_bytes(cc: str, nm: str, *flags: str) -> dict[str, int]:
+    """Bytes of one plan entry per layer, MoE layer and expert (colibri_internal.h) as `cc` lays them
+    out: sizes of probe objects of each type, read back with `nm -S` from the compiled probe."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        obj = Path(tmp) / "probe.o"
+        subprocess.run([cc, "-std=c11", *flags, f"-I{CORE / 'include'}", f"-I{CORE / 'src'}", "-x", "c", "-c", "-",
+                        "-o", str(obj)], input=PLAN_PROBE, text=True, check=True)
+        out = subprocess.run([nm, "-S", "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
+    sizes = {line.split()[-1]: int(line.split()[1], 16) for line in out.splitlines() if "probe_" in line}
+    return {k: sizes[f"probe_{k}"] for k in ("layer", "moe", "expert")}
+
+
+def group_plan() -> list[Figure]:
+    """The plan colibri_init builds in the arena: bytes per layer, per MoE layer and per expert, on the
+    64-bit host (gcc) and the Cortex-M7 (arm-none-eabi-gcc, the engine's flags)."""
+    host = plan_entry_bytes("gcc", "nm")
+    m7 = plan_entry_bytes("arm-none-eabi-gcc", "arm-none-eabi-nm", "-mcpu=cortex-m7", "-mthumb", "-mfpu=fpv5-d16",
+                          "-mfloat-abi=hard")
+    return [fig(f"plan.{k}.{where}", sizes[k], f"plan bytes per {what}, {label}")
+            for where, sizes, label in (("host", host, "64-bit host"), ("m7", m7, "Cortex-M7"))
+            for k, what in (("layer", "layer"), ("moe", "MoE layer"), ("expert", "expert"))]
+
+
 def group_quickstart() -> list[Figure]:
     """examples/quickstart.py's model: sizes on the host, and work, arena and stack on the emulated Cortex-M7."""
     import numpy as np
@@ -299,6 +331,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "engine": group_engine,
     "runner": group_runner,
     "quickstart": group_quickstart,
+    "plan": group_plan,
     "quantisation": group_quantisation,
     "random_q8": group_random_q8,
     "smart_meter": group_smart_meter,
@@ -306,7 +339,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
 
 # Which group measures a key: the longest matching prefix.
 KEY_GROUPS = {
-    "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart",
+    "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
 }
 

@@ -1,10 +1,12 @@
 /*
- * The engine: arena layout, context, and the forward pass.
+ * The engine: arena layout, context, the plan, and the forward pass.
  *
- * The context and every buffer live in the caller's arena; the weights are
- * read in place from the image. colibri_forward() runs the layer program top
- * to bottom on an activation x [batch, width], parsing each small record as
- * it goes with the same readers the validator used.
+ * The context, the plan and every buffer live in the caller's arena; the
+ * weights are read in place from the image. colibri_init() validates the
+ * image and resolves its layer program once into the plan: each layer's op,
+ * dims and weight views, each MoE layer's router and experts. colibri_forward()
+ * then runs the plan top to bottom on an activation x [batch, width] and reads
+ * no record of the image, only weight payloads.
  */
 #include "colibri_internal.h"
 #include "colibri_kernels.h"
@@ -13,8 +15,10 @@
 
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
-    const uint8_t *image;    /* the model image, weights read in place */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
+    colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
+    colibri_plan_moe *moe;       /* [MoE layers] */
+    colibri_plan_expert *expert; /* [routed + shared experts of all MoE layers] */
     float *act[2];           /* [B, W] ping-pong activations */
     float *moe_acc;          /* [B, W] MoE layer output */
     float *hidden[2];        /* [B, H] expert hidden rows: W1 path, W3 (GLU gate) path */
@@ -30,12 +34,15 @@ struct colibri_ctx {
 };
 
 _Static_assert(_Alignof(struct colibri_ctx) <= COLIBRI_ARENA_ALIGN, "context alignment exceeds the arena's");
+_Static_assert(_Alignof(colibri_plan_layer) <= 8 && _Alignof(colibri_plan_moe) <= 8 &&
+                   _Alignof(colibri_plan_expert) <= 8,
+               "plan alignment exceeds the arena pieces' 8 bytes");
 
 /* ---- Arena ---- */
 
 /* Arena pieces, in address order (docs/model-format.md "Arena"). */
 enum {
-    P_CTX, P_ACT0, P_ACT1, P_MOE_ACC, P_HIDDEN0, P_HIDDEN1, P_SCORES, P_SELECT,
+    P_CTX, P_PLAN_LAYERS, P_PLAN_MOES, P_PLAN_EXPERTS, P_ACT0, P_ACT1, P_MOE_ACC, P_HIDDEN0, P_HIDDEN1, P_SCORES, P_SELECT,
     P_RING_TOKEN, P_RING_WEIGHT, P_RING_COUNT, P_STACK, P_QROWS, P_QSCALE, P_COUNT
 };
 
@@ -49,6 +56,11 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
     uint64_t size[P_COUNT];
 
     size[P_CTX] = sizeof(struct colibri_ctx);
+    /* The plan: one entry per layer, per MoE layer of the program, and per
+     * expert (routed and shared) those MoE layers use. */
+    size[P_PLAN_LAYERS] = (uint64_t)m->hdr.layer_count * sizeof(colibri_plan_layer);
+    size[P_PLAN_MOES] = (uint64_t)m->moe_layers * sizeof(colibri_plan_moe);
+    size[P_PLAN_EXPERTS] = ((uint64_t)m->routed_experts + m->shared_experts) * sizeof(colibri_plan_expert);
     size[P_ACT0] = B * W * f32;
     size[P_ACT1] = B * W * f32;
     size[P_MOE_ACC] = m->moe_layers ? B * W * f32 : 0;
@@ -71,7 +83,7 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
 }
 
 /* Validates the image and sizes its arena. */
-static colibri_status plan(const void *image, size_t image_len, colibri_model *m, uint64_t off[P_COUNT + 1])
+static colibri_status size_model(const void *image, size_t image_len, colibri_model *m, uint64_t off[P_COUNT + 1])
 {
     colibri_status st = colibri_check(image, image_len, m);
     if (st != COLIBRI_OK)
@@ -89,11 +101,130 @@ colibri_status colibri_model_size(const void *image, size_t image_len, size_t *a
     uint64_t off[P_COUNT + 1];
     if (!image || !arena_size)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = plan(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off);
     if (st != COLIBRI_OK)
         return st;
     *arena_size = (size_t)off[P_COUNT];
     return COLIBRI_OK;
+}
+
+/* ---- Building the plan (init only: the records are read here, once) ---- */
+
+static const float *f32_tensor(const uint8_t *image, const colibri_header *hdr, uint32_t index)
+{
+    return colibri_payload(image, hdr, index);
+}
+
+/* Fills *w, the kernel's view of weight tensor `index` (F32, F16 or I8,
+ * validated), an I8 one with its Q8_PARAMS scales and compensation term;
+ * all zero for COLIBRI_NONE. The plan entries are written in place, field
+ * by field, so init needs no struct-sized temporaries on a small stack. */
+static void weight(colibri_matrix *w, const uint8_t *image, const colibri_header *hdr, uint32_t index)
+{
+    memset(w, 0, sizeof *w);
+    if (index == COLIBRI_NONE)
+        return;
+    colibri_tensor t;
+    colibri_read_tensor(image, hdr, index, &t);
+    w->dtype = t.dtype;
+    w->rows = t.rows;
+    w->cols = t.cols;
+    w->data = image + t.offset;
+    if (t.dtype == COLIBRI_DTYPE_I8) {
+        colibri_tensor q;
+        colibri_read_tensor(image, hdr, t.aux, &q);
+        /* docs/model-format.md "Quantised weights": nnz, reserved, scale
+         * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
+        const uint8_t *p = image + q.offset;
+        const size_t rows = t.rows;
+        w->nnz = colibri_rd_u32(p);
+        w->scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
+        if (w->nnz) {
+            w->row_ptr = (const uint32_t *)(const void *)(w->scale + rows);
+            w->col = (const uint16_t *)(const void *)(w->row_ptr + rows + 1);
+            w->val = w->col + ((2u * (size_t)w->nnz + 3u) & ~(size_t)3u) / 2u;
+        }
+    }
+}
+
+static void plan_expert(colibri_plan_expert *p, const uint8_t *image, const colibri_header *hdr, uint32_t index)
+{
+    colibri_expert e;
+    colibri_read_expert(image, hdr, index, &e);
+    const int glu = e.kind == COLIBRI_EXPERT_GLU;
+    weight(&p->w1, image, hdr, e.w1);
+    weight(&p->w2, image, hdr, e.w2);
+    weight(&p->w3, image, hdr, glu ? e.w3 : COLIBRI_NONE);
+    p->b1 = f32_tensor(image, hdr, e.b1);
+    p->b2 = f32_tensor(image, hdr, e.b2);
+    p->b3 = glu ? f32_tensor(image, hdr, e.b3) : NULL;
+    p->hidden = e.hidden;
+    p->glu = (uint8_t)glu;
+    p->activation = e.activation;
+    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
+}
+
+/* MOE layer record `index`: its entry, and its routed then shared experts
+ * from *expert on. */
+static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uint8_t *image,
+                     const colibri_header *hdr, uint32_t index)
+{
+    colibri_moe r;
+    colibri_router router;
+    colibri_read_moe(image, hdr, index, &r);
+    (void)colibri_router_find(r.routing, &router); /* validated: always found */
+    weight(&p->router, image, hdr, r.router_weight);
+    weight(&p->shared_gate, image, hdr, r.shared_gate);
+    p->router_bias = f32_tensor(image, hdr, r.router_bias);
+    p->route = router.route;
+    p->routing.map = colibri_payload(image, hdr, r.expert_map);
+    p->routing.routes = r.route_count;
+    p->routing.top_k = r.top_k;
+    p->routing.flags = r.flags;
+    p->expert = expert;
+    p->d = r.d_model;
+    p->n_experts = r.expert_count;
+    p->shared_count = r.shared_count;
+    for (uint32_t j = 0; j < r.expert_count + r.shared_count; j++)
+        plan_expert(&expert[j], image, hdr, r.first_expert + j);
+}
+
+/* Kept out of colibri_init: inlined, its record buffers would sit in the
+ * same frame as init's model summary and offsets, and raise the stack
+ * high-water mark a device reserves for init. */
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#else
+#define NOINLINE
+#endif
+
+/* Resolves the validated program of c->model into the plan arrays the
+ * context points at, which arena_layout sized from the same counts. */
+static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
+{
+    const colibri_header *hdr = &c->model.hdr;
+    uint32_t n_moe = 0, n_expert = 0;
+
+    for (uint32_t i = 0; i < hdr->layer_count; i++) {
+        colibri_layer l;
+        colibri_read_layer(image, hdr, i, &l);
+        colibri_plan_layer *p = &c->layer[i];
+        const int linear = l.op == COLIBRI_OP_LINEAR, moe = l.op == COLIBRI_OP_MOE;
+        p->op = l.op;
+        p->act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0;
+        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0;
+        p->in = l.in_features;
+        p->eps = l.eps;
+        p->moe = 0;
+        weight(&p->w, image, hdr, linear ? l.t0 : COLIBRI_NONE);
+        p->t0 = linear || moe ? NULL : f32_tensor(image, hdr, l.t0);
+        p->t1 = f32_tensor(image, hdr, l.t1);
+        if (moe) {
+            p->moe = n_moe;
+            plan_moe(&c->moe[n_moe++], &c->expert[n_expert], image, hdr, l.t0);
+            n_expert += c->moe[p->moe].n_experts + c->moe[p->moe].shared_count;
+        }
+    }
 }
 
 colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
@@ -111,7 +242,7 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
 
     colibri_model m;
     uint64_t off[P_COUNT + 1];
-    colibri_status st = plan(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off);
     if (st != COLIBRI_OK)
         return st;
     if (off[P_COUNT] > arena_size)
@@ -119,8 +250,10 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
 
     uint8_t *base = arena;
     colibri_ctx *c = arena;
-    c->image = image;
     c->model = m;
+    c->layer = (colibri_plan_layer *)(void *)(base + off[P_PLAN_LAYERS]);
+    c->moe = (colibri_plan_moe *)(void *)(base + off[P_PLAN_MOES]);
+    c->expert = (colibri_plan_expert *)(void *)(base + off[P_PLAN_EXPERTS]);
     c->act[0] = (float *)(void *)(base + off[P_ACT0]);
     c->act[1] = (float *)(void *)(base + off[P_ACT1]);
     c->moe_acc = (float *)(void *)(base + off[P_MOE_ACC]);
@@ -135,6 +268,7 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
     c->stack = (float *)(void *)(base + off[P_STACK]);
     c->qrows = (int8_t *)(void *)(base + off[P_QROWS]);
     c->qscale = (float *)(void *)(base + off[P_QSCALE]);
+    build_plan(c, image);
     c->magic = CTX_MAGIC;
     *out = c;
     return COLIBRI_OK;
@@ -152,40 +286,6 @@ colibri_status colibri_free(colibri_ctx *ctx)
 
 /* ---- Forward pass ---- */
 
-static const float *f32_tensor(const colibri_ctx *c, uint32_t index)
-{
-    return colibri_payload(c->image, &c->model.hdr, index);
-}
-
-/* The kernel's view of weight tensor `index` (F32, F16 or I8, validated),
- * an I8 one with its Q8_PARAMS scales and compensation term. */
-static colibri_matrix weight(const colibri_ctx *c, uint32_t index)
-{
-    const colibri_header *hdr = &c->model.hdr;
-    colibri_tensor t;
-    colibri_read_tensor(c->image, hdr, index, &t);
-    colibri_matrix w = {
-        .dtype = t.dtype, .rows = t.rows, .cols = t.cols, .data = c->image + t.offset,
-        .scale = NULL, .nnz = 0, .row_ptr = NULL, .col = NULL, .val = NULL,
-    };
-    if (t.dtype == COLIBRI_DTYPE_I8) {
-        colibri_tensor q;
-        colibri_read_tensor(c->image, hdr, t.aux, &q);
-        /* docs/model-format.md "Quantised weights": nnz, reserved, scale
-         * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
-        const uint8_t *p = c->image + q.offset;
-        const size_t rows = t.rows;
-        w.nnz = colibri_rd_u32(p);
-        w.scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
-        if (w.nnz) {
-            w.row_ptr = (const uint32_t *)(const void *)(w.scale + rows);
-            w.col = (const uint16_t *)(const void *)(w.row_ptr + rows + 1);
-            w.val = w.col + ((2u * (size_t)w.nnz + 3u) & ~(size_t)3u) / 2u;
-        }
-    }
-    return w;
-}
-
 /* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
  * context's int8 scratch; returns the view the linear kernels take. */
 static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16_t *rows, size_t n, size_t in)
@@ -198,60 +298,41 @@ static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16
  * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
  * index list; the hidden rows [n, H] are compact. With INT8_ACT the x rows
  * are quantised once for w1 and w3, the hidden rows again for w2. */
-static void expert_forward(const colibri_ctx *c, uint32_t index, const float *x, size_t d,
+static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, const float *x, size_t d,
                            const uint16_t *rows, size_t n, const float *scale, float *y)
 {
-    colibri_expert e;
-    colibri_read_expert(c->image, &c->model.hdr, index, &e);
-    const size_t hid = e.hidden;
-    const int int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
+    const size_t hid = e->hidden;
     float *h = c->hidden[0];
     colibri_qrows q = {NULL, NULL};
 
-    if (int8_act)
+    if (e->int8_act)
         q = quantize(c, x, rows, n, d);
-    const colibri_matrix w1 = weight(c, e.w1);
-    colibri_linear(x, rows, n, &w1, f32_tensor(c, e.b1), int8_act ? &q : NULL, h);
-    colibri_activation_f32(h, n * hid, e.activation);
-    if (e.kind == COLIBRI_EXPERT_GLU) {
+    colibri_linear(x, rows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
+    colibri_activation_f32(h, n * hid, e->activation);
+    if (e->glu) {
         float *g = c->hidden[1];
-        const colibri_matrix w3 = weight(c, e.w3);
-        colibri_linear(x, rows, n, &w3, f32_tensor(c, e.b3), int8_act ? &q : NULL, g);
+        colibri_linear(x, rows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
         colibri_mul_f32(h, g, n * hid);
     }
-    if (int8_act)
+    if (e->int8_act)
         q = quantize(c, h, NULL, n, hid);
-    const colibri_matrix w2 = weight(c, e.w2);
-    colibri_linear_acc(h, n, &w2, f32_tensor(c, e.b2), rows, scale, int8_act ? &q : NULL, y);
+    colibri_linear_acc(h, n, &e->w2, e->b2, rows, scale, e->int8_act ? &q : NULL, y);
 }
 
-/* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for MoE record
- * `index`, x [batch, d] (docs/model-format.md "MoE record"). */
-static void moe_forward(const colibri_ctx *c, uint32_t index, const float *x, float *y, size_t batch)
+/* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
+ * x [batch, d] (docs/model-format.md "MoE record"). */
+static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
 {
-    const colibri_header *hdr = &c->model.hdr;
-    colibri_moe moe;
-    colibri_router router;
-    colibri_read_moe(c->image, hdr, index, &moe);
-    (void)colibri_router_find(moe.routing, &router); /* validated: always found */
-
-    const size_t d = moe.d_model, routes = moe.route_count, n_experts = moe.expert_count;
-    const colibri_routing routing = {
-        .map = colibri_payload(c->image, hdr, moe.expert_map),
-        .routes = routes,
-        .top_k = moe.top_k,
-        .flags = moe.flags,
-    };
+    const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
 
     /* 1. Router logits of the whole batch: scores [batch, R]. */
-    const colibri_matrix router_weight = weight(c, moe.router_weight);
-    colibri_linear(x, NULL, batch, &router_weight, f32_tensor(c, moe.router_bias), NULL, c->scores);
+    colibri_linear(x, NULL, batch, &moe->router, moe->router_bias, NULL, c->scores);
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
     memset(c->ring_count, 0, n_experts * sizeof *c->ring_count);
     for (size_t t = 0; t < batch; t++) {
-        const size_t n = router.route(c->scores + t * routes, &routing, c->sel_weight, c->sel_slot);
+        const size_t n = moe->route(c->scores + t * routes, &moe->routing, c->sel_weight, c->sel_slot);
         for (size_t j = 0; j < n; j++) {
             /* A gate weight of exactly 0 adds nothing: the expert does not
              * run for the token, so an output it would overflow cannot turn
@@ -270,22 +351,21 @@ static void moe_forward(const colibri_ctx *c, uint32_t index, const float *x, fl
     memset(y, 0, batch * d * sizeof *y);
     for (size_t s = 0; s < n_experts; s++)
         if (c->ring_count[s])
-            expert_forward(c, moe.first_expert + (uint32_t)s, x, d, c->ring_token + s * batch,
+            expert_forward(c, &moe->expert[s], x, d, c->ring_token + s * batch,
                            c->ring_count[s], c->ring_weight + s * batch, y);
 
     /* 4. Shared experts over every token, scaled by g = sigmoid(x · gate)
      *    when there is a gate. The router scores are dead by now, so they
      *    hold g [batch]. */
-    if (moe.shared_count) {
+    if (moe->shared_count) {
         const float *gate = NULL;
-        if (moe.shared_gate != COLIBRI_NONE) {
-            const colibri_matrix shared_gate = weight(c, moe.shared_gate);
-            colibri_linear(x, NULL, batch, &shared_gate, NULL, NULL, c->scores);
+        if (moe->shared_gate.data) {
+            colibri_linear(x, NULL, batch, &moe->shared_gate, NULL, NULL, c->scores);
             colibri_activation_f32(c->scores, batch, COLIBRI_ACT_SIGMOID);
             gate = c->scores;
         }
-        for (uint32_t i = 0; i < moe.shared_count; i++)
-            expert_forward(c, moe.first_expert + moe.expert_count + i, x, d, NULL, batch, gate, y);
+        for (uint32_t i = 0; i < moe->shared_count; i++)
+            expert_forward(c, &moe->expert[n_experts + i], x, d, NULL, batch, gate, y);
     }
 }
 
@@ -321,29 +401,26 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
 
     memcpy(x, input, input_count * sizeof *x);
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
-        colibri_layer l;
-        colibri_read_layer(ctx->image, hdr, i, &l);
-        const size_t in = l.in_features;
+        const colibri_plan_layer *l = &ctx->layer[i];
+        const size_t in = l->in;
 
-        switch (l.op) {
+        switch (l->op) {
         case COLIBRI_OP_LINEAR: {
-            const colibri_matrix w = weight(ctx, l.t0);
             colibri_qrows q = {NULL, NULL};
-            if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT)
+            if (l->int8_act)
                 q = quantize(ctx, x, NULL, batch, in);
-            colibri_linear(x, NULL, batch, &w, f32_tensor(ctx, l.t1),
-                           (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) ? &q : NULL, spare);
+            colibri_linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
             swap(&x, &spare);
             break;
         }
         case COLIBRI_OP_ACTIVATION:
-            colibri_activation_f32(x, batch * in, l.kind);
+            colibri_activation_f32(x, batch * in, l->act);
             break;
         case COLIBRI_OP_LAYERNORM:
-            colibri_layernorm_f32(x, batch, in, f32_tensor(ctx, l.t0), f32_tensor(ctx, l.t1), l.eps);
+            colibri_layernorm_f32(x, batch, in, l->t0, l->t1, l->eps);
             break;
         case COLIBRI_OP_RMSNORM:
-            colibri_rmsnorm_f32(x, batch, in, f32_tensor(ctx, l.t0), l.eps);
+            colibri_rmsnorm_f32(x, batch, in, l->t0, l->eps);
             break;
         case COLIBRI_OP_RESIDUAL_PUSH:
             memcpy(ctx->stack + depth++ * stack_slot, x, batch * in * sizeof *x);
@@ -352,7 +429,7 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
             colibri_add_f32(x, ctx->stack + --depth * stack_slot, batch * in);
             break;
         case COLIBRI_OP_MOE:
-            moe_forward(ctx, l.t0, x, moe_acc, batch);
+            moe_forward(ctx, &ctx->moe[l->moe], x, moe_acc, batch);
             swap(&x, &moe_acc);
             break;
         default: /* unreachable: ops are validated */
@@ -383,7 +460,7 @@ colibri_status colibri_get_info(const void *image, size_t image_len, colibri_mod
     uint64_t off[P_COUNT + 1];
     if (!image || !info)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = plan(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off);
     if (st != COLIBRI_OK)
         return st;
     info->format_version = m.hdr.version;

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "colibri.h"
+#include "colibri_kernels.h"
 
 /* ---- Little-endian reads by byte loads: any alignment, any host. ---- */
 
@@ -154,5 +155,46 @@ typedef struct colibri_router {
 
 /* Looks up routing mode `mode`; returns 0 if there is none. */
 int colibri_router_find(uint32_t mode, colibri_router *out);
+
+/* ---- The plan: the layer program, resolved by colibri_init() ----
+ *
+ * It lives in the arena after the context (colibri_engine.c), one entry per
+ * layer, per MoE layer and per expert, so colibri_forward() reads no record
+ * of the image. docs/model-format.md "Arena" gives each entry's bytes. */
+
+/* One expert: x [n, d] -> act(x W1ᵀ + b1) (⊙ (x W3ᵀ + b3) if GLU) W2ᵀ + b2. */
+typedef struct colibri_plan_expert {
+    colibri_matrix w1;        /* [hidden, d] */
+    colibri_matrix w2;        /* [d, hidden] */
+    colibri_matrix w3;        /* [hidden, d] GLU gate path; MLP: zero, unused */
+    const float *b1, *b2, *b3; /* [hidden], [d], [hidden], each or NULL */
+    uint32_t hidden;
+    uint8_t glu;              /* COLIBRI_EXPERT_GLU */
+    uint8_t activation;       /* COLIBRI_ACT_* after w1 */
+    uint8_t int8_act;         /* COLIBRI_EXPERT_FLAG_INT8_ACT: int8 activation rows */
+} colibri_plan_expert;
+
+/* One MOE layer: router, dispatch, its routed then shared experts. */
+typedef struct colibri_plan_moe {
+    colibri_matrix router;         /* [R, d] */
+    colibri_matrix shared_gate;    /* [1, d]; data NULL: shared experts ungated */
+    const float *router_bias;      /* [R] or NULL */
+    colibri_route_fn route;        /* the routing mode's selector */
+    colibri_routing routing;       /* expert map [R], R, top_k, flags */
+    const colibri_plan_expert *expert; /* [n_experts routed, then shared_count shared] */
+    uint32_t d, n_experts, shared_count;
+} colibri_plan_moe;
+
+/* One layer of the program. */
+typedef struct colibri_plan_layer {
+    uint8_t op;               /* COLIBRI_OP_* */
+    uint8_t act;              /* ACTIVATION: COLIBRI_ACT_* */
+    uint8_t int8_act;         /* LINEAR: COLIBRI_LAYER_FLAG_INT8_ACT */
+    uint32_t in;              /* in_features (the activation width) */
+    float eps;                /* LAYERNORM, RMSNORM */
+    uint32_t moe;             /* MOE: index into the plan's MoE layers */
+    colibri_matrix w;         /* LINEAR [out, in] */
+    const float *t0, *t1;     /* LINEAR bias [out], -; LAYERNORM gamma, beta [in]; RMSNORM gamma [in] */
+} colibri_plan_layer;
 
 #endif /* COLIBRI_INTERNAL_H */

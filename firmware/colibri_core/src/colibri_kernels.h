@@ -33,10 +33,12 @@
 typedef struct colibri_matrix {
     uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
     uint32_t rows, cols;
-    const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
-    /* I8 only (from the Q8_PARAMS companion); otherwise NULL / 0. */
-    const float *scale;        /* [rows] per-output-channel scale s */
+    /* I8 only (from the Q8_PARAMS companion), as the pointers below but
+     * beside the other words, so no padding sits inside the plan's copies. */
     uint32_t nnz;              /* entries of the compensation term E; 0: none */
+    const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
+    /* I8 only (from the Q8_PARAMS companion); otherwise NULL. */
+    const float *scale;        /* [rows] per-output-channel scale s */
     const uint32_t *row_ptr;   /* [rows + 1] E entries of row i: row_ptr[i] .. row_ptr[i+1]-1 */
     const uint16_t *col;       /* [nnz] input column of each entry, < cols */
     const uint16_t *val;       /* [nnz] f16 bits of each entry */
