@@ -256,7 +256,10 @@ def worker(engine: str, name: str, batch: int, work: Path, budget: float, timed:
     x, ref = np.load(work / f"{name}_x.npy"), np.load(work / f"{name}_ref.npy")
     chunks = [np.ascontiguousarray(x[i : i + batch]) for i in range(0, len(x), batch)]
     if engine == "colibri-c":
-        return c_worker(name, batch, work, budget if timed else 0.0, x, ref)
+        out = c_worker(name, batch, work, budget if timed else 0.0, x, ref)
+        if not timed:
+            out.pop("us", None)
+        return out
     fn, extra = runner(engine, name, batch, work)
     ok, err = check(np.concatenate([np.asarray(fn(c)) for c in chunks]), ref, engine)
     out = {"ok": ok, "error": err, **extra}
