@@ -22,6 +22,8 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 os.environ.update(THREAD_ENV)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import ctypes  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
@@ -41,14 +43,16 @@ sys.path.insert(0, str(HERE))
 CONFIGS = [("meter", 1), ("smart_meter", 1), ("edge", 1), ("edge", 8), ("edge", 64)]
 POOL = {"meter": 256, "smart_meter": 256, "edge": 128}
 # The engine every ratio is taken against, and the order of the columns.
-ENGINES = ["colibri-c", "colibri", "colibri-f16", "colibri-q8", "torch", "torch-gather", "onnxruntime", "litert", "tflm"]
+ENGINES = ["colibri-c", "colibri", "colibri-f16", "colibri-q8", "torch", "torch-gather", "onnxruntime",
+           "onnxruntime-masked", "onnxruntime-loop", "litert", "tflm"]
 BASELINE = "colibri-c"
 # Correctness against PyTorch, relative to max(1, max|reference|): f32 engines differ from
 # torch only in summation order; f16/q8 weights carry their quantisation error, and a token
 # near a routing tie may pick another expert, so those need 99% of rows within the bound.
 TOLERANCE = {"colibri-f16": 2e-2, "colibri-q8": 8e-2}
 F32_TOLERANCE = 1e-4
-PYPI = {"onnxruntime": "onnxruntime", "litert": "ai_edge_litert", "tflm": "tflite_micro"}
+PYPI = {"onnxruntime": "onnxruntime", "onnxruntime-loop": "onnxruntime", "onnxruntime-masked": "onnxruntime", "litert": "ai_edge_litert",
+        "tflm": "tflite_micro"}
 
 
 def installed(module: str) -> bool:
@@ -107,6 +111,12 @@ def prepare(work: Path, models: list[str], skipped: dict[str, str]) -> dict:
                       "bytes_per_token": bytes_per_token(module), "images": images, "batches": batches}
         if installed("onnx") and installed("onnxruntime"):
             export_onnx(M.gather_variant(module), torch.from_numpy(x[:max(batches)]), work / f"{name}.onnx")
+            # The module as written (a loop over experts, each on the tokens routed to it): traced,
+            # it may or may not keep routing; the check before timing says which.
+            export_onnx(module, torch.from_numpy(x[:max(batches)]), work / f"{name}-loop.onnx")
+            # Every expert on every token, the unchosen gated to 0 (TFLM's variant): right answers,
+            # num_experts/top_k times the work, but whole-batch GEMMs.
+            export_onnx(M.masked_variant(module), torch.from_numpy(x[:max(batches)]), work / f"{name}-masked.onnx")
         if installed("litert_torch"):
             for b in batches:
                 variants = [("litert", M.gather_variant, "")]
@@ -156,14 +166,15 @@ def runner(engine: str, name: str, batch: int, work: Path):
         module = torch.load(work / f"{name}{suffix}.pt", weights_only=False).eval()
         torch.set_grad_enabled(False)
         return (lambda a: module(torch.from_numpy(a)).numpy()), extra
-    if engine == "onnxruntime":
+    if engine.startswith("onnxruntime"):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        sess = ort.InferenceSession(str(work / f"{name}.onnx"), opts, providers=["CPUExecutionProvider"])
+        suffix = engine.removeprefix("onnxruntime")
+        sess = ort.InferenceSession(str(work / f"{name}{suffix}.onnx"), opts, providers=["CPUExecutionProvider"])
         extra["threads"] = "intra_op 1, inter_op 1, sequential"
         return (lambda a: sess.run(None, {"x": a})[0]), extra
     if engine == "litert":
@@ -194,27 +205,35 @@ def runner(engine: str, name: str, batch: int, work: Path):
     raise ValueError(engine)
 
 
-def tflm_arena(interp) -> int:
-    """The arena TFLM's recording allocator reports; it prints from C, so fds 1 and 2 are
-    pointed at a file meanwhile (the worker's own stdout carries its JSON)."""
-    import ctypes
-    import re
-    import tempfile
-
+@contextlib.contextmanager
+def fds_to(f):
+    """fds 1 and 2 (C and C++ code print there too, past sys.stdout) into the open file f."""
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
+    for fd in saved:
+        os.dup2(f.fileno(), fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        libc.fflush(None)
+        for fd, old in saved.items():
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def tflm_arena(interp) -> int:
+    """The arena TFLM's recording allocator reports (it prints it from C, past sys.stdout,
+    and the worker's stdout carries its JSON)."""
+    import re
+    import tempfile
+
     with tempfile.TemporaryFile() as f:
-        for fd in saved:
-            os.dup2(f.fileno(), fd)
-        try:
+        with fds_to(f):
             interp.print_allocations()
-            libc.fflush(None)
-        finally:
-            for fd, old in saved.items():
-                os.dup2(old, fd)
-                os.close(old)
         f.seek(0)
         text = f.read().decode(errors="replace")
     m = re.search(r"Arena allocation total (\d+) bytes", text)
@@ -357,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     print("threads: " + ", ".join(f"{k}={v}" for k, v in THREAD_ENV.items())
           + "; torch.set_num_threads(1); ORT intra_op=1 inter_op=1; LiteRT num_threads=1; TFLM and Colibri single-threaded")
-    info = prepare(work, models, skipped)
+    log = work / "convert.log"
+    print(f"exporting the models (the converters' output goes to {log.relative_to(ROOT) if log.is_relative_to(ROOT) else log})")
+    with log.open("w") as f, fds_to(f):
+        info = prepare(work, models, skipped)
     for name in models:
         np.load(work / f"{name}_x.npy").tofile(work / f"{name}_x.f32")
         i = info[name]
@@ -378,7 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r = spawn(["--worker", e, name, str(batch), "--out", str(work), "--budget", str(args.budget)])
             if "failed" in r:
-                skipped[f"{e}:{name}:{batch}"] = f"failed: {r['failed']}"
+                why = r["failed"].replace("onnxruntime.capi.onnxruntime_pybind11_state.", "")
+                if e == "onnxruntime-loop":  # the traced loop bakes in the routing of its example batch
+                    why = f"the traced module breaks on a routing unlike its example batch's: {why}"
+                skipped[f"{e}:{name}:{batch}"] = f"failed: {why}"[:240]
                 continue
             results[key][e] = r
     bw = {}
@@ -400,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
-    print(f"\n{'model, batch':<16} {'engine':<12} {'median us':>11} {'x Colibri':>9} {'peak RSS MB':>11} "
+    print(f"\n{'model, batch':<16} {'engine':<18} {'median us':>11} {'/Colibri':>9} {'peak RSS MB':>11} "
           f"{'arena B':>9} {'err vs torch':>12}")
     for key, row in results.items():
         base = row.get(BASELINE, row.get("colibri", {})).get("us")
@@ -408,10 +433,21 @@ def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
             us = f"{r['us']:,.1f}" if "us" in r else "WRONG"
             ratio = f"{r['us'] / base:.2f}" if "us" in r and base else "-"
             arena = f"{r['arena_bytes']:,}" if "arena_bytes" in r else "-"
-            print(f"{key:<16} {e:<12} {us:>11} {ratio:>9} {r['rss_mb']:>11.1f} {arena:>9} {r['error']:>12.1e}")
-    print(f"(peak RSS of a Python worker with numpy and no engine: {bw['python_numpy_rss_mb']:.1f} MB; "
-          "colibri-c is the C driver alone; tflm computes every expert, gating the unchosen to 0: "
-          "its kernels lack TOPK_V2, ONE_HOT and the converter's bounds-checked gathers)")
+            print(f"{key:<16} {e:<18} {us:>11} {ratio:>9} {r['rss_mb']:>11.1f} {arena:>9} {r['error']:>12.1e}")
+    print("\nfastest correct peer per model and batch (tokens/s; Colibri = the C driver):")
+    for key, row in results.items():
+        peers = {e: r["us"] for e, r in row.items() if not e.startswith("colibri") and "us" in r}
+        base = row.get(BASELINE, {}).get("us")
+        if peers and base:
+            best = min(peers, key=peers.get)
+            batch = int(key.rpartition("b")[2])
+            print(f"  {key:<16} {best} {peers[best]:,.1f} us ({batch / peers[best] * 1e6:,.0f} tokens/s); "
+                  f"Colibri {base:,.1f} us ({batch / base * 1e6:,.0f} tokens/s): peer/Colibri {peers[best] / base:.2f}")
+    print(f"(peak RSS of a Python worker with numpy and no engine: {bw['python_numpy_rss_mb']:.1f} MB; colibri-c is "
+          "the C driver alone. Peers run torch.topk + index_select routing (bench/models.py GatherMoE) except: "
+          "torch = the colibri.nn module as written; onnxruntime-masked and tflm compute every expert and gate the "
+          "unchosen to 0 (TFLM lacks TOPK_V2, ONE_HOT and the converter's bounds-checked gathers); "
+          "onnxruntime-loop = the module as written, traced)")
     if skipped:
         print("\nnot measured:")
         for k, why in skipped.items():
@@ -438,17 +474,19 @@ def chart(results: dict, path: Path) -> None:
 
     keys = list(results)
     engines = [e for e in ENGINES if any(e in results[k] and "us" in results[k][e] for k in keys)]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     width = 0.8 / max(1, len(engines))
+    # Colibri's variants in blues, each peer its own hue (tab20 has 20, more than the engines).
+    colors = dict(zip(engines, plt.get_cmap("tab20").colors))
     for j, e in enumerate(engines):
         xs = [i + j * width for i, k in enumerate(keys) if "us" in results[k].get(e, {})]
         ys = [results[k][e]["us"] for k in keys if "us" in results[k].get(e, {})]
-        ax.bar(xs, ys, width, label=e)
+        ax.bar(xs, ys, width, label=e, color=colors[e])
     ax.set_yscale("log")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], keys)
     ax.set_ylabel("median µs per forward (log)")
     ax.set_title("Colibri and peers, one thread each (make bench)")
-    ax.legend(ncol=4, fontsize=8)
+    ax.legend(ncol=6, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     ax.grid(axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
