@@ -38,6 +38,11 @@ def test_every_installed_engine_matches_pytorch(tmp_path, c_driver, name):
         if f"{engine}:{name}:1" in skipped:
             continue
         r = bench.spawn(["--worker", engine, name, "1", "--out", str(tmp_path), "--check-only"])
+        if engine == "onnxruntime-loop":
+            # The module as traced is shown for contrast, not as a peer's best variant: on these
+            # models it breaks once routing differs from the example batch's, and the bench says so.
+            assert r.get("ok") or r["failed"], r
+            continue
         assert r.get("ok"), f"{engine} on {name}: {r}"
         assert "us" not in r
         if engine.startswith("colibri"):
