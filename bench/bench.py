@@ -417,7 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         bw["edge_b1_bytes_per_token"] = info["edge"]["bytes_per_token"]
     bw["python_numpy_rss_mb"] = spawn(["--baseline"]).get("rss_mb")
     report(results, skipped, bw, info)
+    goals = targets(results, bw)
+    if goals:
+        print("\nissue 10 targets (this run):")
+        for what, figures, met in goals:
+            print(f"  [{'met' if met else 'not yet'}] {what}: {figures}")
     (work / "bench.json").write_text(json.dumps({"results": results, "skipped": skipped, "bandwidth": bw,
+                                                 "targets": [list(g) for g in goals],
                                                  "models": info, "threads": THREAD_ENV}, indent=1))
     chart(results, work / "bench.png")
     print(f"wrote {work / 'bench.json'} and {work / 'bench.png'}")
@@ -466,6 +472,60 @@ def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
                   f"edge-weights-sized bound, {base / (tok / bw['dram_gbs'] / 1e3):.2f}x the DRAM bound")
 
 
+def targets(results: dict, bw: dict) -> list[tuple[str, str, bool]]:
+    """Issue 10's host targets: (target, the figures of this run, met?) for those this run measured."""
+    def us(key, engine):
+        return results.get(key, {}).get(engine, {}).get("us")
+
+    def rss(key, engine):
+        return results.get(key, {}).get(engine, {}).get("rss_mb")
+
+    def best_peer(key):
+        peers = {e: r["us"] for e, r in results.get(key, {}).items() if not e.startswith("colibri") and "us" in r}
+        return min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
+
+    out = []
+    c1, (p1, p1us) = us("edge b1", BASELINE), best_peer("edge b1")
+    if c1 and p1us:
+        out.append(("edge f32 b1 >= 1.3x faster than the fastest correct peer",
+                    f"{p1} {p1us:,.0f} us / Colibri {c1:,.0f} us = {p1us / c1:.2f}x", p1us / c1 >= 1.3))
+    if c1 and bw.get("resident_gbs"):
+        bound = bw["edge_b1_bytes_per_token"] / bw["resident_gbs"] / 1e3
+        out.append(("edge f32 b1 within 1.15x of the bandwidth bound (model-sized array)",
+                    f"{c1:,.0f} / {bound:,.0f} us = {c1 / bound:.2f}x", c1 / bound <= 1.15))
+    # Against ONNX Runtime: its fastest correct variant, and its smallest peak RSS, at batch 1.
+    ort_variants = ("onnxruntime", "onnxruntime-masked", "onnxruntime-loop")
+    q8 = us("edge b1", "colibri-q8")
+    ort = min((us("edge b1", e) for e in ort_variants if us("edge b1", e)), default=None)
+    if q8 and ort:
+        out.append(("edge q8 b1 >= 3x faster than ONNX Runtime f32",
+                    f"{ort:,.0f} / {q8:,.0f} us = {ort / q8:.2f}x", ort / q8 >= 3))
+    f16 = us("edge b1", "colibri-f16")
+    if f16 and c1:
+        out.append(("edge f16 b1 faster than f32", f"f16 {f16:,.0f} us, f32 {c1:,.0f} us", f16 < c1))
+    for key in ("edge b8", "edge b64"):
+        c, (p, pus) = us(key, BASELINE), best_peer(key)
+        if c and pus:
+            out.append((f"{key}: throughput >= the best peer's", f"{p} {pus:,.0f} us, Colibri {c:,.0f} us per call",
+                        c <= pus))
+    m, lite = us("meter b1", BASELINE), us("meter b1", "litert")
+    if m:
+        out.append(("meter f32 b1 <= 1.0 us", f"{m:.2f} us", m <= 1.0))
+    if m and lite:
+        out.append(("meter f32 b1 >= 2.5x faster than LiteRT", f"{lite:.1f} / {m:.2f} us = {lite / m:.2f}x",
+                    lite / m >= 2.5))
+    arena = results.get("meter b1", {}).get(BASELINE, {}).get("arena_bytes")
+    tflm = results.get("meter b1", {}).get("tflm", {}).get("arena_bytes")
+    if arena and tflm:
+        out.append(("meter arena below TFLM's", f"Colibri {arena:,} B, TFLM {tflm:,} B", arena < tflm))
+    cr = rss("edge b1", BASELINE)
+    orss = min((rss("edge b1", e) for e in ort_variants if rss("edge b1", e)), default=None)
+    if cr and orss:
+        out.append(("edge peak RSS <= 40% of ONNX Runtime's", f"{cr:.0f} MB vs {orss:.0f} MB = {cr / orss:.0%}",
+                    cr <= 0.4 * orss))
+    return out
+
+
 def chart(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -476,7 +536,7 @@ def chart(results: dict, path: Path) -> None:
     engines = [e for e in ENGINES if any(e in results[k] and "us" in results[k][e] for k in keys)]
     fig, ax = plt.subplots(figsize=(11, 5.5))
     width = 0.8 / max(1, len(engines))
-    # Colibri's variants in blues, each peer its own hue (tab20 has 20, more than the engines).
+    # tab20: a colour per engine (20 of them, more than the engines), in light/dark pairs.
     colors = dict(zip(engines, plt.get_cmap("tab20").colors))
     for j, e in enumerate(engines):
         xs = [i + j * width for i, k in enumerate(keys) if "us" in results[k].get(e, {})]

@@ -72,3 +72,25 @@ def test_edge_reads_a_quarter_of_its_experts_per_token():
     expert = (256 * 1024 + 1024 + 1024 * 256 + 256) * 4
     dense = (2 * (256 * 256 + 256) + 2 * 256 * 8) * 4
     assert per_token == dense + 2 * 2 * expert
+
+
+def test_the_targets_compare_in_the_right_direction():
+    """Issue 10's targets as printed: met when Colibri is fast enough, not met when it is not."""
+    bw = {"resident_gbs": 25.0, "edge_b1_bytes_per_token": 8_951_808}  # bound 358 us
+
+    def run(colibri_us):
+        return {"edge b1": {"colibri-c": {"us": colibri_us, "rss_mb": 35.0},
+                            "onnxruntime": {"us": 600.0, "rss_mb": 110.0},
+                            "litert": {"us": 1900.0, "rss_mb": 88.0}},
+                "meter b1": {"colibri-c": {"us": colibri_us / 1000, "arena_bytes": 1400},
+                             "litert": {"us": 7.0}, "tflm": {"us": 9.0, "arena_bytes": 5648}}}
+
+    fast = {what: met for what, _, met in bench.targets(run(380.0), bw)}
+    slow = {what: met for what, _, met in bench.targets(run(1700.0), bw)}
+    assert fast["edge f32 b1 >= 1.3x faster than the fastest correct peer"]
+    assert fast["edge f32 b1 within 1.15x of the bandwidth bound (model-sized array)"]
+    assert fast["meter f32 b1 <= 1.0 us"] and fast["meter f32 b1 >= 2.5x faster than LiteRT"]
+    assert not slow["edge f32 b1 >= 1.3x faster than the fastest correct peer"]
+    assert not slow["edge f32 b1 within 1.15x of the bandwidth bound (model-sized array)"]
+    assert not slow["meter f32 b1 <= 1.0 us"] and not slow["meter f32 b1 >= 2.5x faster than LiteRT"]
+    assert fast["meter arena below TFLM's"] and fast["edge peak RSS <= 40% of ONNX Runtime's"]
