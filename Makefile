@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench
 
 setup:
 	./scripts/setup.sh
@@ -52,6 +52,18 @@ fuzz: setup
 
 fuzz-smoke: setup
 	$(MAKE) -C fuzz fuzz-all RUNS=$(SMOKE_RUNS)
+
+# Colibri beside PyTorch, ONNX Runtime, LiteRT and TFLM, one thread each (bench/bench.py):
+# the bench extra is installed only here; build/bench/ gets the table's JSON and bench.png.
+BENCH_CFLAGS := -std=c11 -Wall -Wextra -Werror -pedantic -O2 -D_POSIX_C_SOURCE=200809L -ffp-contract=off -fno-math-errno
+
+build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+bench: build/bench/colibri_bench
+	COLIBRI_BENCH=1 ./scripts/setup.sh
+	$(PY) bench/bench.py
 
 clean:
 	$(MAKE) -C $(CORE) clean

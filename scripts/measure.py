@@ -393,7 +393,7 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"2 cores\), 2026-\d\d-\d\d", "the CI machine and the date of the timings"),
     (r"\| `make test` \| about[^\n]*", "timing row: make test's wall clock"),
     (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
-    (r"\| host speed, quickstart model[^\n]*", "timing row: bench/host_bench.py"),
+    (r"\| host speed, [^\n]*", "timing rows: make bench (bench/bench.py), wall clock on a shared machine, not pinned"),
 ]
 
 

@@ -39,6 +39,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps_hash" ]; then
     .venv/bin/pip install -q -e ".[test,examples]"
     echo "$deps_hash" > "$stamp"
 fi
+# The bench's peers (make bench sets COLIBRI_BENCH=1): ONNX Runtime, LiteRT, TFLM and the
+# converters, about 1 GB that `make test` does not need, so only when asked.
+bench_stamp=.venv/.colibri-bench-installed
+if [ "${COLIBRI_BENCH:-0}" = 1 ] && { [ ! -f "$bench_stamp" ] || [ "$(cat "$bench_stamp")" != "$deps_hash" ]; }; then
+    echo "setup: installing the bench extra (ONNX Runtime, LiteRT, TFLM, converters) into .venv"
+    .venv/bin/pip install -q --no-build-isolation -e ".[bench]"
+    echo "$deps_hash" > "$bench_stamp"
+fi
 # The CPython binding: rebuilt (only it, a few seconds) whenever the engine or
 # binding sources differ from those it was built from, e.g. after any C edit.
 if ! .venv/bin/python scripts/source_hash.py check >/dev/null; then
