@@ -68,9 +68,10 @@ static void Context_dealloc(ContextObject *self) {
 }
 
 static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"image", NULL};
+    static char *kwlist[] = {"image", "reference_kernels", NULL};
     PyObject *image;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &image)) {
+    int reference = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &image, &reference)) {
         return -1;
     }
     if (self->has_view) {
@@ -110,6 +111,9 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     st = colibri_init(&self->ctx, self->arena, arena_size, image_bytes(self), len);
+    if (st == COLIBRI_OK && reference) {
+        st = colibri_set_kernels(self->ctx, COLIBRI_KERNELS_REFERENCE);
+    }
     if (st != COLIBRI_OK) {
         self->ctx = NULL;
         raise_status(st);
@@ -168,7 +172,12 @@ static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored))
         "num_parameters", (unsigned long long)i->num_parameters, "arena_size", (Py_ssize_t)i->arena_size);
 }
 
+static PyObject *Context_kernels(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_FromString(colibri_kernels_name(self->ctx));
+}
+
 static PyMethodDef Context_methods[] = {
+    {"kernels", (PyCFunction)Context_kernels, METH_NOARGS, "the kernels forward runs: 'reference' or the backend"},
     {"forward", (PyCFunction)Context_forward, METH_VARARGS, "forward(input, output, batch)"},
     {"info", (PyCFunction)Context_info, METH_NOARGS, "model info as a dict"},
     {NULL, NULL, 0, NULL},

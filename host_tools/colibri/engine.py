@@ -28,13 +28,19 @@ class Model:
     `Model(path_or_bytes)` validates the image and allocates the arena once;
     `forward(x)` maps `[batch, input_size]` float32 to `[batch, output_size]`.
     Batches larger than the image's `max_batch` are run in chunks.
+
+    `reference_kernels=True` runs the reference kernels (the specification,
+    the same bits on every target and as `colibri.reference`) instead of the
+    build's optimised backend; `kernels` names the ones in use.
     """
 
-    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview):
+    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
+                 reference_kernels: bool = False):
         if isinstance(source, (str, os.PathLike)):
             source = Path(source).read_bytes()
         self.image = bytes(source)
-        self._ctx = _call(_engine.Context, self.image)
+        self._ctx = _call(_engine.Context, self.image, reference_kernels)
+        self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
         self.info: dict[str, int] = info
         self.input_size: int = info["input_size"]

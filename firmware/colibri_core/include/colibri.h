@@ -82,6 +82,25 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
                                const float *input, size_t input_count,
                                float *output, size_t output_count);
 
+/* Which kernels a context's forward pass runs (colibri_init() picks
+ * COLIBRI_KERNELS_OPTIMISED). The reference kernels are the specification:
+ * plain C in index order, the same bits on every target, what
+ * docs/model-format.md "Numerics" describes. The optimised kernels are the
+ * build's backend (KERNELS=x86|neon|cmsis, or the target's default) at the
+ * best level this CPU supports; they agree with the reference within the
+ * tolerance their tests state and propagate NaN/inf the same way. */
+typedef enum colibri_kernel_set {
+    COLIBRI_KERNELS_OPTIMISED = 0,
+    COLIBRI_KERNELS_REFERENCE = 1,
+} colibri_kernel_set;
+
+/* Switches a context's kernels; COLIBRI_E_UNSUPPORTED for an unknown set. */
+colibri_status colibri_set_kernels(colibri_ctx *ctx, colibri_kernel_set set);
+
+/* The kernels a context runs: "reference", or the backend and the CPU level
+ * chosen (e.g. "x86-64 avx2+fma+f16c"); "none" for no valid context. */
+const char *colibri_kernels_name(const colibri_ctx *ctx);
+
 /* Invalidates the context; the arena may then be reused. */
 colibri_status colibri_free(colibri_ctx *ctx);
 

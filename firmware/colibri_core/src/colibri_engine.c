@@ -16,6 +16,7 @@
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
+    colibri_kernels k;       /* the kernels the forward pass calls (colibri_kernels.h) */
     colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
     colibri_plan_moe *moe;       /* [MoE layers] */
     colibri_plan_expert *expert; /* [routed + shared experts of all MoE layers] */
@@ -269,9 +270,35 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
     c->qrows = (int8_t *)(void *)(base + off[P_QROWS]);
     c->qscale = (float *)(void *)(base + off[P_QSCALE]);
     build_plan(c, image);
+    colibri_kernels_optimised(&c->k);
     c->magic = CTX_MAGIC;
     *out = c;
     return COLIBRI_OK;
+}
+
+colibri_status colibri_set_kernels(colibri_ctx *ctx, colibri_kernel_set set)
+{
+    if (!ctx)
+        return COLIBRI_E_NULL_ARG;
+    if (ctx->magic != CTX_MAGIC)
+        return COLIBRI_E_BAD_CONTEXT;
+    switch (set) {
+    case COLIBRI_KERNELS_OPTIMISED:
+        colibri_kernels_optimised(&ctx->k);
+        return COLIBRI_OK;
+    case COLIBRI_KERNELS_REFERENCE:
+        colibri_kernels_reference(&ctx->k);
+        return COLIBRI_OK;
+    default:
+        return COLIBRI_E_UNSUPPORTED;
+    }
+}
+
+const char *colibri_kernels_name(const colibri_ctx *ctx)
+{
+    if (!ctx || ctx->magic != CTX_MAGIC)
+        return "none";
+    return ctx->k.name;
 }
 
 colibri_status colibri_free(colibri_ctx *ctx)
@@ -290,7 +317,7 @@ colibri_status colibri_free(colibri_ctx *ctx)
  * context's int8 scratch; returns the view the linear kernels take. */
 static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16_t *rows, size_t n, size_t in)
 {
-    colibri_quantize_rows(x, rows, n, in, c->qrows, c->qscale);
+    c->k.quantize_rows(x, rows, n, in, c->qrows, c->qscale);
     return (colibri_qrows){c->qrows, c->qscale};
 }
 
@@ -307,16 +334,16 @@ static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, c
 
     if (e->int8_act)
         q = quantize(c, x, rows, n, d);
-    colibri_linear(x, rows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
-    colibri_activation_f32(h, n * hid, e->activation);
+    c->k.linear(x, rows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
+    c->k.activation(h, n * hid, e->activation);
     if (e->glu) {
         float *g = c->hidden[1];
-        colibri_linear(x, rows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
-        colibri_mul_f32(h, g, n * hid);
+        c->k.linear(x, rows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
+        c->k.mul(h, g, n * hid);
     }
     if (e->int8_act)
         q = quantize(c, h, NULL, n, hid);
-    colibri_linear_acc(h, n, &e->w2, e->b2, rows, scale, e->int8_act ? &q : NULL, y);
+    c->k.linear_acc(h, n, &e->w2, e->b2, rows, scale, e->int8_act ? &q : NULL, y);
 }
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
@@ -326,7 +353,7 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
 
     /* 1. Router logits of the whole batch: scores [batch, R]. */
-    colibri_linear(x, NULL, batch, &moe->router, moe->router_bias, NULL, c->scores);
+    c->k.linear(x, NULL, batch, &moe->router, moe->router_bias, NULL, c->scores);
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
@@ -360,8 +387,8 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
     if (moe->shared_count) {
         const float *gate = NULL;
         if (moe->shared_gate.data) {
-            colibri_linear(x, NULL, batch, &moe->shared_gate, NULL, NULL, c->scores);
-            colibri_activation_f32(c->scores, batch, COLIBRI_ACT_SIGMOID);
+            c->k.linear(x, NULL, batch, &moe->shared_gate, NULL, NULL, c->scores);
+            c->k.activation(c->scores, batch, COLIBRI_ACT_SIGMOID);
             gate = c->scores;
         }
         for (uint32_t i = 0; i < moe->shared_count; i++)
@@ -409,24 +436,24 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
             colibri_qrows q = {NULL, NULL};
             if (l->int8_act)
                 q = quantize(ctx, x, NULL, batch, in);
-            colibri_linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
+            ctx->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
             swap(&x, &spare);
             break;
         }
         case COLIBRI_OP_ACTIVATION:
-            colibri_activation_f32(x, batch * in, l->act);
+            ctx->k.activation(x, batch * in, l->act);
             break;
         case COLIBRI_OP_LAYERNORM:
-            colibri_layernorm_f32(x, batch, in, l->t0, l->t1, l->eps);
+            ctx->k.layernorm(x, batch, in, l->t0, l->t1, l->eps);
             break;
         case COLIBRI_OP_RMSNORM:
-            colibri_rmsnorm_f32(x, batch, in, l->t0, l->eps);
+            ctx->k.rmsnorm(x, batch, in, l->t0, l->eps);
             break;
         case COLIBRI_OP_RESIDUAL_PUSH:
             memcpy(ctx->stack + depth++ * stack_slot, x, batch * in * sizeof *x);
             break;
         case COLIBRI_OP_RESIDUAL_ADD:
-            colibri_add_f32(x, ctx->stack + --depth * stack_slot, batch * in);
+            ctx->k.add(x, ctx->stack + --depth * stack_slot, batch * in);
             break;
         case COLIBRI_OP_MOE:
             moe_forward(ctx, &ctx->moe[l->moe], x, moe_acc, batch);

@@ -5,19 +5,21 @@
  * torch.nn.Linear.weight.
  *
  * Weight matrices come in several dtypes (docs/model-format.md "Quantised
- * weights"); the graph code only ever sees a colibri_matrix and calls
- * colibri_linear / colibri_linear_acc, which dispatch on the dtype to one
- * matrix-times-row kernel per dtype:
+ * weights"); the graph code only ever sees a colibri_matrix and calls the
+ * linear kernels of its kernel table, which dispatch on the dtype.
  *
- *   kernels/colibri_kernels_ref.c   the dispatch, f32 weights, and every
- *                                   element-wise kernel below
- *   kernels/colibri_kernels_f16.c   f16 weights, f32 activations
- *   kernels/colibri_kernels_q8.c    int8 weights with f32 activations, int8
- *                                   weights with int8 activations, and the
- *                                   activation quantiser
+ *   kernels/colibri_kernels_ref.c     reference: the linear dispatch, f32
+ *                                     weights, every element-wise kernel
+ *   kernels/colibri_kernels_f16.c     reference: f16 weights, f32 activations
+ *   kernels/colibri_kernels_q8.c      reference: int8 weights with f32 or
+ *                                     int8 activations, the quantiser
+ *   kernels/colibri_kernels_select.c  the table: reference, then the backend
+ *   kernels/<backend>/                an optimised backend (x86, neon, cmsis),
+ *                                     compiled to nothing unless selected
  *
- * An optimised backend (AVX2, NEON, CMSIS-DSP) replaces any of these files
- * at compile time with the same signatures.
+ * The backend is chosen at build time: by default the one for the target's
+ * architecture, or one named with -DCOLIBRI_KERNELS_<REF|X86|NEON|CMSIS>
+ * (make KERNELS=...). Within it, colibri_init() picks by the CPU's features.
  */
 #ifndef COLIBRI_KERNELS_H
 #define COLIBRI_KERNELS_H
@@ -51,50 +53,97 @@ typedef struct colibri_qrows {
     const float *a;
 } colibri_qrows;
 
+/* ---- The kernel table: the seam between the graph and the arithmetic ----
+ *
+ * The graph code (colibri_engine.c) calls kernels only through this table,
+ * which colibri_init() fills into the context: with the reference kernels,
+ * then with whatever the build's backend (below) offers for this CPU. Each
+ * entry's contract is that of its reference kernel; an optimised kernel
+ * agrees with it within the tolerance its tests state, and keeps its NaN/inf
+ * behaviour (docs/model-format.md "Numerics"). */
+
 /* y[i, :] = x[r, :] Wᵀ + b with r = rows ? rows[i] : i, for i < n.
  * x [*, in], b [out] or NULL, y [n, out] with in = w->cols, out = w->rows;
  * y must not overlap x. xq: NULL for f32 activations, or the int8 rows of
- * x[r] (i < n) for an I8 matrix with INT8_ACT; ignored for other dtypes. */
-void colibri_linear(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
-                    const float *b, const colibri_qrows *xq, float *restrict y);
+ * x[r] (i < n) for an I8 matrix with INT8_ACT; ignored for other dtypes.
+ * The n rows are one small GEMM: a backend reuses each weight load across them. */
+typedef void (*colibri_linear_fn)(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                                  const float *b, const colibri_qrows *xq, float *restrict y);
 
 /* y[r, :] += s · (x[i, :] Wᵀ + b) with r = rows ? rows[i] : i and
  * s = scale ? scale[i] : 1, for i < n: the gated scatter-add of expert outputs.
  * x [n, in], b [out] or NULL, y [*, out]; y must not overlap x. xq as for
- * colibri_linear, here the int8 rows of x[i]. */
-void colibri_linear_acc(const float *x, size_t n, const colibri_matrix *w, const float *b,
-                        const uint16_t *rows, const float *scale, const colibri_qrows *xq,
-                        float *restrict y);
+ * the linear kernel, here the int8 rows of x[i]. */
+typedef void (*colibri_linear_acc_fn)(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                                      const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                                      float *restrict y);
 
 /* Per-token int8 quantisation (docs/model-format.md "Quantised weights"):
  * for i < n, row x[r, :] with r = rows ? rows[i] : i becomes q[i, :] [in]
  * and a[i]: m = max |x|; m = 0 gives q = 0, a = 0; a NaN or inf in the row
  * gives q = 0, a = NaN; otherwise q = clamp(roundf(x · (127 / m)), ±127)
- * (x and m scaled by 2^100 first when m < 2^-100) and a = m / 127. */
-void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_t in,
-                           int8_t *restrict q, float *restrict a);
+ * (x and m scaled by 2^100 first when m < 2^-100) and a = m / 127.
+ * Exact: every backend gives the reference's bits. */
+typedef void (*colibri_quantize_fn)(const float *x, const uint16_t *rows, size_t n, size_t in,
+                                    int8_t *restrict q, float *restrict a);
 
 /* x[i] = act(x[i]) for i < n; kind is a COLIBRI_ACT_* code. */
-void colibri_activation_f32(float *x, size_t n, uint32_t kind);
+typedef void (*colibri_activation_fn)(float *x, size_t n, uint32_t kind);
 
-/* x[i] *= y[i] for i < n. */
-void colibri_mul_f32(float *x, const float *y, size_t n);
-
-/* x[i] += y[i] for i < n. */
-void colibri_add_f32(float *x, const float *y, size_t n);
+/* x[i] = x[i] op y[i] for i < n (op: × or +). Exact in every backend. */
+typedef void (*colibri_binary_fn)(float *x, const float *y, size_t n);
 
 /* Each of the rows of x [rows, n]: (x - mean) / sqrt(var + eps) · gamma + beta,
  * biased variance; gamma and beta [n] or NULL. */
-void colibri_layernorm_f32(float *x, size_t rows, size_t n,
-                           const float *gamma, const float *beta, float eps);
+typedef void (*colibri_layernorm_fn)(float *x, size_t rows, size_t n,
+                                     const float *gamma, const float *beta, float eps);
 
 /* Each of the rows of x [rows, n]: x / sqrt(mean(x²) + eps) · gamma; gamma [n] or NULL. */
-void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, float eps);
+typedef void (*colibri_rmsnorm_fn)(float *x, size_t rows, size_t n, const float *gamma, float eps);
 
-/* x [n] = softmax(x), n >= 1, stable (the maximum is subtracted first). */
+typedef struct colibri_kernels {
+    const char *name;                 /* "reference", or the backend and CPU level chosen */
+    colibri_linear_fn linear;
+    colibri_linear_acc_fn linear_acc;
+    colibri_quantize_fn quantize_rows;
+    colibri_activation_fn activation;
+    colibri_binary_fn mul, add;
+    colibri_layernorm_fn layernorm;
+    colibri_rmsnorm_fn rmsnorm;
+} colibri_kernels;
+
+/* Fills *k with the reference kernels (kernels/colibri_kernels_*.c). */
+void colibri_kernels_reference(colibri_kernels *k);
+
+/* Fills *k with the best kernels of the build's backend for the CPU it runs
+ * on (kernels/colibri_kernels_select.c): the reference kernels, then any the
+ * backend overrides after checking the CPU's features. No static state: the
+ * caller keeps the table (the context does). */
+void colibri_kernels_optimised(colibri_kernels *k);
+
+/* ---- The reference kernels: the specification every backend is tested
+ * against. Plain C loops in index order, f32 accumulation, no FMA. ---- */
+
+void colibri_linear_ref(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                        const float *b, const colibri_qrows *xq, float *restrict y);
+void colibri_linear_acc_ref(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                            const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                            float *restrict y);
+void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
+                               int8_t *restrict q, float *restrict a);
+void colibri_activation_ref(float *x, size_t n, uint32_t kind);
+void colibri_mul_ref(float *x, const float *y, size_t n);
+void colibri_add_ref(float *x, const float *y, size_t n);
+void colibri_layernorm_ref(float *x, size_t rows, size_t n, const float *gamma, const float *beta, float eps);
+void colibri_rmsnorm_ref(float *x, size_t rows, size_t n, const float *gamma, float eps);
+
+/* x [n] = softmax(x), n >= 1, stable (the maximum is subtracted first). The
+ * router's (colibri_router.c), reference only: it runs over R <= a few
+ * hundred logits per token, never a hot loop. */
 void colibri_softmax_f32(float *x, size_t n);
 
-/* ---- Per-dtype matrix-times-row kernels, called by the dispatch only ----
+/* ---- Per-dtype matrix-times-row reference kernels, called by the
+ * reference linear kernels only ----
  *
  * Each computes, for one token row x [w->cols] and every output o < w->rows,
  * v_o = (row o of W) · x + b_o (b NULL: no bias), and stores it:
@@ -116,9 +165,6 @@ void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
 void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
                          const float *b, int acc, float s, float *restrict y);
 
-/* IEEE binary16 bits -> f32, exactly, by bit manipulation (no compiler
- * __fp16 needed): normals, subnormals (renormalised), ±0, ±inf, NaN (the
- * payload is kept, so a NaN stays a NaN). */
 /* The end of every matvec kernel for output o: add the bias, then either
  * store (acc 0) or add the gated value s · v into y (acc 1). */
 static inline void colibri_emit(float *y, size_t o, float v, const float *b, int acc, float s)
@@ -131,6 +177,9 @@ static inline void colibri_emit(float *y, size_t o, float v, const float *b, int
         y[o] = v;
 }
 
+/* IEEE binary16 bits -> f32, exactly, by bit manipulation (no compiler
+ * __fp16 needed): normals, subnormals (renormalised), ±0, ±inf, NaN (the
+ * payload is kept, so a NaN stays a NaN). */
 static inline float colibri_f16_to_f32(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -155,6 +204,25 @@ static inline float colibri_f16_to_f32(uint16_t h)
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* ---- I8 metadata, read through these two only, so every backend stays
+ * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
+
+/* s_o, the dequantisation scale of output row o. */
+static inline float colibri_q8_scale(const colibri_matrix *w, size_t o)
+{
+    return w->scale[o];
+}
+
+/* v + Σ e · x[col] over row o's compensation entries, in storage order. */
+static inline float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
+{
+    if (w->nnz == 0)
+        return v;
+    for (uint32_t k = w->row_ptr[o]; k < w->row_ptr[o + 1]; k++)
+        v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
+    return v;
 }
 
 #endif /* COLIBRI_KERNELS_H */

@@ -13,16 +13,6 @@
 
 #include "../colibri_kernels.h"
 
-/* v += Σ e · x[col] over row o's compensation entries, in storage order. */
-static float add_compensation(const colibri_matrix *w, size_t o, const float *x, float v)
-{
-    if (w->nnz == 0)
-        return v;
-    for (uint32_t k = w->row_ptr[o]; k < w->row_ptr[o + 1]; k++)
-        v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
-    return v;
-}
-
 void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
                        int acc, float s, float *restrict y)
 {
@@ -32,7 +22,7 @@ void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
         float sum = 0.0f;
         for (size_t k = 0; k < in; k++)
             sum += (float)qo[k] * x[k];
-        colibri_emit(y, o, add_compensation(w, o, x, sum * w->scale[o]), b, acc, s);
+        colibri_emit(y, o, colibri_q8_compensate(w, o, x, sum * colibri_q8_scale(w, o)), b, acc, s);
     }
 }
 
@@ -64,11 +54,11 @@ void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *
     const size_t in = w->cols, out = w->rows;
     for (size_t o = 0; o < out; o++, qo += in) {
         const int32_t sum = dot_i8(qo, xq, in);
-        colibri_emit(y, o, add_compensation(w, o, x, (float)sum * (w->scale[o] * a)), b, acc, s);
+        colibri_emit(y, o, colibri_q8_compensate(w, o, x, (float)sum * (colibri_q8_scale(w, o) * a)), b, acc, s);
     }
 }
 
-void colibri_quantize_rows(const float *x, const uint16_t *rows, size_t n, size_t in,
+void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
                            int8_t *restrict q, float *restrict a)
 {
     for (size_t i = 0; i < n; i++, q += in) {

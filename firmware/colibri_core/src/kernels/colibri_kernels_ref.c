@@ -32,7 +32,7 @@ static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, fl
     }
 }
 
-void colibri_linear(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+void colibri_linear_ref(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
                     const float *b, const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
@@ -41,7 +41,7 @@ void colibri_linear(const float *x, const uint16_t *rows, size_t n, const colibr
                b, 0, 1.0f, y + i * out);
 }
 
-void colibri_linear_acc(const float *x, size_t n, const colibri_matrix *w, const float *b,
+void colibri_linear_acc_ref(const float *x, size_t n, const colibri_matrix *w, const float *b,
                         const uint16_t *rows, const float *scale, const colibri_qrows *xq,
                         float *restrict y)
 {
@@ -69,7 +69,7 @@ static float sigmoid(float v)
     return 1.0f / (1.0f + colibri_expf(-v));
 }
 
-void colibri_activation_f32(float *x, size_t n, uint32_t kind)
+void colibri_activation_ref(float *x, size_t n, uint32_t kind)
 {
     /* Constants: 1/√2 and √(2/π). */
     const float inv_sqrt2 = 0.70710678118654752f;
@@ -102,19 +102,19 @@ void colibri_activation_f32(float *x, size_t n, uint32_t kind)
     }
 }
 
-void colibri_mul_f32(float *x, const float *y, size_t n)
+void colibri_mul_ref(float *x, const float *y, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         x[i] *= y[i];
 }
 
-void colibri_add_f32(float *x, const float *y, size_t n)
+void colibri_add_ref(float *x, const float *y, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         x[i] += y[i];
 }
 
-void colibri_layernorm_f32(float *x, size_t rows, size_t n,
+void colibri_layernorm_ref(float *x, size_t rows, size_t n,
                            const float *gamma, const float *beta, float eps)
 {
     for (size_t r = 0; r < rows; r++, x += n) {
@@ -140,7 +140,7 @@ void colibri_layernorm_f32(float *x, size_t rows, size_t n,
     }
 }
 
-void colibri_rmsnorm_f32(float *x, size_t rows, size_t n, const float *gamma, float eps)
+void colibri_rmsnorm_ref(float *x, size_t rows, size_t n, const float *gamma, float eps)
 {
     for (size_t r = 0; r < rows; r++, x += n) {
         float ms = 0.0f;
