@@ -18,7 +18,10 @@ counts, instructions counted under QEMU `-icount` (identical run to run), the
 painted-stack high-water mark, the test count, and errors of seeded models
 (printed to 2-3 significant digits). The smart meter's trained figures reuse
 `make demo`'s cached training (build/smart_meter), or train as it does (one
-thread, seeded); training is reproducible on one machine and PyTorch build.
+thread, seeded); training is reproducible on one machine and PyTorch build,
+but not across CPUs (PyTorch's float sums take other SIMD paths), so those
+figures, and what depends on the trained weights (routing, hence instructions),
+are compared within a stated relative tolerance (Figure.rel_tol).
 """
 from __future__ import annotations
 
@@ -45,10 +48,22 @@ class Figure:
     text: str  # exactly as README.md shows it
     what: str
     value: float | int | None = None
+    rel_tol: float = 0.0  # > 0: README.md may show any number this close (trained on another CPU)
 
 
-def fig(key: str, value, what: str, fmt: str = "{:,}") -> Figure:
-    return Figure(key, fmt.format(value), what, value)
+def fig(key: str, value, what: str, fmt: str = "{:,}", rel_tol: float = 0.0) -> Figure:
+    return Figure(key, fmt.format(value), what, value, rel_tol)
+
+
+def close_enough(shown: str, f: Figure) -> bool:
+    """README.md's text for a figure against the measured one: equal, or within f.rel_tol."""
+    if shown == f.text:
+        return True
+    try:
+        a, b = (float(t.replace(",", "").rstrip("%")) for t in (shown, f.text))
+    except ValueError:
+        return False
+    return f.rel_tol > 0 and abs(a - b) <= f.rel_tol * max(abs(a), abs(b))
 
 
 def pct(x: float, digits: int = 2) -> str:
@@ -278,6 +293,8 @@ def group_smart_meter() -> list[Figure]:
     out.mkdir(parents=True, exist_ok=True)
     data = FC.dataset()
     moe, dense = demo.trained_models(out, retrain=False)
+    trained = 0.03  # MAE of a model trained on this CPU (see the module docstring)
+    routed = 0.01   # instructions: the trained weights choose the experts each day runs
     with torch.no_grad():
         moe_f32 = moe(torch.from_numpy(data.x_test)).numpy()
         dense_f32 = dense(torch.from_numpy(data.x_test)).numpy()
@@ -291,13 +308,14 @@ def group_smart_meter() -> list[Figure]:
         fig("meter.test_days", n, "held-out days"),
         fig("meter.mae.naive", FC.naive_mae(data), "seasonal naive MAE (MW)", "{:.0f}"),
         fig("meter.weights.dense", FC.n_weights(dense), "dense MLP weights"),
-        fig("meter.mae.dense", FC.mae_mw(dense_f32, data), "dense MLP MAE (MW)", "{:.0f}"),
+        fig("meter.mae.dense", FC.mae_mw(dense_f32, data), "dense MLP MAE (MW)", "{:.0f}", trained),
         fig("meter.weights.moe", FC.n_weights(moe), "MoE weights"),
-        fig("meter.mae.moe", FC.mae_mw(moe_f32, data), "MoE f32 MAE (MW)", "{:.0f}"),
-        fig("meter.mae.target", FC.mae_mw(prediction, data), "MoE q8 on the emulated Cortex-M7, MAE (MW)", "{:.0f}"),
+        fig("meter.mae.moe", FC.mae_mw(moe_f32, data), "MoE f32 MAE (MW)", "{:.0f}", trained),
+        fig("meter.mae.target", FC.mae_mw(prediction, data), "MoE q8 on the emulated Cortex-M7, MAE (MW)", "{:.0f}", trained),
         fig("meter.image", len(image), "smart meter q8 image bytes"),
         fig("meter.arena", run["arena"], "smart meter arena on the Cortex-M7"),
-        fig("meter.batch1", run["work"][-1], "instructions per inference at batch 1 (QEMU -icount)"),
+        fig("meter.batch1", run["work"][-1], "instructions per inference at batch 1 (QEMU -icount)",
+            rel_tol=routed),
         fig("meter.stack", run["stack"], "runner stack high-water, smart meter model"),
     ]
 
@@ -424,7 +442,7 @@ def disagreements(text: str, figures: dict[str, Figure]) -> list[str]:
         if key not in shown:
             problems.append(f"{key}: measured {f.text!r} but README.md does not show it")
         for t in shown.get(key, []):
-            if t != f.text:
+            if not close_enough(t, f):
                 problems.append(f"{key}: README.md says {t!r}, measured {f.text!r} ({f.what})")
     return problems
 
