@@ -43,13 +43,17 @@ sys.path.insert(0, str(HERE))
 CONFIGS = [("meter", 1), ("smart_meter", 1), ("edge", 1), ("edge", 8), ("edge", 64)]
 POOL = {"meter": 256, "smart_meter": 256, "edge": 128}
 # The engine every ratio is taken against, and the order of the columns.
-ENGINES = ["colibri-c", "colibri", "colibri-f16", "colibri-q8", "torch", "torch-gather", "onnxruntime",
+ENGINES = ["colibri-c", "colibri-c-ref", "colibri-c-f16", "colibri-c-q8", "colibri", "torch", "torch-gather", "onnxruntime",
            "onnxruntime-masked", "onnxruntime-loop", "litert", "tflm"]
 BASELINE = "colibri-c"
+# The C driver's rows: (image dtype, reference kernels?). "colibri" is the Python binding (f32),
+# which adds Python's call overhead.
+C_ENGINES = {"colibri-c": ("f32", False), "colibri-c-ref": ("f32", True), "colibri-c-f16": ("f16", False),
+             "colibri-c-q8": ("q8", False)}
 # Correctness against PyTorch, relative to max(1, max|reference|): f32 engines differ from
 # torch only in summation order; f16/q8 weights carry their quantisation error, and a token
 # near a routing tie may pick another expert, so those need 99% of rows within the bound.
-TOLERANCE = {"colibri-f16": 2e-2, "colibri-q8": 8e-2}
+TOLERANCE = {"colibri-c-f16": 2e-2, "colibri-c-q8": 8e-2}
 F32_TOLERANCE = 1e-4
 PYPI = {"onnxruntime": "onnxruntime", "onnxruntime-loop": "onnxruntime", "onnxruntime-masked": "onnxruntime", "litert": "ai_edge_litert",
         "tflm": "tflite_micro"}
@@ -149,11 +153,10 @@ def export_tflite(module, x, path: Path) -> None:
 def runner(engine: str, name: str, batch: int, work: Path):
     """(forward(x[batch, in]) -> y, extra facts) for one engine."""
     extra: dict = {}
-    if engine.startswith("colibri") and engine != "colibri-c":
+    if engine == "colibri":
         import colibri
 
-        dtype = engine.partition("-")[2] or "f32"
-        model = colibri.Model(work / f"{name}_{dtype}.clb")
+        model = colibri.Model(work / f"{name}_f32.clb")
         extra.update(arena_bytes=model.arena_size, image_bytes=model.image_size)
         return model.forward, extra
     if engine.startswith("torch"):
@@ -274,8 +277,8 @@ def time_blocks(block, calls: int, budget: float) -> float:
 def worker(engine: str, name: str, batch: int, work: Path, budget: float, timed: bool = True) -> dict:
     x, ref = np.load(work / f"{name}_x.npy"), np.load(work / f"{name}_ref.npy")
     chunks = [np.ascontiguousarray(x[i : i + batch]) for i in range(0, len(x), batch)]
-    if engine == "colibri-c":
-        out = c_worker(name, batch, work, budget if timed else 0.0, x, ref)
+    if engine in C_ENGINES:
+        out = c_worker(engine, name, batch, work, budget if timed else 0.0, x, ref)
         if not timed:
             out.pop("us", None)
         return out
@@ -295,15 +298,18 @@ def c_driver() -> Path:
     return ROOT / "build" / "bench" / "colibri_bench"
 
 
-def c_worker(name: str, batch: int, work: Path, budget: float, x: np.ndarray, ref: np.ndarray) -> dict:
+def c_worker(engine: str, name: str, batch: int, work: Path, budget: float, x: np.ndarray,
+             ref: np.ndarray) -> dict:
     """The C driver (bench/colibri_bench.c): colibri_forward with no Python in the loop."""
-    outf = work / f"{name}_b{batch}_c.out"
-    res = subprocess.run([str(c_driver()), str(work / f"{name}_f32.clb"), str(batch), str(work / f"{name}_x.f32"),
-                          str(len(x)), str(outf), f"{budget}"], capture_output=True, text=True, check=True)
+    dtype, reference = C_ENGINES[engine]
+    outf = work / f"{name}_b{batch}_{engine}.out"
+    res = subprocess.run([str(c_driver()), str(work / f"{name}_{dtype}.clb"), str(batch), str(work / f"{name}_x.f32"),
+                          str(len(x)), str(outf), f"{budget}", *(["reference"] if reference else [])],
+                         capture_output=True, text=True, check=True)
     facts = json.loads(res.stdout)
-    ok, err = check(np.fromfile(outf, dtype=np.float32), ref, "colibri-c")
+    ok, err = check(np.fromfile(outf, dtype=np.float32), ref, engine)
     out = {"ok": ok, "error": err, "arena_bytes": facts["arena_bytes"], "image_bytes": facts["image_bytes"],
-           "rss_mb": facts["rss_kib"] / 1024}
+           "rss_mb": facts["rss_kib"] / 1024, "kernels": facts["kernels"]}
     if ok:
         out["us"] = facts["us"]
     return out
@@ -338,7 +344,7 @@ def spawn(args: list[str]) -> dict:
 def availability(work: Path, skipped: dict[str, str]) -> list[str]:
     engines = []
     for e in ENGINES:
-        if e == "colibri-c" and not c_driver().exists():
+        if e in C_ENGINES and not c_driver().exists():
             skipped[e] = f"{c_driver().relative_to(ROOT)} not built (make bench builds it)"
         elif e in PYPI and not installed(PYPI[e]):
             skipped[e] = f"PyPI package for {PYPI[e]} not installed (pip install -e '.[bench]')"
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         bw["edge_b1_bytes_per_token"] = info["edge"]["bytes_per_token"]
     bw["python_numpy_rss_mb"] = spawn(["--baseline"]).get("rss_mb")
     report(results, skipped, bw, info)
-    goals = targets(results, bw)
+    goals = targets(results, bw, info)
     if goals:
         print("\nissue 10 targets (this run):")
         for what, figures, met in goals:
@@ -449,8 +455,10 @@ def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
             batch = int(key.rpartition("b")[2])
             print(f"  {key:<16} {best} {peers[best]:,.1f} us ({batch / peers[best] * 1e6:,.0f} tokens/s); "
                   f"Colibri {base:,.1f} us ({batch / base * 1e6:,.0f} tokens/s): peer/Colibri {peers[best] / base:.2f}")
-    print(f"(peak RSS of a Python worker with numpy and no engine: {bw['python_numpy_rss_mb']:.1f} MB; colibri-c is "
-          "the C driver alone. Peers run torch.topk + index_select routing (bench/models.py GatherMoE) except: "
+    kernels = sorted({r["kernels"] for row in results.values() for e, r in row.items() if "kernels" in r})
+    print(f"(peak RSS of a Python worker with numpy and no engine: {bw['python_numpy_rss_mb']:.1f} MB; colibri-c* is "
+          f"the C driver alone, kernels: {', '.join(kernels) or 'n/a'}; colibri-c-ref runs the reference kernels, "
+          "colibri the Python binding. Peers run torch.topk + index_select routing (bench/models.py GatherMoE) except: "
           "torch = the colibri.nn module as written; onnxruntime-masked and tflm compute every expert and gate the "
           "unchosen to 0 (TFLM lacks TOPK_V2, ONE_HOT and the converter's bounds-checked gathers); "
           "onnxruntime-loop = the module as written, traced)")
@@ -472,7 +480,7 @@ def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
                   f"edge-weights-sized bound, {base / (tok / bw['dram_gbs'] / 1e3):.2f}x the DRAM bound")
 
 
-def targets(results: dict, bw: dict) -> list[tuple[str, str, bool]]:
+def targets(results: dict, bw: dict, info: dict | None = None) -> list[tuple[str, str, bool]]:
     """Issue 10's host targets: (target, the figures of this run, met?) for those this run measured."""
     def us(key, engine):
         return results.get(key, {}).get(engine, {}).get("us")
@@ -495,12 +503,12 @@ def targets(results: dict, bw: dict) -> list[tuple[str, str, bool]]:
                     f"{c1:,.0f} / {bound:,.0f} us = {c1 / bound:.2f}x", c1 / bound <= 1.15))
     # Against ONNX Runtime: its fastest correct variant, and its smallest peak RSS, at batch 1.
     ort_variants = ("onnxruntime", "onnxruntime-masked", "onnxruntime-loop")
-    q8 = us("edge b1", "colibri-q8")
+    q8 = us("edge b1", "colibri-c-q8")
     ort = min((us("edge b1", e) for e in ort_variants if us("edge b1", e)), default=None)
     if q8 and ort:
         out.append(("edge q8 b1 >= 3x faster than ONNX Runtime f32",
                     f"{ort:,.0f} / {q8:,.0f} us = {ort / q8:.2f}x", ort / q8 >= 3))
-    f16 = us("edge b1", "colibri-f16")
+    f16 = us("edge b1", "colibri-c-f16")
     if f16 and c1:
         out.append(("edge f16 b1 faster than f32", f"f16 {f16:,.0f} us, f32 {c1:,.0f} us", f16 < c1))
     for key in ("edge b8", "edge b64"):
@@ -518,6 +526,11 @@ def targets(results: dict, bw: dict) -> list[tuple[str, str, bool]]:
     tflm = results.get("meter b1", {}).get("tflm", {}).get("arena_bytes")
     if arena and tflm:
         out.append(("meter arena below TFLM's", f"Colibri {arena:,} B, TFLM {tflm:,} B", arena < tflm))
+    images = (info or {}).get("smart_meter", {}).get("images")
+    if images:
+        ratio = images["q8"] / images["f32"]
+        out.append(("smart meter q8 image <= 0.30 of its f32 image",
+                    f"{images['q8']:,} / {images['f32']:,} B = {ratio:.3f}", ratio <= 0.30))
     cr = rss("edge b1", BASELINE)
     orss = min((rss("edge b1", e) for e in ort_variants if rss("edge b1", e)), default=None)
     if cr and orss:

@@ -1,15 +1,18 @@
 /*
- * colibri_bench IMAGE BATCH POOL.f32 ROWS OUT.f32 SECONDS
+ * colibri_bench IMAGE BATCH POOL.f32 ROWS OUT.f32 SECONDS [reference]
  *
  * Times colibri_forward with no Python in the loop (bench/bench.py's "colibri-c").
  * POOL.f32 holds ROWS raw f32 input rows; they are run BATCH rows per call, cycled.
  * The first pass's outputs go to OUT.f32 (bench.py checks them against PyTorch);
  * then whole passes are timed for about SECONDS (at least 5) and stdout gets
- * {"us": median microseconds per call, "arena_bytes", "image_bytes", "rss_kib": peak RSS}.
+ * {"us": median microseconds per call, "arena_bytes", "image_bytes", "rss_kib": peak RSS,
+ *  "kernels": the kernels run}. "reference" runs the reference kernels instead of the
+ * build's optimised ones (colibri_set_kernels).
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "colibri.h"
@@ -64,8 +67,8 @@ static colibri_status pass(colibri_ctx *ctx, const colibri_model_info *info, siz
 
 int main(int argc, char **argv)
 {
-    if (argc != 7) {
-        fprintf(stderr, "usage: colibri_bench IMAGE BATCH POOL.f32 ROWS OUT.f32 SECONDS\n");
+    if (argc != 7 && !(argc == 8 && strcmp(argv[7], "reference") == 0)) {
+        fprintf(stderr, "usage: colibri_bench IMAGE BATCH POOL.f32 ROWS OUT.f32 SECONDS [reference]\n");
         return 1;
     }
     const size_t batch = strtoul(argv[2], NULL, 10), rows = strtoul(argv[4], NULL, 10);
@@ -93,6 +96,8 @@ int main(int argc, char **argv)
         return 1;
     if ((st = colibri_init(&ctx, arena, info.arena_size, image, len)) != COLIBRI_OK)
         return die("colibri_init", st);
+    if (argc == 8 && (st = colibri_set_kernels(ctx, COLIBRI_KERNELS_REFERENCE)) != COLIBRI_OK)
+        return die("colibri_set_kernels", st);
     if ((st = pass(ctx, &info, batch, rows, in, out)) != COLIBRI_OK)
         return die("colibri_forward", st);
     FILE *f = fopen(argv[5], "wb");
@@ -109,8 +114,8 @@ int main(int argc, char **argv)
     }
     qsort(per_call, n, sizeof *per_call, cmp_double);
     const double median = n % 2 ? per_call[n / 2] : (per_call[n / 2 - 1] + per_call[n / 2]) / 2;
-    printf("{\"us\": %.3f, \"arena_bytes\": %zu, \"image_bytes\": %zu, \"rss_kib\": %ld}\n", median * 1e6,
-           info.arena_size, len, peak_rss_kib());
+    printf("{\"us\": %.3f, \"arena_bytes\": %zu, \"image_bytes\": %zu, \"rss_kib\": %ld, \"kernels\": \"%s\"}\n",
+           median * 1e6, info.arena_size, len, peak_rss_kib(), colibri_kernels_name(ctx));
     colibri_free(ctx);
     free(arena);
     free(out);
