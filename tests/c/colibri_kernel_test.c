@@ -87,6 +87,10 @@ static uint16_t to_f16(float v)
     return (uint16_t)(sign | (uint16_t)((e + 14) << 10) | (uint16_t)(m - 1024));
 }
 
+/* The limits of colibri_expf (colibri_math.h), the last finite and first zero results. */
+#define COLIBRI_EXPF_EDGE_HI 88.72283172607421875f
+#define COLIBRI_EXPF_EDGE_LO -103.972076416015625f
+
 /* ---- Checking ---- */
 
 static unsigned long failures, checks;
@@ -300,7 +304,9 @@ static float special_value(void)
 static void fill_values(float *x, size_t count, int mode)
 {
     /* mode 0: ordinary, 1: with specials sprinkled, 2: all tiny, 3: all zero,
-     * 4: ties at .5 after scaling (quarters, and a maximum of 63.5 makes 127/m = 2). */
+     * 4: ties at .5 after scaling (quarters, and a maximum of 63.5 makes 127/m = 2),
+     * 5: log-uniform magnitudes 2^-30 .. 2^8 of either sign (every branch of exp, tanh, erf),
+     * 6: near the branch points of tanh (0.55, 9.1) and erf (1, 2.5, 4; also times √2 for GELU). */
     for (size_t i = 0; i < count; i++) {
         switch (mode) {
         case 1:
@@ -315,6 +321,15 @@ static void fill_values(float *x, size_t count, int mode)
         case 4:
             x[i] = (float)((int)rnd_below(255) - 127) * 0.25f;
             break;
+        case 5:
+            x[i] = ldexpf(1.0f + 0.5f * rnd_unit(), (int)rnd_below(39) - 30) * (rnd_below(2) ? 1.0f : -1.0f);
+            break;
+        case 6: {
+            static const float at[6] = {0.55f, 9.1f, 1.0f, 2.5f, 4.0f, 1.0f};
+            const float c = at[rnd_below(6)] * (rnd_below(2) ? 1.4142135f : 1.0f);
+            x[i] = c * (1.0f + 0.1f * rnd_unit()) * (rnd_below(2) ? 1.0f : -1.0f);
+            break;
+        }
         default:
             x[i] = rnd_unit() * 8.0f;
             break;
@@ -357,14 +372,21 @@ static void run_quantize(const colibri_kernels *ref, const colibri_kernels *opt)
 
 static void run_elementwise(const colibri_kernels *ref, const colibri_kernels *opt)
 {
-    for (int rep = 0; rep < 120; rep++) {
+    for (int rep = 0; rep < 300; rep++) {
         const size_t count = rnd_size(200);
         float *x0 = malloc(count * sizeof *x0), *x1 = malloc(count * sizeof *x1), *y = malloc(count * sizeof *y);
         if (!x0 || !x1 || !y)
             exit(2);
-        fill_values(x0, count, (int)rnd_below(2));
-        for (size_t i = 0; i < count; i++)
-            x0[i] *= 2.0f;
+        const int mode = (int)rnd_below(4);
+        fill_values(x0, count, mode >= 2 ? mode + 3 : mode);
+        if (mode == 2 && count) /* the branch boundaries of exp, tanh and erf exactly */
+            for (size_t j = 0; j < 8; j++) {
+                static const float edges[8] = {0.55f, 1.0f, 2.5f, 4.0f, 9.1f, COLIBRI_EXPF_EDGE_HI, COLIBRI_EXPF_EDGE_LO, 1.4142135f};
+                x0[rnd_below(count)] = edges[j] * (rnd_below(2) ? 1.0f : -1.0f);
+            }
+        else
+            for (size_t i = 0; i < count; i++)
+                x0[i] *= 2.0f;
         fill_values(y, count, (int)rnd_below(2));
         char what[64];
         for (uint32_t kind = COLIBRI_ACT_RELU; kind <= COLIBRI_ACT_SIGMOID; kind++) {

@@ -47,6 +47,7 @@
 #endif
 
 #include "colibri_format.h"
+#include "../../colibri_math.h"
 
 #define NEON_INLINE static inline __attribute__((always_inline))
 #define NEON_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
@@ -558,24 +559,209 @@ static void quantize_rows_neon(const float *x, const uint16_t *rows, size_t n, s
     }
 }
 
-/* ---- Activations: ReLU vectorised, bit-exact (v < 0 selects 0; a NaN
- * fails the comparison and stays, -0 stays -0, as the reference); the
- * others are the reference's (colibri_math.h, in double). ---- */
+/* ---- Activations, bit-exact: colibri_math.h's exp, tanh and erf
+ * evaluated two lanes at a time in float64x2 (the same double arithmetic,
+ * operation by operation, as the scalar functions on AArch64, where
+ * colibri_real is double and nothing is fused), and the same float
+ * operations around them. Each branch of a scalar function (its NaN,
+ * saturation and range cases) is a lane mask; a branch's polynomial runs
+ * only when some lane of the 4 takes it. ReLU: v < 0 selects 0, so a NaN
+ * fails the comparison and stays, -0 stays -0, as the reference. ---- */
+
+typedef float64x2_t f64v;
+
+NEON_INLINE f64v vpoly(const double *c, unsigned n, f64v z)
+{
+    f64v p = vdupq_n_f64(c[n - 1]);
+    for (unsigned i = n - 1; i-- > 0;)
+        p = vaddq_f64(vmulq_f64(p, z), vdupq_n_f64(c[i]));
+    return p;
+}
+
+/* colibri_exp_real: e^x = e^r · 2^k, for lanes within |x| <= 110. */
+NEON_INLINE f64v vexp_real(f64v x)
+{
+    const f64v t = vmulq_f64(x, vdupq_n_f64(COLIBRI_INV_LN2));
+    const f64v half = vdupq_n_f64(0.5);
+    const f64v h = vbslq_f64(vcltq_f64(t, vdupq_n_f64(0.0)), vsubq_f64(t, half), vaddq_f64(t, half));
+    const int64x2_t k = vcvtq_s64_f64(h); /* truncates, as (int) */
+    const f64v nf = vcvtq_f64_s64(k);
+    const f64v r = vsubq_f64(vsubq_f64(x, vmulq_f64(nf, vdupq_n_f64(COLIBRI_LN2_HI))),
+                             vmulq_f64(nf, vdupq_n_f64(COLIBRI_LN2_LO)));
+    const f64v p = vaddq_f64(vdupq_n_f64(1.0),
+                             vmulq_f64(r, vpoly(colibri_exp_taylor, COLIBRI_MATH_COUNT(colibri_exp_taylor), r)));
+    const f64v scale = vreinterpretq_f64_s64(vshlq_n_s64(vaddq_s64(k, vdupq_n_s64(1023)), 52));
+    return vmulq_f64(p, scale);
+}
+
+NEON_INLINE int any_lane(uint32x4_t m)
+{
+    return vmaxvq_u32(m) != 0;
+}
+
+NEON_INLINE float32x4_t copysign4(float32x4_t mag, float32x4_t sign)
+{
+    return vbslq_f32(vdupq_n_u32(0x80000000u), sign, mag);
+}
+
+/* colibri_expf */
+NEON_INLINE float32x4_t vexpf(float32x4_t x)
+{
+    const uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));
+    const uint32x4_t over = vcgtq_f32(x, vdupq_n_f32(COLIBRI_EXPF_MAX_FINITE));
+    const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(COLIBRI_EXPF_MIN_NONZERO));
+    const float32x4_t xc = vbslq_f32(vorrq_u32(nan, vorrq_u32(over, under)), vdupq_n_f32(0.0f), x);
+    const float32x2_t lo = vcvt_f32_f64(vexp_real(vcvt_f64_f32(vget_low_f32(xc))));
+    float32x4_t r = vcvt_high_f32_f64(lo, vexp_real(vcvt_high_f64_f32(xc)));
+    r = vbslq_f32(over, vdupq_n_f32(__builtin_inff()), r);
+    r = vbslq_f32(under, vdupq_n_f32(0.0f), r);
+    return vbslq_f32(nan, vaddq_f32(x, x), r);
+}
+
+NEON_INLINE float32x4_t vsigmoid(float32x4_t v)
+{
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    return vdivq_f32(one, vaddq_f32(one, vexpf(vnegq_f32(v))));
+}
+
+/* tanh's small branch: x + x · (z · P(z)), z = x², in double. */
+NEON_INLINE f64v vtanh_small(f64v x)
+{
+    const f64v z = vmulq_f64(x, x);
+    return vaddq_f64(x, vmulq_f64(x, vmulq_f64(z, vpoly(colibri_tanh_c, COLIBRI_MATH_COUNT(colibri_tanh_c), z))));
+}
+
+/* tanh's large branch: 1 - 2/(e^2|x| + 1), |x| in [0.55, 9.1). */
+NEON_INLINE f64v vtanh_large(f64v a2)
+{
+    const f64v one = vdupq_n_f64(1.0);
+    return vsubq_f64(one, vdivq_f64(vdupq_n_f64(2.0), vaddq_f64(vexp_real(a2), one)));
+}
+
+/* colibri_tanhf */
+NEON_INLINE float32x4_t vtanhf(float32x4_t x)
+{
+    const float32x4_t ax = vabsq_f32(x);
+    const uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));
+    const uint32x4_t sat = vcgeq_f32(ax, vdupq_n_f32(COLIBRI_TANHF_SATURATE));
+    const uint32x4_t small = vcltq_f32(ax, vdupq_n_f32(0.55f));
+    const uint32x4_t large = vbicq_u32(vmvnq_u32(vorrq_u32(nan, sat)), small);
+    float32x4_t r = copysign4(vdupq_n_f32(1.0f), x);
+    if (any_lane(small)) {
+        const float32x4_t xs = vbslq_f32(small, x, vdupq_n_f32(0.0f));
+        const float32x2_t lo = vcvt_f32_f64(vtanh_small(vcvt_f64_f32(vget_low_f32(xs))));
+        r = vbslq_f32(small, vcvt_high_f32_f64(lo, vtanh_small(vcvt_high_f64_f32(xs))), r);
+    }
+    if (any_lane(large)) {
+        const float32x4_t a2 = vmulq_f32(vdupq_n_f32(2.0f), vbslq_f32(large, ax, vdupq_n_f32(1.0f)));
+        const float32x2_t lo = vcvt_f32_f64(vtanh_large(vcvt_f64_f32(vget_low_f32(a2))));
+        const float32x4_t t = vcvt_high_f32_f64(lo, vtanh_large(vcvt_high_f64_f32(a2)));
+        r = vbslq_f32(large, copysign4(t, x), r);
+    }
+    return vbslq_f32(nan, vaddq_f32(x, x), r);
+}
+
+NEON_INLINE f64v verf_small(f64v x)
+{
+    const f64v z = vmulq_f64(x, x);
+    return vaddq_f64(x, vmulq_f64(x, vpoly(colibri_erf_q, COLIBRI_MATH_COUNT(colibri_erf_q), z)));
+}
+
+/* 1 - e^-a² R(a), R from the [1, 2.5) or [2.5, 4) fit as hi selects. */
+NEON_INLINE f64v verf_large(f64v a, uint64x2_t hi, int need_lo, int need_hi)
+{
+    f64v r = vdupq_n_f64(0.0);
+    if (need_lo)
+        r = vpoly(colibri_erfc_r_low, COLIBRI_MATH_COUNT(colibri_erfc_r_low), vsubq_f64(a, vdupq_n_f64(1.75)));
+    if (need_hi)
+        r = vbslq_f64(hi, vpoly(colibri_erfc_r_high, COLIBRI_MATH_COUNT(colibri_erfc_r_high),
+                                vsubq_f64(a, vdupq_n_f64(3.25))), r);
+    const f64v erfc = vmulq_f64(vexp_real(vmulq_f64(vnegq_f64(a), a)), r);
+    return vsubq_f64(vdupq_n_f64(1.0), erfc);
+}
+
+/* colibri_erff */
+NEON_INLINE float32x4_t verff(float32x4_t x)
+{
+    const float32x4_t ax = vabsq_f32(x);
+    const uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));
+    const uint32x4_t sat = vcgeq_f32(ax, vdupq_n_f32(COLIBRI_ERFF_SATURATE));
+    const uint32x4_t small = vcltq_f32(ax, vdupq_n_f32(1.0f));
+    const uint32x4_t large = vbicq_u32(vmvnq_u32(vorrq_u32(nan, sat)), small);
+    float32x4_t r = copysign4(vdupq_n_f32(1.0f), x);
+    if (any_lane(small)) {
+        const float32x4_t xs = vbslq_f32(small, x, vdupq_n_f32(0.0f));
+        const float32x2_t lo = vcvt_f32_f64(verf_small(vcvt_f64_f32(vget_low_f32(xs))));
+        r = vbslq_f32(small, vcvt_high_f32_f64(lo, verf_small(vcvt_high_f64_f32(xs))), r);
+    }
+    if (any_lane(large)) {
+        const float32x4_t a = vbslq_f32(large, ax, vdupq_n_f32(1.0f));
+        const uint32x4_t hi = vcgeq_f32(a, vdupq_n_f32(2.5f)); /* not ax < 2.5f */
+        const int need_hi = any_lane(hi), need_lo = any_lane(vmvnq_u32(hi));
+        const uint64x2_t hi_lo = vmovl_u32(vget_low_u32(hi)), hi_hi = vmovl_high_u32(hi);
+        /* A widened all-ones 32-bit mask is 0x00000000FFFFFFFF: make it all ones. */
+        const uint64x2_t m_lo = vtstq_u64(hi_lo, hi_lo), m_hi = vtstq_u64(hi_hi, hi_hi);
+        const float32x2_t lo = vcvt_f32_f64(verf_large(vcvt_f64_f32(vget_low_f32(a)), m_lo, need_lo, need_hi));
+        const float32x4_t e = vcvt_high_f32_f64(lo, verf_large(vcvt_high_f64_f32(a), m_hi, need_lo, need_hi));
+        r = vbslq_f32(large, copysign4(e, x), r);
+    }
+    return vbslq_f32(nan, vaddq_f32(x, x), r);
+}
+
+/* One activation on 4 lanes, the reference's float arithmetic around the
+ * functions (colibri_activation_ref). */
+NEON_INLINE float32x4_t act4(float32x4_t v, uint32_t kind)
+{
+    const float32x4_t half = vdupq_n_f32(0.5f), one = vdupq_n_f32(1.0f);
+    switch (kind) {
+    case COLIBRI_ACT_GELU_ERF:
+        return vmulq_f32(vmulq_f32(half, v), vaddq_f32(one, verff(vmulq_f32(v, vdupq_n_f32(0.70710678118654752f)))));
+    case COLIBRI_ACT_GELU_TANH: {
+        const float32x4_t cube = vmulq_f32(vmulq_f32(vmulq_f32(vdupq_n_f32(0.044715f), v), v), v);
+        const float32x4_t in = vmulq_f32(vdupq_n_f32(0.79788456080286536f), vaddq_f32(v, cube));
+        return vmulq_f32(vmulq_f32(half, v), vaddq_f32(one, vtanhf(in)));
+    }
+    case COLIBRI_ACT_SILU:
+        return vmulq_f32(v, vsigmoid(v));
+    case COLIBRI_ACT_TANH:
+        return vtanhf(v);
+    case COLIBRI_ACT_SIGMOID:
+        return vsigmoid(v);
+    default: /* COLIBRI_ACT_RELU */
+        return vbslq_f32(vcltq_f32(v, vdupq_n_f32(0.0f)), vdupq_n_f32(0.0f), v);
+    }
+}
+
+#define NEON_ACT_LOOP(KIND)                                   \
+    for (; i + 4 <= n; i += 4)                                \
+        vst1q_f32(x + i, act4(vld1q_f32(x + i), KIND));
 
 static void activation_neon(float *x, size_t n, uint32_t kind)
 {
-    if (kind != COLIBRI_ACT_RELU) {
-        colibri_activation_ref(x, n, kind);
+    size_t i = 0;
+    switch (kind) { /* one loop per kind, each with its function inlined */
+    case COLIBRI_ACT_RELU:
+        NEON_ACT_LOOP(COLIBRI_ACT_RELU)
+        break;
+    case COLIBRI_ACT_GELU_ERF:
+        NEON_ACT_LOOP(COLIBRI_ACT_GELU_ERF)
+        break;
+    case COLIBRI_ACT_GELU_TANH:
+        NEON_ACT_LOOP(COLIBRI_ACT_GELU_TANH)
+        break;
+    case COLIBRI_ACT_SILU:
+        NEON_ACT_LOOP(COLIBRI_ACT_SILU)
+        break;
+    case COLIBRI_ACT_TANH:
+        NEON_ACT_LOOP(COLIBRI_ACT_TANH)
+        break;
+    case COLIBRI_ACT_SIGMOID:
+        NEON_ACT_LOOP(COLIBRI_ACT_SIGMOID)
+        break;
+    default: /* unreachable: activation kinds are validated */
         return;
     }
-    const float32x4_t zero = vdupq_n_f32(0.0f);
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float32x4_t v = vld1q_f32(x + i);
-        vst1q_f32(x + i, vbslq_f32(vcltq_f32(v, zero), zero, v));
-    }
-    for (; i < n; i++)
-        x[i] = x[i] < 0.0f ? 0.0f : x[i];
+    colibri_activation_ref(x + i, n - i, kind); /* the last n % 4 */
 }
 
 /* ---- The table ---- */
