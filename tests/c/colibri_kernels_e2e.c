@@ -1,5 +1,5 @@
 /*
- * colibri_kernels_e2e EXPECTED_NAME IMAGE...
+ * colibri_kernels_e2e [--time REPS] EXPECTED_NAME IMAGE...
  *
  * For each IMAGE (a model image file): reads IMAGE.in, the raw little-endian
  * f32 input [batch, input_size] (batch = its length / input_size), runs one
@@ -9,11 +9,16 @@
  * (tests/test_aarch64.py) compares them with the host's reference output.
  * Prints "kernels: <name>" of the optimised set; EXPECTED_NAME ("-": any)
  * must match it. Exit 0 when every image ran.
+ *
+ * --time REPS: also runs each kernel set's forward REPS more times and prints
+ * the median wall-clock µs per call of each. Under qemu-aarch64 these are
+ * emulated times (TCG), not a performance figure of any CPU.
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "colibri.h"
 #include "colibri_common.h"
@@ -27,7 +32,20 @@ static int write_file(const char *path, const void *data, size_t len)
     return fclose(f) == 0 && put == len ? 0 : -1;
 }
 
-static int run_one(const char *expected, const char *path)
+static double now_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int run_one(const char *expected, const char *path, int reps)
 {
     int rc = 1;
     char name[4096];
@@ -70,11 +88,23 @@ static int run_one(const char *expected, const char *path)
     }
     static const char *const suffix[2] = {"ref", "opt"};
     static const colibri_kernel_set sets[2] = {COLIBRI_KERNELS_REFERENCE, COLIBRI_KERNELS_OPTIMISED};
+    double median[2] = {0.0, 0.0};
     for (int s = 0; s < 2; s++) {
         if ((st = colibri_set_kernels(ctx, sets[s])) != COLIBRI_OK ||
             (st = colibri_forward(ctx, batch, in, batch * info.input_size, out, n_out)) != COLIBRI_OK) {
             fprintf(stderr, "%s: %s kernels: %s\n", path, suffix[s], colibri_strerror(st));
             goto done;
+        }
+        double t[101];
+        const int timed = reps < 101 ? reps : 101;
+        for (int r = 0; r < timed; r++) {
+            const double t0 = now_us();
+            (void)colibri_forward(ctx, batch, in, batch * info.input_size, out, n_out);
+            t[r] = now_us() - t0;
+        }
+        if (timed > 0) {
+            qsort(t, (size_t)timed, sizeof *t, cmp_double);
+            median[s] = t[timed / 2];
         }
         snprintf(name, sizeof name, "%s.%s.out", path, suffix[s]);
         if (write_file(name, out, n_out * sizeof *out) != 0) {
@@ -83,6 +113,9 @@ static int run_one(const char *expected, const char *path)
         }
     }
     printf("%s: batch %zu, kernels %s\n", path, batch, opt_name);
+    if (reps > 0)
+        printf("%s: emulated µs per forward (not a performance figure): reference %.1f, %s %.1f\n", path,
+               median[0], opt_name, median[1]);
     rc = 0;
 done:
     if (ctx)
@@ -96,12 +129,17 @@ done:
 
 int main(int argc, char **argv)
 {
-    if (argc < 3) {
-        fprintf(stderr, "usage: colibri_kernels_e2e EXPECTED_NAME IMAGE...\n");
+    int reps = 0, first = 1;
+    if (argc > 2 && strcmp(argv[1], "--time") == 0) {
+        reps = atoi(argv[2]);
+        first = 3;
+    }
+    if (argc < first + 2) {
+        fprintf(stderr, "usage: colibri_kernels_e2e [--time REPS] EXPECTED_NAME IMAGE...\n");
         return 1;
     }
     int rc = 0;
-    for (int i = 2; i < argc; i++)
-        rc |= run_one(argv[1], argv[i]);
+    for (int i = first + 1; i < argc; i++)
+        rc |= run_one(argv[first], argv[i], reps);
     return rc;
 }
