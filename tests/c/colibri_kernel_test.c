@@ -20,7 +20,8 @@
  * there), ±inf exactly where it has ±inf.
  *
  * Prints the optimised table's name; with EXPECTED_NAME, fails unless the
- * name is that. Exit 0 when every case passes.
+ * name is that. Every buffer ends at an inaccessible page (gmalloc), so a
+ * read or write past any row or tail faults. Exit 0 when every case passes.
  */
 #include <float.h>
 #include <math.h>
@@ -28,6 +29,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "colibri.h"
 #include "colibri_format.h"
@@ -91,6 +94,45 @@ static uint16_t to_f16(float v)
 #define COLIBRI_EXPF_EDGE_HI 88.72283172607421875f
 #define COLIBRI_EXPF_EDGE_LO -103.972076416015625f
 
+/* ---- Guarded buffers: every buffer a kernel reads or writes ends right at
+ * an inaccessible page, so a vector load or store past the end of a row or
+ * of a tail faults, under qemu-aarch64 too (where no sanitizer runs). ---- */
+
+static void *gmalloc(size_t size)
+{
+    const size_t ps = (size_t)sysconf(_SC_PAGESIZE), head = 2 * sizeof(size_t);
+    const size_t pages = (size + head + ps - 1) / ps, total = (pages + 1) * ps;
+    void *base;
+    if (posix_memalign(&base, ps, total) != 0) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    unsigned char *end = (unsigned char *)base + pages * ps, *p = end - size;
+    memset(base, 0, pages * ps);
+    if (mprotect(end, ps, PROT_NONE) != 0) {
+        perror("mprotect");
+        exit(2);
+    }
+    const size_t info[2] = {(size_t)((unsigned char *)p - (unsigned char *)base), total};
+    memcpy(p - head, info, sizeof info);
+    return p;
+}
+
+static void gfree(void *ptr)
+{
+    if (!ptr)
+        return;
+    const size_t ps = (size_t)sysconf(_SC_PAGESIZE), head = 2 * sizeof(size_t);
+    size_t info[2];
+    memcpy(info, (unsigned char *)ptr - head, sizeof info);
+    unsigned char *base = (unsigned char *)ptr - info[0];
+    if (mprotect(base + info[1] - ps, ps, PROT_READ | PROT_WRITE) != 0) {
+        perror("mprotect");
+        exit(2);
+    }
+    free(base);
+}
+
 /* ---- Checking ---- */
 
 static unsigned long failures, checks;
@@ -137,19 +179,19 @@ static void run_linear(const colibri_kernels *ref, const colibri_kernels *opt, c
 {
     const size_t in = c->in, out = c->out, n = c->n;
     const size_t xrows = n + 3, yrows = n + 3; /* rows lists index beyond n */
-    float *x = malloc(xrows * in * sizeof *x);
-    float *wf = malloc(out * in * sizeof *wf);       /* f32 weights, or the dequantised view */
-    uint16_t *wh = malloc(out * in * sizeof *wh);
-    int8_t *wq = malloc(out * in * sizeof *wq);
-    float *scale_w = malloc(out * sizeof *scale_w);
-    uint32_t *row_ptr = malloc((out + 1) * sizeof *row_ptr);
-    uint16_t *col = malloc(out * 4 * sizeof *col), *val = malloc(out * 4 * sizeof *val);
-    float *bias = malloc(out * sizeof *bias);
-    float *gate = malloc(n * sizeof *gate);
+    float *x = gmalloc(xrows * in * sizeof *x);
+    float *wf = gmalloc(out * in * sizeof *wf);       /* f32 weights, or the dequantised view */
+    uint16_t *wh = gmalloc(out * in * sizeof *wh);
+    int8_t *wq = gmalloc(out * in * sizeof *wq);
+    float *scale_w = gmalloc(out * sizeof *scale_w);
+    uint32_t *row_ptr = gmalloc((out + 1) * sizeof *row_ptr);
+    uint16_t *col = gmalloc(out * 4 * sizeof *col), *val = gmalloc(out * 4 * sizeof *val);
+    float *bias = gmalloc(out * sizeof *bias);
+    float *gate = gmalloc(n * sizeof *gate);
     uint16_t rows[16];
-    int8_t *xq = malloc(n * in * sizeof *xq);
-    float *xa = malloc(n * sizeof *xa);
-    float *y0 = malloc(yrows * out * sizeof *y0), *y1 = malloc(yrows * out * sizeof *y1);
+    int8_t *xq = gmalloc(n * in * sizeof *xq);
+    float *xa = gmalloc(n * sizeof *xa);
+    float *y0 = gmalloc(yrows * out * sizeof *y0), *y1 = gmalloc(yrows * out * sizeof *y1);
     if (!x || !wf || !wh || !wq || !scale_w || !row_ptr || !col || !val || !bias || !gate || !xq || !xa || !y0 ||
         !y1) {
         fprintf(stderr, "out of memory\n");
@@ -240,8 +282,8 @@ static void run_linear(const colibri_kernels *ref, const colibri_kernels *opt, c
     describe(c, what, sizeof what);
     const int exact = c->dtype == COLIBRI_DTYPE_I8 && c->int8_act;
     /* Tolerance per output element: the magnitude each output sums. */
-    double *mag = calloc(yrows * out, sizeof *mag);
-    double *sabs = calloc(yrows * out, sizeof *sabs);
+    double *mag = gmalloc(yrows * out * sizeof *mag);
+    double *sabs = gmalloc(yrows * out * sizeof *sabs);
     for (size_t i = 0; i < n; i++) {
         const size_t xr = c->acc ? i : (rl ? rl[i] : i), yr = c->acc ? (rl ? rl[i] : i) : i;
         const double s = c->acc ? fabs(sc ? (double)sc[i] : 1.0) : 1.0;
@@ -259,22 +301,22 @@ static void run_linear(const colibri_kernels *ref, const colibri_kernels *opt, c
         const double tol = 2.0 * (double)(in + 4) * 0x1p-23 * (mag[i] + fabs((double)y0[i])) + 1e-30;
         check(what, i, y0[i], y1[i], tol, exact);
     }
-    free(mag);
-    free(sabs);
-    free(x);
-    free(wf);
-    free(wh);
-    free(wq);
-    free(scale_w);
-    free(row_ptr);
-    free(col);
-    free(val);
-    free(bias);
-    free(gate);
-    free(xq);
-    free(xa);
-    free(y0);
-    free(y1);
+    gfree(mag);
+    gfree(sabs);
+    gfree(x);
+    gfree(wf);
+    gfree(wh);
+    gfree(wq);
+    gfree(scale_w);
+    gfree(row_ptr);
+    gfree(col);
+    gfree(val);
+    gfree(bias);
+    gfree(gate);
+    gfree(xq);
+    gfree(xa);
+    gfree(y0);
+    gfree(y1);
 }
 
 /* ---- The quantiser and the element-wise kernels ---- */
@@ -344,8 +386,8 @@ static void run_quantize(const colibri_kernels *ref, const colibri_kernels *opt)
     for (int rep = 0; rep < 400; rep++) {
         const size_t in = rnd_size(300), n = 1 + rnd_below(9), xrows = n + 2;
         const int mode = (int)rnd_below(5), use_rows = (int)rnd_below(2);
-        float *x = malloc(xrows * in * sizeof *x);
-        int8_t *q0 = malloc(n * in), *q1 = malloc(n * in);
+        float *x = gmalloc(xrows * in * sizeof *x);
+        int8_t *q0 = gmalloc(n * in), *q1 = gmalloc(n * in);
         float a0[16], a1[16];
         uint16_t rows[16];
         if (!x || !q0 || !q1)
@@ -364,9 +406,9 @@ static void run_quantize(const colibri_kernels *ref, const colibri_kernels *opt)
             check(what, i, (float)q0[i], (float)q1[i], 0.0, 1);
         for (size_t i = 0; i < n; i++)
             check(what, i, a0[i], a1[i], 0.0, 1);
-        free(x);
-        free(q0);
-        free(q1);
+        gfree(x);
+        gfree(q0);
+        gfree(q1);
     }
 }
 
@@ -374,7 +416,7 @@ static void run_elementwise(const colibri_kernels *ref, const colibri_kernels *o
 {
     for (int rep = 0; rep < 300; rep++) {
         const size_t count = rnd_size(200);
-        float *x0 = malloc(count * sizeof *x0), *x1 = malloc(count * sizeof *x1), *y = malloc(count * sizeof *y);
+        float *x0 = gmalloc(count * sizeof *x0), *x1 = gmalloc(count * sizeof *x1), *y = gmalloc(count * sizeof *y);
         if (!x0 || !x1 || !y)
             exit(2);
         const int mode = (int)rnd_below(4);
@@ -391,7 +433,7 @@ static void run_elementwise(const colibri_kernels *ref, const colibri_kernels *o
         char what[64];
         for (uint32_t kind = COLIBRI_ACT_RELU; kind <= COLIBRI_ACT_SIGMOID; kind++) {
             memcpy(x1, x0, count * sizeof *x1);
-            float *r = malloc(count * sizeof *r);
+            float *r = gmalloc(count * sizeof *r);
             if (!r)
                 exit(2);
             memcpy(r, x0, count * sizeof *r);
@@ -400,10 +442,10 @@ static void run_elementwise(const colibri_kernels *ref, const colibri_kernels *o
             snprintf(what, sizeof what, "activation %u n %zu", (unsigned)kind, count);
             for (size_t i = 0; i < count; i++)
                 check(what, i, r[i], x1[i], 0.0, 1);
-            free(r);
+            gfree(r);
         }
         for (int op = 0; op < 2; op++) {
-            float *r = malloc(count * sizeof *r);
+            float *r = gmalloc(count * sizeof *r);
             if (!r)
                 exit(2);
             memcpy(r, x0, count * sizeof *r);
@@ -413,11 +455,11 @@ static void run_elementwise(const colibri_kernels *ref, const colibri_kernels *o
             snprintf(what, sizeof what, "%s n %zu", op ? "add" : "mul", count);
             for (size_t i = 0; i < count; i++)
                 check(what, i, r[i], x1[i], 0.0, 1);
-            free(r);
+            gfree(r);
         }
-        free(x0);
-        free(x1);
-        free(y);
+        gfree(x0);
+        gfree(x1);
+        gfree(y);
     }
 }
 
@@ -426,8 +468,8 @@ static void run_norms(const colibri_kernels *ref, const colibri_kernels *opt)
 {
     for (int rep = 0; rep < 60; rep++) {
         const size_t n = rnd_size(300), rows = 1 + rnd_below(4);
-        float *x0 = malloc(rows * n * sizeof *x0), *x1 = malloc(rows * n * sizeof *x1);
-        float *g = malloc(n * sizeof *g), *bt = malloc(n * sizeof *bt);
+        float *x0 = gmalloc(rows * n * sizeof *x0), *x1 = gmalloc(rows * n * sizeof *x1);
+        float *g = gmalloc(n * sizeof *g), *bt = gmalloc(n * sizeof *bt);
         if (!x0 || !x1 || !g || !bt)
             exit(2);
         const int mode = rnd_below(4) == 0;
@@ -439,7 +481,7 @@ static void run_norms(const colibri_kernels *ref, const colibri_kernels *opt)
         const int affine = (int)rnd_below(2);
         char what[64];
         for (int which = 0; which < 2; which++) {
-            float *r = malloc(rows * n * sizeof *r);
+            float *r = gmalloc(rows * n * sizeof *r);
             if (!r)
                 exit(2);
             memcpy(r, x0, rows * n * sizeof *r);
@@ -454,12 +496,12 @@ static void run_norms(const colibri_kernels *ref, const colibri_kernels *opt)
             snprintf(what, sizeof what, "%s n %zu", which ? "rmsnorm" : "layernorm", n);
             for (size_t i = 0; i < rows * n; i++)
                 check(what, i, r[i], x1[i], 4.0 * (double)(n + 4) * 0x1p-23 * (fabs((double)r[i]) + 1.0), 0);
-            free(r);
+            gfree(r);
         }
-        free(x0);
-        free(x1);
-        free(g);
-        free(bt);
+        gfree(x0);
+        gfree(x1);
+        gfree(g);
+        gfree(bt);
     }
 }
 
