@@ -1,5 +1,5 @@
 /*
- * colibri_kernels_e2e [--time REPS] EXPECTED_NAME IMAGE...
+ * colibri_kernels_e2e [--time REPS [--only ref|opt]] EXPECTED_NAME IMAGE...
  *
  * For each IMAGE (a model image file): reads IMAGE.in, the raw little-endian
  * f32 input [batch, input_size] (batch = its length / input_size), runs one
@@ -12,7 +12,9 @@
  *
  * --time REPS: also runs each kernel set's forward REPS more times and prints
  * the median wall-clock µs per call of each. Under qemu-aarch64 these are
- * emulated times (TCG), not a performance figure of any CPU.
+ * emulated times (TCG), not a performance figure of any CPU. --only repeats
+ * one set's forward only (for counting its instructions with a QEMU plugin:
+ * the difference between REPS and 0 repetitions, divided by REPS).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -45,7 +47,7 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static int run_one(const char *expected, const char *path, int reps)
+static int run_one(const char *expected, const char *path, int reps, const char *only)
 {
     int rc = 1;
     char name[4096];
@@ -96,15 +98,16 @@ static int run_one(const char *expected, const char *path, int reps)
             goto done;
         }
         double t[101];
-        const int timed = reps < 101 ? reps : 101;
+        const int timed = only && strcmp(only, suffix[s]) != 0 ? 0 : reps;
         for (int r = 0; r < timed; r++) {
             const double t0 = now_us();
             (void)colibri_forward(ctx, batch, in, batch * info.input_size, out, n_out);
-            t[r] = now_us() - t0;
+            t[r % 101] = now_us() - t0;
         }
         if (timed > 0) {
-            qsort(t, (size_t)timed, sizeof *t, cmp_double);
-            median[s] = t[timed / 2];
+            const int kept = timed < 101 ? timed : 101;
+            qsort(t, (size_t)kept, sizeof *t, cmp_double);
+            median[s] = t[kept / 2];
         }
         snprintf(name, sizeof name, "%s.%s.out", path, suffix[s]);
         if (write_file(name, out, n_out * sizeof *out) != 0) {
@@ -130,16 +133,21 @@ done:
 int main(int argc, char **argv)
 {
     int reps = 0, first = 1;
+    const char *only = NULL;
     if (argc > 2 && strcmp(argv[1], "--time") == 0) {
         reps = atoi(argv[2]);
         first = 3;
+        if (argc > 4 && strcmp(argv[3], "--only") == 0) {
+            only = argv[4];
+            first = 5;
+        }
     }
     if (argc < first + 2) {
-        fprintf(stderr, "usage: colibri_kernels_e2e [--time REPS] EXPECTED_NAME IMAGE...\n");
+        fprintf(stderr, "usage: colibri_kernels_e2e [--time REPS [--only ref|opt]] EXPECTED_NAME IMAGE...\n");
         return 1;
     }
     int rc = 0;
     for (int i = first + 1; i < argc; i++)
-        rc |= run_one(argv[first], argv[i], reps);
+        rc |= run_one(argv[first], argv[i], reps, only);
     return rc;
 }
