@@ -14,8 +14,9 @@
  *
  *   f32 weights    vfmaq_f32 over 4 lanes, then the lanes summed (vaddvq)
  *                  and the tail (in % 4) added in index order
- *   f16 weights    widened 4 at a time by FCVTL (vcvt_f32_f16, ARMv8.0,
- *                  exact like colibri_f16_to_f32), then as f32; f32
+ *   f16 weights    widened by FCVTL/FCVTL2 (vcvt_f32_f16, ARMv8.0, exact
+ *                  like colibri_f16_to_f32; 8 a step for 1-2 tokens, 4 for
+ *                  more), then as f32; f32
  *                  accumulation even where fp16 arithmetic exists
  *   int8, f32 act  widened int8 -> int32 -> f32 (exact), then as f32, times
  *                  the row's scale, the compensation E, the bias
@@ -107,13 +108,38 @@ NEON_INLINE float32x4_t load_f16x4(const uint16_t *p)
 
 NEON_INLINE void tile_f16(const uint16_t *w, size_t in, const neon_tokens *tk, size_t T, size_t O, float *d)
 {
+    /* acc[j][t]; with one token, acc[j][1] takes the odd half of each 8. */
     float32x4_t acc[8][4];
+    const size_t A = T == 1 ? 2 : T;
 #pragma GCC unroll 8
     for (size_t j = 0; j < O; j++)
 #pragma GCC unroll 4
-        for (size_t t = 0; t < T; t++)
+        for (size_t t = 0; t < A; t++)
             acc[j][t] = vdupq_n_f32(0.0f);
     size_t k = 0;
+    if (T <= 2) { /* 8 weights a step: one 128-bit load, FCVTL + FCVTL2 */
+        for (; k + 8 <= in; k += 8) {
+            float32x4_t xa[2], xb[2];
+#pragma GCC unroll 2
+            for (size_t t = 0; t < T; t++) {
+                xa[t] = vld1q_f32(tk->x[t] + k);
+                xb[t] = vld1q_f32(tk->x[t] + k + 4);
+            }
+#pragma GCC unroll 8
+            for (size_t j = 0; j < O; j++) {
+                const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(w + j * in + k));
+                const float32x4_t wa = vcvt_f32_f16(vget_low_f16(h)), wb = vcvt_high_f32_f16(h);
+                if (T == 1) {
+                    acc[j][0] = vfmaq_f32(acc[j][0], wa, xa[0]);
+                    acc[j][1] = vfmaq_f32(acc[j][1], wb, xb[0]);
+                } else {
+#pragma GCC unroll 2
+                    for (size_t t = 0; t < T; t++)
+                        acc[j][t] = vfmaq_f32(vfmaq_f32(acc[j][t], wa, xa[t]), wb, xb[t]);
+                }
+            }
+        }
+    }
     for (; k + 4 <= in; k += 4) {
         float32x4_t xv[4];
 #pragma GCC unroll 4
@@ -131,7 +157,7 @@ NEON_INLINE void tile_f16(const uint16_t *w, size_t in, const neon_tokens *tk, s
     for (size_t j = 0; j < O; j++)
 #pragma GCC unroll 4
         for (size_t t = 0; t < T; t++) {
-            float sum = vaddvq_f32(acc[j][t]);
+            float sum = vaddvq_f32(T == 1 ? vaddq_f32(acc[j][0], acc[j][1]) : acc[j][t]);
             for (size_t kk = k; kk < in; kk++)
                 sum += colibri_f16_to_f32(w[j * in + kk]) * tk->x[t][kk];
             d[j * 4 + t] = sum;
