@@ -255,6 +255,8 @@ static void run_linear(const colibri_kernels *ref, const colibri_kernels *opt, c
     w.data = c->dtype == COLIBRI_DTYPE_F16 ? (const void *)wh : c->dtype == COLIBRI_DTYPE_I8 ? (const void *)wq
                                                                                               : (const void *)wf;
     if (c->dtype == COLIBRI_DTYPE_I8) {
+        /* The Q8_PARAMS view of format v1: f32 scales, 32-bit row pointers
+         * (kernels read it only through colibri_q8_scale/_compensate). */
         w.nnz = nnz;
         w.scale = scale_w;
         w.row_ptr = row_ptr;
