@@ -3,7 +3,8 @@
  *
  * Every kernel of the build's optimised table (colibri_kernels_optimised)
  * against its reference kernel (colibri_kernels_reference) on random shapes:
- * in and out from 1 (odd sizes, every vector tail) to a few hundred, n = 1..9
+ * in and out from 1 (odd sizes, every vector tail) to a few hundred (and
+ * edge-sized 256 -> 1024 -> 256 layers), n = 1..9
  * tokens with and without the rows index list, linear and linear_acc (with
  * and without gate scales), with and without bias, f32 / f16 / int8 weights
  * (with and without the compensation term E) with f32 and int8 activations,
@@ -542,6 +543,24 @@ int main(int argc, char **argv)
                             run_linear(&ref, &opt, &c);
                             cases++;
                         }
+    /* Edge-sized layers (256 -> 1024 -> 256) once per dtype and path. */
+    for (int d = 0; d < 3; d++)
+        for (int int8_act = 0; int8_act <= (dtypes[d] == COLIBRI_DTYPE_I8); int8_act++)
+            for (int acc = 0; acc < 2; acc++) {
+                lcase c = {0};
+                c.dtype = dtypes[d];
+                c.int8_act = int8_act;
+                c.acc = acc;
+                c.use_rows = 1;
+                c.use_bias = 1;
+                c.use_scale = acc;
+                c.comp = c.dtype == COLIBRI_DTYPE_I8;
+                c.n = acc ? 5 : 2;
+                c.in = acc ? 1024 : 256;
+                c.out = acc ? 256 : 1024;
+                run_linear(&ref, &opt, &c);
+                cases++;
+            }
     run_quantize(&ref, &opt);
     run_elementwise(&ref, &opt);
     run_norms(&ref, &opt);
