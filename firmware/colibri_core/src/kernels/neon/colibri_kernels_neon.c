@@ -174,6 +174,22 @@ NEON_INLINE void tile_q8(const int8_t *w, size_t in, const neon_tokens *tk, size
         for (size_t t = 0; t < T; t++)
             acc[j][t] = vdupq_n_f32(0.0f);
     size_t k = 0;
+    if (T == 1) { /* 16 weights a step: one 128-bit load, SXTL/SXTL2 twice */
+        for (; k + 16 <= in; k += 16) {
+            const float *xr = tk->x[0] + k;
+            const float32x4_t x0 = vld1q_f32(xr), x1 = vld1q_f32(xr + 4);
+            const float32x4_t x2 = vld1q_f32(xr + 8), x3 = vld1q_f32(xr + 12);
+#pragma GCC unroll 8
+            for (size_t j = 0; j < O; j++) {
+                const int8x16_t q = vld1q_s8(w + j * in + k);
+                const int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_high_s8(q);
+                acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), x0);
+                acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(vmovl_high_s16(lo)), x1);
+                acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), x2);
+                acc[j][0] = vfmaq_f32(acc[j][0], vcvtq_f32_s32(vmovl_high_s16(hi)), x3);
+            }
+        }
+    }
     for (; k + 8 <= in; k += 8) {
         float32x4_t xlo[4], xhi[4];
 #pragma GCC unroll 4
