@@ -16,16 +16,17 @@
  *                  and the tail (in % 4) added in index order
  *   f16 weights    widened by FCVTL/FCVTL2 (vcvt_f32_f16, ARMv8.0, exact
  *                  like colibri_f16_to_f32; 8 a step for 1-2 tokens, 4 for
- *                  more), then as f32; f32
- *                  accumulation even where fp16 arithmetic exists
- *   int8, f32 act  widened int8 -> int32 -> f32 (exact), then as f32, times
- *                  the row's scale, the compensation E, the bias
+ *                  more), then as f32; f32 accumulation even where fp16
+ *                  arithmetic exists
+ *   int8, f32 act  widened int8 -> int32 -> f32 (exact; 16 a step for one
+ *                  token, 8 for more), then as f32, times the row's scale,
+ *                  the compensation E, the bias
  *   int8, int8 act SMULL/SMULL2 + SADALP (ARMv8.0) or SDOT (dotprod): the
  *                  int32 sum is exact integer arithmetic (wrapping modulo
  *                  2^32 like the reference), so these outputs are the
  *                  reference's bits
  *
- * Tolerance (tests/c/colibri_neon_test.c): f32 sums in another order and
+ * Tolerance (tests/c/colibri_kernel_test.c): f32 sums in another order and
  * with FMA, so a dot product of length in differs from the reference by at
  * most about in · 2^-24 · Σ|w·x| (the reordering bound); NaN and ±inf
  * propagate as in the reference (a NaN or inf input, or a 0 · inf, makes the
@@ -53,6 +54,9 @@
 #include "../../colibri_math.h"
 
 #define NEON_INLINE static inline __attribute__((always_inline))
+/* The SDOT functions (GCC's arm_neon.h declares vdotq_s32 for this target;
+ * "+dotprod" alone does not match it). Called only when HWCAP_ASIMDDP says
+ * the CPU has SDOT, which every such core pairs with ARMv8.2. */
 #define NEON_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
 
 /* The up to 4 tokens of one block: their activation rows (f32, and int8
