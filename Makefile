@@ -9,7 +9,7 @@ CORE := firmware/colibri_core
 setup:
 	./scripts/setup.sh
 
-# The C engine: host library, sanitizer builds and the Cortex-M7 library.
+# The C engine: host library, sanitizer builds, the Cortex-M7 and the AArch64 (NEON) libraries.
 engine:
 	$(MAKE) -C $(CORE)
 
@@ -20,6 +20,7 @@ c-tests: engine-all
 	$(MAKE) -C tests/c VARIANT=host
 	$(MAKE) -C tests/c VARIANT=asan
 	$(MAKE) -C tests/c VARIANT=tsan
+	$(MAKE) -C tests/c VARIANT=aarch64
 
 # The runner firmware: QEMU's mps2-an500 (the test target) and the NUCLEO-H743ZI.
 firmware: engine-all

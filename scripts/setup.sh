@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # clang-16 + libclang-rt-16-dev: libFuzzer and the sanitizers for fuzz/ (make fuzz, make fuzz-smoke).
+# gcc-aarch64-linux-gnu + libc6-dev-arm64-cross + qemu-user: the AArch64 NEON build and its
+# C test drivers under qemu-aarch64 (tests/test_aarch64.py).
 for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm \
-           clang-16 libclang-rt-16-dev; do
+           clang-16 libclang-rt-16-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; do
     have "$pkg" || need_pkgs+=("$pkg")
 done
 # A Python with venv and headers: Debian's, unless the machine already has one.

@@ -21,11 +21,11 @@ WRITABLE = (".data", ".bss", ".sdata", ".sbss", ".tbss", ".tdata")
 def _build(variant: str) -> list[Path]:
     """Builds the engine library for a variant and returns its object files.
 
-    The Cortex-M7 objects are rebuilt from scratch so the compiler's output can be
+    The Cortex-M7 and AArch64 (NEON) objects are rebuilt from scratch so the compiler's output can be
     checked for warnings (the Makefile also passes -Werror); nothing else uses them.
     """
-    if variant == "cm7":
-        make("-C", str(CORE), "clean-cm7")
+    if variant in ("cm7", "aarch64"):
+        make("-C", str(CORE), f"clean-{variant}")
     r = make("-C", str(CORE), variant)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warning" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
@@ -34,10 +34,12 @@ def _build(variant: str) -> list[Path]:
     return objs
 
 
-@pytest.mark.parametrize("variant", ["host", "cm7"])
+@pytest.mark.parametrize("variant", ["host", "cm7", "aarch64"])
 def test_warning_free_build_without_heap_or_writable_data(variant: str) -> None:
     if variant == "cm7" and not shutil.which("arm-none-eabi-gcc"):
         pytest.fail("arm-none-eabi-gcc missing: run scripts/setup.sh")
+    if variant == "aarch64" and not shutil.which("aarch64-linux-gnu-gcc"):
+        pytest.fail("aarch64-linux-gnu-gcc missing: run scripts/setup.sh")
     for obj in _build(variant):
         with open(obj, "rb") as fh:
             elf = ELFFile(fh)

@@ -1,0 +1,132 @@
+"""The AArch64 NEON kernel backend under qemu-aarch64 (there is no aarch64 CPython here).
+
+The C test drivers are cross-built with aarch64-linux-gnu-gcc (tests/c VARIANT=aarch64, the
+engine with its default AArch64 backend, NEON) and run under Debian's qemu-aarch64 twice:
+`-cpu cortex-a72` (ARMv8.0, a Raspberry Pi 4: no SDOT, no fp16 arithmetic, so the ARMv8.0
+fallbacks) and `-cpu max` (SDOT and fp16), each asserting which kernels colibri_init chose.
+
+- colibri_kernel_test: every NEON kernel against its reference kernel on random shapes
+  (odd sizes and tails, n = 1..9 with and without the rows list, linear and linear_acc, NaN
+  and ±inf); tolerance stated in that file (the dot-product reordering bound), the quantiser,
+  ReLU and the int8 × int8 linear kernels bit-exact.
+- colibri_kernels_e2e over a corpus of exported images (fuzz/corpus/differential and models
+  exported here covering f32, f16, q8 and q8 with int8 activations under every routing mode):
+  the aarch64 build's reference kernels give the x86-64 host's reference output bit for bit
+  (colibri.Model(img, reference_kernels=True)), and the NEON kernels agree within E2E_RTOL.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import nn as cnn
+from colibri.exporter import export
+from conftest import ROOT, build_c_tests
+
+SYSROOT = "/usr/aarch64-linux-gnu"
+CPUS = {"cortex-a72": "aarch64 neon", "max": "aarch64 neon+dotprod"}
+BATCH = 9  # blocks of 4 tokens plus a tail, and expert rings of 1..9 tokens
+
+# NEON vs reference over a whole model: |opt - ref| <= E2E_RTOL * (1 + |ref|) elementwise.
+# The kernels' own bound is the dot-product reordering error (about in · 2^-24 relative to
+# Σ|w·x|); through a few layers, norms and the gate it stays below 1e-6 on these models.
+E2E_RTOL = 2e-5
+
+
+def qemu(cpu: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["qemu-aarch64", "-cpu", cpu, "-L", SYSROOT, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def aarch64_drivers() -> Path:
+    return build_c_tests("aarch64")
+
+
+def _model(routing: str, index: int) -> torch.nn.Module:
+    torch.manual_seed(100 + index)
+    acts = cnn.ACTIVATIONS
+    d_in, d, out = 37, 53, 19
+    moe = cnn.MoE(d, 5, 67, top_k=2 if routing != "top1" else 1, routing=routing,
+                  renormalize=routing == "softmax_topk" and index % 2 == 0,
+                  activation=acts[index % len(acts)], gated=index % 2 == 1,
+                  num_shared=index % 3 == 0 and 1 or 0, shared_hidden=21,
+                  shared_gate=index % 3 == 0 and index % 2 == 0)
+    layers = [torch.nn.Linear(d_in, d), torch.nn.LayerNorm(d), moe,
+              cnn.make_activation(acts[(index + 3) % len(acts)]), torch.nn.RMSNorm(d), torch.nn.Linear(d, out)]
+    return torch.nn.Sequential(*layers).eval()
+
+
+def _images() -> list[tuple[str, bytes]]:
+    images = [(p.stem, p.read_bytes()) for p in sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))]
+    variants = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
+                ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2.experts.*", "layers.5"]})]
+    for i, routing in enumerate(cnn.ROUTINGS):
+        for j, (name, kw) in enumerate(variants):
+            model = _model(routing, i * len(variants) + j)
+            images.append((f"gen-{routing}-{name}", bytes(export(model, None, max_batch=BATCH, **kw).image)))
+    return images
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    """The images with their inputs (.in) in one folder, and the host's reference outputs."""
+    folder = tmp_path_factory.mktemp("aarch64-corpus")
+    rng = np.random.default_rng(10)
+    expected = {}
+    for k, (name, img) in enumerate(_images()):
+        host = colibri.Model(img, reference_kernels=True)
+        batch = min(BATCH, host.max_batch)
+        x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
+        if k % 2 and batch >= 3:  # non-finite inputs in half the images: NaN and inf must behave as the reference
+            x[1, 0] = np.nan
+            x[2, -1] = np.inf
+        (folder / f"{name}.clb").write_bytes(img)
+        (folder / f"{name}.clb.in").write_bytes(x.tobytes())
+        expected[name] = host.forward(x)
+    return folder, expected
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_neon_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
+    r = qemu(cpu, str(aarch64_drivers / "colibri_kernel_test"), CPUS[cpu])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kernels: {CPUS[cpu]}" in r.stdout
+    assert " 0 failures" in r.stdout
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bit for bit, NaN matching NaN (x86-64 and AArch64 make different default NaNs)."""
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_neon_end_to_end(aarch64_drivers: Path, corpus, tmp_path: Path, cpu: str) -> None:
+    folder, expected = corpus
+    for f in folder.iterdir():  # a copy per CPU, so parallel workers never share outputs
+        if f.suffix in (".clb", ".in"):
+            shutil.copy(f, tmp_path / f.name)
+    paths = [str(tmp_path / f"{name}.clb") for name in expected]
+    r = qemu(cpu, str(aarch64_drivers / "colibri_kernels_e2e"), CPUS[cpu], *paths)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(f"kernels {CPUS[cpu]}") == len(paths)
+    worst = 0.0
+    for name, want in expected.items():
+        ref = np.fromfile(tmp_path / f"{name}.clb.ref.out", dtype=np.float32).reshape(want.shape)
+        opt = np.fromfile(tmp_path / f"{name}.clb.opt.out", dtype=np.float32).reshape(want.shape)
+        assert _same_bits(ref, want), f"{name}: aarch64 reference kernels differ from the x86-64 host's"
+        assert np.array_equal(np.isnan(opt), np.isnan(ref)), f"{name}: NaN where the reference has none (or v.v.)"
+        fin = np.isfinite(ref)
+        assert np.array_equal(opt[~fin & ~np.isnan(ref)], ref[~fin & ~np.isnan(ref)]), f"{name}: ±inf differs"
+        err = np.abs(opt[fin] - ref[fin]) / (1.0 + np.abs(ref[fin]))
+        if err.size:
+            worst = max(worst, float(err.max()))
+            assert err.max() <= E2E_RTOL, f"{name}: NEON differs from the reference by {err.max():.3g}"
+    print(f"{cpu}: {len(paths)} images, worst NEON deviation {worst:.3g} (relative to 1 + |ref|)")
