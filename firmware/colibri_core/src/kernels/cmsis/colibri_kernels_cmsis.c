@@ -1,5 +1,32 @@
 /*
- * Optimised backend: 32-bit Arm with the DSP extension (Cortex-M4/M7): FPU-unrolled f32, SMLAD/SXTB16 int8.
+ * Optimised backend: 32-bit Arm with the DSP extension and an FPv5 FPU
+ * (Cortex-M7; it also builds for a Cortex-M4F, whose FPv4 has VFMA too).
+ * No CMSIS dependency: the int8 path uses ACLE intrinsics (arm_acle.h), the
+ * f32 and f16 inner loops a few lines of inline assembly, because the compiler
+ * never emits the multi-register loads (VLDM) they are built on.
+ *
+ *   f32 weights   8 output rows at a time (then 4, 2, 1): per 8 columns one
+ *                 VLDM of x, one VLDM per weight row, 64 VFMA: ~1.2
+ *                 instructions per multiply-accumulate. Each accumulator
+ *                 starts from the bias (or 0) and the 8 results leave with
+ *                 one VSTM. Summation order: bias, then 8-column chunks in
+ *                 index order, fused (one rounding per product-add).
+ *   f16 weights   the same, 4 weights per VLDM of 2 words, widened exactly by
+ *                 VCVTB/VCVTT (FPv5's half-precision conversions).
+ *   I8, int8 act. 4 rows at a time: 4 int8 per word, SXTB16 and SXTB16 of the
+ *                 word rotated by 8 into int16 pairs, 2 SMLAD per 4
+ *                 products, x's pairs shared by the rows. The int32 sum is
+ *                 exact, and the float part follows the reference's order,
+ *                 so the result is the reference's bit for bit.
+ *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly) and
+ *                 fused-multiply-added; the scale and E as the reference.
+ *
+ * The tolerance of the f32 and f16 kernels against the reference (fused
+ * products, another summation order) is stated and tested in
+ * tests/c/cm7/kernel_test.c; NaN and inf propagate as in the reference (a
+ * NaN product or an inf - inf in a sum gives NaN in any order). Everything
+ * else (quantiser, activations, norms) stays the reference's.
+ *
  * Compiled to nothing unless colibri_backend.h selects it.
  */
 #include "../../colibri_kernels.h"
@@ -7,9 +34,433 @@
 
 #if defined(COLIBRI_BACKEND_CMSIS)
 
+#include <arm_acle.h>
+
+#include "colibri_format.h"
+
+/* The accumulators' starting values when there is no bias. Read-only data. */
+static const float zeros8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+#define S_ALL                                                                                                       \
+    "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "s16",  \
+        "s17", "s18", "s19", "s20", "s21", "s22", "s23", "s24", "s25", "s26", "s27", "s28", "s29", "s30", "s31"
+
+/* ---- f32 ---- */
+
+/* Two rows, 8 columns: row A's weights in s0-s7, row B's in s8-s15, x in
+ * s16-s23; accumulators A and B. Alternating rows keeps neighbouring VFMAs
+ * independent for the FPU's pipeline. */
+#define FMA_PAIR(A, B)                                                                                              \
+    "vfma.f32 " A ", s0, s16\n\t"                                                                                   \
+    "vfma.f32 " B ", s8, s16\n\t"                                                                                   \
+    "vfma.f32 " A ", s1, s17\n\t"                                                                                   \
+    "vfma.f32 " B ", s9, s17\n\t"                                                                                   \
+    "vfma.f32 " A ", s2, s18\n\t"                                                                                   \
+    "vfma.f32 " B ", s10, s18\n\t"                                                                                  \
+    "vfma.f32 " A ", s3, s19\n\t"                                                                                   \
+    "vfma.f32 " B ", s11, s19\n\t"                                                                                  \
+    "vfma.f32 " A ", s4, s20\n\t"                                                                                   \
+    "vfma.f32 " B ", s12, s20\n\t"                                                                                  \
+    "vfma.f32 " A ", s5, s21\n\t"                                                                                   \
+    "vfma.f32 " B ", s13, s21\n\t"                                                                                  \
+    "vfma.f32 " A ", s6, s22\n\t"                                                                                   \
+    "vfma.f32 " B ", s14, s22\n\t"                                                                                  \
+    "vfma.f32 " A ", s7, s23\n\t"                                                                                   \
+    "vfma.f32 " B ", s15, s23\n\t"
+
+#define LOAD_PAIR_F32(P, Q) "vldmia %[" P "]!, {s0-s7}\n\t" \
+                            "vldmia %[" Q "]!, {s8-s15}\n\t"
+
+/* dst[r] = init[r] + Σ_{k < 8·chunks} w[r·in + k] · x[k] for r < R, chunks >= 1. */
+static inline void f32_rows8(const float *w, size_t in, const float *x, size_t chunks, const float *init,
+                             float *dst)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    const float *p4 = p3 + in, *p5 = p4 + in, *p6 = p5 + in, *p7 = p6 + in;
+    /* Ten pointers and a counter leave too few core registers for init and
+     * dst as well: the accumulators s24-s31 are loaded by one VLDM and stored
+     * by one VSTM in asm statements of their own, and in between held by C
+     * variables pinned to d12-d15 (= s24-s31; doubles only as bit
+     * containers, so the operand count stays within GCC's 30). */
+    register double a01 __asm__("d12"), a23 __asm__("d13"), a45 __asm__("d14"), a67 __asm__("d15");
+    __asm__("vldmia %[init], {s24-s31}"
+            : "=w"(a01), "=w"(a23), "=w"(a45), "=w"(a67)
+            : [init] "r"(init), "m"(*(const float(*)[8])init));
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
+                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
+                       [p6] "+r"(p6), [p7] "+r"(p7), [x] "+r"(x), [n] "+r"(chunks), "+w"(a01), "+w"(a23), "+w"(a45),
+                       "+w"(a67)
+                     :
+                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14",
+                       "s15", "s16", "s17", "s18", "s19", "s20", "s21", "s22", "s23", "memory", "cc");
+    __asm__("vstmia %[dst], {s24-s31}"
+            : "=m"(*(float(*)[8])dst)
+            : [dst] "r"(dst), "w"(a01), "w"(a23), "w"(a45), "w"(a67));
+}
+
+static inline void f32_rows4(const float *w, size_t in, const float *x, size_t chunks, const float *init,
+                             float *dst)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    __asm__ volatile("vldmia %[init], {s24-s27}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s24-s27}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
+                     : S_ALL, "memory", "cc");
+}
+
+static inline void f32_rows2(const float *w, size_t in, const float *x, size_t chunks, const float *init,
+                             float *dst)
+{
+    const float *p0 = w, *p1 = p0 + in;
+    __asm__ volatile("vldmia %[init], {s24-s25}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s24-s25}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
+                     : S_ALL, "memory", "cc");
+}
+
+/* ---- f16: VLDM of the raw halves, VCVTB/VCVTT widen them exactly ---- */
+
+/* 8 halves of a row, in 4 words (RAW0..3), widened into D0..D7. */
+#define CVT_ROW(RAW0, RAW1, RAW2, RAW3, D0, D1, D2, D3, D4, D5, D6, D7)                                            \
+    "vcvtb.f32.f16 " D0 ", " RAW0 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D1 ", " RAW0 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D2 ", " RAW1 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D3 ", " RAW1 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D4 ", " RAW2 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D5 ", " RAW2 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D6 ", " RAW3 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D7 ", " RAW3 "\n\t"
+
+/* dst[r] = init[r] + Σ_{k < 8·chunks} f16(w[r·in + k]) · x[k] for r < 2,
+ * chunks >= 1, w 4-byte aligned (in even). Registers: x s16-s23; the raw
+ * words of row A in s24-s27 widen into s0-s7, then row B's (reusing
+ * s24-s27) into s8-s15; the two accumulators are s30, s31. */
+static inline void f16_rows2(const uint16_t *w, size_t in, const float *x, size_t chunks, const float *init,
+                             float *dst)
+{
+    const uint16_t *p0 = w, *p1 = p0 + in;
+    __asm__ volatile("vldmia %[init], {s30-s31}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     "vldmia %[p0]!, {s24-s27}\n\t"
+                     CVT_ROW("s24", "s25", "s26", "s27", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7")
+                     "vldmia %[p1]!, {s24-s27}\n\t"
+                     CVT_ROW("s24", "s25", "s26", "s27", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15")
+                     FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s30-s31}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
+                     : S_ALL, "memory", "cc");
+}
+
+/* f16 bits -> f32 by VCVTB: exact, NaN stays NaN. */
+static inline float f16_widen(uint16_t h)
+{
+    float f, raw;
+    const uint32_t bits = h;
+    memcpy(&raw, &bits, sizeof raw);
+    __asm__("vcvtb.f32.f16 %0, %1" : "=t"(f) : "t"(raw));
+    return f;
+}
+
+/* The columns k0 <= k < in of one row (or a whole row):
+ * v + Σ w[k] · x[k], fused, two accumulators. ELEM(row, k) reads a weight. */
+#define DOT_TAIL(NAME, TYPE, ELEM)                                                                                  \
+    static inline float NAME(const TYPE *row, const float *x, size_t k0, size_t in, float v)                       \
+    {                                                                                                               \
+        float v1 = 0.0f;                                                                                            \
+        size_t k = k0;                                                                                              \
+        for (; k + 2 <= in; k += 2) {                                                                               \
+            v = __builtin_fmaf(ELEM(row, k), x[k], v);                                                              \
+            v1 = __builtin_fmaf(ELEM(row, k + 1), x[k + 1], v1);                                                    \
+        }                                                                                                           \
+        if (k < in)                                                                                                 \
+            v = __builtin_fmaf(ELEM(row, k), x[k], v);                                                              \
+        return v + v1;                                                                                              \
+    }
+#define ELEM_F32(row, k) ((row)[k])
+#define ELEM_F16(row, k) f16_widen((row)[k])
+DOT_TAIL(dot_tail_f32, float, ELEM_F32)
+DOT_TAIL(dot_tail_f16, uint16_t, ELEM_F16)
+
+/* One token of an F32 or F16 matrix: y[o] = v_o, or y[o] += s · v_o (acc),
+ * v_o = (row o of W) · x + b_o, as colibri_matvec_f32 / _f16 within the
+ * tolerance. */
+static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const float *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in / 8u, done = chunks * 8u;
+    float tmp[8];
+    size_t o = 0;
+    while (o < out) {
+        const size_t left = out - o;
+        const size_t r = chunks == 0u ? 1u : left >= 8u ? 8u : left >= 4u ? 4u : left >= 2u ? 2u : 1u;
+        const float *row = wd + o * in;
+        float *dst = acc ? tmp : y + o;
+        if (r == 1u) {
+            dst[0] = dot_tail_f32(row, x, 0, in, b ? b[o] : 0.0f);
+        } else {
+            const float *init = b ? b + o : zeros8;
+            if (r == 8u)
+                f32_rows8(row, in, x, chunks, init, dst);
+            else if (r == 4u)
+                f32_rows4(row, in, x, chunks, init, dst);
+            else
+                f32_rows2(row, in, x, chunks, init, dst);
+            if (done < in)
+                for (size_t i = 0; i < r; i++)
+                    dst[i] = dot_tail_f32(row + i * in, x, done, in, dst[i]);
+        }
+        if (acc)
+            for (size_t i = 0; i < r; i++)
+                y[o + i] += s * tmp[i];
+        o += r;
+    }
+}
+
+/* As matvec_f32 for F16 weights: 2 rows at a time when the rows are 4-byte
+ * aligned (in even), which VLDM needs; otherwise row by row. */
+static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const uint16_t *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in % 2u ? 0u : in / 8u, done = chunks * 8u;
+    float tmp[2];
+    size_t o = 0;
+    while (o < out) {
+        const size_t r = chunks == 0u || out - o < 2u ? 1u : 2u;
+        const uint16_t *row = wd + o * in;
+        float *dst = acc ? tmp : y + o;
+        if (r == 1u) {
+            dst[0] = dot_tail_f16(row, x, 0, in, b ? b[o] : 0.0f);
+        } else {
+            f16_rows2(row, in, x, chunks, b ? b + o : zeros8, dst);
+            if (done < in)
+                for (size_t i = 0; i < r; i++)
+                    dst[i] = dot_tail_f16(row + i * in, x, done, in, dst[i]);
+        }
+        if (acc)
+            for (size_t i = 0; i < r; i++)
+                y[o + i] += s * tmp[i];
+        o += r;
+    }
+}
+
+/* ---- I8 weights ---- */
+
+/* Σ_k Q[k] · xq[k] of 4 rows (q0 .. q0 + 3·in) at once, 4 columns per step:
+ * each weight word (4 int8) becomes two int16 pairs by SXTB16 and SXTB16 of
+ * it rotated by 8, matched by x's pairs, two SMLAD per word. The int32 sums
+ * wrap as the reference's (modulo 2^32, only for rows past 132 104 entries).
+ * Words are read with memcpy: the rows of an I8 matrix need not be 4-byte
+ * aligned (in % 4 != 0), and the M7 reads unaligned words. */
+static inline uint32_t word_at(const int8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The word rotated right by 8 (ACLE's __ror, which this GCC's arm_acle.h
+ * lacks): the compiler folds it into SXTB16's rotation. */
+static inline uint32_t ror8(uint32_t v)
+{
+    return v >> 8 | v << 24;
+}
+
+static inline int32_t smlad(uint32_t a, uint32_t b, int32_t acc)
+{
+    return __smlad((int16x2_t)a, (int16x2_t)b, acc);
+}
+
+static void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
+{
+    /* Rows 0 and 2 by pointer, rows 1 and 3 at the same pointer + in. */
+    const int8_t *pa = q0, *pb = q0 + 2u * in, *px = xq;
+    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t words = in / 4u;
+    if (words > 0u) {
+        uint32_t xe, xo, wv, t;
+        __asm__ volatile("1:\n\t"
+                         "ldr %[xo], [%[px]], #4\n\t"
+                         "sxtb16 %[xe], %[xo]\n\t"
+                         "sxtb16 %[xo], %[xo], ror #8\n\t"
+                         "ldr %[wv], [%[pa], %[in]]\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s1], %[t], %[xe], %[s1]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s1], %[t], %[xo], %[s1]\n\t"
+                         "ldr %[wv], [%[pa]], #4\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s0], %[t], %[xe], %[s0]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s0], %[t], %[xo], %[s0]\n\t"
+                         "ldr %[wv], [%[pb], %[in]]\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s3], %[t], %[xe], %[s3]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s3], %[t], %[xo], %[s3]\n\t"
+                         "ldr %[wv], [%[pb]], #4\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s2], %[t], %[xe], %[s2]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s2], %[t], %[xo], %[s2]\n\t"
+                         "subs %[n], %[n], #1\n\t"
+                         "bne 1b\n\t"
+                         : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                           [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                           [wv] "=&r"(wv), [t] "=&r"(t)
+                         : [in] "r"(in)
+                         : "memory", "cc");
+    }
+    /* In uint32, like the reference, so a (theoretical) wrap is defined. */
+    uint32_t u0 = (uint32_t)s0, u1 = (uint32_t)s1, u2 = (uint32_t)s2, u3 = (uint32_t)s3;
+    for (size_t k = in / 4u * 4u; k < in; k++) {
+        const int32_t xk = xq[k];
+        u0 += (uint32_t)(q0[k] * xk);
+        u1 += (uint32_t)(q0[in + k] * xk);
+        u2 += (uint32_t)(q0[2u * in + k] * xk);
+        u3 += (uint32_t)(q0[3u * in + k] * xk);
+    }
+    sum[0] = (int32_t)u0;
+    sum[1] = (int32_t)u1;
+    sum[2] = (int32_t)u2;
+    sum[3] = (int32_t)u3;
+}
+
+static int32_t dot1_i8(const int8_t *q, size_t in, const int8_t *xq)
+{
+    int32_t s = 0;
+    size_t k = 0;
+    for (; k + 4 <= in; k += 4) {
+        const uint32_t xw = word_at(xq + k), ww = word_at(q + k);
+        s = smlad((uint32_t)__sxtb16((int8x4_t)ww), (uint32_t)__sxtb16((int8x4_t)xw), s);
+        s = smlad((uint32_t)__sxtb16((int8x4_t)ror8(ww)), (uint32_t)__sxtb16((int8x4_t)ror8(xw)), s);
+    }
+    uint32_t u = (uint32_t)s;
+    for (; k < in; k++)
+        u += (uint32_t)(q[k] * (int32_t)xq[k]);
+    return (int32_t)u;
+}
+
+/* As colibri_matvec_q8q8, bit for bit: the integer sums are exact and the
+ * float steps are the reference's, in its order. */
+static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b,
+                        int acc, float s, float *y)
+{
+    const int8_t *q = w->data;
+    const size_t in = w->cols, out = w->rows;
+    int32_t sum[4];
+    size_t o = 0;
+    for (; o + 4 <= out; o += 4) {
+        dot4_i8(q + o * in, in, xq, sum);
+        for (size_t i = 0; i < 4; i++)
+            colibri_emit(y, o + i,
+                         colibri_q8_compensate(w, o + i, x, (float)sum[i] * (colibri_q8_scale(w, o + i) * a)), b, acc,
+                         s);
+    }
+    for (; o < out; o++)
+        colibri_emit(y, o,
+                     colibri_q8_compensate(w, o, x, (float)dot1_i8(q + o * in, in, xq) * (colibri_q8_scale(w, o) * a)),
+                     b, acc, s);
+}
+
+/* I8 weights, f32 activations: 4 rows at a time; each int8 weight widened
+ * exactly and fused-multiply-added, then the reference's scale, E, bias. */
+static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const int8_t *q = w->data;
+    const size_t in = w->cols, out = w->rows;
+    size_t o = 0;
+    for (; o + 4 <= out; o += 4) {
+        const int8_t *q0 = q + o * in, *q1 = q0 + in, *q2 = q1 + in, *q3 = q2 + in;
+        float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
+        for (size_t k = 0; k < in; k++) {
+            const float xk = x[k];
+            v0 = __builtin_fmaf((float)q0[k], xk, v0);
+            v1 = __builtin_fmaf((float)q1[k], xk, v1);
+            v2 = __builtin_fmaf((float)q2[k], xk, v2);
+            v3 = __builtin_fmaf((float)q3[k], xk, v3);
+        }
+        const float v[4] = {v0, v1, v2, v3};
+        for (size_t i = 0; i < 4; i++)
+            colibri_emit(y, o + i, colibri_q8_compensate(w, o + i, x, v[i] * colibri_q8_scale(w, o + i)), b, acc, s);
+    }
+    for (; o < out; o++) {
+        const int8_t *qo = q + o * in;
+        float v = 0.0f, v1 = 0.0f;
+        size_t k = 0;
+        for (; k + 2 <= in; k += 2) {
+            v = __builtin_fmaf((float)qo[k], x[k], v);
+            v1 = __builtin_fmaf((float)qo[k + 1], x[k + 1], v1);
+        }
+        if (k < in)
+            v = __builtin_fmaf((float)qo[k], x[k], v);
+        colibri_emit(y, o, colibri_q8_compensate(w, o, x, (v + v1) * colibri_q8_scale(w, o)), b, acc, s);
+    }
+}
+
+/* ---- The linear kernels: one token at a time, weights by dtype ---- */
+
+static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
+                   float s, float *y)
+{
+    if (w->dtype == COLIBRI_DTYPE_I8) {
+        if (xq)
+            matvec_q8q8(w, x, xq, a, b, acc, s, y);
+        else
+            matvec_q8(w, x, b, acc, s, y);
+    } else if (w->dtype == COLIBRI_DTYPE_F16) {
+        matvec_f16(w, x, b, acc, s, y);
+    } else {
+        matvec_f32(w, x, b, acc, s, y);
+    }
+}
+
+static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+                         const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++)
+        matvec(w, x + (rows ? rows[i] : i) * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 0, 1.0f,
+               y + i * out);
+}
+
+static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+                             const float *scale, const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++)
+        matvec(w, x + i * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 1, scale ? scale[i] : 1.0f,
+               y + (rows ? rows[i] : i) * out);
+}
+
 void colibri_kernels_cmsis(colibri_kernels *k)
 {
-    (void)k; /* no kernel of this backend yet: the reference kernels stand */
+    k->name = "cmsis (Cortex-M DSP + FPv5)";
+    k->linear = linear_cmsis;
+    k->linear_acc = linear_acc_cmsis;
 }
 
 #endif /* COLIBRI_BACKEND_CMSIS */
