@@ -71,21 +71,43 @@ static const float zeros8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #define LOAD_PAIR_F32(P, Q) "vldmia %[" P "]!, {s0-s7}\n\t" \
                             "vldmia %[" Q "]!, {s8-s15}\n\t"
 
-/* dst[r] = init[r] + Σ_{k < 8·chunks} w[r·in + k] · x[k] for r < R, chunks >= 1. */
-static inline void f32_rows8(const float *w, size_t in, const float *x, size_t chunks, const float *init,
-                             float *dst)
+/* v[r] = init[r] + Σ_{k < 8·chunks} w[r·in + k] · x[k] for r < R (8, 4 or
+ * 2), chunks >= 1; then dst[r] = v[r], or dst[r] += *scale · v[r] (fused)
+ * when scale is not NULL. Functions of their own (noinline): their pointers
+ * and counter then have the core registers to themselves, and the caller's
+ * loop keeps its few values without spilling.
+ *
+ * Ten pointers and a counter leave too few core registers for init and dst
+ * as well: the accumulators s24-s31 are loaded by one VLDM and stored by one
+ * VSTM in asm statements of their own, and in between held by C variables
+ * pinned to d12-d15 (= s24-s31; doubles only as bit containers, so the
+ * operand count stays within GCC's 30). */
+#define S0_23                                                                                                       \
+    "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "s16",  \
+        "s17", "s18", "s19", "s20", "s21", "s22", "s23"
+
+/* The end of a block of R rows held in s24...: store, or y += s · v. */
+#define F32_EMIT(LIST, FMAS)                                                                                        \
+    if (scale)                                                                                                      \
+        __asm__ volatile("vldmia %[dst], " LIST "\n\t"                                                              \
+                         "vldr s16, [%[s]]\n\t" FMAS "vstmia %[dst], " LIST                                        \
+                         :                                                                                          \
+                         : [dst] "r"(dst), [s] "r"(scale), "w"(a01), "w"(a23), "w"(a45), "w"(a67)                  \
+                         : S0_23, "memory");                                                                        \
+    else                                                                                                            \
+        __asm__ volatile("vstmia %[dst], {s24-s31}" : : [dst] "r"(dst), "w"(a01), "w"(a23), "w"(a45), "w"(a67)     \
+                         : "memory")
+
+static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
 {
     const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
     const float *p4 = p3 + in, *p5 = p4 + in, *p6 = p5 + in, *p7 = p6 + in;
-    /* Ten pointers and a counter leave too few core registers for init and
-     * dst as well: the accumulators s24-s31 are loaded by one VLDM and stored
-     * by one VSTM in asm statements of their own, and in between held by C
-     * variables pinned to d12-d15 (= s24-s31; doubles only as bit
-     * containers, so the operand count stays within GCC's 30). */
     register double a01 __asm__("d12"), a23 __asm__("d13"), a45 __asm__("d14"), a67 __asm__("d15");
-    __asm__("vldmia %[init], {s24-s31}"
-            : "=w"(a01), "=w"(a23), "=w"(a45), "=w"(a67)
-            : [init] "r"(init), "m"(*(const float(*)[8])init));
+    __asm__ volatile("vldmia %[init], {s24-s31}"
+                     : "=w"(a01), "=w"(a23), "=w"(a45), "=w"(a67)
+                     : [init] "r"(init)
+                     : "memory");
     __asm__ volatile("1:\n\t"
                      "vldmia %[x]!, {s16-s23}\n\t"
                      LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
@@ -98,15 +120,14 @@ static inline void f32_rows8(const float *w, size_t in, const float *x, size_t c
                        [p6] "+r"(p6), [p7] "+r"(p7), [x] "+r"(x), [n] "+r"(chunks), "+w"(a01), "+w"(a23), "+w"(a45),
                        "+w"(a67)
                      :
-                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14",
-                       "s15", "s16", "s17", "s18", "s19", "s20", "s21", "s22", "s23", "memory", "cc");
-    __asm__("vstmia %[dst], {s24-s31}"
-            : "=m"(*(float(*)[8])dst)
-            : [dst] "r"(dst), "w"(a01), "w"(a23), "w"(a45), "w"(a67));
+                     : S0_23, "memory", "cc");
+    F32_EMIT("{s0-s7}", "vfma.f32 s0, s24, s16\n\tvfma.f32 s1, s25, s16\n\tvfma.f32 s2, s26, s16\n\t"
+                        "vfma.f32 s3, s27, s16\n\tvfma.f32 s4, s28, s16\n\tvfma.f32 s5, s29, s16\n\t"
+                        "vfma.f32 s6, s30, s16\n\tvfma.f32 s7, s31, s16\n\t");
 }
 
-static inline void f32_rows4(const float *w, size_t in, const float *x, size_t chunks, const float *init,
-                             float *dst)
+static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
 {
     const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
     __asm__ volatile("vldmia %[init], {s24-s27}\n\t"
@@ -116,14 +137,25 @@ static inline void f32_rows4(const float *w, size_t in, const float *x, size_t c
                      LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
                      "subs %[n], %[n], #1\n\t"
                      "bne 1b\n\t"
+                     "cbz %[s], 2f\n\t"
+                     "vldmia %[dst], {s0-s3}\n\t"
+                     "vldr s16, [%[s]]\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vfma.f32 s2, s26, s16\n\t"
+                     "vfma.f32 s3, s27, s16\n\t"
+                     "vstmia %[dst], {s0-s3}\n\t"
+                     "b 3f\n\t"
+                     "2:\n\t"
                      "vstmia %[dst], {s24-s27}\n\t"
-                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
-                     : [init] "r"(init), [dst] "r"(dst)
+                     "3:\n\t"
+                     : [p0] "+l"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
                      : S_ALL, "memory", "cc");
 }
 
-static inline void f32_rows2(const float *w, size_t in, const float *x, size_t chunks, const float *init,
-                             float *dst)
+static __attribute__((noinline)) void f32_rows2(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
 {
     const float *p0 = w, *p1 = p0 + in;
     __asm__ volatile("vldmia %[init], {s24-s25}\n\t"
@@ -132,9 +164,18 @@ static inline void f32_rows2(const float *w, size_t in, const float *x, size_t c
                      LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
                      "subs %[n], %[n], #1\n\t"
                      "bne 1b\n\t"
+                     "cbz %[s], 2f\n\t"
+                     "vldmia %[dst], {s0-s1}\n\t"
+                     "vldr s16, [%[s]]\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vstmia %[dst], {s0-s1}\n\t"
+                     "b 3f\n\t"
+                     "2:\n\t"
                      "vstmia %[dst], {s24-s25}\n\t"
+                     "3:\n\t"
                      : [p0] "+r"(p0), [p1] "+r"(p1), [x] "+r"(x), [n] "+r"(chunks)
-                     : [init] "r"(init), [dst] "r"(dst)
+                     : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
                      : S_ALL, "memory", "cc");
 }
 
@@ -155,7 +196,7 @@ static inline void f32_rows2(const float *w, size_t in, const float *x, size_t c
  * chunks >= 1, w 4-byte aligned (in even). Registers: x s16-s23; the raw
  * words of row A in s24-s27 widen into s0-s7, then row B's (reusing
  * s24-s27) into s8-s15; the two accumulators are s30, s31. */
-static inline void f16_rows2(const uint16_t *w, size_t in, const float *x, size_t chunks, const float *init,
+static __attribute__((noinline)) void f16_rows2(const uint16_t *w, size_t in, const float *x, size_t chunks, const float *init,
                              float *dst)
 {
     const uint16_t *p0 = w, *p1 = p0 + in;
@@ -212,30 +253,45 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
 {
     const float *wd = w->data;
     const size_t in = w->cols, out = w->rows, chunks = in / 8u, done = chunks * 8u;
-    float tmp[8];
     size_t o = 0;
+    if (chunks != 0u && done == in) {
+        /* Whole chunks: the blocks store (or accumulate into) y themselves. */
+        const float *scale = acc ? &s : NULL;
+        for (; o + 8u <= out; o += 8u)
+            f32_rows8(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        if (o + 4u <= out) {
+            f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+            o += 4u;
+        }
+        if (o + 2u <= out) {
+            f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+            o += 2u;
+        }
+        if (o < out)
+            colibri_emit(y, o, dot_tail_f32(wd + o * in, x, 0, in, 0.0f), b, acc, s);
+        return;
+    }
+    /* Column tails (in % 8 != 0): blocks into tmp, tails added, then emitted. */
+    float tmp[8];
     while (o < out) {
         const size_t left = out - o;
         const size_t r = chunks == 0u ? 1u : left >= 8u ? 8u : left >= 4u ? 4u : left >= 2u ? 2u : 1u;
         const float *row = wd + o * in;
-        float *dst = acc ? tmp : y + o;
         if (r == 1u) {
-            dst[0] = dot_tail_f32(row, x, 0, in, b ? b[o] : 0.0f);
+            tmp[0] = dot_tail_f32(row, x, 0, in, b ? b[o] : 0.0f);
         } else {
             const float *init = b ? b + o : zeros8;
             if (r == 8u)
-                f32_rows8(row, in, x, chunks, init, dst);
+                f32_rows8(row, in, x, chunks, init, tmp, NULL);
             else if (r == 4u)
-                f32_rows4(row, in, x, chunks, init, dst);
+                f32_rows4(row, in, x, chunks, init, tmp, NULL);
             else
-                f32_rows2(row, in, x, chunks, init, dst);
-            if (done < in)
-                for (size_t i = 0; i < r; i++)
-                    dst[i] = dot_tail_f32(row + i * in, x, done, in, dst[i]);
-        }
-        if (acc)
+                f32_rows2(row, in, x, chunks, init, tmp, NULL);
             for (size_t i = 0; i < r; i++)
-                y[o + i] += s * tmp[i];
+                tmp[i] = dot_tail_f32(row + i * in, x, done, in, tmp[i]);
+        }
+        for (size_t i = 0; i < r; i++)
+            colibri_emit(y, o + i, tmp[i], NULL, acc, s);
         o += r;
     }
 }
@@ -456,11 +512,44 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
                y + (rows ? rows[i] : i) * out);
 }
 
+/* ---- ReLU: exactly the reference's v < 0 ? 0 : v ----
+ * VCMP of 0 with v, then VSELGT picks 0 where 0 > v: NaN compares unordered
+ * (not GT) and stays, -0 is not above 0 and stays, as in the reference. 8
+ * values per VLDM/VSTM. Other activations: the reference. */
+#define RELU1(R) "vcmp.f32 s8, " R "\n\tvmrs APSR_nzcv, fpscr\n\tvselgt.f32 " R ", s8, " R "\n\t"
+
+static void activation_cmsis(float *x, size_t n, uint32_t kind)
+{
+    if (kind != COLIBRI_ACT_RELU) {
+        colibri_activation_ref(x, n, kind);
+        return;
+    }
+    size_t blocks = n / 8u;
+    float *p = x;
+    if (blocks != 0u) {
+        const float zero = 0.0f;
+        __asm__ volatile("vldr s8, [%[z]]\n\t"
+                         "1:\n\t"
+                         "vldmia %[p], {s0-s7}\n\t"
+                         RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3")
+                         RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")
+                         "vstmia %[p]!, {s0-s7}\n\t"
+                         "subs %[n], %[n], #1\n\t"
+                         "bne 1b\n\t"
+                         : [p] "+r"(p), [n] "+r"(blocks)
+                         : [z] "r"(&zero)
+                         : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "memory", "cc");
+    }
+    for (size_t i = n / 8u * 8u; i < n; i++)
+        x[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
 void colibri_kernels_cmsis(colibri_kernels *k)
 {
     k->name = "cmsis (Cortex-M DSP + FPv5)";
     k->linear = linear_cmsis;
     k->linear_acc = linear_acc_cmsis;
+    k->activation = activation_cmsis;
 }
 
 #endif /* COLIBRI_BACKEND_CMSIS */
