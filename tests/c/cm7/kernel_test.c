@@ -375,6 +375,40 @@ static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinit
     }
 }
 
+/* Activations: the backend's against the reference, every kind, bit for bit
+ * (ReLU is exact by construction; the others are the reference's), over
+ * random values, ±0, ±inf, NaN and lengths 0..40 (tails of 8). */
+static void activation_cases(const colibri_kernels *opt)
+{
+    static const uint32_t act_kinds[] = {COLIBRI_ACT_RELU, COLIBRI_ACT_GELU_ERF, COLIBRI_ACT_GELU_TANH,
+                                         COLIBRI_ACT_SILU, COLIBRI_ACT_TANH, COLIBRI_ACT_SIGMOID};
+    static float a[48], b[48];
+    const float specials[6] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN};
+    for (uint32_t c = 0; c < 120; c++) {
+        const uint32_t kind = act_kinds[c % 6u];
+        const size_t n = rnd_below(41);
+        for (size_t i = 0; i < n; i++)
+            a[i] = rnd_below(4) == 0 ? specials[rnd_below(6)] : rnd_unit() * 8.0f;
+        memcpy(b, a, sizeof a);
+        colibri_activation_ref(a, n, kind);
+        opt->activation(b, n, kind);
+        for (size_t i = 0; i < n; i++)
+            if (!same_bits(a[i], b[i]) || (isnan(a[i]) != isnan(b[i]))) {
+                failures++;
+                put_str("FAIL activation kind ");
+                put_u(kind);
+                put_str(" n=");
+                put_u((uint32_t)n);
+                put_str(" at ");
+                put_u((uint32_t)i);
+                flush();
+                break;
+            }
+    }
+    put_str("activations: 120 cases, bit for bit");
+    flush();
+}
+
 /* ---- instruction counts (QEMU -icount) on the meter model's shapes ---- */
 
 static uint64_t time_linear(void (*fn)(const float *, const uint16_t *, size_t, const colibri_matrix *, const float *,
@@ -467,6 +501,7 @@ int main(void)
         put_fix3(worst[kind][1]);
         flush();
     }
+    activation_cases(&opt);
     count_instructions(&opt);
     put_str(failures ? "FAILED: " : "passed: ");
     put_u(failures);
