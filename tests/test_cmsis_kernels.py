@@ -38,7 +38,8 @@ def test_cmsis_kernels_match_the_reference_on_the_m7() -> None:
         assert m and int(m[1]) > 50 and int(m[2]) > 50, out
         if kind == "q8 int8-act":
             assert float(m[3]) == float(m[4]) == 0.0, "int8 activations must be bit for bit"
-    assert "activations: 120 cases, bit for bit" in out and "passed: 0" in out, out
+    assert "activations: 120 cases, bit for bit" in out and "quantize_rows: 200 cases, bit for bit" in out, out
+    assert "passed: 0" in out, out
     # The instruction counts it prints (QEMU -icount, not cycles) on the meter model's shapes: the cmsis
     # kernels must beat the reference ones, f32 well under 2 instructions per multiply-accumulate.
     per_mac = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(

@@ -409,6 +409,50 @@ static void activation_cases(const colibri_kernels *opt)
     flush();
 }
 
+/* The quantiser: the backend's against the reference, bit for bit (q and
+ * a; a NaN a as NaN), rows of random, huge, tiny (below 2^-100, subnormal),
+ * all-zero and non-finite values, lengths 1..75, with and without a row list. */
+static void quantize_cases(const colibri_kernels *opt)
+{
+    static int8_t q_ref[MAX_N * MAX_IN], q_opt[MAX_N * MAX_IN];
+    static float a_ref[MAX_N], a_opt[MAX_N];
+    const float specials[5] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f};
+    for (uint32_t c = 0; c < 200; c++) {
+        const size_t in = 1u + rnd_below(MAX_IN), n = 1u + rnd_below(MAX_N);
+        for (size_t r = 0; r < MAX_Y_ROWS; r++) {
+            const uint32_t style = rnd_below(8);
+            const float mag = style == 0 ? 0x1p-110f : style == 1 ? 0x1p-130f : style == 2 ? 1e30f : 1.0f;
+            for (size_t k = 0; k < in; k++)
+                x[r * in + k] = style == 3 ? 0.0f : rnd_unit() * mag;
+            if (style == 4 || style == 5)
+                x[r * in + rnd_below((uint32_t)in)] = specials[rnd_below(5)];
+            if (style == 6) { /* m = 127, so x · 127 / m = x: exact halves, rounded away from zero */
+                for (size_t k = 0; k < in; k++)
+                    x[r * in + k] = (float)((int32_t)rnd_below(255) - 127) * 0.5f;
+                x[r * in + rnd_below((uint32_t)in)] = 127.0f;
+            }
+        }
+        for (size_t i = 0; i < n; i++)
+            rows[i] = (uint16_t)rnd_below(MAX_Y_ROWS);
+        const uint16_t *rp = rnd_below(2) ? rows : NULL;
+        colibri_quantize_rows_ref(x, rp, n, in, q_ref, a_ref);
+        opt->quantize_rows(x, rp, n, in, q_opt, a_opt);
+        int bad = memcmp(q_ref, q_opt, n * in) != 0;
+        for (size_t i = 0; i < n; i++)
+            bad |= !same_bits(a_ref[i], a_opt[i]);
+        if (bad) {
+            failures++;
+            put_str("FAIL quantize_rows in=");
+            put_u((uint32_t)in);
+            put_str(" n=");
+            put_u((uint32_t)n);
+            flush();
+        }
+    }
+    put_str("quantize_rows: 200 cases, bit for bit");
+    flush();
+}
+
 /* ---- instruction counts (QEMU -icount) on the meter model's shapes ---- */
 
 static uint64_t time_linear(void (*fn)(const float *, const uint16_t *, size_t, const colibri_matrix *, const float *,
@@ -502,6 +546,7 @@ int main(void)
         flush();
     }
     activation_cases(&opt);
+    quantize_cases(&opt);
     count_instructions(&opt);
     put_str(failures ? "FAILED: " : "passed: ");
     put_u(failures);

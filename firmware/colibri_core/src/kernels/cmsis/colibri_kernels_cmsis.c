@@ -35,9 +35,28 @@
 #if defined(COLIBRI_BACKEND_CMSIS)
 
 #include <arm_acle.h>
+#include <math.h>
 
 #include "colibri_format.h"
 
+/* What this FPU offers (the int8 kernels need the DSP extension alone):
+ *   CMSIS_F32   single precision with VFMA (FPv4, FPv5): f32, q8 f32-act kernels
+ *   CMSIS_F16   and half-precision conversions known to the compiler: f16 kernels
+ *   CMSIS_FPV5  FPv5's VSEL, VMAXNM, VCVTA (Cortex-M7 with the double-precision
+ *               FPU, where GCC reports it): ReLU and the quantiser
+ * What a build lacks runs the reference kernels (a Cortex-M4F natmod module,
+ * armv7emsp: f32, q8 and int8 here; f16, ReLU and the quantiser reference). */
+#if defined(__ARM_FP) && (__ARM_FP & 4) && defined(__ARM_FEATURE_FMA)
+#define CMSIS_F32 1
+#if (__ARM_FP & 2)
+#define CMSIS_F16 1
+#endif
+#if (__ARM_FP & 8)
+#define CMSIS_FPV5 1
+#endif
+#endif
+
+#if defined(CMSIS_F32)
 /* The accumulators' starting values when there is no bias. Read-only data. */
 static const float zeros8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 
@@ -179,6 +198,7 @@ static __attribute__((noinline)) void f32_rows2(const float *w, size_t in, const
                      : S_ALL, "memory", "cc");
 }
 
+#if defined(CMSIS_F16)
 /* ---- f16: VLDM of the raw halves, VCVTB/VCVTT widen them exactly ---- */
 
 /* 8 halves of a row, in 4 words (RAW0..3), widened into D0..D7. */
@@ -226,6 +246,8 @@ static inline float f16_widen(uint16_t h)
     return f;
 }
 
+#endif /* CMSIS_F16 */
+
 /* The columns k0 <= k < in of one row (or a whole row):
  * v + Σ w[k] · x[k], fused, two accumulators. ELEM(row, k) reads a weight. */
 #define DOT_TAIL(NAME, TYPE, ELEM)                                                                                  \
@@ -242,9 +264,11 @@ static inline float f16_widen(uint16_t h)
         return v + v1;                                                                                              \
     }
 #define ELEM_F32(row, k) ((row)[k])
-#define ELEM_F16(row, k) f16_widen((row)[k])
 DOT_TAIL(dot_tail_f32, float, ELEM_F32)
+#if defined(CMSIS_F16)
+#define ELEM_F16(row, k) f16_widen((row)[k])
 DOT_TAIL(dot_tail_f16, uint16_t, ELEM_F16)
+#endif
 
 /* One token of an F32 or F16 matrix: y[o] = v_o, or y[o] += s · v_o (acc),
  * v_o = (row o of W) · x + b_o, as colibri_matvec_f32 / _f16 within the
@@ -296,6 +320,7 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
     }
 }
 
+#if defined(CMSIS_F16)
 /* As matvec_f32 for F16 weights: 2 rows at a time when the rows are 4-byte
  * aligned (in even), which VLDM needs; otherwise row by row. */
 static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
@@ -322,6 +347,9 @@ static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, 
         o += r;
     }
 }
+
+#endif /* CMSIS_F16 */
+#endif /* CMSIS_F32 */
 
 /* ---- I8 weights ---- */
 
@@ -421,20 +449,32 @@ static int32_t dot1_i8(const int8_t *q, size_t in, const int8_t *xq)
 }
 
 /* As colibri_matvec_q8q8, bit for bit: the integer sums are exact and the
- * float steps are the reference's, in its order. */
+ * float steps are the reference's, in its order (scale, E, bias, emit). */
 static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b,
                         int acc, float s, float *y)
 {
     const int8_t *q = w->data;
     const size_t in = w->cols, out = w->rows;
+    const int with_e = w->nnz != 0;
     int32_t sum[4];
+    float v[4];
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
         dot4_i8(q + o * in, in, xq, sum);
         for (size_t i = 0; i < 4; i++)
-            colibri_emit(y, o + i,
-                         colibri_q8_compensate(w, o + i, x, (float)sum[i] * (colibri_q8_scale(w, o + i) * a)), b, acc,
-                         s);
+            v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a);
+        if (with_e)
+            for (size_t i = 0; i < 4; i++)
+                v[i] = colibri_q8_compensate(w, o + i, x, v[i]);
+        if (b)
+            for (size_t i = 0; i < 4; i++)
+                v[i] += b[o + i];
+        if (acc)
+            for (size_t i = 0; i < 4; i++)
+                y[o + i] += s * v[i];
+        else
+            for (size_t i = 0; i < 4; i++)
+                y[o + i] = v[i];
     }
     for (; o < out; o++)
         colibri_emit(y, o,
@@ -442,6 +482,7 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
                      b, acc, s);
 }
 
+#if defined(CMSIS_F32)
 /* I8 weights, f32 activations: 4 rows at a time; each int8 weight widened
  * exactly and fused-multiply-added, then the reference's scale, E, bias. */
 static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
@@ -476,6 +517,61 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
         colibri_emit(y, o, colibri_q8_compensate(w, o, x, (v + v1) * colibri_q8_scale(w, o)), b, acc, s);
     }
 }
+#endif /* CMSIS_F32 */
+
+#if defined(CMSIS_FPV5)
+/* ---- The int8 quantiser: the reference's bits, faster ----
+ * m = max |x| by VMAXNM and a sum of |x| · 0 (NaN as soon as some x is NaN or
+ * inf), 4 values a step; then q = lroundf(x · (127 / m)) by VCVTA (round half
+ * away from zero, as roundf). No clamp: |x| <= m gives |x · fl(127/m)| <=
+ * 127 (1 + 2^-24)^2 < 127.5, so the reference's clamp to ±127 never acts.
+ * Rows with NaN or inf, all zeros, or m < 2^-100 (the reference's rescaling)
+ * go to the reference, which then decides their every bit. */
+static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
+                                float *restrict a)
+{
+    for (size_t i = 0; i < n; i++, q += in) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        float m0 = 0.0f, m1 = 0.0f, z0 = 0.0f, z1 = 0.0f;
+        size_t k = 0;
+        for (; k + 4 <= in; k += 4) {
+            const float v0 = fabsf(xi[k]), v1 = fabsf(xi[k + 1]), v2 = fabsf(xi[k + 2]), v3 = fabsf(xi[k + 3]);
+            m0 = fmaxf(m0, v0);
+            m1 = fmaxf(m1, v1);
+            z0 = __builtin_fmaf(v0, 0.0f, z0);
+            z1 = __builtin_fmaf(v1, 0.0f, z1);
+            m0 = fmaxf(m0, v2);
+            m1 = fmaxf(m1, v3);
+            z0 = __builtin_fmaf(v2, 0.0f, z0);
+            z1 = __builtin_fmaf(v3, 0.0f, z1);
+        }
+        for (; k < in; k++) {
+            const float v = fabsf(xi[k]);
+            m0 = fmaxf(m0, v);
+            z0 = __builtin_fmaf(v, 0.0f, z0);
+        }
+        const float m = fmaxf(m0, m1);
+        if (z0 + z1 != 0.0f || !(m >= 0x1p-100f)) {
+            colibri_quantize_rows_ref(xi, NULL, 1, in, q, a + i);
+            continue;
+        }
+        const float inv = 127.0f / m;
+        k = 0;
+        for (; k + 4 <= in; k += 4) {
+            const long r0 = lroundf(xi[k] * inv), r1 = lroundf(xi[k + 1] * inv);
+            const long r2 = lroundf(xi[k + 2] * inv), r3 = lroundf(xi[k + 3] * inv);
+            q[k] = (int8_t)r0;
+            q[k + 1] = (int8_t)r1;
+            q[k + 2] = (int8_t)r2;
+            q[k + 3] = (int8_t)r3;
+        }
+        for (; k < in; k++)
+            q[k] = (int8_t)lroundf(xi[k] * inv);
+        a[i] = m / 127.0f;
+    }
+}
+
+#endif /* CMSIS_FPV5 */
 
 /* ---- The linear kernels: one token at a time, weights by dtype ---- */
 
@@ -486,11 +582,23 @@ static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, fl
         if (xq)
             matvec_q8q8(w, x, xq, a, b, acc, s, y);
         else
+#if defined(CMSIS_F32)
             matvec_q8(w, x, b, acc, s, y);
+#else
+            colibri_matvec_q8(w, x, b, acc, s, y);
+#endif
     } else if (w->dtype == COLIBRI_DTYPE_F16) {
+#if defined(CMSIS_F16)
         matvec_f16(w, x, b, acc, s, y);
+#else
+        colibri_matvec_f16(w, x, b, acc, s, y);
+#endif
     } else {
+#if defined(CMSIS_F32)
         matvec_f32(w, x, b, acc, s, y);
+#else
+        colibri_matvec_f32(w, x, b, acc, s, y);
+#endif
     }
 }
 
@@ -512,6 +620,7 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
                y + (rows ? rows[i] : i) * out);
 }
 
+#if defined(CMSIS_FPV5)
 /* ---- ReLU: exactly the reference's v < 0 ? 0 : v ----
  * VCMP of 0 with v, then VSELGT picks 0 where 0 > v: NaN compares unordered
  * (not GT) and stays, -0 is not above 0 and stays, as in the reference. 8
@@ -544,12 +653,23 @@ static void activation_cmsis(float *x, size_t n, uint32_t kind)
         x[i] = x[i] < 0.0f ? 0.0f : x[i];
 }
 
+#endif /* CMSIS_FPV5 */
+
 void colibri_kernels_cmsis(colibri_kernels *k)
 {
+#if defined(CMSIS_FPV5)
     k->name = "cmsis (Cortex-M DSP + FPv5)";
+#elif defined(CMSIS_F32)
+    k->name = "cmsis (Cortex-M DSP + FPv4)";
+#else
+    k->name = "cmsis (Cortex-M DSP)";
+#endif
     k->linear = linear_cmsis;
     k->linear_acc = linear_acc_cmsis;
+#if defined(CMSIS_FPV5)
     k->activation = activation_cmsis;
+    k->quantize_rows = quantize_rows_cmsis;
+#endif
 }
 
 #endif /* COLIBRI_BACKEND_CMSIS */
