@@ -145,6 +145,85 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
                         "vfma.f32 s6, s30, s16\n\tvfma.f32 s7, s31, s16\n\t");
 }
 
+/* Every 8-row block of a matrix whose rows are whole chunks (in % 8 == 0):
+ * blocks × 8 rows from w, results into dst (or dst += *scale · v), the
+ * accumulators starting from init, which steps 8 floats a block (bias) or
+ * stays (zeros8). One asm loop over the blocks: its state lives in a small
+ * frame of its own on the stack while the 8 row pointers, x and the counter
+ * use the core registers; row r of the next block starts where row 7 of this
+ * one ended, so only rows 1-7 are recomputed per block. */
+static __attribute__((noinline)) void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks,
+                                                  const float *init, size_t init_step, float *dst,
+                                                  const float *scale)
+{
+    const float *p0 = w;
+    uintptr_t p1 = (uintptr_t)init, p2 = init_step * sizeof(float), p3 = (uintptr_t)dst, p4 = blocks;
+    uintptr_t p5 = (uintptr_t)scale, p6, p7;
+    size_t n = in / 8u;
+    const size_t in4 = in * sizeof(float);
+    __asm__ volatile("sub sp, sp, #32\n\t"
+                     "str %[x], [sp]\n\t"
+                     "str %[n], [sp, #4]\n\t"
+                     "str %[p1], [sp, #8]\n\t"
+                     "str %[p2], [sp, #12]\n\t"
+                     "str %[p3], [sp, #16]\n\t"
+                     "str %[p4], [sp, #20]\n\t"
+                     "str %[p5], [sp, #24]\n\t"
+                     "2:\n\t"
+                     "ldr %[p1], [sp, #8]\n\t"
+                     "vldmia %[p1], {s24-s31}\n\t"
+                     "ldr %[p2], [sp, #12]\n\t"
+                     "add %[p1], %[p1], %[p2]\n\t"
+                     "str %[p1], [sp, #8]\n\t"
+                     "add %[p1], %[p0], %[in4]\n\t"
+                     "add %[p2], %[p1], %[in4]\n\t"
+                     "add %[p3], %[p2], %[in4]\n\t"
+                     "add %[p4], %[p3], %[in4]\n\t"
+                     "add %[p5], %[p4], %[in4]\n\t"
+                     "add %[p6], %[p5], %[in4]\n\t"
+                     "add %[p7], %[p6], %[in4]\n\t"
+                     "ldr %[x], [sp]\n\t"
+                     "ldr %[n], [sp, #4]\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
+                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "ldr %[p1], [sp, #16]\n\t"
+                     "ldr %[p2], [sp, #24]\n\t"
+                     "cmp %[p2], #0\n\t"
+                     "beq 3f\n\t"
+                     "vldr s16, [%[p2]]\n\t"
+                     "vldmia %[p1], {s0-s7}\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vfma.f32 s2, s26, s16\n\t"
+                     "vfma.f32 s3, s27, s16\n\t"
+                     "vfma.f32 s4, s28, s16\n\t"
+                     "vfma.f32 s5, s29, s16\n\t"
+                     "vfma.f32 s6, s30, s16\n\t"
+                     "vfma.f32 s7, s31, s16\n\t"
+                     "vstmia %[p1]!, {s0-s7}\n\t"
+                     "b 4f\n\t"
+                     "3:\n\t"
+                     "vstmia %[p1]!, {s24-s31}\n\t"
+                     "4:\n\t"
+                     "str %[p1], [sp, #16]\n\t"
+                     "mov %[p0], %[p7]\n\t"
+                     "ldr %[p1], [sp, #20]\n\t"
+                     "subs %[p1], %[p1], #1\n\t"
+                     "str %[p1], [sp, #20]\n\t"
+                     "bne 2b\n\t"
+                     "add sp, sp, #32\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
+                       [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "+r"(n)
+                     : [in4] "r"(in4)
+                     : S_ALL, "memory", "cc");
+}
+
 static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
                                                 const float *init, float *dst, const float *scale)
 {
@@ -281,8 +360,10 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
     if (chunks != 0u && done == in) {
         /* Whole chunks: the blocks store (or accumulate into) y themselves. */
         const float *scale = acc ? &s : NULL;
-        for (; o + 8u <= out; o += 8u)
-            f32_rows8(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        if (out >= 8u) {
+            f32_blocks8(wd, in, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y, scale);
+            o = out / 8u * 8u;
+        }
         if (o + 4u <= out) {
             f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
             o += 4u;
@@ -352,6 +433,16 @@ static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, 
 #endif /* CMSIS_F32 */
 
 /* ---- I8 weights ---- */
+
+/* STMT for I = 0, 1, 2, 3, written out (the compiler keeps a loop over a
+ * 4-float array in memory otherwise). */
+#define FOR4(I, STMT)                                                                                               \
+    do {                                                                                                            \
+        { const size_t I = 0; STMT; }                                                                               \
+        { const size_t I = 1; STMT; }                                                                               \
+        { const size_t I = 2; STMT; }                                                                               \
+        { const size_t I = 3; STMT; }                                                                               \
+    } while (0)
 
 /* Σ_k Q[k] · xq[k] of 4 rows (q0 .. q0 + 3·in) at once, 4 columns per step:
  * each weight word (4 int8) becomes two int16 pairs by SXTB16 and SXTB16 of
@@ -461,20 +552,15 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
         dot4_i8(q + o * in, in, xq, sum);
-        for (size_t i = 0; i < 4; i++)
-            v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a);
+        FOR4(i, v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a));
         if (with_e)
-            for (size_t i = 0; i < 4; i++)
-                v[i] = colibri_q8_compensate(w, o + i, x, v[i]);
+            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
         if (b)
-            for (size_t i = 0; i < 4; i++)
-                v[i] += b[o + i];
+            FOR4(i, v[i] += b[o + i]);
         if (acc)
-            for (size_t i = 0; i < 4; i++)
-                y[o + i] += s * v[i];
+            FOR4(i, y[o + i] += s * v[i]);
         else
-            for (size_t i = 0; i < 4; i++)
-                y[o + i] = v[i];
+            FOR4(i, y[o + i] = v[i]);
     }
     for (; o < out; o++)
         colibri_emit(y, o,
@@ -483,26 +569,76 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
 }
 
 #if defined(CMSIS_F32)
-/* I8 weights, f32 activations: 4 rows at a time; each int8 weight widened
- * exactly and fused-multiply-added, then the reference's scale, E, bias. */
+/* Row R of 4 (word at [PA] or [PA, in]): its 4 int8 weights sign-extended by
+ * SXTB (with the byte rotations), moved two by two into S0-S3, converted
+ * exactly (VCVT from int32), fused-multiply-added with x in s16-s19 into ACC. */
+#define Q8_ROW(LOAD, S0, S1, S2, S3, ACC)                                                                          \
+    LOAD "\n\t"                                                                                                     \
+    "sxtb %[b0], %[wv]\n\t"                                                                                         \
+    "sxtb %[b1], %[wv], ror #8\n\t"                                                                                 \
+    "sxtb %[b2], %[wv], ror #16\n\t"                                                                                \
+    "sxtb %[b3], %[wv], ror #24\n\t"                                                                                \
+    "vmov " S0 ", " S1 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S2 ", " S3 ", %[b2], %[b3]\n\t"                                                                         \
+    "vcvt.f32.s32 " S0 ", " S0 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S1 ", " S1 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S2 ", " S2 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S3 ", " S3 "\n\t"                                                                               \
+    "vfma.f32 " ACC ", " S0 ", s16\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S1 ", s17\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S2 ", s18\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S3 ", s19\n\t"
+
+/* v[r] = Σ_{k < 4·words} (float)q[r·in + k] · x[k], fused, for 4 rows at
+ * once (rows 0 and 2 by pointer, 1 and 3 at the same pointer + in, as
+ * dot4_i8), words >= 1; 4 columns a step, x's 4 values loaded once. */
+static __attribute__((noinline)) void q8f_rows4(const int8_t *q0, size_t in, const float *x, size_t words,
+                                                float v[4])
+{
+    const int8_t *pa = q0, *pb = q0 + 2u * in;
+    uint32_t wv, b0, b1, b2, b3;
+    __asm__ volatile("vldmia %[v], {s24-s27}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s19}\n\t"
+                     Q8_ROW("ldr %[wv], [%[pa], %[in]]", "s0", "s1", "s2", "s3", "s25")
+                     Q8_ROW("ldr %[wv], [%[pa]], #4", "s4", "s5", "s6", "s7", "s24")
+                     Q8_ROW("ldr %[wv], [%[pb], %[in]]", "s8", "s9", "s10", "s11", "s27")
+                     Q8_ROW("ldr %[wv], [%[pb]], #4", "s12", "s13", "s14", "s15", "s26")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[v], {s24-s27}\n\t"
+                     : [pa] "+r"(pa), [pb] "+r"(pb), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0),
+                       [b1] "=&r"(b1), [b2] "=&r"(b2), [b3] "=&r"(b3)
+                     : [in] "r"(in), [v] "r"(v)
+                     : S_ALL, "memory", "cc");
+}
+
+/* I8 weights, f32 activations: 4 rows at a time (q8f_rows4), each int8
+ * weight widened exactly and fused-multiply-added; then the reference's
+ * scale, E, bias and emit, in its order. */
 static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
 {
     const int8_t *q = w->data;
-    const size_t in = w->cols, out = w->rows;
+    const size_t in = w->cols, out = w->rows, words = in / 4u;
+    const int with_e = w->nnz != 0;
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
-        const int8_t *q0 = q + o * in, *q1 = q0 + in, *q2 = q1 + in, *q3 = q2 + in;
-        float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
-        for (size_t k = 0; k < in; k++) {
-            const float xk = x[k];
-            v0 = __builtin_fmaf((float)q0[k], xk, v0);
-            v1 = __builtin_fmaf((float)q1[k], xk, v1);
-            v2 = __builtin_fmaf((float)q2[k], xk, v2);
-            v3 = __builtin_fmaf((float)q3[k], xk, v3);
-        }
-        const float v[4] = {v0, v1, v2, v3};
-        for (size_t i = 0; i < 4; i++)
-            colibri_emit(y, o + i, colibri_q8_compensate(w, o + i, x, v[i] * colibri_q8_scale(w, o + i)), b, acc, s);
+        const int8_t *q0 = q + o * in;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (words != 0u)
+            q8f_rows4(q0, in, x, words, v);
+        for (size_t k = words * 4u; k < in; k++)
+            for (size_t i = 0; i < 4; i++)
+                v[i] = __builtin_fmaf((float)q0[i * in + k], x[k], v[i]);
+        FOR4(i, v[i] *= colibri_q8_scale(w, o + i));
+        if (with_e)
+            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
+        if (b)
+            FOR4(i, v[i] += b[o + i]);
+        if (acc)
+            FOR4(i, y[o + i] += s * v[i]);
+        else
+            FOR4(i, y[o + i] = v[i]);
     }
     for (; o < out; o++) {
         const int8_t *qo = q + o * in;
