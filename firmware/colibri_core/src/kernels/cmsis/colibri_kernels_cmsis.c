@@ -469,7 +469,7 @@ static inline int32_t smlad(uint32_t a, uint32_t b, int32_t acc)
     return __smlad((int16x2_t)a, (int16x2_t)b, acc);
 }
 
-static void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
+static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
 {
     /* Rows 0 and 2 by pointer, rows 1 and 3 at the same pointer + in. */
     const int8_t *pa = q0, *pb = q0 + 2u * in, *px = xq;
