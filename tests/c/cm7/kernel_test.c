@@ -7,7 +7,8 @@
  *
  * Cases: weight dtype f32, f16, I8 with f32 activations, I8 with int8
  * activations (with and without the compensation E); linear and linear_acc;
- * shapes with odd sizes and tails (in 1..75, out 1..21); n = 1..9 tokens, with
+ * shapes with odd sizes and tails (in 1..75, a third of them multiples of 8; out
+ * 1..21); n = 1..9 tokens (pairs of tokens share weight loads), with
  * and without a row list, with and without bias, with and without gate
  * scales; inputs with NaN and ±inf at random places in a third of the cases.
  *
@@ -268,7 +269,10 @@ static void report_failure(int kind, int acc, size_t out, size_t in, size_t n, s
 
 static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinite)
 {
-    const size_t in = 1u + rnd_below(MAX_IN), out = 1u + rnd_below(21u), n = 1u + rnd_below(MAX_N);
+    size_t in = 1u + rnd_below(MAX_IN);
+    const size_t out = 1u + rnd_below(21u), n = 1u + rnd_below(MAX_N);
+    if (rnd_below(3) == 0) /* whole 8-column chunks: the blocked paths without column tails */
+        in = 8u * (1u + rnd_below(MAX_IN / 8u));
     colibri_matrix w;
     make_matrix(&w, kind, out, in);
     const int with_bias = rnd_below(2), with_rows = rnd_below(2), with_scale = rnd_below(2);

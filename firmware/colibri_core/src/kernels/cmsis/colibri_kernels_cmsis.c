@@ -277,6 +277,53 @@ static __attribute__((noinline)) void f32_rows2(const float *w, size_t in, const
                      : S_ALL, "memory", "cc");
 }
 
+/* Two tokens at once (a small GEMM): 4 rows × 2 tokens, 8 columns a step.
+ * Each weight chunk is loaded once for both tokens (half the weight traffic,
+ * which on a real part with the weights in flash is most of the cost); x of
+ * token A in s16-s23, of token B in s24-s31, the row's weights in s0-s7,
+ * the accumulators s8-s11 (token A, rows 0-3) and s12-s15 (token B), both
+ * starting from init. Results: dst_a[0..3], dst_b[0..3]. chunks >= 1. */
+#define FMA_TOK2(A, B)                                                                                              \
+    "vfma.f32 " A ", s0, s16\n\t"                                                                                   \
+    "vfma.f32 " B ", s0, s24\n\t"                                                                                   \
+    "vfma.f32 " A ", s1, s17\n\t"                                                                                   \
+    "vfma.f32 " B ", s1, s25\n\t"                                                                                   \
+    "vfma.f32 " A ", s2, s18\n\t"                                                                                   \
+    "vfma.f32 " B ", s2, s26\n\t"                                                                                   \
+    "vfma.f32 " A ", s3, s19\n\t"                                                                                   \
+    "vfma.f32 " B ", s3, s27\n\t"                                                                                   \
+    "vfma.f32 " A ", s4, s20\n\t"                                                                                   \
+    "vfma.f32 " B ", s4, s28\n\t"                                                                                   \
+    "vfma.f32 " A ", s5, s21\n\t"                                                                                   \
+    "vfma.f32 " B ", s5, s29\n\t"                                                                                   \
+    "vfma.f32 " A ", s6, s22\n\t"                                                                                   \
+    "vfma.f32 " B ", s6, s30\n\t"                                                                                   \
+    "vfma.f32 " A ", s7, s23\n\t"                                                                                   \
+    "vfma.f32 " B ", s7, s31\n\t"
+
+static __attribute__((noinline)) void f32_rows4_tok2(const float *w, size_t in, const float *xa, const float *xb,
+                                                     size_t chunks, const float *init, float *dst_a, float *dst_b)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    __asm__ volatile("vldmia %[init], {s8-s11}\n\t"
+                     "vldmia %[init], {s12-s15}\n\t"
+                     "1:\n\t"
+                     "vldmia %[xa]!, {s16-s23}\n\t"
+                     "vldmia %[xb]!, {s24-s31}\n\t"
+                     "vldmia %[p0]!, {s0-s7}\n\t" FMA_TOK2("s8", "s12")
+                     "vldmia %[p1]!, {s0-s7}\n\t" FMA_TOK2("s9", "s13")
+                     "vldmia %[p2]!, {s0-s7}\n\t" FMA_TOK2("s10", "s14")
+                     "vldmia %[p3]!, {s0-s7}\n\t" FMA_TOK2("s11", "s15")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[da], {s8-s11}\n\t"
+                     "vstmia %[db], {s12-s15}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [xa] "+r"(xa), [xb] "+r"(xb),
+                       [n] "+r"(chunks)
+                     : [init] "r"(init), [da] "r"(dst_a), [db] "r"(dst_b)
+                     : S_ALL, "memory", "cc");
+}
+
 #if defined(CMSIS_F16)
 /* ---- f16: VLDM of the raw halves, VCVTB/VCVTT widen them exactly ---- */
 
@@ -398,6 +445,34 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
         for (size_t i = 0; i < r; i++)
             colibri_emit(y, o + i, tmp[i], NULL, acc, s);
         o += r;
+    }
+}
+
+/* Two tokens of an F32 matrix whose rows are whole chunks (in % 8 == 0):
+ * ya = xa Wᵀ + b and yb = xb Wᵀ + b, or ya += sa · (...), yb += sb · (...)
+ * (acc), 4 rows at a time by f32_rows4_tok2, the last out % 4 rows one by one. */
+static void matvec_f32_pair(const colibri_matrix *w, const float *xa, const float *xb, const float *b, int acc,
+                            float sa, float sb, float *ya, float *yb)
+{
+    const float *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in / 8u;
+    float ta[4], tb[4];
+    size_t o = 0;
+    for (; o + 4u <= out; o += 4u) {
+        const float *init = b ? b + o : zeros8;
+        if (acc) {
+            f32_rows4_tok2(wd + o * in, in, xa, xb, chunks, init, ta, tb);
+            for (size_t i = 0; i < 4; i++) {
+                ya[o + i] += sa * ta[i];
+                yb[o + i] += sb * tb[i];
+            }
+        } else {
+            f32_rows4_tok2(wd + o * in, in, xa, xb, chunks, init, ya + o, yb + o);
+        }
+    }
+    for (; o < out; o++) {
+        colibri_emit(ya, o, dot_tail_f32(wd + o * in, xa, 0, in, 0.0f), b, acc, sa);
+        colibri_emit(yb, o, dot_tail_f32(wd + o * in, xb, 0, in, 0.0f), b, acc, sb);
     }
 }
 
@@ -738,11 +813,31 @@ static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, fl
     }
 }
 
+/* F32 weights with whole-chunk rows and at least 2 tokens: the tokens two by
+ * two (matvec_f32_pair), so each weight is read once per pair. */
+static int f32_pairs(const colibri_matrix *w, size_t n)
+{
+#if defined(CMSIS_F32)
+    return n >= 2u && w->dtype == COLIBRI_DTYPE_F32 && w->cols >= 8u && w->cols % 8u == 0u;
+#else
+    (void)w;
+    (void)n;
+    return 0;
+#endif
+}
+
 static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
                          const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
-    for (size_t i = 0; i < n; i++)
+    size_t i = 0;
+#if defined(CMSIS_F32)
+    if (f32_pairs(w, n))
+        for (; i + 2u <= n; i += 2u)
+            matvec_f32_pair(w, x + (rows ? rows[i] : i) * in, x + (rows ? rows[i + 1] : i + 1) * in, b, 0, 1.0f,
+                            1.0f, y + i * out, y + (i + 1) * out);
+#endif
+    for (; i < n; i++)
         matvec(w, x + (rows ? rows[i] : i) * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 0, 1.0f,
                y + i * out);
 }
@@ -751,7 +846,15 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
                              const float *scale, const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
-    for (size_t i = 0; i < n; i++)
+    size_t i = 0;
+#if defined(CMSIS_F32)
+    if (f32_pairs(w, n))
+        for (; i + 2u <= n; i += 2u)
+            matvec_f32_pair(w, x + i * in, x + (i + 1) * in, b, 1, scale ? scale[i] : 1.0f,
+                            scale ? scale[i + 1] : 1.0f, y + (rows ? rows[i] : i) * out,
+                            y + (rows ? rows[i + 1] : i + 1) * out);
+#endif
+    for (; i < n; i++)
         matvec(w, x + i * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 1, scale ? scale[i] : 1.0f,
                y + (rows ? rows[i] : i) * out);
 }
