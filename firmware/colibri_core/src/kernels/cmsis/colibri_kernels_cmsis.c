@@ -277,6 +277,33 @@ static __attribute__((noinline)) void f32_rows2(const float *w, size_t in, const
                      : S_ALL, "memory", "cc");
 }
 
+/* One row: v = Σ_{k < 8·chunks} w[k] · x[k] (chunks >= 1), 8 columns a
+ * step into two accumulators (even and odd columns), added at the end. */
+static __attribute__((noinline)) float f32_row1(const float *w, const float *x, size_t chunks)
+{
+    float v;
+    __asm__ volatile("vmov s24, s25, %[z], %[z]\n\t" /* +0, as the reference's sum starts */
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     "vldmia %[w]!, {s0-s7}\n\t"
+                     "vfma.f32 s24, s0, s16\n\t"
+                     "vfma.f32 s25, s1, s17\n\t"
+                     "vfma.f32 s24, s2, s18\n\t"
+                     "vfma.f32 s25, s3, s19\n\t"
+                     "vfma.f32 s24, s4, s20\n\t"
+                     "vfma.f32 s25, s5, s21\n\t"
+                     "vfma.f32 s24, s6, s22\n\t"
+                     "vfma.f32 s25, s7, s23\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vadd.f32 %[v], s24, s25\n\t"
+                     : [w] "+r"(w), [x] "+r"(x), [n] "+r"(chunks), [v] "=t"(v)
+                     : [z] "r"(0u)
+                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s16", "s17", "s18", "s19", "s20", "s21",
+                       "s22", "s23", "s24", "s25", "memory", "cc");
+    return v;
+}
+
 /* Two tokens at once (a small GEMM): 4 rows × 2 tokens, 8 columns a step.
  * Each weight chunk is loaded once for both tokens (half the weight traffic,
  * which on a real part with the weights in flash is most of the cost); x of
@@ -420,7 +447,7 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
             o += 2u;
         }
         if (o < out)
-            colibri_emit(y, o, dot_tail_f32(wd + o * in, x, 0, in, 0.0f), b, acc, s);
+            colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, acc, s);
         return;
     }
     /* Column tails (in % 8 != 0): blocks into tmp, tails added, then emitted. */
