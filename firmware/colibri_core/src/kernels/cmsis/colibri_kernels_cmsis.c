@@ -11,21 +11,30 @@
  *                 starts from the bias (or 0) and the 8 results leave with
  *                 one VSTM. Summation order: bias, then 8-column chunks in
  *                 index order, fused (one rounding per product-add).
- *   f16 weights   the same, 4 weights per VLDM of 2 words, widened exactly by
- *                 VCVTB/VCVTT (FPv5's half-precision conversions).
+ *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
+ *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
+ *                 i.e. in even; otherwise row by row).
  *   I8, int8 act. 4 rows at a time: 4 int8 per word, SXTB16 and SXTB16 of the
  *                 word rotated by 8 into int16 pairs, 2 SMLAD per 4
  *                 products, x's pairs shared by the rows. The int32 sum is
  *                 exact, and the float part follows the reference's order,
  *                 so the result is the reference's bit for bit.
- *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly) and
- *                 fused-multiply-added; the scale and E as the reference.
+ *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly: SXTB,
+ *                 VCVT) and fused-multiply-added; the scale and E as the
+ *                 reference.
+ *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
+ *   quantiser     the reference's bits (VMAXNM, VCVTA).
+ *   ReLU          the reference's bits (VCMP, VSELGT).
+ *   SiLU, sigmoid the reference's formulas with a single-precision e^x
+ *                 (within 2^-20 relative of the reference).
  *
- * The tolerance of the f32 and f16 kernels against the reference (fused
- * products, another summation order) is stated and tested in
- * tests/c/cm7/kernel_test.c; NaN and inf propagate as in the reference (a
+ * Tolerance of the f32, f16 and I8-with-f32-activation kernels against the
+ * reference (fused products, another summation order), tested by
+ * tests/c/cm7/kernel_test.c on the emulated M7: |opt - ref| <=
+ * (in + 4) · 2^-23 · (|b| + Σ_k |w_k · x_k|) per output (linear_acc: s · that
+ * plus a rounding of y); NaN and inf propagate as in the reference (a
  * NaN product or an inf - inf in a sum gives NaN in any order). Everything
- * else (quantiser, activations, norms) stays the reference's.
+ * else (other activations, norms, mul, add) stays the reference's.
  *
  * Compiled to nothing unless colibri_backend.h selects it.
  */
@@ -893,8 +902,57 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
  * values per VLDM/VSTM. Other activations: the reference. */
 #define RELU1(R) "vcmp.f32 s8, " R "\n\tvmrs APSR_nzcv, fpscr\n\tvselgt.f32 " R ", s8, " R "\n\t"
 
+/* ---- SiLU and sigmoid: the reference's formulas, v · (1 / (1 + e^-v)) and
+ * 1 / (1 + e^-v), with a single-precision e^x: n = round(x / ln 2) (VCVTA),
+ * r = x - n ln 2 (two fused steps, Cody-Waite), e^r by its Taylor series to
+ * r^8/8! (Horner, fused; truncation < 6e-9 relative for |r| <= ln2 / 2), then
+ * · 2^n by the exponent bits. Within a few ulp of the reference's double-
+ * precision colibri_expf (the tolerance: tests/c/cm7/kernel_test.c). Values
+ * with |v| > 87 (n would leave the normal range), NaN and ±inf go to the
+ * reference, which then gives their every bit. */
+#define SILU_RANGE 87.0f
+
+static inline float expf_fast(float v)
+{
+    const long n = lroundf(v * 1.44269504088896341f);
+    const float nf = (float)n;
+    float r = __builtin_fmaf(-nf, 0.693145751953125f, v);
+    r = __builtin_fmaf(-nf, 1.42860682030941723e-6f, r);
+    float p = 1.0f / 40320.0f;
+    p = __builtin_fmaf(p, r, 1.0f / 5040.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 720.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 120.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 24.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 6.0f);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static void sigmoid_family(float *x, size_t n, uint32_t kind)
+{
+    const int silu = kind == COLIBRI_ACT_SILU;
+    for (size_t i = 0; i < n; i++) {
+        const float v = x[i];
+        if (!(__builtin_fabsf(v) <= SILU_RANGE)) {
+            colibri_activation_ref(x + i, 1, kind);
+            continue;
+        }
+        const float sig = 1.0f / (1.0f + expf_fast(-v));
+        x[i] = silu ? v * sig : sig;
+    }
+}
+
 static void activation_cmsis(float *x, size_t n, uint32_t kind)
 {
+    if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID) {
+        sigmoid_family(x, n, kind);
+        return;
+    }
     if (kind != COLIBRI_ACT_RELU) {
         colibri_activation_ref(x, n, kind);
         return;
