@@ -320,7 +320,60 @@ def group_smart_meter() -> list[Figure]:
     ]
 
 
-def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False) -> dict:
+def active_macs(module) -> int:
+    """Multiply-accumulates of one token through a bench model (bench/models.py): every nn.Linear, and in
+    a MoE layer the router plus top_k experts (each expert's linears) and any shared experts."""
+    import torch
+
+    from colibri import nn as cnn
+
+    def linears(m) -> int:
+        return sum(x.in_features * x.out_features for x in m.modules() if isinstance(x, torch.nn.Linear))
+
+    total = 0
+    for m in module.children():
+        if isinstance(m, cnn.MoE):
+            k = len(m.experts) if m.routing == "dense" else (1 if m.routing == "top1" else m.top_k)
+            total += linears(m.router) + k * linears(m.experts[0]) + sum(linears(e) for e in m.shared_experts)
+        elif isinstance(m, torch.nn.Linear):
+            total += m.in_features * m.out_features
+        else:
+            total += active_macs(m)
+    return total
+
+
+def group_m7() -> list[Figure]:
+    """The bench's meter model (bench/models.py, issue 10's Cortex-M7 targets) on the emulated Cortex-M7 at
+    batch 1: instructions per inference under QEMU -icount (not cycles) with the runner's default (the
+    cmsis kernels) and with the reference kernels (KERNELS request), f32, q8 with f32 activations and q8
+    with int8 activations, and per active multiply-accumulate."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import models
+
+    from colibri.exporter import export
+
+    module = models.meter()
+    macs = active_macs(module)
+    x = np.random.default_rng(0).standard_normal((1, 48)).astype(np.float32)
+    figures = [fig("m7.meter.macs", macs, "meter model: active multiply-accumulates per inference (batch 1)")]
+    variants = (("f32", {}), ("q8", {"dtype": "q8"}), ("q8i8", {"dtype": "q8", "int8_act": ["*"]}))
+    for name, kw in variants:
+        image = export(module, None, max_batch=1, **kw).image
+        opt = on_qemu(image, [x])["work"][0]
+        ref = on_qemu(image, [x], reference_kernels=True)["work"][0]
+        figures += [fig(f"m7.meter.{name}", opt, f"meter {name}: instructions per inference at batch 1, cmsis kernels"),
+                    fig(f"m7.meter.{name}.per_mac", opt / macs, f"meter {name}: instructions per active MAC", "{:.2f}"),
+                    fig(f"m7.meter.{name}.ref", ref, f"meter {name}: the same with the reference kernels")]
+    f32 = next(f.value for f in figures if f.key == "m7.meter.f32")
+    for name in ("q8", "q8i8"):
+        v = next(f.value for f in figures if f.key == f"m7.meter.{name}")
+        figures.append(fig(f"m7.meter.{name}.vs_f32", v / f32, f"meter {name} instructions / f32's", "{:.2f}"))
+    return figures
+
+
+def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False, reference_kernels: bool = False) -> dict:
     """Boots the mps2-an500 runner in QEMU, puts `image` on it over the emulated UART (into RAM as
     `colibri hil` does, or into a flash slot as `colibri flash` and `make demo` do), forwards each input
     batch, reads STATS: the stack high-water covers the upload too, as a firmware's stack must."""
@@ -330,6 +383,8 @@ def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False) -> dict:
     from colibri.qemu import Qemu
 
     with Qemu(runner_elf("mps2_an500")) as q, Device(q.url) as dev:
+        if reference_kernels:
+            dev.kernels(reference=True)
         if into_slot:
             dev.update(image)
         else:
@@ -353,12 +408,14 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "quantisation": group_quantisation,
     "random_q8": group_random_q8,
     "smart_meter": group_smart_meter,
+    "m7": group_m7,
 }
 
 # Which group measures a key: the longest matching prefix.
 KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
+    "m7.": "m7",
 }
 
 

@@ -78,6 +78,16 @@ def test_colibri_hil_prints_error_work_and_footprint(model_file: Path) -> None:
         assert "stack high-water" in r.stdout and "runner firmware: flash" in r.stdout
         runs.append(re.findall(r"work ([\d,]+) instructions", r.stdout))
     assert runs[0] == runs[1] and len(runs[0]) == 2, runs  # identical instruction counts across runs
+    assert "target kernels: cmsis" in r.stdout  # the runner's default on the Cortex-M7
+
+
+def test_colibri_hil_reference_kernels_bit_for_bit(model_file: Path) -> None:
+    """--reference-kernels: the target runs the reference kernels and must equal the host's bit for bit."""
+    r = subprocess.run([COLIBRI, "hil", "--reference-kernels", str(model_file)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "target kernels: reference" in r.stdout and "max |device - host| 0;" in r.stdout
+    assert "device agrees with the host engine bit for bit" in r.stdout
 
 
 def test_colibri_footprint(model_file: Path) -> None:

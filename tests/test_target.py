@@ -59,16 +59,45 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
                            f"first at {diff[0]}: {got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
 
 
+# The device's optimised kernels (on the Cortex-M7: FPU-blocked f32/f16 with fused multiply-adds and
+# another summation order, SMLAD int8) against the reference kernels, end to end through a model: the
+# kernels' own tolerance (tests/c/cm7/kernel_test.c) carried through norms, gates and activations.
+OPTIMISED_RTOL = 1e-4
+
+
+def assert_close_to_reference(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """The optimised kernels' outputs: NaN exactly where the reference has NaN, the same infinities, and
+    every finite output within OPTIMISED_RTOL · (1 + max |y|) of its row."""
+    assert got.shape == want.shape, what
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all(), f"{what}: NaN where the reference kernels give none, or the reverse"
+    inf = np.isinf(want)
+    assert (got[inf] == want[inf]).all() and not np.isinf(got[~inf]).any(), f"{what}: infinities differ"
+    fin = ~nan & ~inf
+    scale = 1.0 + np.max(np.where(fin, np.abs(want), 0.0), axis=-1, keepdims=True)
+    err = np.where(fin, np.abs(got.astype(np.float64) - want), 0.0) / scale
+    assert err.max(initial=0.0) <= OPTIMISED_RTOL, f"{what}: optimised kernels off by {err.max():.2e} (relative)"
+
+
 def assert_matches_host(dut: Device, data: bytes, seed: int = 0) -> None:
-    """Device output == host engine output bit for bit: the same IEEE arithmetic in the same order
-    (-ffp-contract=off everywhere) and the engine's own exp/erf/tanh instead of two different libms."""
-    host = colibri.Model(data)
+    """With the reference kernels on both sides (KERNELS request; colibri.Model(reference_kernels=True)),
+    device output == host engine output bit for bit: the same IEEE arithmetic in the same order
+    (-ffp-contract=off everywhere) and the engine's own exp/erf/tanh instead of two different libms.
+    With the device's optimised kernels (its default), within the kernels' tolerance of that."""
+    host = colibri.Model(data, reference_kernels=True)
+    assert host.kernels == "reference"
     rng = np.random.default_rng(seed)
     for batch in (1, MAX_BATCH):
         # Wide inputs reach the tails of exp, erf and tanh as well as their middles.
         x = (rng.standard_normal((batch, host.input_size)) * (4.0 if batch > 1 else 1.0)).astype(np.float32)
+        want = host.forward(x)
+        assert dut.kernels(reference=True)[0]
         y, work = dut.forward(x)
-        assert_bits_equal(y, host.forward(x), f"batch {batch}")
+        assert_bits_equal(y, want, f"batch {batch}, reference kernels")
+        assert work.count > 0 or work.kind == P.WorkKind.NONE
+        assert not dut.kernels(reference=False)[0]
+        y, work = dut.forward(x)
+        assert_close_to_reference(y, want, f"batch {batch}, optimised kernels")
         assert work.count > 0 or work.kind == P.WorkKind.NONE
 
 
@@ -96,23 +125,32 @@ def test_device_matches_host_engine(dut: Device, routing: str, dtype: str) -> No
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nonfinite_inputs_match_host_bits(dut: Device, dtype: str) -> None:
     """NaN, ±inf, FLT_MAX-scale and subnormal inputs, alone at several positions and as whole rows:
-    the device answers what the host engine answers, NaN for NaN, bit for bit (every routing mode)."""
+    with the reference kernels the device answers what the host engine answers, NaN for NaN, bit for
+    bit (every routing mode); with its optimised kernels, NaN exactly where the reference has NaN."""
     x = nonfinite_rows(11, 12, (0, 5, 11))
     for routing in cnn.ROUTINGS:
         data = model_image(routing, dtype)
         dut.load(data)
-        host = colibri.Model(data)
+        host = colibri.Model(data, reference_kernels=True)
         for start in range(0, len(x), MAX_BATCH):
             batch = x[start:start + MAX_BATCH]
-            y, _ = dut.forward(batch)
-            assert_bits_equal(y, host.forward(batch), f"{routing} rows {start}..")
-            # A NaN input reaches every output of its row (the first layer mixes it into all).
-            assert np.isnan(y[np.isnan(batch).any(axis=1)]).all(), f"{routing}: a NaN input gave a number"
+            want = host.forward(batch)
+            for reference in (True, False):
+                dut.kernels(reference=reference)
+                y, _ = dut.forward(batch)
+                what = f"{routing} rows {start}.., {'reference' if reference else 'optimised'} kernels"
+                if reference:
+                    assert_bits_equal(y, want, what)
+                else:
+                    assert (np.isnan(y) == np.isnan(want)).all(), f"{what}: NaN pattern differs"
+                # A NaN input reaches every output of its row (the first layer mixes it into all).
+                assert np.isnan(y[np.isnan(batch).any(axis=1)]).all(), f"{what}: a NaN input gave a number"
 
 
 def test_quickstart_model_bit_for_bit(dut: Device) -> None:
     """README "Measured": the quickstart model on the Cortex-M7 equals the host engine bit for bit,
-    f32 and q8, at batch 1 and a full batch."""
+    f32 and q8, at batch 1 and a full batch, both with the reference kernels; the device's optimised
+    kernels agree within their tolerance."""
     import sys
     from pathlib import Path
 
@@ -125,11 +163,36 @@ def test_quickstart_model_bit_for_bit(dut: Device) -> None:
     for dtype in ("f32", "q8"):
         data = export(build_model(), None, max_batch=8, dtype=dtype).image
         dut.load(data)
-        host = colibri.Model(data)
+        host = colibri.Model(data, reference_kernels=True)
         rng = np.random.default_rng(5)
         for batch in (1, 8):
             x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
-            assert_bits_equal(dut.forward(x)[0], host.forward(x), f"quickstart {dtype} batch {batch}")
+            want = host.forward(x)
+            dut.kernels(reference=True)
+            assert_bits_equal(dut.forward(x)[0], want, f"quickstart {dtype} batch {batch}")
+            dut.kernels(reference=False)
+            assert_close_to_reference(dut.forward(x)[0], want, f"quickstart {dtype} batch {batch}, optimised")
+
+
+def test_kernels_request(dut: Device) -> None:
+    """The runner runs the build's optimised kernels by default (cmsis on the Cortex-M7), KERNELS switches
+    the running model and every model loaded after it, and refuses what it does not know."""
+    assert dut.kernels() == (False, "")  # no model yet
+    data = model_image("top1", "f32")
+    dut.load(data)
+    reference, name = dut.kernels()
+    assert not reference and name != "reference"
+    if dut.hello().board.startswith("mps2-an500"):
+        assert name.startswith("cmsis")
+    assert dut.kernels(reference=True) == (True, "reference")
+    dut.load(data)  # a new model keeps the selection
+    assert dut.kernels() == (True, "reference")
+    assert dut.kernels(reference=False) == (False, name)
+    for bad in (struct.pack("<I", 2), b"\x01"):
+        with pytest.raises(DeviceError) as info:
+            dut.request(P.Type.KERNELS, bad)
+        assert info.value.code == P.ProtocolStatus.BAD_PAYLOAD
+    _still_serves(dut)
 
 
 def test_work_is_deterministic(dut: Device) -> None:

@@ -1,11 +1,11 @@
 /*
- * The runner wire protocol, version 2 (docs/protocol.md): packet layout,
+ * The runner wire protocol, version 3 (docs/protocol.md): packet layout,
  * request types and STATUS codes.
  */
 #ifndef RUNNER_PROTOCOL_H
 #define RUNNER_PROTOCOL_H
 
-#define PROTO_VERSION 2u /* 2: HELLO reports the model image format versions read */
+#define PROTO_VERSION 3u /* 2: HELLO reports the model image format versions read; 3: KERNELS */
 #define PROTO_MAX_PAYLOAD 4096u
 #define PROTO_HEADER_SIZE 8u  /* u8 type, u8 flags, u16 seq, u32 length */
 #define PROTO_CRC_SIZE 4u     /* CRC-32 (zlib) of header + payload */
@@ -20,6 +20,7 @@
 #define PROTO_LOAD_CHUNK 0x11u
 #define PROTO_LOAD_END 0x12u
 #define PROTO_INFO 0x20u
+#define PROTO_KERNELS 0x21u
 #define PROTO_FORWARD 0x30u
 #define PROTO_STATS 0x40u
 #define PROTO_RESET 0x50u
@@ -44,6 +45,10 @@
 #define PROTO_LOAD_CRC (-108)
 #define PROTO_TOO_LARGE (-109)
 #define PROTO_FLASH_ERROR (-110)
+
+/* KERNELS: which kernels the engine runs (colibri_set_kernels). */
+#define PROTO_KERNELS_OPTIMISED 0u
+#define PROTO_KERNELS_REFERENCE 1u
 
 /* FORWARD response header: u32 batch, u32 work_kind, u64 work. */
 #define PROTO_FORWARD_HEADER 16u

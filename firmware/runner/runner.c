@@ -93,6 +93,7 @@ static struct {
     uint32_t image_size;
     uint32_t input_size, output_size, max_batch;
     uint32_t arena_used;
+    uint32_t kernels; /* PROTO_KERNELS_*: applied to every model started */
 
     bool loading; /* between an accepted LOAD_BEGIN and LOAD_END */
     uint32_t load_size;
@@ -287,6 +288,9 @@ static colibri_status start_model(const uint8_t *image, uint32_t size, uint8_t r
     state.output_size = info.output_size;
     state.max_batch = info.max_batch;
     state.arena_used = (uint32_t)info.arena_size;
+    if (state.kernels == PROTO_KERNELS_REFERENCE) {
+        (void)colibri_set_kernels(ctx, COLIBRI_KERNELS_REFERENCE);
+    }
     return COLIBRI_OK;
 }
 
@@ -457,6 +461,41 @@ static void handle_info(uint16_t seq, uint32_t len)
     p = put_u32(p, info.image_size);
     p = put_u32(p, (uint32_t)info.arena_size);
     send_response(PROTO_INFO, seq, p);
+}
+
+/* KERNELS([u32 which]): with a payload, selects the kernels (0 the build's
+ * optimised ones, 1 the reference ones) for the running model and every model
+ * started after it, until reset; without, only asks. Answers the selection and
+ * the kernel table's name (colibri_kernels_name; "" with no model running). */
+static void handle_kernels(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len != 0u && len != 4u) {
+        send_bad_payload(seq, len, 4u);
+        return;
+    }
+    if (len == 4u) {
+        const uint32_t which = get_u32(payload);
+        if (which != PROTO_KERNELS_OPTIMISED && which != PROTO_KERNELS_REFERENCE) {
+            send_status(seq, PROTO_BAD_PAYLOAD, "KERNELS takes u32 0 (optimised) or 1 (reference)");
+            return;
+        }
+        state.kernels = which;
+        if (state.ctx != NULL) {
+            const colibri_status st = colibri_set_kernels(
+                state.ctx, which == PROTO_KERNELS_REFERENCE ? COLIBRI_KERNELS_REFERENCE : COLIBRI_KERNELS_OPTIMISED);
+            if (st != COLIBRI_OK) {
+                send_engine_status(seq, st);
+                return;
+            }
+        }
+    }
+    uint8_t *p = put_u32(payload_out(), state.kernels);
+    const char *name = state.ctx != NULL ? colibri_kernels_name(state.ctx) : "";
+    const size_t n = strlen(name);
+    const size_t room = PROTO_MAX_PAYLOAD - 4u;
+    memcpy(p, name, n < room ? n : room);
+    p += n < room ? n : room;
+    send_response(PROTO_KERNELS, seq, p);
 }
 
 /* The measured region: the work counter around colibri_forward alone. noipa
@@ -889,6 +928,9 @@ static void handle_frame(size_t encoded_len)
         break;
     case PROTO_INFO:
         handle_info(seq, len);
+        break;
+    case PROTO_KERNELS:
+        handle_kernels(seq, payload, len);
         break;
     case PROTO_FORWARD:
         handle_forward(seq, payload, len);

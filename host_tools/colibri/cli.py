@@ -551,20 +551,27 @@ def _port_options(fn):
 @click.argument("model_path", metavar="MODEL", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @_port_options
 @click.option("--seed", default=0, show_default=True, help="Seed of the random inputs.")
-def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, seed: int) -> None:
-    """Run MODEL on the target and compare its answers with the host engine."""
+@click.option("--reference-kernels", is_flag=True,
+              help="Run the target's reference kernels (KERNELS request) and require its answers to equal the "
+                   "host's bit for bit; by default the target runs its optimised kernels, within 1e-5.")
+def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, seed: int,
+        reference_kernels: bool) -> None:
+    """Run MODEL on the target and compare its answers with the host engine's reference kernels."""
     from . import engine
     from .footprint import elf_footprint
 
     data = model_path.read_bytes()
-    host = engine.Model(data)
+    host = engine.Model(data, reference_kernels=True)
     rng = np.random.default_rng(seed)
     _refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
                    "with --port (the board runs what it was flashed with)" if port else "without --port")
     with _target(port, baud, firmware) as (dev, elf):
         hello = dev.hello()
         click.echo(f"target: {hello.board}, engine {hello.engine_version}, {hello.build_flags}")
+        if reference_kernels:
+            dev.kernels(reference=True)
         info = dev.load(data, progress=True)
+        click.echo(f"target kernels: {dev.kernels()[1]}")
         worst = 0.0
         for batch in sorted({1, info.max_batch}):
             x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
@@ -578,9 +585,12 @@ def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, se
     if elf is not None:
         fp = elf_footprint(elf)
         click.echo(f"runner firmware: flash {fp.flash:,} B, static RAM {fp.ram:,} B ({elf.name})")
+    if reference_kernels and worst != 0.0:
+        raise ColibriError(f"device and host reference kernels disagree: max error {worst:.3g} x (1 + max|y|), "
+                           "expected bit for bit")
     if worst > 1e-5:
         raise ColibriError(f"device and host disagree: max error {worst:.3g} x (1 + max|y|) > 1e-5")
-    click.echo("device agrees with the host engine")
+    click.echo("device agrees with the host engine" + (" bit for bit" if reference_kernels else ""))
 
 
 @main.command()

@@ -240,6 +240,17 @@ class Device:
         y = np.frombuffer(payload, dtype="<f4", offset=16).reshape(batch, info.output_size)
         return y.astype(np.float32), Work(P.WorkKind(kind), count)
 
+    def kernels(self, reference: bool | None = None) -> tuple[bool, str]:
+        """Selects the device's kernels (reference=True: the reference kernels, the specification, which
+        match the host's `colibri.Model(img, reference_kernels=True)` bit for bit; False: the build's
+        optimised ones, the default) for the running model and every model loaded after, until reset;
+        None only asks. Returns (reference selected, the running model's kernel name or "")."""
+        payload = b"" if reference is None else struct.pack("<I", P.KERNELS_REFERENCE if reference
+                                                             else P.KERNELS_OPTIMISED)
+        p = self.request(P.Type.KERNELS, payload)
+        (which,) = struct.unpack_from("<I", p)
+        return which == P.KERNELS_REFERENCE, p[4:].decode("ascii", "replace")
+
     def stats(self) -> Stats:
         return Stats(*struct.unpack_from("<5I", self.request(P.Type.STATS)))
 

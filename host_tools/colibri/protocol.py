@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cobs import cobs
 
-VERSION = 2  # 2: HELLO reports the model image format versions the engine reads
+VERSION = 3  # 2: HELLO reports the model image format versions the engine reads; 3: KERNELS
 MAX_PAYLOAD = 4096
 HEADER = struct.Struct("<BBHI")  # type, flags, seq, length
 CRC = struct.Struct("<I")
@@ -26,6 +26,7 @@ class Type(enum.IntEnum):
     LOAD_CHUNK = 0x11
     LOAD_END = 0x12
     INFO = 0x20
+    KERNELS = 0x21  # which kernels the engine runs: optimised (0) or reference (1)
     FORWARD = 0x30
     STATS = 0x40
     RESET = 0x50
@@ -36,6 +37,10 @@ class Type(enum.IntEnum):
     POWER_CUT_AFTER = 0x6F  # debug, emulated boards only
     FAULT = 0x6E  # debug, emulated boards only: the core faults on purpose
     STATUS = 0x7F
+
+
+KERNELS_OPTIMISED = 0  # KERNELS: the build's optimised kernels (the default at reset)
+KERNELS_REFERENCE = 1  # KERNELS: the reference kernels, the specification (bit for bit with the host's)
 
 
 class ProtocolStatus(enum.IntEnum):

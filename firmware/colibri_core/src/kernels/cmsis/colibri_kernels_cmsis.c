@@ -1,5 +1,41 @@
 /*
- * Optimised backend: 32-bit Arm with the DSP extension (Cortex-M4/M7): FPU-unrolled f32, SMLAD/SXTB16 int8.
+ * Optimised backend: 32-bit Arm with the DSP extension and an FPv5 FPU
+ * (Cortex-M7; it also builds for a Cortex-M4F, whose FPv4 has VFMA too).
+ * No CMSIS dependency: the int8 path uses ACLE intrinsics (arm_acle.h), the
+ * f32 and f16 inner loops a few lines of inline assembly, because the compiler
+ * never emits the multi-register loads (VLDM) they are built on.
+ *
+ *   f32 weights   8 output rows at a time (then 4, 2, 1): per 8 columns one
+ *                 VLDM of x, one VLDM per weight row, 64 VFMA: ~1.2
+ *                 instructions per multiply-accumulate. Each accumulator
+ *                 starts from the bias (or 0) and the 8 results leave with
+ *                 one VSTM. Summation order: bias, then 8-column chunks in
+ *                 index order, fused (one rounding per product-add).
+ *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
+ *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
+ *                 i.e. in even; otherwise row by row).
+ *   I8, int8 act. 4 rows at a time: 4 int8 per word, SXTB16 and SXTB16 of the
+ *                 word rotated by 8 into int16 pairs, 2 SMLAD per 4
+ *                 products, x's pairs shared by the rows. The int32 sum is
+ *                 exact, and the float part follows the reference's order,
+ *                 so the result is the reference's bit for bit.
+ *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly: SXTB,
+ *                 VCVT) and fused-multiply-added; the scale and E as the
+ *                 reference.
+ *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
+ *   quantiser     the reference's bits (VMAXNM, VCVTA).
+ *   ReLU          the reference's bits (VCMP, VSELGT).
+ *   SiLU, sigmoid the reference's formulas with a single-precision e^x
+ *                 (within 2^-20 relative of the reference).
+ *
+ * Tolerance of the f32, f16 and I8-with-f32-activation kernels against the
+ * reference (fused products, another summation order), tested by
+ * tests/c/cm7/kernel_test.c on the emulated M7: |opt - ref| <=
+ * (in + 4) · 2^-23 · (|b| + Σ_k |w_k · x_k|) per output (linear_acc: s · that
+ * plus a rounding of y); NaN and inf propagate as in the reference (a
+ * NaN product or an inf - inf in a sum gives NaN in any order). Everything
+ * else (other activations, norms, mul, add) stays the reference's.
+ *
  * Compiled to nothing unless colibri_backend.h selects it.
  */
 #include "../../colibri_kernels.h"
@@ -7,9 +43,957 @@
 
 #if defined(COLIBRI_BACKEND_CMSIS)
 
+#include <arm_acle.h>
+#include <math.h>
+
+#include "colibri_format.h"
+
+/* What this FPU offers (the int8 kernels need the DSP extension alone):
+ *   CMSIS_F32   single precision with VFMA (FPv4, FPv5): f32, q8 f32-act kernels
+ *   CMSIS_F16   and half-precision conversions known to the compiler: f16 kernels
+ *   CMSIS_FPV5  FPv5's VSEL, VMAXNM, VCVTA (Cortex-M7 with the double-precision
+ *               FPU, where GCC reports it): ReLU and the quantiser
+ * What a build lacks runs the reference kernels (a Cortex-M4F natmod module,
+ * armv7emsp: f32, q8 and int8 here; f16, ReLU and the quantiser reference). */
+#if defined(__ARM_FP) && (__ARM_FP & 4) && defined(__ARM_FEATURE_FMA)
+#define CMSIS_F32 1
+#if (__ARM_FP & 2)
+#define CMSIS_F16 1
+#endif
+#if (__ARM_FP & 8)
+#define CMSIS_FPV5 1
+#endif
+#endif
+
+#if defined(CMSIS_F32)
+/* The accumulators' starting values when there is no bias. Read-only data. */
+static const float zeros8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+
+#define S_ALL                                                                                                       \
+    "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "s16",  \
+        "s17", "s18", "s19", "s20", "s21", "s22", "s23", "s24", "s25", "s26", "s27", "s28", "s29", "s30", "s31"
+
+/* ---- f32 ---- */
+
+/* Two rows, 8 columns: row A's weights in s0-s7, row B's in s8-s15, x in
+ * s16-s23; accumulators A and B. Alternating rows keeps neighbouring VFMAs
+ * independent for the FPU's pipeline. */
+#define FMA_PAIR(A, B)                                                                                              \
+    "vfma.f32 " A ", s0, s16\n\t"                                                                                   \
+    "vfma.f32 " B ", s8, s16\n\t"                                                                                   \
+    "vfma.f32 " A ", s1, s17\n\t"                                                                                   \
+    "vfma.f32 " B ", s9, s17\n\t"                                                                                   \
+    "vfma.f32 " A ", s2, s18\n\t"                                                                                   \
+    "vfma.f32 " B ", s10, s18\n\t"                                                                                  \
+    "vfma.f32 " A ", s3, s19\n\t"                                                                                   \
+    "vfma.f32 " B ", s11, s19\n\t"                                                                                  \
+    "vfma.f32 " A ", s4, s20\n\t"                                                                                   \
+    "vfma.f32 " B ", s12, s20\n\t"                                                                                  \
+    "vfma.f32 " A ", s5, s21\n\t"                                                                                   \
+    "vfma.f32 " B ", s13, s21\n\t"                                                                                  \
+    "vfma.f32 " A ", s6, s22\n\t"                                                                                   \
+    "vfma.f32 " B ", s14, s22\n\t"                                                                                  \
+    "vfma.f32 " A ", s7, s23\n\t"                                                                                   \
+    "vfma.f32 " B ", s15, s23\n\t"
+
+#define LOAD_PAIR_F32(P, Q) "vldmia %[" P "]!, {s0-s7}\n\t" \
+                            "vldmia %[" Q "]!, {s8-s15}\n\t"
+
+/* v[r] = init[r] + Σ_{k < 8·chunks} w[r·in + k] · x[k] for r < R (8, 4 or
+ * 2), chunks >= 1; then dst[r] = v[r], or dst[r] += *scale · v[r] (fused)
+ * when scale is not NULL. Functions of their own (noinline): their pointers
+ * and counter then have the core registers to themselves, and the caller's
+ * loop keeps its few values without spilling.
+ *
+ * Ten pointers and a counter leave too few core registers for init and dst
+ * as well: the accumulators s24-s31 are loaded by one VLDM and stored by one
+ * VSTM in asm statements of their own, and in between held by C variables
+ * pinned to d12-d15 (= s24-s31; doubles only as bit containers, so the
+ * operand count stays within GCC's 30). */
+#define S0_23                                                                                                       \
+    "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "s16",  \
+        "s17", "s18", "s19", "s20", "s21", "s22", "s23"
+
+/* The end of a block of R rows held in s24...: store, or y += s · v. */
+#define F32_EMIT(LIST, FMAS)                                                                                        \
+    if (scale)                                                                                                      \
+        __asm__ volatile("vldmia %[dst], " LIST "\n\t"                                                              \
+                         "vldr s16, [%[s]]\n\t" FMAS "vstmia %[dst], " LIST                                        \
+                         :                                                                                          \
+                         : [dst] "r"(dst), [s] "r"(scale), "w"(a01), "w"(a23), "w"(a45), "w"(a67)                  \
+                         : S0_23, "memory");                                                                        \
+    else                                                                                                            \
+        __asm__ volatile("vstmia %[dst], {s24-s31}" : : [dst] "r"(dst), "w"(a01), "w"(a23), "w"(a45), "w"(a67)     \
+                         : "memory")
+
+static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    const float *p4 = p3 + in, *p5 = p4 + in, *p6 = p5 + in, *p7 = p6 + in;
+    register double a01 __asm__("d12"), a23 __asm__("d13"), a45 __asm__("d14"), a67 __asm__("d15");
+    __asm__ volatile("vldmia %[init], {s24-s31}"
+                     : "=w"(a01), "=w"(a23), "=w"(a45), "=w"(a67)
+                     : [init] "r"(init)
+                     : "memory");
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
+                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
+                       [p6] "+r"(p6), [p7] "+r"(p7), [x] "+r"(x), [n] "+r"(chunks), "+w"(a01), "+w"(a23), "+w"(a45),
+                       "+w"(a67)
+                     :
+                     : S0_23, "memory", "cc");
+    F32_EMIT("{s0-s7}", "vfma.f32 s0, s24, s16\n\tvfma.f32 s1, s25, s16\n\tvfma.f32 s2, s26, s16\n\t"
+                        "vfma.f32 s3, s27, s16\n\tvfma.f32 s4, s28, s16\n\tvfma.f32 s5, s29, s16\n\t"
+                        "vfma.f32 s6, s30, s16\n\tvfma.f32 s7, s31, s16\n\t");
+}
+
+/* Every 8-row block of a matrix whose rows are whole chunks (in % 8 == 0):
+ * blocks × 8 rows from w, results into dst (or dst += *scale · v), the
+ * accumulators starting from init, which steps 8 floats a block (bias) or
+ * stays (zeros8). One asm loop over the blocks: its state lives in a small
+ * frame of its own on the stack while the 8 row pointers, x and the counter
+ * use the core registers; row r of the next block starts where row 7 of this
+ * one ended, so only rows 1-7 are recomputed per block. */
+static __attribute__((noinline)) void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks,
+                                                  const float *init, size_t init_step, float *dst,
+                                                  const float *scale)
+{
+    const float *p0 = w;
+    uintptr_t p1 = (uintptr_t)init, p2 = init_step * sizeof(float), p3 = (uintptr_t)dst, p4 = blocks;
+    uintptr_t p5 = (uintptr_t)scale, p6, p7;
+    size_t n = in / 8u;
+    const size_t in4 = in * sizeof(float);
+    __asm__ volatile("sub sp, sp, #32\n\t"
+                     "str %[x], [sp]\n\t"
+                     "str %[n], [sp, #4]\n\t"
+                     "str %[p1], [sp, #8]\n\t"
+                     "str %[p2], [sp, #12]\n\t"
+                     "str %[p3], [sp, #16]\n\t"
+                     "str %[p4], [sp, #20]\n\t"
+                     "str %[p5], [sp, #24]\n\t"
+                     "2:\n\t"
+                     "ldr %[p1], [sp, #8]\n\t"
+                     "vldmia %[p1], {s24-s31}\n\t"
+                     "ldr %[p2], [sp, #12]\n\t"
+                     "add %[p1], %[p1], %[p2]\n\t"
+                     "str %[p1], [sp, #8]\n\t"
+                     "add %[p1], %[p0], %[in4]\n\t"
+                     "add %[p2], %[p1], %[in4]\n\t"
+                     "add %[p3], %[p2], %[in4]\n\t"
+                     "add %[p4], %[p3], %[in4]\n\t"
+                     "add %[p5], %[p4], %[in4]\n\t"
+                     "add %[p6], %[p5], %[in4]\n\t"
+                     "add %[p7], %[p6], %[in4]\n\t"
+                     "ldr %[x], [sp]\n\t"
+                     "ldr %[n], [sp, #4]\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
+                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "ldr %[p1], [sp, #16]\n\t"
+                     "ldr %[p2], [sp, #24]\n\t"
+                     "cmp %[p2], #0\n\t"
+                     "beq 3f\n\t"
+                     "vldr s16, [%[p2]]\n\t"
+                     "vldmia %[p1], {s0-s7}\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vfma.f32 s2, s26, s16\n\t"
+                     "vfma.f32 s3, s27, s16\n\t"
+                     "vfma.f32 s4, s28, s16\n\t"
+                     "vfma.f32 s5, s29, s16\n\t"
+                     "vfma.f32 s6, s30, s16\n\t"
+                     "vfma.f32 s7, s31, s16\n\t"
+                     "vstmia %[p1]!, {s0-s7}\n\t"
+                     "b 4f\n\t"
+                     "3:\n\t"
+                     "vstmia %[p1]!, {s24-s31}\n\t"
+                     "4:\n\t"
+                     "str %[p1], [sp, #16]\n\t"
+                     "mov %[p0], %[p7]\n\t"
+                     "ldr %[p1], [sp, #20]\n\t"
+                     "subs %[p1], %[p1], #1\n\t"
+                     "str %[p1], [sp, #20]\n\t"
+                     "bne 2b\n\t"
+                     "add sp, sp, #32\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
+                       [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "+r"(n)
+                     : [in4] "r"(in4)
+                     : S_ALL, "memory", "cc");
+}
+
+static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    __asm__ volatile("vldmia %[init], {s24-s27}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "cbz %[s], 2f\n\t"
+                     "vldmia %[dst], {s0-s3}\n\t"
+                     "vldr s16, [%[s]]\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vfma.f32 s2, s26, s16\n\t"
+                     "vfma.f32 s3, s27, s16\n\t"
+                     "vstmia %[dst], {s0-s3}\n\t"
+                     "b 3f\n\t"
+                     "2:\n\t"
+                     "vstmia %[dst], {s24-s27}\n\t"
+                     "3:\n\t"
+                     : [p0] "+l"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
+                     : S_ALL, "memory", "cc");
+}
+
+static __attribute__((noinline)) void f32_rows2(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst, const float *scale)
+{
+    const float *p0 = w, *p1 = p0 + in;
+    __asm__ volatile("vldmia %[init], {s24-s25}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "cbz %[s], 2f\n\t"
+                     "vldmia %[dst], {s0-s1}\n\t"
+                     "vldr s16, [%[s]]\n\t"
+                     "vfma.f32 s0, s24, s16\n\t"
+                     "vfma.f32 s1, s25, s16\n\t"
+                     "vstmia %[dst], {s0-s1}\n\t"
+                     "b 3f\n\t"
+                     "2:\n\t"
+                     "vstmia %[dst], {s24-s25}\n\t"
+                     "3:\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
+                     : S_ALL, "memory", "cc");
+}
+
+/* One row: v = Σ_{k < 8·chunks} w[k] · x[k] (chunks >= 1), 8 columns a
+ * step into two accumulators (even and odd columns), added at the end. */
+static __attribute__((noinline)) float f32_row1(const float *w, const float *x, size_t chunks)
+{
+    float v;
+    __asm__ volatile("vmov s24, s25, %[z], %[z]\n\t" /* +0, as the reference's sum starts */
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     "vldmia %[w]!, {s0-s7}\n\t"
+                     "vfma.f32 s24, s0, s16\n\t"
+                     "vfma.f32 s25, s1, s17\n\t"
+                     "vfma.f32 s24, s2, s18\n\t"
+                     "vfma.f32 s25, s3, s19\n\t"
+                     "vfma.f32 s24, s4, s20\n\t"
+                     "vfma.f32 s25, s5, s21\n\t"
+                     "vfma.f32 s24, s6, s22\n\t"
+                     "vfma.f32 s25, s7, s23\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vadd.f32 %[v], s24, s25\n\t"
+                     : [w] "+r"(w), [x] "+r"(x), [n] "+r"(chunks), [v] "=t"(v)
+                     : [z] "r"(0u)
+                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s16", "s17", "s18", "s19", "s20", "s21",
+                       "s22", "s23", "s24", "s25", "memory", "cc");
+    return v;
+}
+
+/* Two tokens at once (a small GEMM): 4 rows × 2 tokens, 8 columns a step.
+ * Each weight chunk is loaded once for both tokens (half the weight traffic,
+ * which on a real part with the weights in flash is most of the cost); x of
+ * token A in s16-s23, of token B in s24-s31, the row's weights in s0-s7,
+ * the accumulators s8-s11 (token A, rows 0-3) and s12-s15 (token B), both
+ * starting from init. Results: dst_a[0..3], dst_b[0..3]. chunks >= 1. */
+#define FMA_TOK2(A, B)                                                                                              \
+    "vfma.f32 " A ", s0, s16\n\t"                                                                                   \
+    "vfma.f32 " B ", s0, s24\n\t"                                                                                   \
+    "vfma.f32 " A ", s1, s17\n\t"                                                                                   \
+    "vfma.f32 " B ", s1, s25\n\t"                                                                                   \
+    "vfma.f32 " A ", s2, s18\n\t"                                                                                   \
+    "vfma.f32 " B ", s2, s26\n\t"                                                                                   \
+    "vfma.f32 " A ", s3, s19\n\t"                                                                                   \
+    "vfma.f32 " B ", s3, s27\n\t"                                                                                   \
+    "vfma.f32 " A ", s4, s20\n\t"                                                                                   \
+    "vfma.f32 " B ", s4, s28\n\t"                                                                                   \
+    "vfma.f32 " A ", s5, s21\n\t"                                                                                   \
+    "vfma.f32 " B ", s5, s29\n\t"                                                                                   \
+    "vfma.f32 " A ", s6, s22\n\t"                                                                                   \
+    "vfma.f32 " B ", s6, s30\n\t"                                                                                   \
+    "vfma.f32 " A ", s7, s23\n\t"                                                                                   \
+    "vfma.f32 " B ", s7, s31\n\t"
+
+static __attribute__((noinline)) void f32_rows4_tok2(const float *w, size_t in, const float *xa, const float *xb,
+                                                     size_t chunks, const float *init, float *dst_a, float *dst_b)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in, *p3 = p2 + in;
+    __asm__ volatile("vldmia %[init], {s8-s11}\n\t"
+                     "vldmia %[init], {s12-s15}\n\t"
+                     "1:\n\t"
+                     "vldmia %[xa]!, {s16-s23}\n\t"
+                     "vldmia %[xb]!, {s24-s31}\n\t"
+                     "vldmia %[p0]!, {s0-s7}\n\t" FMA_TOK2("s8", "s12")
+                     "vldmia %[p1]!, {s0-s7}\n\t" FMA_TOK2("s9", "s13")
+                     "vldmia %[p2]!, {s0-s7}\n\t" FMA_TOK2("s10", "s14")
+                     "vldmia %[p3]!, {s0-s7}\n\t" FMA_TOK2("s11", "s15")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[da], {s8-s11}\n\t"
+                     "vstmia %[db], {s12-s15}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [xa] "+r"(xa), [xb] "+r"(xb),
+                       [n] "+r"(chunks)
+                     : [init] "r"(init), [da] "r"(dst_a), [db] "r"(dst_b)
+                     : S_ALL, "memory", "cc");
+}
+
+#if defined(CMSIS_F16)
+/* ---- f16: VLDM of the raw halves, VCVTB/VCVTT widen them exactly ---- */
+
+/* 8 halves of a row, in 4 words (RAW0..3), widened into D0..D7. */
+#define CVT_ROW(RAW0, RAW1, RAW2, RAW3, D0, D1, D2, D3, D4, D5, D6, D7)                                            \
+    "vcvtb.f32.f16 " D0 ", " RAW0 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D1 ", " RAW0 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D2 ", " RAW1 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D3 ", " RAW1 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D4 ", " RAW2 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D5 ", " RAW2 "\n\t"                                                                            \
+    "vcvtb.f32.f16 " D6 ", " RAW3 "\n\t"                                                                            \
+    "vcvtt.f32.f16 " D7 ", " RAW3 "\n\t"
+
+/* dst[r] = init[r] + Σ_{k < 8·chunks} f16(w[r·in + k]) · x[k] for r < 2,
+ * chunks >= 1, w 4-byte aligned (in even). Registers: x s16-s23; the raw
+ * words of row A in s24-s27 widen into s0-s7, then row B's (reusing
+ * s24-s27) into s8-s15; the two accumulators are s30, s31. */
+static __attribute__((noinline)) void f16_rows2(const uint16_t *w, size_t in, const float *x, size_t chunks, const float *init,
+                             float *dst)
+{
+    const uint16_t *p0 = w, *p1 = p0 + in;
+    __asm__ volatile("vldmia %[init], {s30-s31}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     "vldmia %[p0]!, {s24-s27}\n\t"
+                     CVT_ROW("s24", "s25", "s26", "s27", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7")
+                     "vldmia %[p1]!, {s24-s27}\n\t"
+                     CVT_ROW("s24", "s25", "s26", "s27", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15")
+                     FMA_PAIR("s30", "s31")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s30-s31}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
+                     : S_ALL, "memory", "cc");
+}
+
+/* f16 bits -> f32 by VCVTB: exact, NaN stays NaN. */
+static inline float f16_widen(uint16_t h)
+{
+    float f, raw;
+    const uint32_t bits = h;
+    memcpy(&raw, &bits, sizeof raw);
+    __asm__("vcvtb.f32.f16 %0, %1" : "=t"(f) : "t"(raw));
+    return f;
+}
+
+#endif /* CMSIS_F16 */
+
+/* The columns k0 <= k < in of one row (or a whole row):
+ * v + Σ w[k] · x[k], fused, two accumulators. ELEM(row, k) reads a weight. */
+#define DOT_TAIL(NAME, TYPE, ELEM)                                                                                  \
+    static inline float NAME(const TYPE *row, const float *x, size_t k0, size_t in, float v)                       \
+    {                                                                                                               \
+        float v1 = 0.0f;                                                                                            \
+        size_t k = k0;                                                                                              \
+        for (; k + 2 <= in; k += 2) {                                                                               \
+            v = __builtin_fmaf(ELEM(row, k), x[k], v);                                                              \
+            v1 = __builtin_fmaf(ELEM(row, k + 1), x[k + 1], v1);                                                    \
+        }                                                                                                           \
+        if (k < in)                                                                                                 \
+            v = __builtin_fmaf(ELEM(row, k), x[k], v);                                                              \
+        return v + v1;                                                                                              \
+    }
+#define ELEM_F32(row, k) ((row)[k])
+DOT_TAIL(dot_tail_f32, float, ELEM_F32)
+#if defined(CMSIS_F16)
+#define ELEM_F16(row, k) f16_widen((row)[k])
+DOT_TAIL(dot_tail_f16, uint16_t, ELEM_F16)
+#endif
+
+/* One token of an F32 or F16 matrix: y[o] = v_o, or y[o] += s · v_o (acc),
+ * v_o = (row o of W) · x + b_o, as colibri_matvec_f32 / _f16 within the
+ * tolerance. */
+static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const float *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in / 8u, done = chunks * 8u;
+    size_t o = 0;
+    if (chunks != 0u && done == in) {
+        /* Whole chunks: the blocks store (or accumulate into) y themselves. */
+        const float *scale = acc ? &s : NULL;
+        if (out >= 8u) {
+            f32_blocks8(wd, in, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y, scale);
+            o = out / 8u * 8u;
+        }
+        if (o + 4u <= out) {
+            f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+            o += 4u;
+        }
+        if (o + 2u <= out) {
+            f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+            o += 2u;
+        }
+        if (o < out)
+            colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, acc, s);
+        return;
+    }
+    /* Column tails (in % 8 != 0): blocks into tmp, tails added, then emitted. */
+    float tmp[8];
+    while (o < out) {
+        const size_t left = out - o;
+        const size_t r = chunks == 0u ? 1u : left >= 8u ? 8u : left >= 4u ? 4u : left >= 2u ? 2u : 1u;
+        const float *row = wd + o * in;
+        if (r == 1u) {
+            tmp[0] = dot_tail_f32(row, x, 0, in, b ? b[o] : 0.0f);
+        } else {
+            const float *init = b ? b + o : zeros8;
+            if (r == 8u)
+                f32_rows8(row, in, x, chunks, init, tmp, NULL);
+            else if (r == 4u)
+                f32_rows4(row, in, x, chunks, init, tmp, NULL);
+            else
+                f32_rows2(row, in, x, chunks, init, tmp, NULL);
+            for (size_t i = 0; i < r; i++)
+                tmp[i] = dot_tail_f32(row + i * in, x, done, in, tmp[i]);
+        }
+        for (size_t i = 0; i < r; i++)
+            colibri_emit(y, o + i, tmp[i], NULL, acc, s);
+        o += r;
+    }
+}
+
+/* Two tokens of an F32 matrix whose rows are whole chunks (in % 8 == 0):
+ * ya = xa Wᵀ + b and yb = xb Wᵀ + b, or ya += sa · (...), yb += sb · (...)
+ * (acc), 4 rows at a time by f32_rows4_tok2, the last out % 4 rows one by one. */
+static void matvec_f32_pair(const colibri_matrix *w, const float *xa, const float *xb, const float *b, int acc,
+                            float sa, float sb, float *ya, float *yb)
+{
+    const float *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in / 8u;
+    float ta[4], tb[4];
+    size_t o = 0;
+    for (; o + 4u <= out; o += 4u) {
+        const float *init = b ? b + o : zeros8;
+        if (acc) {
+            f32_rows4_tok2(wd + o * in, in, xa, xb, chunks, init, ta, tb);
+            for (size_t i = 0; i < 4; i++) {
+                ya[o + i] += sa * ta[i];
+                yb[o + i] += sb * tb[i];
+            }
+        } else {
+            f32_rows4_tok2(wd + o * in, in, xa, xb, chunks, init, ya + o, yb + o);
+        }
+    }
+    for (; o < out; o++) {
+        colibri_emit(ya, o, dot_tail_f32(wd + o * in, xa, 0, in, 0.0f), b, acc, sa);
+        colibri_emit(yb, o, dot_tail_f32(wd + o * in, xb, 0, in, 0.0f), b, acc, sb);
+    }
+}
+
+#if defined(CMSIS_F16)
+/* As matvec_f32 for F16 weights: 2 rows at a time when the rows are 4-byte
+ * aligned (in even), which VLDM needs; otherwise row by row. */
+static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const uint16_t *wd = w->data;
+    const size_t in = w->cols, out = w->rows, chunks = in % 2u ? 0u : in / 8u, done = chunks * 8u;
+    float tmp[2];
+    size_t o = 0;
+    while (o < out) {
+        const size_t r = chunks == 0u || out - o < 2u ? 1u : 2u;
+        const uint16_t *row = wd + o * in;
+        float *dst = acc ? tmp : y + o;
+        if (r == 1u) {
+            dst[0] = dot_tail_f16(row, x, 0, in, b ? b[o] : 0.0f);
+        } else {
+            f16_rows2(row, in, x, chunks, b ? b + o : zeros8, dst);
+            if (done < in)
+                for (size_t i = 0; i < r; i++)
+                    dst[i] = dot_tail_f16(row + i * in, x, done, in, dst[i]);
+        }
+        if (acc)
+            for (size_t i = 0; i < r; i++)
+                y[o + i] += s * tmp[i];
+        o += r;
+    }
+}
+
+#endif /* CMSIS_F16 */
+#endif /* CMSIS_F32 */
+
+/* ---- I8 weights ---- */
+
+/* STMT for I = 0, 1, 2, 3, written out (the compiler keeps a loop over a
+ * 4-float array in memory otherwise). */
+#define FOR4(I, STMT)                                                                                               \
+    do {                                                                                                            \
+        { const size_t I = 0; STMT; }                                                                               \
+        { const size_t I = 1; STMT; }                                                                               \
+        { const size_t I = 2; STMT; }                                                                               \
+        { const size_t I = 3; STMT; }                                                                               \
+    } while (0)
+
+/* Σ_k Q[k] · xq[k] of 4 rows (q0 .. q0 + 3·in) at once, 4 columns per step:
+ * each weight word (4 int8) becomes two int16 pairs by SXTB16 and SXTB16 of
+ * it rotated by 8, matched by x's pairs, two SMLAD per word. The int32 sums
+ * wrap as the reference's (modulo 2^32, only for rows past 132 104 entries).
+ * Words are read with memcpy: the rows of an I8 matrix need not be 4-byte
+ * aligned (in % 4 != 0), and the M7 reads unaligned words. */
+static inline uint32_t word_at(const int8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The word rotated right by 8 (ACLE's __ror, which this GCC's arm_acle.h
+ * lacks): the compiler folds it into SXTB16's rotation. */
+static inline uint32_t ror8(uint32_t v)
+{
+    return v >> 8 | v << 24;
+}
+
+static inline int32_t smlad(uint32_t a, uint32_t b, int32_t acc)
+{
+    return __smlad((int16x2_t)a, (int16x2_t)b, acc);
+}
+
+static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
+{
+    /* Rows 0 and 2 by pointer, rows 1 and 3 at the same pointer + in. */
+    const int8_t *pa = q0, *pb = q0 + 2u * in, *px = xq;
+    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t words = in / 4u;
+    if (words > 0u) {
+        uint32_t xe, xo, wv, t;
+        __asm__ volatile("1:\n\t"
+                         "ldr %[xo], [%[px]], #4\n\t"
+                         "sxtb16 %[xe], %[xo]\n\t"
+                         "sxtb16 %[xo], %[xo], ror #8\n\t"
+                         "ldr %[wv], [%[pa], %[in]]\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s1], %[t], %[xe], %[s1]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s1], %[t], %[xo], %[s1]\n\t"
+                         "ldr %[wv], [%[pa]], #4\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s0], %[t], %[xe], %[s0]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s0], %[t], %[xo], %[s0]\n\t"
+                         "ldr %[wv], [%[pb], %[in]]\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s3], %[t], %[xe], %[s3]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s3], %[t], %[xo], %[s3]\n\t"
+                         "ldr %[wv], [%[pb]], #4\n\t"
+                         "sxtb16 %[t], %[wv]\n\t"
+                         "smlad %[s2], %[t], %[xe], %[s2]\n\t"
+                         "sxtb16 %[t], %[wv], ror #8\n\t"
+                         "smlad %[s2], %[t], %[xo], %[s2]\n\t"
+                         "subs %[n], %[n], #1\n\t"
+                         "bne 1b\n\t"
+                         : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                           [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                           [wv] "=&r"(wv), [t] "=&r"(t)
+                         : [in] "r"(in)
+                         : "memory", "cc");
+    }
+    /* In uint32, like the reference, so a (theoretical) wrap is defined. */
+    uint32_t u0 = (uint32_t)s0, u1 = (uint32_t)s1, u2 = (uint32_t)s2, u3 = (uint32_t)s3;
+    for (size_t k = in / 4u * 4u; k < in; k++) {
+        const int32_t xk = xq[k];
+        u0 += (uint32_t)(q0[k] * xk);
+        u1 += (uint32_t)(q0[in + k] * xk);
+        u2 += (uint32_t)(q0[2u * in + k] * xk);
+        u3 += (uint32_t)(q0[3u * in + k] * xk);
+    }
+    sum[0] = (int32_t)u0;
+    sum[1] = (int32_t)u1;
+    sum[2] = (int32_t)u2;
+    sum[3] = (int32_t)u3;
+}
+
+static int32_t dot1_i8(const int8_t *q, size_t in, const int8_t *xq)
+{
+    int32_t s = 0;
+    size_t k = 0;
+    for (; k + 4 <= in; k += 4) {
+        const uint32_t xw = word_at(xq + k), ww = word_at(q + k);
+        s = smlad((uint32_t)__sxtb16((int8x4_t)ww), (uint32_t)__sxtb16((int8x4_t)xw), s);
+        s = smlad((uint32_t)__sxtb16((int8x4_t)ror8(ww)), (uint32_t)__sxtb16((int8x4_t)ror8(xw)), s);
+    }
+    uint32_t u = (uint32_t)s;
+    for (; k < in; k++)
+        u += (uint32_t)(q[k] * (int32_t)xq[k]);
+    return (int32_t)u;
+}
+
+/* As colibri_matvec_q8q8, bit for bit: the integer sums are exact and the
+ * float steps are the reference's, in its order (scale, E, bias, emit). */
+static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b,
+                        int acc, float s, float *y)
+{
+    const int8_t *q = w->data;
+    const size_t in = w->cols, out = w->rows;
+    const int with_e = w->nnz != 0;
+    int32_t sum[4];
+    float v[4];
+    size_t o = 0;
+    for (; o + 4 <= out; o += 4) {
+        dot4_i8(q + o * in, in, xq, sum);
+        FOR4(i, v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a));
+        if (with_e)
+            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
+        if (b)
+            FOR4(i, v[i] += b[o + i]);
+        if (acc)
+            FOR4(i, y[o + i] += s * v[i]);
+        else
+            FOR4(i, y[o + i] = v[i]);
+    }
+    for (; o < out; o++)
+        colibri_emit(y, o,
+                     colibri_q8_compensate(w, o, x, (float)dot1_i8(q + o * in, in, xq) * (colibri_q8_scale(w, o) * a)),
+                     b, acc, s);
+}
+
+#if defined(CMSIS_F32)
+/* Row R of 4 (word at [PA] or [PA, in]): its 4 int8 weights sign-extended by
+ * SXTB (with the byte rotations), moved two by two into S0-S3, converted
+ * exactly (VCVT from int32), fused-multiply-added with x in s16-s19 into ACC. */
+#define Q8_ROW(LOAD, S0, S1, S2, S3, ACC)                                                                          \
+    LOAD "\n\t"                                                                                                     \
+    "sxtb %[b0], %[wv]\n\t"                                                                                         \
+    "sxtb %[b1], %[wv], ror #8\n\t"                                                                                 \
+    "sxtb %[b2], %[wv], ror #16\n\t"                                                                                \
+    "sxtb %[b3], %[wv], ror #24\n\t"                                                                                \
+    "vmov " S0 ", " S1 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S2 ", " S3 ", %[b2], %[b3]\n\t"                                                                         \
+    "vcvt.f32.s32 " S0 ", " S0 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S1 ", " S1 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S2 ", " S2 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S3 ", " S3 "\n\t"                                                                               \
+    "vfma.f32 " ACC ", " S0 ", s16\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S1 ", s17\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S2 ", s18\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S3 ", s19\n\t"
+
+/* v[r] = Σ_{k < 4·words} (float)q[r·in + k] · x[k], fused, for 4 rows at
+ * once (rows 0 and 2 by pointer, 1 and 3 at the same pointer + in, as
+ * dot4_i8), words >= 1; 4 columns a step, x's 4 values loaded once. */
+static __attribute__((noinline)) void q8f_rows4(const int8_t *q0, size_t in, const float *x, size_t words,
+                                                float v[4])
+{
+    const int8_t *pa = q0, *pb = q0 + 2u * in;
+    uint32_t wv, b0, b1, b2, b3;
+    __asm__ volatile("vldmia %[v], {s24-s27}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s19}\n\t"
+                     Q8_ROW("ldr %[wv], [%[pa], %[in]]", "s0", "s1", "s2", "s3", "s25")
+                     Q8_ROW("ldr %[wv], [%[pa]], #4", "s4", "s5", "s6", "s7", "s24")
+                     Q8_ROW("ldr %[wv], [%[pb], %[in]]", "s8", "s9", "s10", "s11", "s27")
+                     Q8_ROW("ldr %[wv], [%[pb]], #4", "s12", "s13", "s14", "s15", "s26")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[v], {s24-s27}\n\t"
+                     : [pa] "+r"(pa), [pb] "+r"(pb), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0),
+                       [b1] "=&r"(b1), [b2] "=&r"(b2), [b3] "=&r"(b3)
+                     : [in] "r"(in), [v] "r"(v)
+                     : S_ALL, "memory", "cc");
+}
+
+/* I8 weights, f32 activations: 4 rows at a time (q8f_rows4), each int8
+ * weight widened exactly and fused-multiply-added; then the reference's
+ * scale, E, bias and emit, in its order. */
+static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const int8_t *q = w->data;
+    const size_t in = w->cols, out = w->rows, words = in / 4u;
+    const int with_e = w->nnz != 0;
+    size_t o = 0;
+    for (; o + 4 <= out; o += 4) {
+        const int8_t *q0 = q + o * in;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (words != 0u)
+            q8f_rows4(q0, in, x, words, v);
+        for (size_t k = words * 4u; k < in; k++)
+            for (size_t i = 0; i < 4; i++)
+                v[i] = __builtin_fmaf((float)q0[i * in + k], x[k], v[i]);
+        FOR4(i, v[i] *= colibri_q8_scale(w, o + i));
+        if (with_e)
+            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
+        if (b)
+            FOR4(i, v[i] += b[o + i]);
+        if (acc)
+            FOR4(i, y[o + i] += s * v[i]);
+        else
+            FOR4(i, y[o + i] = v[i]);
+    }
+    for (; o < out; o++) {
+        const int8_t *qo = q + o * in;
+        float v = 0.0f, v1 = 0.0f;
+        size_t k = 0;
+        for (; k + 2 <= in; k += 2) {
+            v = __builtin_fmaf((float)qo[k], x[k], v);
+            v1 = __builtin_fmaf((float)qo[k + 1], x[k + 1], v1);
+        }
+        if (k < in)
+            v = __builtin_fmaf((float)qo[k], x[k], v);
+        colibri_emit(y, o, colibri_q8_compensate(w, o, x, (v + v1) * colibri_q8_scale(w, o)), b, acc, s);
+    }
+}
+#endif /* CMSIS_F32 */
+
+#if defined(CMSIS_FPV5)
+/* ---- The int8 quantiser: the reference's bits, faster ----
+ * m = max |x| by VMAXNM and a sum of |x| · 0 (NaN as soon as some x is NaN or
+ * inf), 4 values a step; then q = lroundf(x · (127 / m)) by VCVTA (round half
+ * away from zero, as roundf). No clamp: |x| <= m gives |x · fl(127/m)| <=
+ * 127 (1 + 2^-24)^2 < 127.5, so the reference's clamp to ±127 never acts.
+ * Rows with NaN or inf, all zeros, or m < 2^-100 (the reference's rescaling)
+ * go to the reference, which then decides their every bit. */
+static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
+                                float *restrict a)
+{
+    for (size_t i = 0; i < n; i++, q += in) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        float m0 = 0.0f, m1 = 0.0f, z0 = 0.0f, z1 = 0.0f;
+        size_t k = 0;
+        for (; k + 4 <= in; k += 4) {
+            const float v0 = fabsf(xi[k]), v1 = fabsf(xi[k + 1]), v2 = fabsf(xi[k + 2]), v3 = fabsf(xi[k + 3]);
+            m0 = fmaxf(m0, v0);
+            m1 = fmaxf(m1, v1);
+            z0 = __builtin_fmaf(v0, 0.0f, z0);
+            z1 = __builtin_fmaf(v1, 0.0f, z1);
+            m0 = fmaxf(m0, v2);
+            m1 = fmaxf(m1, v3);
+            z0 = __builtin_fmaf(v2, 0.0f, z0);
+            z1 = __builtin_fmaf(v3, 0.0f, z1);
+        }
+        for (; k < in; k++) {
+            const float v = fabsf(xi[k]);
+            m0 = fmaxf(m0, v);
+            z0 = __builtin_fmaf(v, 0.0f, z0);
+        }
+        const float m = fmaxf(m0, m1);
+        if (z0 + z1 != 0.0f || !(m >= 0x1p-100f)) {
+            colibri_quantize_rows_ref(xi, NULL, 1, in, q, a + i);
+            continue;
+        }
+        const float inv = 127.0f / m;
+        k = 0;
+        for (; k + 4 <= in; k += 4) {
+            const long r0 = lroundf(xi[k] * inv), r1 = lroundf(xi[k + 1] * inv);
+            const long r2 = lroundf(xi[k + 2] * inv), r3 = lroundf(xi[k + 3] * inv);
+            q[k] = (int8_t)r0;
+            q[k + 1] = (int8_t)r1;
+            q[k + 2] = (int8_t)r2;
+            q[k + 3] = (int8_t)r3;
+        }
+        for (; k < in; k++)
+            q[k] = (int8_t)lroundf(xi[k] * inv);
+        a[i] = m / 127.0f;
+    }
+}
+
+#endif /* CMSIS_FPV5 */
+
+/* ---- The linear kernels: one token at a time, weights by dtype ---- */
+
+static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
+                   float s, float *y)
+{
+    if (w->dtype == COLIBRI_DTYPE_I8) {
+        if (xq)
+            matvec_q8q8(w, x, xq, a, b, acc, s, y);
+        else
+#if defined(CMSIS_F32)
+            matvec_q8(w, x, b, acc, s, y);
+#else
+            colibri_matvec_q8(w, x, b, acc, s, y);
+#endif
+    } else if (w->dtype == COLIBRI_DTYPE_F16) {
+#if defined(CMSIS_F16)
+        matvec_f16(w, x, b, acc, s, y);
+#else
+        colibri_matvec_f16(w, x, b, acc, s, y);
+#endif
+    } else {
+#if defined(CMSIS_F32)
+        matvec_f32(w, x, b, acc, s, y);
+#else
+        colibri_matvec_f32(w, x, b, acc, s, y);
+#endif
+    }
+}
+
+/* F32 weights with whole-chunk rows and at least 2 tokens: the tokens two by
+ * two (matvec_f32_pair), so each weight is read once per pair. */
+static int f32_pairs(const colibri_matrix *w, size_t n)
+{
+#if defined(CMSIS_F32)
+    return n >= 2u && w->dtype == COLIBRI_DTYPE_F32 && w->cols >= 8u && w->cols % 8u == 0u;
+#else
+    (void)w;
+    (void)n;
+    return 0;
+#endif
+}
+
+static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+                         const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    size_t i = 0;
+#if defined(CMSIS_F32)
+    if (f32_pairs(w, n))
+        for (; i + 2u <= n; i += 2u)
+            matvec_f32_pair(w, x + (rows ? rows[i] : i) * in, x + (rows ? rows[i + 1] : i + 1) * in, b, 0, 1.0f,
+                            1.0f, y + i * out, y + (i + 1) * out);
+#endif
+    for (; i < n; i++)
+        matvec(w, x + (rows ? rows[i] : i) * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 0, 1.0f,
+               y + i * out);
+}
+
+static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+                             const float *scale, const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    size_t i = 0;
+#if defined(CMSIS_F32)
+    if (f32_pairs(w, n))
+        for (; i + 2u <= n; i += 2u)
+            matvec_f32_pair(w, x + i * in, x + (i + 1) * in, b, 1, scale ? scale[i] : 1.0f,
+                            scale ? scale[i + 1] : 1.0f, y + (rows ? rows[i] : i) * out,
+                            y + (rows ? rows[i + 1] : i + 1) * out);
+#endif
+    for (; i < n; i++)
+        matvec(w, x + i * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 1, scale ? scale[i] : 1.0f,
+               y + (rows ? rows[i] : i) * out);
+}
+
+#if defined(CMSIS_FPV5)
+/* ---- ReLU: exactly the reference's v < 0 ? 0 : v ----
+ * VCMP of 0 with v, then VSELGT picks 0 where 0 > v: NaN compares unordered
+ * (not GT) and stays, -0 is not above 0 and stays, as in the reference. 8
+ * values per VLDM/VSTM. Other activations: the reference. */
+#define RELU1(R) "vcmp.f32 s8, " R "\n\tvmrs APSR_nzcv, fpscr\n\tvselgt.f32 " R ", s8, " R "\n\t"
+
+/* ---- SiLU and sigmoid: the reference's formulas, v · (1 / (1 + e^-v)) and
+ * 1 / (1 + e^-v), with a single-precision e^x: n = round(x / ln 2) (VCVTA),
+ * r = x - n ln 2 (two fused steps, Cody-Waite), e^r by its Taylor series to
+ * r^8/8! (Horner, fused; truncation < 6e-9 relative for |r| <= ln2 / 2), then
+ * · 2^n by the exponent bits. Within a few ulp of the reference's double-
+ * precision colibri_expf (the tolerance: tests/c/cm7/kernel_test.c). Values
+ * with |v| > 87 (n would leave the normal range), NaN and ±inf go to the
+ * reference, which then gives their every bit. */
+#define SILU_RANGE 87.0f
+
+static inline float expf_fast(float v)
+{
+    const long n = lroundf(v * 1.44269504088896341f);
+    const float nf = (float)n;
+    float r = __builtin_fmaf(-nf, 0.693145751953125f, v);
+    r = __builtin_fmaf(-nf, 1.42860682030941723e-6f, r);
+    float p = 1.0f / 40320.0f;
+    p = __builtin_fmaf(p, r, 1.0f / 5040.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 720.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 120.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 24.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 6.0f);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static void sigmoid_family(float *x, size_t n, uint32_t kind)
+{
+    const int silu = kind == COLIBRI_ACT_SILU;
+    for (size_t i = 0; i < n; i++) {
+        const float v = x[i];
+        if (!(__builtin_fabsf(v) <= SILU_RANGE)) {
+            colibri_activation_ref(x + i, 1, kind);
+            continue;
+        }
+        const float sig = 1.0f / (1.0f + expf_fast(-v));
+        x[i] = silu ? v * sig : sig;
+    }
+}
+
+static void activation_cmsis(float *x, size_t n, uint32_t kind)
+{
+    if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID) {
+        sigmoid_family(x, n, kind);
+        return;
+    }
+    if (kind != COLIBRI_ACT_RELU) {
+        colibri_activation_ref(x, n, kind);
+        return;
+    }
+    size_t blocks = n / 8u;
+    float *p = x;
+    if (blocks != 0u) {
+        const float zero = 0.0f;
+        __asm__ volatile("vldr s8, [%[z]]\n\t"
+                         "1:\n\t"
+                         "vldmia %[p], {s0-s7}\n\t"
+                         RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3")
+                         RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")
+                         "vstmia %[p]!, {s0-s7}\n\t"
+                         "subs %[n], %[n], #1\n\t"
+                         "bne 1b\n\t"
+                         : [p] "+r"(p), [n] "+r"(blocks)
+                         : [z] "r"(&zero)
+                         : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "memory", "cc");
+    }
+    for (size_t i = n / 8u * 8u; i < n; i++)
+        x[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+#endif /* CMSIS_FPV5 */
+
 void colibri_kernels_cmsis(colibri_kernels *k)
 {
-    (void)k; /* no kernel of this backend yet: the reference kernels stand */
+#if defined(CMSIS_FPV5)
+    k->name = "cmsis (Cortex-M DSP + FPv5)";
+#elif defined(CMSIS_F32)
+    k->name = "cmsis (Cortex-M DSP + FPv4)";
+#else
+    k->name = "cmsis (Cortex-M DSP)";
+#endif
+    k->linear = linear_cmsis;
+    k->linear_acc = linear_acc_cmsis;
+#if defined(CMSIS_FPV5)
+    k->activation = activation_cmsis;
+    k->quantize_rows = quantize_rows_cmsis;
+#endif
 }
 
 #endif /* COLIBRI_BACKEND_CMSIS */

@@ -1,0 +1,59 @@
+"""The Cortex-M7 kernels (firmware/colibri_core/src/kernels/cmsis) against the reference kernels, on the
+emulated Cortex-M7: tests/c/cm7/kernel_test.c runs random cases (f32, f16, q8 with f32 and int8
+activations; linear and linear_acc; odd sizes and tails; 1-9 tokens with and without a row list, bias,
+gates; NaN and inf inputs), the activations and the int8 quantiser, in QEMU mps2-an500 with semihosting,
+and exits with the number of outputs out of its stated tolerance (bit for bit for int8 activations, ReLU
+and the quantiser; SiLU and sigmoid within 2^-20 relative)."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, make
+
+CM7 = ROOT / "tests" / "c" / "cm7"
+
+
+def run_kernel_test(kernels: str | None) -> str:
+    args = ["-C", str(CM7)] + ([f"KERNELS={kernels}"] if kernels else [])
+    r = make(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    elf = CM7 / (f"build-{kernels}" if kernels else "build") / "kernel_test.elf"
+    q = subprocess.run(["qemu-system-arm", "-M", "mps2-an500", "-display", "none", "-monitor", "none",
+                        "-nodefaults", "-icount", "shift=7,sleep=off",
+                        "-semihosting-config", "enable=on,target=native", "-kernel", str(elf)],
+                       capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0, f"kernel test failed (status {q.returncode}):\n{q.stdout}{q.stderr}"
+    return q.stdout + q.stderr  # semihosting writes go to QEMU's stderr
+
+
+@pytest.mark.usefixtures("no_qemu_left_behind")
+def test_cmsis_kernels_match_the_reference_on_the_m7() -> None:
+    out = run_kernel_test(None)  # the build's default backend: cmsis on the Cortex-M7
+    assert "kernels: cmsis" in out, out
+    for kind in ("f32", "f16", "q8 f32-act", "q8 int8-act"):
+        m = re.search(rf"^{re.escape(kind)}: (\d+) linear, (\d+) linear_acc cases; worst err/tol ([\d.]+), ([\d.]+)$",
+                      out, re.M)
+        assert m and int(m[1]) > 50 and int(m[2]) > 50, out
+        if kind == "q8 int8-act":
+            assert float(m[3]) == float(m[4]) == 0.0, "int8 activations must be bit for bit"
+    assert "activations: 240 cases" in out and "quantize_rows: 200 cases, bit for bit" in out, out
+    assert "passed: 0" in out, out
+    # The instruction counts it prints (QEMU -icount, not cycles) on the meter model's shapes: the cmsis
+    # kernels must beat the reference ones, f32 well under 2 instructions per multiply-accumulate.
+    per_mac = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(
+        r"^instructions per MAC, meter shapes, (.+?): optimised ([\d.]+) reference ([\d.]+)", out, re.M)}
+    assert set(per_mac) == {"f32", "f16", "q8 f32-act", "q8 int8-act"}, out
+    assert all(opt < ref for opt, ref in per_mac.values()), per_mac
+    assert per_mac["f32"][0] < 1.5, per_mac
+
+
+@pytest.mark.usefixtures("no_qemu_left_behind")
+def test_kernel_driver_on_the_reference_build() -> None:
+    """KERNELS=ref: the driver compares the reference with itself (every error 0), so its own checks and
+    the reference kernels run on the M7 as well."""
+    out = run_kernel_test("ref")
+    assert "kernels: reference" in out and "passed: 0" in out, out
+    assert "worst err/tol 0.000, 0.000" in out, out
