@@ -45,7 +45,7 @@ def f32(*shape: int) -> T:
 
 
 def build(*, n_in: int, n_out: int, layers: list[bytes], tensors: list[T] = (), moes: list[bytes] = (),
-          experts: list[bytes] = (), max_batch: int = 2) -> bytes:
+          experts: list[bytes] = (), max_batch: int = 2, version: int = F.VERSION) -> bytes:
     """An image from records, tables back to back, payloads 32-aligned in table order."""
     t_off = F.HEADER_SIZE
     l_off = t_off + len(tensors) * F.TENSOR.size
@@ -59,7 +59,7 @@ def build(*, n_in: int, n_out: int, layers: list[bytes], tensors: list[T] = (), 
         pos = max(pos, offsets[-1] + len(t.payload))
     size = (pos + 3) // 4 * 4
     buf = bytearray(size)
-    F.HEADER.pack_into(buf, 0, F.MAGIC, F.VERSION, F.HEADER_SIZE, 0, size, 0, n_in, n_out, max_batch,
+    F.HEADER.pack_into(buf, 0, F.MAGIC, version, F.HEADER_SIZE, 0, size, 0, n_in, n_out, max_batch,
                        len(tensors), t_off, len(layers), l_off, len(moes), m_off, len(experts), e_off)
     for i, (t, off) in enumerate(zip(tensors, offsets)):
         F.TENSOR.pack_into(buf, t_off + i * F.TENSOR.size, off, len(t.payload), t.rows, t.cols, int(t.dtype),
@@ -96,18 +96,24 @@ def test_int8_act_on_a_non_linear_layer_is_bad_layer(c_drivers: Path, op: Op) ->
     assert agree(c_drivers, data) == Status.BAD_LAYER
 
 
-def _q8_linear(ndim: int) -> bytes:
+def q8_header(version: int, nnz: int = 0, dtype: DType = DType.F32, flags: int = 0) -> bytes:
+    """A Q8_PARAMS header: v1 nnz and a reserved word, v2 nnz, parameter dtype, flags, reserved."""
+    return struct.pack("<II", nnz, 0) if version < 2 else struct.pack("<IBBH", nnz, int(dtype), flags, 0)
+
+
+def _q8_linear(ndim: int, version: int = F.VERSION) -> bytes:
     """A LINEAR 1 -> 2 whose int8 weight record has rank `ndim`."""
     q = T(bytes([3, 250]), DType.I8, 2, 1, ndim, aux=1)
-    params = T(struct.pack("<II2f", 0, 0, 0.5, 0.25), DType.Q8_PARAMS, 2, 1, 2)
-    return build(n_in=1, n_out=2, tensors=[q, params], layers=[layer(Op.LINEAR, 1, 2, t0=0)])
+    params = T(q8_header(version) + struct.pack("<2f", 0.5, 0.25), DType.Q8_PARAMS, 2, 1, 2)
+    return build(n_in=1, n_out=2, tensors=[q, params], layers=[layer(Op.LINEAR, 1, 2, t0=0)], version=version)
 
 
-def test_int8_weight_of_rank_one_is_bad_ref(c_drivers: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_int8_weight_of_rank_one_is_bad_ref(c_drivers: Path, version: int) -> None:
     """A LINEAR's weight is a matrix: an I8 vector [2] is not a [2, 1] weight (the reader used to
     view every int8 payload as [rows, cols] and accept it)."""
-    assert agree(c_drivers, _q8_linear(ndim=2)) == Status.OK
-    assert agree(c_drivers, _q8_linear(ndim=1)) == Status.BAD_REF
+    assert agree(c_drivers, _q8_linear(ndim=2, version=version)) == Status.OK
+    assert agree(c_drivers, _q8_linear(ndim=1, version=version)) == Status.BAD_REF
 
 
 # ---- One owner per record: linear-time validation ---------------------------------------------

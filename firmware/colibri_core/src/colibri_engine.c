@@ -134,16 +134,21 @@ static void weight(colibri_matrix *w, const uint8_t *image, const colibri_header
     if (t.dtype == COLIBRI_DTYPE_I8) {
         colibri_tensor q;
         colibri_read_tensor(image, hdr, t.aux, &q);
-        /* docs/model-format.md "Quantised weights": nnz, reserved, scale
-         * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
+        /* docs/model-format.md "Quantised weights": the header, scale [rows]
+         * (f32, or f16 in v2), the bias [rows] (v2 with BIAS), then (nnz > 0)
+         * row_ptr [rows + 1], col [nnz], value [nnz]. */
         const uint8_t *p = image + q.offset;
-        const size_t rows = t.rows;
-        w->nnz = colibri_rd_u32(p);
-        w->scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
-        if (w->nnz) {
-            w->row_ptr = (const uint32_t *)(const void *)(w->scale + rows);
-            w->col = (const uint16_t *)(const void *)(w->row_ptr + rows + 1);
-            w->val = w->col + ((2u * (size_t)w->nnz + 3u) & ~(size_t)3u) / 2u;
+        colibri_q8_layout l;
+        (void)colibri_q8_layout_of(p, hdr->version, t.rows, &l); /* validated */
+        w->q8_f16 = l.param == 2u;
+        w->q8_bias = l.bias;
+        w->q8_ptr = l.ptr;
+        w->nnz = l.nnz;
+        w->scale = p + (size_t)l.scale;
+        if (l.nnz) {
+            w->row_ptr = p + (size_t)l.row_ptr;
+            w->col = (const uint16_t *)(const void *)(p + (size_t)l.col);
+            w->val = (const uint16_t *)(const void *)(p + (size_t)l.val);
         }
     }
 }

@@ -30,18 +30,26 @@
 
 /* A weight matrix [rows = out, cols = in], read in place from the image.
  * The pointers are naturally aligned (payloads are 32-byte aligned in a
- * 4-byte aligned image, and every Q8_PARAMS field is 4-byte aligned but col,
- * which is 2-byte aligned). */
+ * 4-byte aligned image, and every Q8_PARAMS field starts at a multiple of
+ * its element size).
+ *
+ * The I8 fields describe the Q8_PARAMS companion (docs/model-format.md
+ * "Quantised weights", format v1 or v2); kernels read them only through
+ * colibri_q8_scale() and colibri_q8_compensate() below. */
 typedef struct colibri_matrix {
     uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
+    /* I8 only, else 0; beside dtype so no padding sits inside the plan's copies. */
+    uint8_t q8_f16;            /* 1: scale (and bias) are f16 bits, 0: f32 */
+    uint8_t q8_bias;           /* 1: a bias [rows] follows the scales (v2) */
+    uint8_t q8_ptr;            /* bytes per row pointer: 0 (no E), 1, 2 or 4 */
     uint32_t rows, cols;
-    /* I8 only (from the Q8_PARAMS companion), as the pointers below but
-     * beside the other words, so no padding sits inside the plan's copies. */
-    uint32_t nnz;              /* entries of the compensation term E; 0: none */
+    uint32_t nnz;              /* I8: entries of the compensation term E; 0: none */
     const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
     /* I8 only (from the Q8_PARAMS companion); otherwise NULL. */
-    const float *scale;        /* [rows] per-output-channel scale s */
-    const uint32_t *row_ptr;   /* [rows + 1] E entries of row i: row_ptr[i] .. row_ptr[i+1]-1 */
+    const void *scale;         /* [rows] per-output-channel scale s (f32 or f16), then
+                                * the bias [rows] of the same type if q8_bias */
+    const void *row_ptr;       /* [rows + 1] of q8_ptr bytes: E entries of row i are
+                                * row_ptr[i] .. row_ptr[i+1]-1 */
     const uint16_t *col;       /* [nnz] input column of each entry, < cols */
     const uint16_t *val;       /* [nnz] f16 bits of each entry */
 } colibri_matrix;
@@ -209,19 +217,47 @@ static inline float colibri_f16_to_f32(uint16_t h)
 /* ---- I8 metadata, read through these two only, so every backend stays
  * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
 
+/* Parameter i (a scale for i < rows, the bias of row i - rows after them). */
+static inline float colibri_q8_param(const colibri_matrix *w, size_t i)
+{
+    if (w->q8_f16)
+        return colibri_f16_to_f32(((const uint16_t *)w->scale)[i]);
+    return ((const float *)w->scale)[i];
+}
+
 /* s_o, the dequantisation scale of output row o. */
 static inline float colibri_q8_scale(const colibri_matrix *w, size_t o)
 {
-    return w->scale[o];
+    return colibri_q8_param(w, o);
 }
 
-/* v + Σ e · x[col] over row o's compensation entries, in storage order. */
+/* The additive terms of row o, in this order: v + Σ e · x[col] over row o's
+ * compensation entries in storage order, then + the companion's bias of row
+ * o if it holds one (format v2; the layer's own bias reference is then
+ * NONE, so the kernel's b is NULL). Call it once for every output row. */
 static inline float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
 {
-    if (w->nnz == 0)
-        return v;
-    for (uint32_t k = w->row_ptr[o]; k < w->row_ptr[o + 1]; k++)
+    uint32_t k = 0, end = 0;
+    switch (w->q8_ptr) {
+    case 1:
+        k = ((const uint8_t *)w->row_ptr)[o];
+        end = ((const uint8_t *)w->row_ptr)[o + 1];
+        break;
+    case 2:
+        k = ((const uint16_t *)w->row_ptr)[o];
+        end = ((const uint16_t *)w->row_ptr)[o + 1];
+        break;
+    case 4:
+        k = ((const uint32_t *)w->row_ptr)[o];
+        end = ((const uint32_t *)w->row_ptr)[o + 1];
+        break;
+    default: /* no compensation term */
+        break;
+    }
+    for (; k < end; k++)
         v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
+    if (w->q8_bias)
+        v += colibri_q8_param(w, (size_t)w->rows + o);
     return v;
 }
 
