@@ -86,9 +86,11 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         ok = bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)))
         if ok and bias is not None:
             b = np.asarray(bias, dtype=np.float32)
-            err = np.abs(b.astype(np.float16).astype(np.float32) - b)
-            finite = np.isfinite(b)
-            ok = bool(np.all(np.abs(b[finite]) <= F16_MAX) and np.all(err[finite] <= scale[finite] * F16_BIAS_SHARE))
+            finite = np.isfinite(b)  # NaN and inf are stored as they are
+            ok = bool(np.all(np.abs(b[finite]) <= F16_MAX))
+            if ok:
+                err = np.abs(b[finite].astype(np.float16).astype(np.float32) - b[finite])
+                ok = bool(np.all(err <= scale[finite] * F16_BIAS_SHARE))
         if not ok:
             return quantize_q8(w, compensation, bias=bias, compact=False)
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
