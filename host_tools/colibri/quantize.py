@@ -64,10 +64,21 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         body.ravel()[outliers] = 0
 
     def step(scale: np.ndarray) -> np.ndarray:
-        """The scales as stored: f32, or rounded up to f16 (compact)."""
-        return _f16_up(scale).astype(np.float32) if compact else scale
+        """The scales as stored: f32, or rounded up to f16 (compact; None if one is outside f16's
+        normal range, and then the tensor keeps f32 parameters)."""
+        if not compact:
+            return scale
+        nonzero = scale[scale > 0]
+        if not np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)):
+            return None
+        return _f16_up(scale).astype(np.float32)
+
+    def wide_parameters() -> Q8Weight:
+        return quantize_q8(w, compensation, bias=bias, compact=False)
 
     scale = step((body.max(axis=1) / np.float32(127)).astype(np.float32))
+    if scale is None:
+        return wide_parameters()
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
     q[scale == 0] = 0
@@ -78,11 +89,14 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         # the row's residuals by scale / 2.
         wide = np.flatnonzero((np.abs(residual) > F16_MAX).any(axis=1))
         if wide.size:
-            scale[wide] = step((np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32))
+            wide_scale = step((np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32))
+            if wide_scale is None:
+                return wide_parameters()
+            scale[wide] = wide_scale
             q[wide] = np.clip(np.rint(w[wide] / scale[wide, None]), -127, 127).astype(np.int8)
             residual[wide] = w[wide] - q[wide].astype(np.float32) * scale[wide, None]
     if compact:
-        nonzero = scale[scale > 0]
+        nonzero = scale[scale > 0]  # rounding up may have carried one past f16's largest
         ok = bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)))
         if ok and bias is not None:
             b = np.asarray(bias, dtype=np.float32)
@@ -92,7 +106,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
                 err = np.abs(b[finite].astype(np.float16).astype(np.float32) - b[finite])
                 ok = bool(np.all(err <= scale[finite] * F16_BIAS_SHARE))
         if not ok:
-            return quantize_q8(w, compensation, bias=bias, compact=False)
+            return wide_parameters()
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
     col = np.zeros(0, dtype=np.uint16)
     val = np.zeros(0, dtype=np.float16)
