@@ -109,9 +109,11 @@ typedef struct colibri_q8_layout {
     uint64_t scale, bias_at, row_ptr, col, val, size;
 } colibri_q8_layout;
 
+/* n rounded up to a multiple of a, a power of two (no 64-bit division: none
+ * of libgcc's helpers on 32-bit targets). */
 static inline uint64_t colibri_up(uint64_t n, uint64_t a)
 {
-    return (n + a - 1u) / a * a;
+    return (n + a - 1u) & ~(a - 1u);
 }
 
 /* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
