@@ -102,11 +102,22 @@ class _Tensors:
         return self._push(_Entry(a.tobytes(), dtype, rows, cols, a.ndim, page=page))
 
 
-def write(graph: Graph, *, page_aligned: bool = False, version: int = F.VERSION) -> bytes:
-    """Serialise a graph to a model image of format `version` (this writer's by default; 1 for
-    engines that read only version 1: a graph quantised with compact=False)."""
+def needed_version(graph: Graph) -> int:
+    """The lowest format version that holds `graph`: 1 without int8 weights (such an image is the
+    same in versions 1 and 2, so engines and firmware that read only version 1 run it), else
+    F.VERSION (compact Q8_PARAMS)."""
+    from .quantize import weight_slots
+
+    return F.VERSION if any(isinstance(getattr(o, a), Q8Weight) for _, o, a in weight_slots(graph)) else 1
+
+
+def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None) -> bytes:
+    """Serialise a graph to a model image of format `version`: by default the lowest that holds it
+    (`needed_version`); 1 also for a q8 graph quantised with compact=False, for engines that read
+    only version 1."""
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
+    version = needed_version(graph) if version is None else version
     if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
         raise ValueError(f"format version must be {F.MIN_READ_VERSION}..{F.MAX_READ_VERSION}, got {version}")
     tensors = _Tensors(version)
