@@ -253,8 +253,12 @@ Q8_SHAPES = {"no E": (5, 7, 0), "u8": (6, 9, 11), "u8 even": (5, 9, 11), "u16": 
 @pytest.mark.parametrize("f16,bias", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("shape", Q8_SHAPES)
 def test_v2_companions_of_every_width_validate_and_run(c_drivers: Path, shape: str, f16: bool, bias: bool) -> None:
+    """Each layout validates in C and Python and runs; an f32 bias may be any value (NaN too), as
+    an F32 bias tensor."""
     rows, cols, nnz = Q8_SHAPES[shape]
     data = _q8_image(2, rows, cols, nnz, f16=f16, bias=bias)
+    if bias and not f16:
+        data = _set(data, _companion(data)[3]["bias"], "<f", float("nan"))
     off, _, _, at = _companion(data)
     want_ptr = {"no E": 0, "u8": 1, "u8 even": 1, "u16": 2, "u32": 4}[shape]
     assert F.q8_row_ptr_bytes(2, nnz) == want_ptr
@@ -306,7 +310,12 @@ def test_each_malformed_companion_field_has_its_status(c_drivers: Path, version:
             "reserved low byte": (_set(data, off + 6, "<B", 1), Status.BAD_QUANT),
             "BIAS cleared": (_set(data, off + 5, "<B", 0), Status.BAD_TENSOR),
             "parameter dtype F32": (_set(data, off + 4, "<B", int(DType.F32)), Status.BAD_TENSOR),
-            "a NaN bias is a value": (_set(data, at["bias"], "<e", float("nan")), Status.OK),
+            "NaN f16 bias": (_set(data, at["bias"], "<H", 0x7E00), Status.BAD_QUANT),
+            "infinite f16 bias": (_set(data, at["bias"] + 2, "<H", 0xFC00), Status.BAD_QUANT),
+            "subnormal f16 bias": (_set(data, at["bias"] + 2 * (rows - 1), "<H", 0x8001), Status.BAD_QUANT),
+            "-0 f16 bias": (_set(data, at["bias"], "<H", 0x8000), Status.OK),
+            "subnormal f16 scale": (_set(data, at["scale"], "<H", 0x03FF), Status.BAD_QUANT),
+            "-0 f16 scale": (_set(data, at["scale"], "<H", 0x8000), Status.OK),
         }
         if at["col"] > at["row_ptr"] + w * (rows + 1):
             cases["gap before col"] = (_set(data, at["col"] - 1, "<B", 0x80), Status.BAD_COMPENSATION)

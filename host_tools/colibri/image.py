@@ -514,6 +514,12 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
     return objs
 
 
+def _subnormal(h: np.ndarray) -> bool:
+    """Whether an f16 array holds a subnormal number (exponent 0, fraction nonzero)."""
+    bits = h.view("<u2")
+    return bool(np.any(((bits & 0x7C00) == 0) & ((bits & 0x03FF) != 0)))
+
+
 def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work, version: int) -> Q8Weight:
     """The int8 tensor i with its Q8_PARAMS companion, validated."""
     rows, cols = q.shape
@@ -529,9 +535,13 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work,
     p_dtype = "<f2" if param == 2 else "<f4"
     work.visits += rows
     scale = np.frombuffer(buf, dtype=p_dtype, count=rows, offset=off + at["scale"])
-    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
-        _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0")
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0) or (param == 2 and _subnormal(scale)):
+        _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0" + (", f16 ones 0 or normal" if param == 2 else ""))
     bias = np.frombuffer(buf, dtype=p_dtype, count=rows, offset=off + at["bias"]) if has_bias else None
+    if bias is not None and param == 2:
+        work.visits += rows
+        if not np.all(np.isfinite(bias)) or _subnormal(bias):
+            _fail(Status.BAD_QUANT, f"tensor {i}: f16 biases must be 0 or normal numbers")
     width = F.q8_row_ptr_bytes(version, nnz)
     empty = np.zeros(0, dtype="<u2")
     row_ptr = np.frombuffer(buf, dtype=f"<u{width}", count=rows + 1, offset=off + at["row_ptr"]) if nnz else np.zeros(0, "<u4")

@@ -34,6 +34,16 @@ F16_MIN_NORMAL = 2.0**-14
 F16_BIAS_SHARE = 1 / 4
 
 
+def _f16_bias(b: np.ndarray) -> np.ndarray:
+    """A finite f32 bias as f16 parameters hold it: rounded to nearest, with magnitudes below f16's
+    normal range going to the nearer of ±0 and ±2^-14 (the format has no f16 subnormal parameter)."""
+    h = b.astype(np.float16)
+    tiny = np.abs(h.astype(np.float32)) < F16_MIN_NORMAL
+    h[tiny] = np.where(np.abs(b[tiny]) >= F16_MIN_NORMAL / 2, np.copysign(np.float16(F16_MIN_NORMAL), b[tiny]),
+                       np.copysign(np.float16(0), b[tiny])).astype(np.float16)
+    return h
+
+
 def _f16_up(x: np.ndarray) -> np.ndarray:
     """x rounded up to float16 (x >= 0), as float16."""
     h = x.astype(np.float16)
@@ -99,12 +109,11 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         nonzero = scale[scale > 0]  # rounding up may have carried one past f16's largest
         ok = bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)))
         if ok and bias is not None:
-            b = np.asarray(bias, dtype=np.float32)
-            finite = np.isfinite(b)  # NaN and inf are stored as they are
-            ok = bool(np.all(np.abs(b[finite]) <= F16_MAX))
+            b = np.asarray(bias, dtype=np.float32)  # NaN, inf, beyond f16: f32 parameters
+            ok = bool(np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX))
             if ok:
-                err = np.abs(b[finite].astype(np.float16).astype(np.float32) - b[finite])
-                ok = bool(np.all(err <= scale[finite] * F16_BIAS_SHARE))
+                err = np.abs(_f16_bias(b).astype(np.float32) - b)
+                ok = bool(np.all(err <= scale * F16_BIAS_SHARE))
         if not ok:
             return wide_parameters()
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
@@ -124,9 +133,11 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         r, c = np.divmod(flat, cols)
         row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
         col, val = c.astype(np.uint16), values
-    param = np.float16 if compact else np.float32
-    b = None if bias is None else np.asarray(bias, dtype=np.float32).astype(param)
-    return Q8Weight(q=q, scale=scale.astype(param), row_ptr=row_ptr, col=col, val=val, bias=b)
+    b = None if bias is None else np.asarray(bias, dtype=np.float32)
+    if compact:
+        return Q8Weight(q=q, scale=scale.astype(np.float16), row_ptr=row_ptr, col=col, val=val,
+                        bias=None if b is None else _f16_bias(b))
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=b)
 
 
 def quantize_f16(w: np.ndarray) -> F16Weight:

@@ -17,7 +17,7 @@
  *      when nnz > 0, BAD_TENSOR);
  *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
  *      a Q8_PARAMS of the same rows and cols), v1's reserved word, its
- *      scales (BAD_QUANT), then its compensation term: padding, row
+ *      scales and f16 biases (BAD_QUANT), then its compensation term: padding, row
  *      pointers, columns, values (BAD_COMPENSATION);
  *   5. the layer program, top to bottom: a layer's fields, flags included
  *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
@@ -43,6 +43,12 @@
 #include <math.h>
 
 #include "colibri_internal.h"
+
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#else
+#define NOINLINE
+#endif
 
 /* ---- Record readers ---- */
 
@@ -223,7 +229,7 @@ static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
 /* Pass 1: one tensor record on its own: TENSOR_BOUNDS (inside the image,
  * aligned, at or after the end of the previous tensor's payload, prev_end),
  * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */
-static colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
+static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
                                    uint64_t prev_end)
 {
     if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size || t->offset < prev_end ||
@@ -274,12 +280,20 @@ static colibri_status check_tensor(const uint8_t *image, const colibri_header *h
     return COLIBRI_OK;
 }
 
-/* Is the f32 (param 4) or f16 (param 2) scale at p finite and >= 0? (-0 is.) */
+/* An f16 parameter: ±0 or a normal number (not subnormal, inf or NaN). */
+static int half_ok(uint16_t h)
+{
+    const uint16_t exp = h & 0x7C00u;
+    return exp != 0x7C00u && (exp != 0 || (h & 0x03FFu) == 0);
+}
+
+/* Is the f32 (param 4) scale at p finite and >= 0 (-0 is), or the f16
+ * (param 2) one ±0 or a positive normal number? */
 static int scale_ok(const uint8_t *p, uint8_t param)
 {
     if (param == 2u) {
         const uint16_t h = colibri_rd_u16(p);
-        return (h & 0x7C00u) != 0x7C00u && !((h & 0x8000u) && (h & 0x7FFFu)); /* not inf/NaN, not < 0 */
+        return half_ok(h) && !((h & 0x8000u) && (h & 0x7FFFu));
     }
     const float s = colibri_rd_f32(p);
     return isfinite(s) && s >= 0.0f;
@@ -289,8 +303,10 @@ static int scale_ok(const uint8_t *p, uint8_t param)
  * record, so the companion's header codes are valid and its payload has
  * exactly the size they imply): BAD_QUANT for the reference, v1's reserved
  * word and the scales, then BAD_COMPENSATION for the sparse term E (its
- * padding bytes included). A v2 bias is any value, as an F32 bias tensor. */
-static colibri_status check_quant(checker *ck, const colibri_tensor *t)
+ * padding bytes included). An f32 bias is any value, as an F32 bias tensor;
+ * an f16 bias ±0 or normal. Not inlined: its frame stays out of the layer
+ * program's checks, which run deepest. */
+static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
 {
     if (t->aux >= ck->h->tensor_count)
         return COLIBRI_E_BAD_QUANT;
@@ -314,6 +330,13 @@ static colibri_status check_quant(checker *ck, const colibri_tensor *t)
     for (uint32_t i = 0; i < rows; i++)
         if (!scale_ok(scale + (size_t)l.param * i, l.param))
             return COLIBRI_E_BAD_QUANT;
+    /* An f16 bias: ±0 or normal (an f32 bias is any value, as an F32 tensor). */
+    if (l.bias && l.param == 2u) {
+        ck->work += rows;
+        for (uint32_t i = 0; i < rows; i++)
+            if (!half_ok(colibri_rd_u16(p + (size_t)l.bias_at + 2u * (size_t)i)))
+                return COLIBRI_E_BAD_QUANT;
+    }
     if (nnz == 0)
         return COLIBRI_OK;
 

@@ -217,11 +217,31 @@ static inline float colibri_f16_to_f32(uint16_t h)
 /* ---- I8 metadata, read through these two only, so every backend stays
  * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
 
+/* An f16 Q8_PARAMS parameter -> f32, exactly. Validation admits only ±0
+ * and normal numbers there (docs/model-format.md "Quantised weights"), so
+ * rebiasing the exponent is the whole conversion; where the FPU converts
+ * half precision (Cortex-M7's FPv5, 32-bit Arm) one VCVTB does it, with the
+ * same bits for every such value. */
+static inline float colibri_q8_half(uint16_t h)
+{
+#if defined(__arm__) && defined(__ARM_FP) && (__ARM_FP & 2) && defined(__GNUC__)
+    float f;
+    __asm__("vmov %0, %1\n\tvcvtb.f32.f16 %0, %0" : "=t"(f) : "r"((uint32_t)h));
+    return f;
+#else
+    const uint32_t mag = (uint32_t)h & 0x7FFFu;
+    const uint32_t bits = ((uint32_t)h & 0x8000u) << 16 | (mag ? (mag << 13) + (112u << 23) : 0u);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 /* Parameter i (a scale for i < rows, the bias of row i - rows after them). */
 static inline float colibri_q8_param(const colibri_matrix *w, size_t i)
 {
     if (w->q8_f16)
-        return colibri_f16_to_f32(((const uint16_t *)w->scale)[i]);
+        return colibri_q8_half(((const uint16_t *)w->scale)[i]);
     return ((const float *)w->scale)[i];
 }
 
