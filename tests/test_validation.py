@@ -268,6 +268,18 @@ def test_v2_companions_of_every_width_validate_and_run(c_drivers: Path, shape: s
     assert status(f, "fwd1") == 0 and status(f, "fwdN") == 0
     back = image.read(data).layers[0].weight
     assert back.scale.dtype == (np.float16 if f16 else np.float32) and (back.bias is not None) == bias
+    # The engine's plan reads every field where the reader does: the same outputs (the reference
+    # kernels bit for bit as the numpy reference computes them, up to its summation order).
+    import colibri
+    from colibri import reference
+
+    x = np.random.default_rng(1).standard_normal((2, cols)).astype(np.float32)
+    want = reference.run(data, x)
+    for kernels in (True, False):
+        got = colibri.Model(data, reference_kernels=kernels).forward(x)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        assert np.abs(got[ok] - want[ok]).max(initial=0) <= 1e-5 * (1 + np.abs(want[ok]).max(initial=0))
     assert back.nnz == nnz and (nnz == 0 or back.row_ptr.dtype == np.dtype(f"<u{want_ptr}"))
 
 

@@ -226,6 +226,52 @@ static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
 
 /* ---- Tensors ---- */
 
+static uint64_t colibri_up(uint64_t n, uint64_t a)
+{
+    return (n + a - 1u) & ~(a - 1u);
+}
+
+int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
+{
+    l->nnz = colibri_rd_u32(p);
+    l->param = 4;
+    l->bias = 0;
+    int ok = 1;
+    if (version >= 2u) {
+        const uint8_t dtype = p[4], flags = p[5];
+        ok = (dtype == COLIBRI_DTYPE_F32 || dtype == COLIBRI_DTYPE_F16) &&
+             (flags & ~COLIBRI_Q8_FLAG_BIAS) == 0 && colibri_rd_u16(p + 6) == 0;
+        l->param = dtype == COLIBRI_DTYPE_F16 ? 2u : 4u;
+        l->bias = (flags & COLIBRI_Q8_FLAG_BIAS) != 0;
+    }
+    if (l->nnz == 0)
+        l->ptr = 0;
+    else if (version < 2u || l->nnz > 0xFFFFu)
+        l->ptr = 4;
+    else
+        l->ptr = l->nnz > 0xFFu ? 2u : 1u;
+    /* Offsets are stored in 32 bits; only size, which decides validity,
+     * needs all 64. */
+    uint64_t pos = COLIBRI_Q8_PARAMS_HEADER + (uint64_t)l->param * rows;
+    l->scale = COLIBRI_Q8_PARAMS_HEADER;
+    l->bias_at = (uint32_t)pos;
+    if (l->bias)
+        pos += (uint64_t)l->param * rows;
+    l->row_ptr = l->col = l->val = (uint32_t)pos;
+    if (l->ptr) {
+        pos = colibri_up(pos, l->ptr);
+        l->row_ptr = (uint32_t)pos;
+        pos = colibri_up(pos + (uint64_t)l->ptr * (rows + 1u), 2u);
+        l->col = (uint32_t)pos;
+        pos = colibri_up(pos + 2u * (uint64_t)l->nnz, version < 2u ? 4u : 2u); /* v1 pads the columns to 4 bytes */
+        l->val = (uint32_t)pos;
+        pos += 2u * (uint64_t)l->nnz;
+    }
+    l->size = pos;
+    return ok;
+}
+
+
 /* Pass 1: one tensor record on its own: TENSOR_BOUNDS (inside the image,
  * aligned, at or after the end of the previous tensor's payload, prev_end),
  * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */

@@ -104,60 +104,22 @@ typedef struct colibri_q8_layout {
     uint8_t param;       /* bytes per scale and bias: 4 (f32) or 2 (f16, v2) */
     uint8_t bias;        /* 1: a bias [rows] follows the scales (v2 BIAS flag) */
     uint8_t ptr;         /* bytes per row pointer: 0 (nnz 0), 1, 2 or 4 */
-    /* Byte offsets from the payload start (64-bit: rows and nnz come from
-     * unchecked fields); col and val only when nnz > 0. size = nbytes. */
-    uint64_t scale, bias_at, row_ptr, col, val, size;
+    /* Byte offsets from the payload start, col and val only when nnz > 0;
+     * they are meaningful once size (in 64 bits: rows and nnz come from
+     * unchecked fields) has been found equal to the record's nbytes. */
+    uint32_t scale, bias_at, row_ptr, col, val;
+    uint64_t size;
 } colibri_q8_layout;
 
 /* n rounded up to a multiple of a, a power of two (no 64-bit division: none
  * of libgcc's helpers on 32-bit targets). */
-static inline uint64_t colibri_up(uint64_t n, uint64_t a)
-{
-    return (n + a - 1u) & ~(a - 1u);
-}
-
 /* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
  * bytes) of a tensor of `rows` rows in an image of format `version`.
  * Returns 0 if its header codes are invalid (v2: parameter dtype other than
  * F32 or F16, unknown flags, reserved bits); v1's reserved word is left to
- * the validator's second pass. */
-static inline int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
-{
-    l->nnz = colibri_rd_u32(p);
-    l->param = 4;
-    l->bias = 0;
-    int ok = 1;
-    if (version >= 2u) {
-        const uint8_t dtype = p[4], flags = p[5];
-        ok = (dtype == COLIBRI_DTYPE_F32 || dtype == COLIBRI_DTYPE_F16) &&
-             (flags & ~COLIBRI_Q8_FLAG_BIAS) == 0 && colibri_rd_u16(p + 6) == 0;
-        l->param = dtype == COLIBRI_DTYPE_F16 ? 2u : 4u;
-        l->bias = (flags & COLIBRI_Q8_FLAG_BIAS) != 0;
-    }
-    if (l->nnz == 0)
-        l->ptr = 0;
-    else if (version < 2u || l->nnz > 0xFFFFu)
-        l->ptr = 4;
-    else
-        l->ptr = l->nnz > 0xFFu ? 2u : 1u;
-    uint64_t pos = COLIBRI_Q8_PARAMS_HEADER;
-    l->scale = pos;
-    pos += l->param * rows;
-    l->bias_at = pos;
-    if (l->bias)
-        pos += l->param * rows;
-    l->row_ptr = l->col = l->val = pos;
-    if (l->ptr) {
-        l->row_ptr = pos = colibri_up(pos, l->ptr);
-        pos += l->ptr * (rows + 1u);
-        l->col = pos = colibri_up(pos, 2u);
-        pos += 2u * (uint64_t)l->nnz;
-        l->val = pos = colibri_up(pos, version < 2u ? 4u : 2u); /* v1 pads the columns to 4 bytes */
-        pos += 2u * (uint64_t)l->nnz;
-    }
-    l->size = pos;
-    return ok;
-}
+ * the validator's second pass. (colibri_image.c; one copy for the
+ * validator and the plan.) */
+int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l);
 
 /* Row pointer i of a layout's row_ptr array at p (any width). */
 static inline uint32_t colibri_q8_ptr_at(const uint8_t *p, uint8_t width, uint64_t i)

@@ -217,17 +217,33 @@ static inline float colibri_f16_to_f32(uint16_t h)
 /* ---- I8 metadata, read through these two only, so every backend stays
  * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
 
-/* An f16 Q8_PARAMS parameter -> f32, exactly. Validation admits only ±0
- * and normal numbers there (docs/model-format.md "Quantised weights"), so
- * rebiasing the exponent is the whole conversion; where the FPU converts
- * half precision (Cortex-M7's FPv5, 32-bit Arm) one VCVTB does it, with the
- * same bits for every such value. */
-static inline float colibri_q8_half(uint16_t h)
-{
+/* Where the FPU converts half precision (32-bit Arm with FPv5, the
+ * Cortex-M7): one VCVTB widens a finite f16 exactly, subnormals included
+ * (flush-to-zero is never enabled). Every f16 these accessors read is
+ * validated finite, so it gives the same bits as the portable code. */
 #if defined(__arm__) && defined(__ARM_FP) && (__ARM_FP & 2) && defined(__GNUC__)
+#define COLIBRI_Q8_VCVTB 1
+static inline float colibri_q8_vcvtb(uint16_t h)
+{
     float f;
     __asm__("vmov %0, %1\n\tvcvtb.f32.f16 %0, %0" : "=t"(f) : "r"((uint32_t)h));
     return f;
+}
+#endif
+
+#if defined(__GNUC__)
+#define COLIBRI_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define COLIBRI_ALWAYS_INLINE inline
+#endif
+
+/* An f16 Q8_PARAMS parameter -> f32, exactly. Validation admits only ±0
+ * and normal numbers there (docs/model-format.md "Quantised weights"), so
+ * rebiasing the exponent is the whole conversion. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_half(uint16_t h)
+{
+#ifdef COLIBRI_Q8_VCVTB
+    return colibri_q8_vcvtb(h);
 #else
     const uint32_t mag = (uint32_t)h & 0x7FFFu;
     const uint32_t bits = ((uint32_t)h & 0x8000u) << 16 | (mag ? (mag << 13) + (112u << 23) : 0u);
@@ -237,8 +253,18 @@ static inline float colibri_q8_half(uint16_t h)
 #endif
 }
 
+/* A compensation value (f16, validated finite, maybe subnormal) -> f32. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_value(uint16_t h)
+{
+#ifdef COLIBRI_Q8_VCVTB
+    return colibri_q8_vcvtb(h);
+#else
+    return colibri_f16_to_f32(h);
+#endif
+}
+
 /* Parameter i (a scale for i < rows, the bias of row i - rows after them). */
-static inline float colibri_q8_param(const colibri_matrix *w, size_t i)
+static COLIBRI_ALWAYS_INLINE float colibri_q8_param(const colibri_matrix *w, size_t i)
 {
     if (w->q8_f16)
         return colibri_q8_half(((const uint16_t *)w->scale)[i]);
@@ -246,7 +272,7 @@ static inline float colibri_q8_param(const colibri_matrix *w, size_t i)
 }
 
 /* s_o, the dequantisation scale of output row o. */
-static inline float colibri_q8_scale(const colibri_matrix *w, size_t o)
+static COLIBRI_ALWAYS_INLINE float colibri_q8_scale(const colibri_matrix *w, size_t o)
 {
     return colibri_q8_param(w, o);
 }
@@ -255,27 +281,24 @@ static inline float colibri_q8_scale(const colibri_matrix *w, size_t o)
  * compensation entries in storage order, then + the companion's bias of row
  * o if it holds one (format v2; the layer's own bias reference is then
  * NONE, so the kernel's b is NULL). Call it once for every output row. */
-static inline float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
+static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
 {
-    uint32_t k = 0, end = 0;
-    switch (w->q8_ptr) {
-    case 1:
-        k = ((const uint8_t *)w->row_ptr)[o];
-        end = ((const uint8_t *)w->row_ptr)[o + 1];
-        break;
-    case 2:
-        k = ((const uint16_t *)w->row_ptr)[o];
-        end = ((const uint16_t *)w->row_ptr)[o + 1];
-        break;
-    case 4:
-        k = ((const uint32_t *)w->row_ptr)[o];
-        end = ((const uint32_t *)w->row_ptr)[o + 1];
-        break;
-    default: /* no compensation term */
-        break;
+    const uint8_t width = w->q8_ptr; /* 0: no compensation term */
+    if (width) {
+        uint32_t k, end;
+        if (width == 1) {
+            k = ((const uint8_t *)w->row_ptr)[o];
+            end = ((const uint8_t *)w->row_ptr)[o + 1];
+        } else if (width == 2) {
+            k = ((const uint16_t *)w->row_ptr)[o];
+            end = ((const uint16_t *)w->row_ptr)[o + 1];
+        } else {
+            k = ((const uint32_t *)w->row_ptr)[o];
+            end = ((const uint32_t *)w->row_ptr)[o + 1];
+        }
+        for (; k < end; k++)
+            v += colibri_q8_value(w->val[k]) * x[w->col[k]];
     }
-    for (; k < end; k++)
-        v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
     if (w->q8_bias)
         v += colibri_q8_param(w, (size_t)w->rows + o);
     return v;
