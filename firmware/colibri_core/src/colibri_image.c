@@ -44,10 +44,16 @@
 
 #include "colibri_internal.h"
 
+/* check_tensor and check_quant are not inlined into colibri_check_work,
+ * whose frame holds the layer program's checks (the deepest), and the
+ * companion layout is inlined into them, its fields kept in registers:
+ * validating a q8 image then needs no more stack than an f32 one. */
 #if defined(__GNUC__)
 #define NOINLINE __attribute__((noinline))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
 #define NOINLINE
+#define ALWAYS_INLINE inline
 #endif
 
 /* ---- Record readers ---- */
@@ -231,7 +237,7 @@ static uint64_t colibri_up(uint64_t n, uint64_t a)
     return (n + a - 1u) & ~(a - 1u);
 }
 
-int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
+static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
 {
     l->nnz = colibri_rd_u32(p);
     l->param = 4;
@@ -350,8 +356,7 @@ static int scale_ok(const uint8_t *p, uint8_t param)
  * exactly the size they imply): BAD_QUANT for the reference, v1's reserved
  * word and the scales, then BAD_COMPENSATION for the sparse term E (its
  * padding bytes included). An f32 bias is any value, as an F32 bias tensor;
- * an f16 bias ±0 or normal. Not inlined: its frame stays out of the layer
- * program's checks, which run deepest. */
+ * an f16 bias ±0 or normal. Not inlined (see NOINLINE above). */
 static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
 {
     if (t->aux >= ck->h->tensor_count)

@@ -113,13 +113,6 @@ typedef struct colibri_q8_layout {
 
 /* n rounded up to a multiple of a, a power of two (no 64-bit division: none
  * of libgcc's helpers on 32-bit targets). */
-/* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
- * bytes) of a tensor of `rows` rows in an image of format `version`.
- * Returns 0 if its header codes are invalid (v2: parameter dtype other than
- * F32 or F16, unknown flags, reserved bits); v1's reserved word is left to
- * the validator's second pass. (colibri_image.c; one copy for the
- * validator and the plan.) */
-int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l);
 
 /* Row pointer i of a layout's row_ptr array at p (any width). */
 static inline uint32_t colibri_q8_ptr_at(const uint8_t *p, uint8_t width, uint64_t i)
