@@ -232,11 +232,46 @@ static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
 
 /* ---- Tensors ---- */
 
+/* Q8_PARAMS: where the fields of a companion lie (docs/model-format.md
+ * "Quantised weights"). */
+
+typedef struct colibri_q8_layout {
+    uint32_t nnz;        /* entries of E */
+    uint8_t param;       /* bytes per scale and bias: 4 (f32) or 2 (f16, v2) */
+    uint8_t bias;        /* 1: a bias [rows] follows the scales (v2 BIAS flag) */
+    uint8_t ptr;         /* bytes per row pointer: 0 (nnz 0), 1, 2 or 4 */
+    /* Byte offsets from the payload start, col and val only when nnz > 0;
+     * they are meaningful once size (in 64 bits: rows and nnz come from
+     * unchecked fields) has been found equal to the record's nbytes. */
+    uint32_t scale, bias_at, row_ptr, col, val;
+    uint64_t size;
+} colibri_q8_layout;
+
+/* Row pointer i of a layout's row_ptr array at p (any width). */
+static inline uint32_t colibri_q8_ptr_at(const uint8_t *p, uint8_t width, uint64_t i)
+{
+    switch (width) {
+    case 1:
+        return p[i];
+    case 2:
+        return colibri_rd_u16(p + 2u * (size_t)i);
+    default:
+        return colibri_rd_u32(p + 4u * (size_t)i);
+    }
+}
+
+/* n rounded up to a multiple of a, a power of two (no 64-bit division: none
+ * of libgcc's helpers on 32-bit targets). */
 static uint64_t colibri_up(uint64_t n, uint64_t a)
 {
     return (n + a - 1u) & ~(a - 1u);
 }
 
+/* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
+ * bytes) of a tensor of `rows` rows in an image of format `version`, as
+ * colibri.format.q8_layout computes it. Returns 0 if its header codes are
+ * invalid (v2: parameter dtype other than F32 or F16, unknown flags,
+ * reserved bits); v1's reserved word is left to the second pass. */
 static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
 {
     l->nnz = colibri_rd_u32(p);
