@@ -27,8 +27,8 @@ F16_MAX = 65504.0
 
 F16_MIN_NORMAL = 2.0**-14
 # Error budget of compact parameters (format v2, docs/model-format.md "Quantised weights"):
-# an f16 scale is the f32 one rounded up to f16, so a row's step grows by at most 2^-10 of
-# itself and no weight clips; an f16 bias may move each output by at most this share of its
+# an f16 scale is the nearest f16 to the f32 one, the int8 weights those of the f32 scale (a
+# gain error of at most 2^-12 per row); an f16 bias may move each output by at most this share of its
 # row's weight step s (1/4: half of what rounding one weight may add on a unit input, while a
 # row sums `cols` such roundings: their spread is about 0.29·s·|x|₂).
 F16_BIAS_SHARE = 1 / 4
@@ -41,14 +41,6 @@ def _f16_bias(b: np.ndarray) -> np.ndarray:
     tiny = np.abs(h.astype(np.float32)) < F16_MIN_NORMAL
     h[tiny] = np.where(np.abs(b[tiny]) >= F16_MIN_NORMAL / 2, np.copysign(np.float16(F16_MIN_NORMAL), b[tiny]),
                        np.copysign(np.float16(0), b[tiny])).astype(np.float16)
-    return h
-
-
-def _f16_up(x: np.ndarray) -> np.ndarray:
-    """x rounded up to float16 (x >= 0), as float16."""
-    h = x.astype(np.float16)
-    low = h.astype(np.float32) < x
-    h[low] = np.nextafter(h[low], np.float16(np.inf))
     return h
 
 
@@ -73,22 +65,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         body = body.copy()
         body.ravel()[outliers] = 0
 
-    def step(scale: np.ndarray) -> np.ndarray:
-        """The scales as stored: f32, or rounded up to f16 (compact; None if one is outside f16's
-        normal range, and then the tensor keeps f32 parameters)."""
-        if not compact:
-            return scale
-        nonzero = scale[scale > 0]
-        if not np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)):
-            return None
-        return _f16_up(scale).astype(np.float32)
-
-    def wide_parameters() -> Q8Weight:
-        return quantize_q8(w, compensation, bias=bias, compact=False)
-
-    scale = step((body.max(axis=1) / np.float32(127)).astype(np.float32))
-    if scale is None:
-        return wide_parameters()
+    scale = (body.max(axis=1) / np.float32(127)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
     q[scale == 0] = 0
@@ -99,15 +76,17 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         # the row's residuals by scale / 2.
         wide = np.flatnonzero((np.abs(residual) > F16_MAX).any(axis=1))
         if wide.size:
-            wide_scale = step((np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32))
-            if wide_scale is None:
-                return wide_parameters()
-            scale[wide] = wide_scale
+            scale[wide] = (np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32)
             q[wide] = np.clip(np.rint(w[wide] / scale[wide, None]), -127, 127).astype(np.int8)
             residual[wide] = w[wide] - q[wide].astype(np.float32) * scale[wide, None]
     if compact:
-        nonzero = scale[scale > 0]  # rounding up may have carried one past f16's largest
-        ok = bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX)))
+        # f16 scales: the int8 weights stay those of the f32 scales (the same rounding as
+        # version 1), the stored scale is the nearest f16, a gain error of at most 2^-12 per
+        # row, and E is chosen from the residuals of the scales as stored.
+        s16 = scale.astype(np.float16) if np.all(scale <= F16_MAX) else None
+        nonzero = None if s16 is None else s16[s16 != 0].astype(np.float32)
+        ok = s16 is not None and bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX))) \
+            and bool(np.all((s16 != 0) == (scale != 0)))
         if ok and bias is not None:
             b = np.asarray(bias, dtype=np.float32)  # NaN, inf, beyond f16: f32 parameters
             ok = bool(np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX))
@@ -115,7 +94,9 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
                 err = np.abs(_f16_bias(b).astype(np.float32) - b)
                 ok = bool(np.all(err <= scale * F16_BIAS_SHARE))
         if not ok:
-            return wide_parameters()
+            return quantize_q8(w, compensation, bias=bias, compact=False)
+        scale = s16.astype(np.float32)
+        residual = w - q.astype(np.float32) * scale[:, None]
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
     col = np.zeros(0, dtype=np.uint16)
     val = np.zeros(0, dtype=np.float16)
