@@ -154,7 +154,7 @@ static NOINLINE void weight(colibri_matrix *w, const uint8_t *image, const colib
         w->q8_f16 = param == 2u;
         w->q8_bias = v2 && (p[5] & COLIBRI_Q8_FLAG_BIAS);
         w->q8_ptr = nnz == 0 ? 0u : (!v2 || nnz > 0xFFFFu) ? 4u : nnz > 0xFFu ? 2u : 1u;
-        w->nnz = (uint32_t)nnz;
+        w->q8_nnz = (uint32_t)nnz;
         w->scale = p + COLIBRI_Q8_PARAMS_HEADER;
         if (nnz) {
             const size_t ptr = w->q8_ptr;

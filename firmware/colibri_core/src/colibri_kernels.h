@@ -43,7 +43,9 @@ typedef struct colibri_matrix {
     uint8_t q8_bias;           /* 1: a bias [rows] follows the scales (v2) */
     uint8_t q8_ptr;            /* bytes per row pointer: 0 (no E), 1, 2 or 4 */
     uint32_t rows, cols;
-    uint32_t nnz;              /* I8: entries of the compensation term E; 0: none */
+    uint32_t q8_nnz;           /* I8: entries of the compensation term E; 0: none.
+                                * Kernels ask colibri_q8_has_terms(), not this: a
+                                * companion without E may still hold a bias. */
     const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
     /* I8 only (from the Q8_PARAMS companion); otherwise NULL. */
     const void *scale;         /* [rows] per-output-channel scale s (f32 or f16), then
@@ -275,6 +277,14 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_param(const colibri_matrix *w, siz
 static COLIBRI_ALWAYS_INLINE float colibri_q8_scale(const colibri_matrix *w, size_t o)
 {
     return colibri_q8_param(w, o);
+}
+
+/* Whether colibri_q8_compensate() adds anything to this matrix's rows (a
+ * compensation term E or a companion bias): a kernel may skip calling it
+ * only when this is 0. */
+static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
+{
+    return w->q8_ptr != 0 || w->q8_bias != 0;
 }
 
 /* The additive terms of row o, in this order: v + Σ e · x[col] over row o's
