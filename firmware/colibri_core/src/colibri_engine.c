@@ -126,8 +126,8 @@ static const float *f32_tensor(const uint8_t *image, const colibri_header *hdr, 
  * validated), an I8 one with its Q8_PARAMS scales and compensation term;
  * all zero for COLIBRI_NONE. The plan entries are written in place, field
  * by field, so init needs no struct-sized temporaries on a small stack;
- * not inlined, so one frame holds the companion's layout, not one per
- * weight of an expert. */
+ * not inlined, so its record buffer sits in one frame, not in plan_expert's
+ * once for each of w1, w2 and w3. */
 static NOINLINE void weight(colibri_matrix *w, const uint8_t *image, const colibri_header *hdr, uint32_t index)
 {
     memset(w, 0, sizeof *w);
@@ -213,12 +213,11 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
         plan_expert(&expert[j], image, hdr, r.first_expert + j);
 }
 
-/* Kept out of colibri_init: inlined, its record buffers would sit in the
- * same frame as init's model summary and offsets, and raise the stack
- * high-water mark a device reserves for init. */
-
 /* Resolves the validated program of c->model into the plan arrays the
- * context points at, which arena_layout sized from the same counts. */
+ * context points at, which arena_layout sized from the same counts. Kept
+ * out of colibri_init: inlined, its record buffers would sit in the same
+ * frame as init's model summary and offsets, and raise the stack
+ * high-water mark a device reserves for init. */
 static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
 {
     const colibri_header *hdr = &c->model.hdr;

@@ -35,7 +35,8 @@
  *
  * The I8 fields describe the Q8_PARAMS companion (docs/model-format.md
  * "Quantised weights", format v1 or v2); kernels read them only through
- * colibri_q8_scale() and colibri_q8_compensate() below. */
+ * colibri_q8_scale(), colibri_q8_compensate() and colibri_q8_has_terms()
+ * below. */
 typedef struct colibri_matrix {
     uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
     /* I8 only, else 0; beside dtype so no padding sits inside the plan's copies. */
@@ -216,13 +217,15 @@ static inline float colibri_f16_to_f32(uint16_t h)
     return f;
 }
 
-/* ---- I8 metadata, read through these two only, so every backend stays
- * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
+/* ---- I8 metadata, read through colibri_q8_scale(), colibri_q8_compensate()
+ * and colibri_q8_has_terms() only, so every backend stays independent of how
+ * Q8_PARAMS lays out its scales, bias and compensation (format v1 or v2). ---- */
 
 /* Where the FPU converts half precision (32-bit Arm with FPv5, the
  * Cortex-M7): one VCVTB widens a finite f16 exactly, subnormals included
- * (flush-to-zero is never enabled). Every f16 these accessors read is
- * validated finite, so it gives the same bits as the portable code. */
+ * (flush-to-zero and FPSCR.AHP, the alternative half format, are never
+ * enabled). Every f16 these accessors read is validated finite, so it gives
+ * the same bits as the portable code. */
 #if defined(__arm__) && defined(__ARM_FP) && (__ARM_FP & 2) && defined(__GNUC__)
 #define COLIBRI_Q8_VCVTB 1
 static inline float colibri_q8_vcvtb(uint16_t h)
