@@ -7,7 +7,10 @@ every record quickly; together they cover every weight dtype (f32, f16, q8,
 q8 with int8 activations), every routing mode, shared experts with and
 without a gate, pruned experts, GLU and MLP experts, every activation,
 LayerNorm, RMSNorm, residual blocks, a PAGE_ALIGNED image and int8 weights
-of one input column. The runner
+of one input column. q8 comes in both model image formats: version 2 (what
+the exporter writes: f16 scales, biases in the Q8_PARAMS companions, row
+pointers of 1 or 2 bytes, and a companion whose parameters fall back to f32)
+and version 1 (f32 scales, 4-byte row pointers). The runner
 fuzzer also loads one of them (runner-model.clb) into its emulated flash.
 """
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from colibri import image
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.exporter import build_graph, export
+from colibri.quantize import quantize
 
 
 def _moe_model(d: int = 4, experts: int = 3, hidden: int = 3, **moe) -> torch.nn.Module:
@@ -39,6 +44,19 @@ def _mlp() -> torch.nn.Module:
         torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4, 4), torch.nn.SiLU(),
         torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Sigmoid(), torch.nn.Linear(4, 2),
     )
+
+
+def _wide_e() -> torch.nn.Module:
+    """A Linear whose compensation term has more than 255 entries: 2-byte row pointers in v2."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 20), torch.nn.ReLU(), torch.nn.Linear(20, 2))
+
+
+def _big_bias() -> torch.nn.Module:
+    """A bias far off its row's weight step: that companion keeps f32 scales and bias in v2."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].bias[0] = 1000.3
+    return model
 
 
 def _narrow() -> torch.nn.Module:
@@ -67,14 +85,32 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
         lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, expert_bias=False), Q8_ACT),
     "dense-pruned-q8-int8act": (
         lambda: _moe_model(routing="dense", router_bias=True, num_shared=1), {**Q8_ACT, "prune": [0]}),
+    "wide-e-q8": (_wide_e, {"dtype": "q8", "compensation": 0.85}),
+    "big-bias-q8-f32-params": (_big_bias, {"dtype": "q8", "compensation": 0.2}),
+    # Format version 1 (quantised with compact=False, written as version 1).
+    "softmax-topk-q8-v1": (
+        lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), {**Q8, "version": 1}),
+    "glu-q8-int8act-v1": (
+        lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, expert_bias=False),
+        {**Q8_ACT, "version": 1}),
 }
+
+
+def seed_image(factory: Callable[[], torch.nn.Module], opts: dict) -> bytes:
+    """The export of one seed model; with "version": 1 in opts, q8 in format version 1."""
+    if opts.get("version", 2) >= 2:
+        return export(factory(), None, max_batch=3, **opts).image
+    opts = dict(opts)
+    version = opts.pop("version")
+    graph, _ = build_graph(factory().eval(), max_batch=3)
+    return image.write(quantize(graph, compact=False, **opts), version=version)
 
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, (factory, opts) in MODELS.items():
         torch.manual_seed(zlib.crc32(name.encode()))
-        data = export(factory(), None, max_batch=3, **opts).image
+        data = seed_image(factory, opts)
         (out / f"{name}.clb").write_bytes(data)
         print(f"{name}.clb: {len(data)} bytes")
     # The runner fuzzer boots this one from its emulated flash slot.

@@ -118,7 +118,13 @@ def oracle(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
                     w = module.weight.numpy()
-                    stored = quantize_q8(w) if quant == "q8" else quantize_f16(w)
+                    if quant == "q8":  # compact (format v2): the bias travels with the scales, maybe as f16
+                        bias = None if module.bias is None else module.bias.numpy()
+                        stored = quantize_q8(w, bias=bias, compact=True)
+                        if bias is not None:
+                            module.bias.copy_(torch.from_numpy(stored.bias.astype(np.float32)))
+                    else:
+                        stored = quantize_f16(w)
                     module.weight.copy_(torch.from_numpy(dense(stored)))
     return model.eval()
 

@@ -1,7 +1,7 @@
 """The plan built once at init: colibri_forward parses no record of the image.
 
 tests/c/colibri_plan runs each image, corrupts every record byte of its private
-copy (header, the four tables, each Q8_PARAMS payload's nnz and reserved words),
+copy (header, the four tables, each Q8_PARAMS payload's 8-byte header),
 runs the same context again and requires bit-identical outputs. The images
 cover every layer op, every routing mode, pruned experts, shared experts with
 and without a gate, and f32, f16, q8 (with compensation) and q8 with int8

@@ -50,7 +50,8 @@ Q8_BOUND = 1e-2  # end-to-end relative L2, q8 weights (the random-weight models 
 ACCURACY_DROP = 0.003  # q8 vs f32 test accuracy on the trained model (0.3 percentage points)
 ROUTING_AGREEMENT = 0.99  # share of test tokens whose expert set q8 leaves unchanged
 HEAVY_TAIL_GAIN = 1.5  # error without E / error with E, Student-t weights
-Q8_SIZE, F16_SIZE = 0.27, 0.51  # image bytes / f32 image bytes, weight-dominated model
+Q8_SIZE, F16_SIZE = 0.262, 0.51  # image bytes / f32 image bytes, weight-dominated model (q8: format v2)
+Q8_V1_SIZE = 0.27  # the same in format version 1's layout (f32 scales, 4-byte row pointers)
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -294,9 +295,105 @@ def test_image_size_ratios() -> None:
     f32 = len(image.write(graph))
     ratio = {name: len(image.write(quantize(graph, dtype, **kw))) / f32
              for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8 no E", "q8", {"compensation": 0.0}))}
+    ratio["q8 v1"] = len(image.write(quantize(graph, "q8", compact=False), version=1)) / f32
     print("image size / f32: " + ", ".join(f"{k} {v:.4f}" for k, v in ratio.items()))
-    assert ratio["q8"] <= Q8_SIZE and ratio["f16"] <= F16_SIZE
+    assert ratio["q8"] <= Q8_SIZE and ratio["f16"] <= F16_SIZE and ratio["q8"] < ratio["q8 v1"] <= Q8_V1_SIZE
     assert ratio["q8 no E"] < ratio["q8"]  # E is in the image
+
+
+# --- 5b. compact q8 metadata (format v2) and version 1 ---------------------------------------------
+
+
+def test_compact_scales_are_the_nearest_f16_within_budget() -> None:
+    """f16 scales are the nearest f16 to the f32 ones and the int8 weights those of the f32 scales
+    (version 1's rounding): a per-row gain error of at most 2^-12; each row still reaches ±127;
+    the bias moves into the companion as f16 within F16_BIAS_SHARE of the row's step."""
+    from colibri.quantize import F16_BIAS_SHARE
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 40)).astype(np.float32) * 0.1
+    b = rng.standard_normal(24).astype(np.float32) * 0.05
+    wide, compact = quantize_q8(w), quantize_q8(w, bias=b, compact=True)
+    assert compact.scale.dtype == compact.bias.dtype == np.float16
+    s16, s32 = compact.scale.astype(np.float32), wide.scale
+    assert np.array_equal(compact.q, wide.q) and np.all(np.abs(compact.q).max(axis=1) == 127)
+    assert np.all(np.abs(s16 - s32) <= s32 * 2.0**-11) and np.array_equal(s16, s32.astype(np.float16))
+    assert np.all(np.abs(compact.bias.astype(np.float32) - b) <= s16 * F16_BIAS_SHARE)
+    err = np.abs(dense(compact) - w)
+    assert err.max() <= s16.max() * (0.5 + 127 * 2.0**-11) + 1e-7
+
+
+@pytest.mark.parametrize("case", ["tiny row", "bias far from its step", "huge bias"])
+def test_compact_falls_back_to_f32_parameters(case: str) -> None:
+    """Outside the budget a tensor keeps f32 scales and bias (still in its companion)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((6, 16)).astype(np.float32) * 0.1
+    b = np.full(6, 0.01, dtype=np.float32)
+    if case == "tiny row":
+        w[2] *= 1e-4  # max|w| / 127 below f16's normal range
+    elif case == "bias far from its step":
+        b[3] = 1000.3  # f16 spacing 0.5 at 1000: far more than a quarter of the row's step
+    else:
+        b[0] = 1e6
+    q = quantize_q8(w, bias=b, compact=True)
+    assert q.scale.dtype == q.bias.dtype == np.float32
+    assert np.array_equal(q.bias, b) and np.array_equal(q.scale, quantize_q8(w).scale)
+
+
+def test_compact_moves_biases_into_the_companions(quickstart_graph: Graph) -> None:
+    """quantize(compact=True) leaves no bias tensor beside an int8 weight; compact=False leaves them."""
+    def biases(g: Graph) -> int:
+        n = 0
+        for layer in g.layers:
+            if isinstance(layer, Linear):
+                n += layer.bias is not None
+            elif isinstance(layer, MoE):
+                n += layer.router_bias is not None
+                n += sum(b is not None for e in layer.experts + layer.shared for b in (e.b1, e.b2, e.b3))
+        return n
+
+    compact, wide = quantize(quickstart_graph, "q8"), quantize(quickstart_graph, "q8", compact=False)
+    assert biases(quickstart_graph) > 0 and biases(wide) == biases(quickstart_graph) and biases(compact) == 0
+    kept = quantize(quickstart_graph, "q8", keep=["layers.0"])
+    assert kept.layers[0].bias is not None  # an f32 weight keeps its f32 bias tensor
+    with pytest.raises(ValueError, match="version 1 holds no bias"):
+        image.write(compact, version=1)
+
+
+@pytest.mark.parametrize("model", ["quickstart", "random-1", "random-3"])
+def test_version_1_images_still_run(model: str) -> None:
+    """A v1 image (f32 scales, u32 row pointers) and the v2 image of the same graph give the same
+    bits; v1 images of compact graphs widen f16 scales exactly (no bias in them)."""
+    graph = ENGINE_MODELS[model]()
+    wide = quantize(graph, "q8", compact=False, compensation=0.02)
+    v1, v2 = image.write(wide, version=1), image.write(wide, version=2)
+    assert v1[4:6] == b"\x01\x00" and v2[4:6] == b"\x02\x00" and len(v2) < len(v1)
+    x = inputs(graph.max_batch, graph.input_size, seed=9)
+    for kernels in (True, False):
+        a = colibri.Model(v1, reference_kernels=kernels).forward(x)
+        b = colibri.Model(v2, reference_kernels=kernels).forward(x)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert_engine_matches(v1, x)
+    back = image.read(v1)
+    assert all(w.scale.dtype == np.float32 and w.row_ptr.dtype == np.dtype("<u4")
+               for w in (getattr(o, a) for _, o, a in weight_slots(back)) if isinstance(w, Q8Weight))
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_compact_and_wide_parameters_agree_in_the_engine(quickstart_graph: Graph) -> None:
+    """The compact image runs as its own reference says (biases after E), and within q8's error of
+    the version-1 layout."""
+    x = inputs(64, quickstart_graph.input_size, seed=10)
+    compact = image.write(quantize(quickstart_graph, "q8", int8_act=["layers.3.experts.*"]))
+    wide = image.write(quantize(quickstart_graph, "q8", compact=False, int8_act=["layers.3.experts.*"]), version=1)
+    assert_engine_matches(compact, x)
+    a, b, f = (reference.run(d, x) for d in (compact, wide, image.write(quickstart_graph)))
+    # Same int8 weights, scales within 2^-12: the error of version 1's layout, within 2%.
+    print(f"relative L2 vs f32: compact {rel(a, f):.4g}, version-1 layout {rel(b, f):.4g}")
+    assert rel(a, f) <= 1.02 * rel(b, f)
 
 
 # --- 6. the C engine against the reference -------------------------------------------------------

@@ -120,3 +120,74 @@ def test_plot_title_and_labels_fit_and_do_not_overlap(tmp_path: Path) -> None:
     assert min(t.get_fontsize() for t in fig.axes[-1].get_xticklabels()) >= 8
     rep.plot(tmp_path / "err.png")
     assert (tmp_path / "err.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- Where an image's bytes go ------------------------------------------------------------------
+
+def _linear_graph(rows: int, cols: int, *, bias: bool = True):
+    """One Linear cols -> rows with fixed weights (one large outlier per row for E)."""
+    import torch
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(cols, rows, bias=bias)
+    graph, _ = build_graph(torch.nn.Sequential(lin).eval(), max_batch=1)
+    return graph
+
+
+def test_image_bytes_sum_to_the_image_and_follow_the_layout() -> None:
+    """Each part is what docs/model-format.md gives for the companion: v2 with f16 scales and bias,
+    1-byte row pointers (nnz <= 255); v1 with f32 scales, 4-byte row pointers, an f32 bias tensor."""
+    from colibri import format as F
+    from colibri.report import BYTE_PARTS, image_bytes
+
+    rows, cols = 40, 64
+    graph = _linear_graph(rows, cols)
+    nnz = round(0.005 * rows * cols)  # 13: the default compensation share
+    v2 = image_bytes(image.write(quantize(graph, "q8")))
+    v1 = image_bytes(image.write(quantize(graph, "q8", compact=False), version=1))
+    f32 = image_bytes(image.write(graph))
+    for b in (v1, v2, f32):
+        assert set(b.parts) == set(BYTE_PARTS) and sum(b.parts.values()) == b.total
+        assert b.parts["tables"] > 0 and all(v >= 0 for v in b.parts.values())
+    assert v2.version == 2 and v1.version == 1
+    assert v2.parts["weights"] == v1.parts["weights"] == rows * cols and v2.weight_dtypes == {"i8": rows * cols}
+    assert f32.parts["weights"] == 4 * rows * cols and f32.parts["biases"] == 4 * rows
+    assert (v2.parts["scales"], v2.parts["biases"], v2.companion_biases) == (2 * rows, 2 * rows, 2 * rows)
+    assert (v1.parts["scales"], v1.parts["biases"], v1.companion_biases) == (4 * rows, 4 * rows, 0)
+    assert v2.parts["e_row_ptr"] == F.q8_row_ptr_bytes(2, nnz) * (rows + 1) == rows + 1
+    assert v1.parts["e_row_ptr"] == 4 * (rows + 1)
+    assert v1.parts["e_col"] == v2.parts["e_col"] == 2 * nnz == v1.parts["e_val"] == v2.parts["e_val"]
+    assert v2.compensation == rows + 1 + 4 * nnz
+    assert v2.total < v1.total
+    text = "\n".join(v2.lines())
+    assert "compensation E: row pointers" in text and f"{2 * rows} in Q8_PARAMS" in text and "format v2" in text
+
+
+def test_image_bytes_without_compensation_or_bias() -> None:
+    """nnz 0: no row pointers at all; no bias: none in the companion either."""
+    from colibri.report import image_bytes
+
+    graph = _linear_graph(8, 16, bias=False)
+    b = image_bytes(image.write(quantize(graph, "q8", compensation=0.0)))
+    assert b.compensation == 0 and b.parts["biases"] == 0 and b.parts["scales"] == 2 * 8
+
+
+def test_quantize_report_prints_the_bytes(tmp_path: Path) -> None:
+    """`colibri quantize --report` prints the byte breakdown, with or without calibration inputs."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    src = tmp_path / "f32.clb"
+    src.write_bytes(image.write(_linear_graph(24, 32)))
+    exe = Path(sys.executable).with_name("colibri")
+    r = subprocess.run([str(exe), "quantize", str(src), str(tmp_path / "q8.clb"), "--dtype", "q8", "--report"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for what in ("image bytes (format v2)", "int8 scales", "compensation E: row pointers", "compensation E: columns",
+                 "compensation E: values", "biases", "header, records"):
+        assert what in r.stdout, (what, r.stdout)
+    r = subprocess.run([str(exe), "quantize", str(src), str(tmp_path / "q.clb"), "--dtype", "q8", "--plot", "x.png"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1 and "--plot needs --calibration" in r.stderr

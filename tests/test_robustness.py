@@ -61,9 +61,22 @@ def small_image(request) -> bytes:
     return export(_small_model(), None, max_batch=3, prune=[2], **QUANT[request.param]).image
 
 
-@pytest.fixture(scope="module")
-def q8_image() -> bytes:
-    return export(_small_model(), None, max_batch=3, **QUANT["q8"]).image
+def q8_image_of(version: int) -> bytes:
+    """The small model in q8 (QUANT["q8"]): format v2 as the exporter writes it (compact: f16
+    scales, biases in the companions, narrow row pointers), or v1 (f32 scales, u32 row pointers)."""
+    if version == F.VERSION:
+        return export(_small_model(), None, max_batch=3, **QUANT["q8"]).image
+    from colibri.exporter import build_graph
+    from colibri.quantize import quantize
+
+    graph, _ = build_graph(_small_model().eval(), max_batch=3)
+    opts = {k: v for k, v in QUANT["q8"].items() if k != "dtype"}
+    return image.write(quantize(graph, "q8", compact=False, **opts), version=version)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["v1", "v2"])
+def q8_image(request) -> bytes:
+    return q8_image_of(request.param)
 
 
 def status(fields: dict[str, str], key: str = "validate") -> int:
@@ -148,7 +161,7 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
     cases = {
         "wrong crc": (lambda b: b[:8] + bytes([b[8] ^ 1]) + b[9:])(small_image),
         "bad magic": b"CLBX" + small_image[4:],
-        "version 2": _patched(small_image, 4, "<H", 2),
+        "next version": _patched(small_image, 4, "<H", F.MAX_READ_VERSION + 1),
         "version 0": _patched(small_image, 4, "<H", 0),
         "version erased": _patched(small_image, 4, "<H", 0xFFFF),
         "image_size past end": _patched(small_image, 12, "<I", len(small_image) + 4),
@@ -172,7 +185,7 @@ def test_named_faults(c_drivers: Path, small_image: bytes) -> None:
         "image_size covers padding": bytes(big),
     }
     expected = {
-        "wrong crc": Status.BAD_CRC, "bad magic": Status.BAD_MAGIC, "version 2": Status.UNSUPPORTED_VERSION,
+        "wrong crc": Status.BAD_CRC, "bad magic": Status.BAD_MAGIC, "next version": Status.UNSUPPORTED_VERSION,
         "version 0": Status.BAD_VERSION, "version erased": Status.BAD_VERSION,
         "image_size past end": Status.TRUNCATED, "absurd tensor count": Status.TABLE_BOUNDS,
         "absurd layer count": Status.TABLE_BOUNDS, "tensor table past end": Status.TABLE_BOUNDS,
@@ -210,6 +223,17 @@ def _q8_companions(data: bytes) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+def _q8_fields(data: bytes, off: int, rows: int) -> dict[str, int]:
+    """Absolute offsets of one companion's fields (format.q8_layout of its header), plus `ptr`,
+    the row pointer width, `param`, the bytes per scale, and `bias` (0 or 1)."""
+    version = struct.unpack_from("<H", data, 4)[0]
+    nnz, dtype, flags = struct.unpack_from("<IBB", data, off)
+    param = 2 if version >= 2 and dtype == F.DType.F16 else 4
+    bias = version >= 2 and bool(flags & F.Q8Flag.BIAS)
+    at = {k: off + v for k, v in F.q8_layout(version, rows, nnz, param, bias).items()}
+    return at | {"ptr": F.q8_row_ptr_bytes(version, nnz), "param": param, "bias": int(bias), "version": version}
+
+
 def test_quantised_payload_corruptions(c_drivers: Path, q8_image: bytes) -> None:
     """Every byte of every Q8_PARAMS companion flipped, CRC fixed: C and Python agree, nothing crashes."""
     cases = []
@@ -232,38 +256,73 @@ def test_quantised_payload_corruptions(c_drivers: Path, q8_image: bytes) -> None
 
 
 def test_named_quantisation_faults(c_drivers: Path, q8_image: bytes) -> None:
+    """Each malformed Q8_PARAMS field of a v1 or v2 image: its own status, C and Python alike."""
     h = F.HEADER.unpack_from(q8_image, 0)
+    version = h[1]
     # A companion with a row holding at least two E entries, to unsort them.
     for comp in _q8_companions(q8_image):
         off, nbytes, rows, cols, nnz = comp
-        row_ptr_at = off + 8 + 4 * rows
-        col_at = row_ptr_at + 4 * (rows + 1)
-        ptr = struct.unpack_from(f"<{rows + 1}I", q8_image, row_ptr_at) if nnz else ()
+        at = _q8_fields(q8_image, off, rows)
+        code = {1: "B", 2: "H", 4: "I"}.get(at["ptr"])
+        ptr = struct.unpack_from(f"<{rows + 1}{code}", q8_image, at["row_ptr"]) if nnz else ()
         wide = [r for r in range(rows) if nnz and ptr[r + 1] - ptr[r] >= 2]
         if wide:
             start = ptr[wide[0]]
             break
     else:
         raise AssertionError("no row with two compensation entries: raise the compensation share")
+    col_at, w = at["col"], at["ptr"]
     c0, c1 = struct.unpack_from("<HH", q8_image, col_at + 2 * start)
     i8 = [i for i in range(h[9]) if F.TENSOR.unpack_from(q8_image, h[10] + i * F.TENSOR.size)[4] == F.DType.I8][0]
     i8_rec = h[10] + i8 * F.TENSOR.size
     i8_rows = F.TENSOR.unpack_from(q8_image, i8_rec)[2]
     other_shape = next(c for c in _q8_tensor_indices(q8_image) if _q8_rows(q8_image, c) != i8_rows)
-    nan = struct.unpack("<I", struct.pack("<f", float("nan")))[0]
+    if at["param"] == 4:
+        nan, negative, minus_zero = (_patched(q8_image, at["scale"], "<I", struct.unpack("<I", struct.pack("<f", v))[0])
+                                     for v in (float("nan"), -0.5, -0.0))
+    else:
+        nan, negative, minus_zero = (_patched(q8_image, at["scale"], "<H", v) for v in (0x7E00, 0xB800, 0x8000))
     cases = {
-        "NaN scale": (_patched(q8_image, off + 8, "<I", nan), Status.BAD_QUANT),
-        "negative scale": (_patched(q8_image, off + 8, "<f", -0.5), Status.BAD_QUANT),
+        "NaN scale": (nan, Status.BAD_QUANT),
+        "negative scale": (negative, Status.BAD_QUANT),
+        "-0 scale is a zero scale": (minus_zero, Status.OK),
+        "infinite scale": (_patched(q8_image, at["scale"], "<H" if at["param"] == 2 else "<I",
+                                    0x7C00 if at["param"] == 2 else 0x7F800000), Status.BAD_QUANT),
         "scales count != rows (companion of another shape)": (
             _patched(q8_image, i8_rec + 20, "<I", other_shape), Status.BAD_QUANT),
         "companion is not Q8_PARAMS": (_patched(q8_image, i8_rec + 20, "<I", i8), Status.BAD_QUANT),
         "E column out of range": (_patched(q8_image, col_at + 2 * start, "<H", cols), Status.BAD_COMPENSATION),
         "E columns unsorted": (_patched(_patched(q8_image, col_at + 2 * start, "<H", c1), col_at + 2 * start + 2,
                                         "<H", c0), Status.BAD_COMPENSATION),
-        "E row pointer past nnz": (_patched(q8_image, row_ptr_at + 4 * rows, "<I", nnz + 1), Status.BAD_COMPENSATION),
-        "E value infinite": (_patched(q8_image, off + nbytes - 2, "<H", 0x7C00), Status.BAD_COMPENSATION),
+        "E row pointer past nnz": (_patched(q8_image, at["row_ptr"] + w * rows, f"<{code}", nnz + 1),
+                                   Status.BAD_COMPENSATION),
+        "E first row pointer not 0": (_patched(q8_image, at["row_ptr"], f"<{code}", 1), Status.BAD_COMPENSATION),
+        "E value infinite": (_patched(q8_image, at["val"] + 2 * nnz - 2, "<H", 0x7C00), Status.BAD_COMPENSATION),
         "nnz disagrees with nbytes": (_patched(q8_image, off, "<I", nnz + 1), Status.BAD_TENSOR),
     }
+    if version < 2:
+        cases["reserved word set"] = (_patched(q8_image, off + 4, "<I", 1), Status.BAD_QUANT)
+    else:
+        cases |= {
+            "parameter dtype I8": (_patched(q8_image, off + 4, "<B", int(F.DType.I8)), Status.BAD_QUANT),
+            "parameter dtype 0": (_patched(q8_image, off + 4, "<B", 0), Status.BAD_QUANT),
+            "unknown flag": (_patched(q8_image, off + 5, "<B", at["bias"] | 2), Status.BAD_QUANT),
+            "reserved bits set": (_patched(q8_image, off + 6, "<H", 0x100), Status.BAD_QUANT),
+            "BIAS flag flipped: size disagrees": (_patched(q8_image, off + 5, "<B", at["bias"] ^ 1), Status.BAD_TENSOR),
+            "parameter dtype flipped: size disagrees": (
+                _patched(q8_image, off + 4, "<B", int(F.DType.F32 if at["param"] == 2 else F.DType.F16)),
+                Status.BAD_TENSOR),
+        }
+    # A nonzero gap byte before the columns or the row pointers, where the layout has one.
+    for comp in _q8_companions(q8_image):
+        g_off, _, g_rows, _, g_nnz = comp
+        g = _q8_fields(q8_image, g_off, g_rows)
+        if g_nnz and g["col"] > g["row_ptr"] + g["ptr"] * (g_rows + 1):
+            cases["gap before the columns set"] = (_patched(q8_image, g["col"] - 1, "<B", 1), Status.BAD_COMPENSATION)
+        if g_nnz and g["val"] > g["col"] + 2 * g_nnz:
+            cases["gap before the values set"] = (_patched(q8_image, g["val"] - 1, "<B", 1), Status.BAD_COMPENSATION)
+    assert version < 2 or "gap before the columns set" in cases  # u8 row pointers of an even row count
+    assert version >= 2 or "gap before the values set" in cases  # v1 pads the columns to 4 bytes
     results = check(c_drivers, [data for data, _ in cases.values()])
     for (name, (data, want)), f in zip(cases.items(), results):
         assert status(f) == want, (name, f)

@@ -272,8 +272,12 @@ def test_cli_flash_probe_runs_pyocd(model_files, tmp_path: Path, probe: str) -> 
     fail = "" if probe == "present" else 'echo "0000183:ERROR:load_cmd:No connected debug probes" >&2; exit 1'
     (bin_dir / "pyocd").write_text(FAKE_PYOCD.format(log=log, fail=fail))
     (bin_dir / "pyocd").chmod(0o755)
+    # A stand-in firmware file carrying runner.c's format record: it reads the q8 model's format (v2).
+    from colibri import format as F
+    from colibri.pack import FORMATS_RECORD, FORMATS_TAG
+
     fw = tmp_path / "runner.bin"
-    fw.write_bytes(b"\x00" * 64)
+    fw.write_bytes(b"\x00" * 64 + FORMATS_RECORD.pack(FORMATS_TAG, F.MIN_READ_VERSION, F.MAX_READ_VERSION))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     r = _colibri("flash", str(model_files[1]), "--probe", "--firmware", str(fw), "--slot", "B", "--sequence", "7",
                  env=env)

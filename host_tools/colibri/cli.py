@@ -468,7 +468,9 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
 @_quant_options(dtype_required=True)
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv) for the report and routing checks.")
-@click.option("--report", "show_report", is_flag=True, help="Print per-layer and end-to-end error and routing agreement.")
+@click.option("--report", "show_report", is_flag=True,
+              help="Print where OUTPUT's bytes go (weights, scales, E, biases, tables) and, with --calibration, "
+                   "per-layer and end-to-end error and routing agreement.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw the error distribution per layer (PNG).")
 def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: tuple[str, ...],
              int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None) -> None:
@@ -479,10 +481,10 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
     """
     from . import image
     from . import quantize as q
-    from .report import quantisation_report
+    from .report import image_bytes, quantisation_report
 
-    if (show_report or plot) and calibration is None:
-        raise ColibriError("--report and --plot need --calibration inputs")
+    if plot and calibration is None:
+        raise ColibriError("--plot needs --calibration inputs")
     data = source.read_bytes()
     graph = image.read(data)
     calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
@@ -492,6 +494,9 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(out)
     click.echo(f"wrote {output}: {len(out):,} bytes ({len(out) / len(data):.3f} of {len(data):,})")
+    if show_report:
+        for line in image_bytes(out).lines():
+            click.echo(line)
     if rep is not None:
         for line in rep.lines() if show_report else rep.lines()[-1:]:
             click.echo(line)

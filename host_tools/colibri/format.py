@@ -9,12 +9,12 @@ import enum
 import struct
 
 MAGIC = 0x52424C43  # b"CLBR" little-endian
-VERSION = 1  # the version this writer produces
+VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/model-format.md)
 # The versions this engine and this reader accept (docs/model-format.md "Compatibility").
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 1
+MAX_READ_VERSION = 2
 INVALID_VERSIONS = (0, 0xFFFF)
 NONE = 0xFFFFFFFF  # absent tensor reference
 PAYLOAD_ALIGN = 32
@@ -50,7 +50,47 @@ class DType(enum.IntEnum):
 
 # Bytes per element; Q8_PARAMS has its own layout (docs/model-format.md).
 DTYPE_SIZE = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
-Q8_PARAMS_HEADER = 8  # u32 nnz, u32 reserved
+Q8_PARAMS_HEADER = 8  # v1: u32 nnz, u32 reserved; v2: u32 nnz, u8 param dtype, u8 flags, u16 reserved
+
+
+class Q8Flag(enum.IntFlag):
+    """Q8_PARAMS (format v2) flags byte."""
+
+    BIAS = 1  # a bias [rows] of the parameter dtype follows the scales
+
+
+def q8_row_ptr_bytes(version: int, nnz: int) -> int:
+    """Bytes per compensation row pointer: none without E; v1 always 4; v2 the narrowest that holds nnz."""
+    if nnz == 0:
+        return 0
+    if version < 2:
+        return 4
+    return 1 if nnz <= 0xFF else 2 if nnz <= 0xFFFF else 4
+
+
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def q8_layout(version: int, rows: int, nnz: int, param_bytes: int = 4, bias: bool = False) -> dict[str, int]:
+    """Byte offsets of a Q8_PARAMS payload's fields (docs/model-format.md "Quantised weights"):
+    scale, bias (v2 with BIAS), row_ptr, col, val (only with nnz > 0) and its size; each field
+    starts at a multiple of its element size, the gaps before row_ptr, col and val are zero bytes."""
+    at = {"scale": Q8_PARAMS_HEADER}
+    pos = Q8_PARAMS_HEADER + param_bytes * rows
+    if bias:
+        at["bias"] = pos
+        pos += param_bytes * rows
+    ptr = q8_row_ptr_bytes(version, nnz)
+    if ptr:
+        at["row_ptr"] = pos = _up(pos, ptr)
+        pos += ptr * (rows + 1)
+        at["col"] = pos = _up(pos, 2)
+        pos += 2 * nnz
+        at["val"] = pos = _up(pos, 4 if version < 2 else 2)  # v1 pads the columns to 4 bytes
+        pos += 2 * nnz
+    at["size"] = pos
+    return at
 
 
 class LayerFlag(enum.IntFlag):
@@ -145,7 +185,7 @@ STATUS_TEXT = {
     Status.BAD_BATCH: "batch must be between 1 and the model's max_batch",
     Status.BUFFER_SIZE: "input or output buffer length does not match batch x features",
     Status.BAD_CONTEXT: "context is not initialised or was freed",
-    Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)",
+    Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
     Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
 }
@@ -174,6 +214,7 @@ def c_header() -> str:
         f"#define COLIBRI_HEADER_CRC_OFFSET {HEADER_CRC_OFFSET}u",
         f"#define COLIBRI_CRC_START {CRC_START}u",
         f"#define COLIBRI_Q8_PARAMS_HEADER {Q8_PARAMS_HEADER}u",
+        f"#define COLIBRI_Q8_FLAG_BIAS {int(Q8Flag.BIAS)}u",
         "",
     ]
     for name, rec in _RECORDS.items():

@@ -40,20 +40,45 @@ class _Entry:
     page: bool = False  # starts a 4 KiB page (first tensor of an expert)
 
 
-def q8_params_payload(w: Q8Weight) -> bytes:
-    """The Q8_PARAMS blob: nnz, reserved, scales, then the CSR compensation if any."""
-    parts = [struct.pack("<II", w.nnz, 0), w.scale.astype("<f4").tobytes()]
+def q8_params_payload(w: Q8Weight, version: int = F.VERSION) -> bytes:
+    """The Q8_PARAMS blob (docs/model-format.md "Quantised weights"): its header, the scales
+    (and in v2 the bias) of `w`'s parameter dtype, then the CSR compensation if any, the row
+    pointers as wide as the format version gives for its nnz."""
+    rows = w.q.shape[0]
+    f16 = w.scale.dtype == np.float16
+    if w.bias is not None and w.bias.dtype != w.scale.dtype:
+        raise ValueError(f"bias dtype {w.bias.dtype} differs from the scales' {w.scale.dtype}")
+    if version < 2:
+        if w.bias is not None:
+            raise ValueError("format version 1 holds no bias in Q8_PARAMS: quantise with compact=False")
+        f16 = False  # f16 scales widen to f32 exactly
+        header = struct.pack("<II", w.nnz, 0)
+    else:
+        flags = F.Q8Flag.BIAS if w.bias is not None else 0
+        header = struct.pack("<IBBH", w.nnz, int(DType.F16 if f16 else DType.F32), int(flags), 0)
+    param = "<f2" if f16 else "<f4"
+    at = F.q8_layout(version, rows, w.nnz, 2 if f16 else 4, w.bias is not None)
+    buf = bytearray(at["size"])
+    buf[0:8] = header
+    fields = [("scale", w.scale.astype(param))]
+    if w.bias is not None:
+        fields.append(("bias", w.bias.astype(param)))
     if w.nnz:
-        col = w.col.astype("<u2").tobytes()
-        parts += [w.row_ptr.astype("<u4").tobytes(), col, bytes(-len(col) % 4), w.val.astype("<f2").tobytes()]
-    return b"".join(parts)
+        width = F.q8_row_ptr_bytes(version, w.nnz)
+        fields += [("row_ptr", w.row_ptr.astype(f"<u{width}")), ("col", w.col.astype("<u2")),
+                   ("val", w.val.astype("<f2"))]
+    for name, arr in fields:
+        data = arr.tobytes()
+        buf[at[name] : at[name] + len(data)] = data
+    return bytes(buf)
 
 
 class _Tensors:
     """Collects tensors in reference order."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int = F.VERSION) -> None:
         self.entries: list[_Entry] = []
+        self.version = version
 
     def _push(self, entry: _Entry) -> int:
         self.entries.append(entry)
@@ -65,7 +90,7 @@ class _Tensors:
         if isinstance(arr, Q8Weight):
             rows, cols = arr.shape
             index = self._push(_Entry(np.ascontiguousarray(arr.q, dtype=np.int8).tobytes(), DType.I8, rows, cols, 2, page=page))
-            self.entries[index].aux = self._push(_Entry(q8_params_payload(arr), DType.Q8_PARAMS, rows, cols, 2))
+            self.entries[index].aux = self._push(_Entry(q8_params_payload(arr, self.version), DType.Q8_PARAMS, rows, cols, 2))
             return index
         if isinstance(arr, F16Weight):
             dtype, arr = DType.F16, arr.data
@@ -77,11 +102,25 @@ class _Tensors:
         return self._push(_Entry(a.tobytes(), dtype, rows, cols, a.ndim, page=page))
 
 
-def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
-    """Serialise a graph to a model image."""
+def needed_version(graph: Graph) -> int:
+    """The lowest format version that holds `graph`: 1 without int8 weights (such an image is the
+    same in versions 1 and 2, so engines and firmware that read only version 1 run it), else
+    F.VERSION (compact Q8_PARAMS)."""
+    from .quantize import weight_slots
+
+    return F.VERSION if any(isinstance(getattr(o, a), Q8Weight) for _, o, a in weight_slots(graph)) else 1
+
+
+def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None) -> bytes:
+    """Serialise a graph to a model image of format `version`: by default the lowest that holds it
+    (`needed_version`); 1 also for a q8 graph quantised with compact=False, for engines that read
+    only version 1."""
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
-    tensors = _Tensors()
+    version = needed_version(graph) if version is None else version
+    if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
+        raise ValueError(f"format version must be {F.MIN_READ_VERSION}..{F.MAX_READ_VERSION}, got {version}")
+    tensors = _Tensors(version)
     layer_recs: list[bytes] = []
     moe_recs: list[bytes] = []
     expert_recs: list[bytes] = []
@@ -164,7 +203,7 @@ def write(graph: Graph, *, page_aligned: bool = False) -> bytes:
     buf = bytearray(image_size)
     flags = F.Flag.PAGE_ALIGNED if page_aligned else 0
     buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
-        F.MAGIC, F.VERSION, F.HEADER_SIZE, 0, image_size, int(flags),
+        F.MAGIC, version, F.HEADER_SIZE, 0, image_size, int(flags),
         graph.input_size, graph.output_size, graph.max_batch,
         n_t, tensor_off, len(layer_recs), layer_off, len(moe_recs), moe_off, len(expert_recs), expert_off,
     )
@@ -296,7 +335,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> G
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
 
-    objs = _tensors(r, t_recs, size)
+    objs = _tensors(r, t_recs, size, h[1])
 
     def tensor(ref: int, shape: tuple[int, ...], what: str, *, optional: bool = False, dtype: str = "<f4"):
         """A vector/bias (f32) or the expert map (i32) of exactly this shape."""
@@ -420,12 +459,16 @@ def _describe(obj, ref: int, n_t: int) -> str:
     return f"{type(obj).__name__} {obj.shape}" + (f" {obj.dtype}" if isinstance(obj, np.ndarray) else "")
 
 
-def _q8_params_size(rows: int, nnz: int) -> int:
-    size = F.Q8_PARAMS_HEADER + 4 * rows
-    return size + 4 * (rows + 1) + _align(2 * nnz, 4) + 2 * nnz if nnz else size
+def _q8_header(buf: memoryview, off: int, version: int) -> tuple[int, int, bool, bool]:
+    """(nnz, bytes per parameter, BIAS, header codes valid) of the Q8_PARAMS payload at off."""
+    nnz, dtype, flags, reserved = struct.unpack_from("<IBBH", buf, off)
+    if version < 2:
+        return nnz, 4, False, True  # v1's reserved word is checked with the scales
+    ok = dtype in (DType.F32, DType.F16) and not flags & ~int(F.Q8Flag.BIAS) and not reserved
+    return nnz, 2 if dtype == DType.F16 else 4, bool(flags & F.Q8Flag.BIAS), ok
 
 
-def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
+def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
     """Checks every tensor record, then every int8 tensor's companion; returns the
     tensors as arrays / F16Weight / Q8Weight (None for Q8_PARAMS companions)."""
     buf = r.buf
@@ -442,8 +485,13 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
         if aux != NONE and dtype != DType.I8:
             _fail(Status.BAD_TENSOR, f"tensor {i}: only int8 tensors have a companion")
         if dtype == DType.Q8_PARAMS:
-            nnz = struct.unpack_from("<I", buf, off)[0] if nbytes >= F.Q8_PARAMS_HEADER else 0
-            want = _q8_params_size(rows, nnz) if nbytes >= F.Q8_PARAMS_HEADER else -1
+            if nbytes < F.Q8_PARAMS_HEADER:
+                _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes")
+            nnz, param, bias, ok = _q8_header(buf, off, version)
+            if not ok:
+                _fail(Status.BAD_QUANT, f"tensor {i}: Q8_PARAMS header {bytes(buf[off + 4 : off + 8]).hex()} "
+                                        "(parameter dtype F32 or F16, flags BIAS only, reserved zero)")
+            want = F.q8_layout(version, rows, nnz, param, bias)["size"]
             if want != nbytes or (nnz and cols > 65536):
                 _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}")
         elif nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
@@ -458,7 +506,7 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
             objs.append(None)
         elif dtype == DType.I8:
             q = np.frombuffer(buf, dtype=np.int8, count=rows * cols, offset=off).reshape(rows, cols)
-            objs.append(_q8(buf, t_recs, i, q, r.work))
+            objs.append(_q8(buf, t_recs, i, q, r.work, version))
         else:
             np_dtype = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}[DType(dtype)]
             a = np.frombuffer(buf, dtype=np_dtype, count=rows * cols, offset=off).reshape(shape)
@@ -466,7 +514,13 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int) -> list:
     return objs
 
 
-def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work) -> Q8Weight:
+def _subnormal(h: np.ndarray) -> bool:
+    """Whether an f16 array holds a subnormal number (exponent 0, fraction nonzero)."""
+    bits = h.view("<u2")
+    return bool(np.any(((bits & 0x7C00) == 0) & ((bits & 0x03FF) != 0)))
+
+
+def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work, version: int) -> Q8Weight:
     """The int8 tensor i with its Q8_PARAMS companion, validated."""
     rows, cols = q.shape
     aux = t_recs[i][7]
@@ -474,29 +528,40 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work)
         _fail(Status.BAD_QUANT, f"tensor {i}: companion {aux} is not a Q8_PARAMS tensor of {rows}x{cols}")
     work.visits += 1
     off = t_recs[aux][0]
-    nnz, reserved = struct.unpack_from("<II", buf, off)
-    if reserved:
-        _fail(Status.BAD_QUANT, f"tensor {i}: companion reserved word {reserved}")
+    nnz, param, has_bias, _ = _q8_header(buf, off, version)
+    if version < 2 and struct.unpack_from("<I", buf, off + 4)[0]:
+        _fail(Status.BAD_QUANT, f"tensor {i}: companion reserved word {struct.unpack_from('<I', buf, off + 4)[0]}")
+    at = F.q8_layout(version, rows, nnz, param, has_bias)
+    p_dtype = "<f2" if param == 2 else "<f4"
     work.visits += rows
-    scale = np.frombuffer(buf, dtype="<f4", count=rows, offset=off + 8)
-    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
-        _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0")
-    at = off + 8 + 4 * rows
-    row_ptr = np.frombuffer(buf, dtype="<u4", count=rows + 1 if nnz else 0, offset=at)
-    col = np.frombuffer(buf, dtype="<u2", count=nnz, offset=at + 4 * (rows + 1) if nnz else at)
-    pad_at = at + 4 * (rows + 1) + 2 * nnz
-    val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=pad_at + (-2 * nnz) % 4 if nnz else at)
+    scale = np.frombuffer(buf, dtype=p_dtype, count=rows, offset=off + at["scale"])
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0) or (param == 2 and _subnormal(scale)):
+        _fail(Status.BAD_QUANT, f"tensor {i}: scales must be finite and >= 0" + (", f16 ones 0 or normal" if param == 2 else ""))
+    bias = np.frombuffer(buf, dtype=p_dtype, count=rows, offset=off + at["bias"]) if has_bias else None
+    if bias is not None and param == 2:
+        work.visits += rows
+        if not np.all(np.isfinite(bias)) or _subnormal(bias):
+            _fail(Status.BAD_QUANT, f"tensor {i}: f16 biases must be 0 or normal numbers")
+    width = F.q8_row_ptr_bytes(version, nnz)
+    empty = np.zeros(0, dtype="<u2")
+    row_ptr = np.frombuffer(buf, dtype=f"<u{width}", count=rows + 1, offset=off + at["row_ptr"]) if nnz else np.zeros(0, "<u4")
+    col = np.frombuffer(buf, dtype="<u2", count=nnz, offset=off + at["col"]) if nnz else empty
+    val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=off + at["val"]) if nnz else empty.view("<f2")
     if nnz:
         work.visits += rows + 1 + 2 * nnz
+        params_end = at["bias" if has_bias else "scale"] + param * rows
+        gaps = [(params_end, at["row_ptr"]), (at["row_ptr"] + width * (rows + 1), at["col"]),
+                (at["col"] + 2 * nnz, at["val"])]
+        padded = any(any(buf[off + a : off + b]) for a, b in gaps)
         ptr = row_ptr.astype(np.int64)
         cols_ok = np.all(col < cols)
         starts = np.zeros(nnz, dtype=bool)
         starts[ptr[:-1][ptr[:-1] < nnz]] = True  # first entry of each non-empty row
         increasing = np.all((np.diff(col.astype(np.int64)) > 0) | starts[1:])
-        if (ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != nnz or not cols_ok or not increasing
-                or any(buf[pad_at : pad_at + (-2 * nnz) % 4]) or not np.all(np.isfinite(val))):
+        if (padded or ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != nnz or not cols_ok or not increasing
+                or not np.all(np.isfinite(val))):
             _fail(Status.BAD_COMPENSATION, f"tensor {i}: malformed compensation term")
-    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val)
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=bias)
 
 
 def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int, owners: _Owners, work: Work) -> MoE:

@@ -26,13 +26,17 @@ class F16Weight:
 
 @dataclass
 class Q8Weight:
-    """W ≈ Q·S + E: int8 per output channel plus a sparse f16 compensation term (CSR)."""
+    """W ≈ Q·S + E: int8 per output channel plus a sparse f16 compensation term (CSR).
+
+    `scale` (and `bias`, when the layer's bias travels with its scales, format v2) are
+    float32 or float16 arrays, both of one dtype; y = (Q·x)·s + E·x + bias."""
 
     q: np.ndarray  # int8 [rows, cols]
-    scale: np.ndarray  # float32 [rows]
-    row_ptr: np.ndarray  # uint32 [rows + 1]
+    scale: np.ndarray  # float32 or float16 [rows]
+    row_ptr: np.ndarray  # unsigned [rows + 1]
     col: np.ndarray  # uint16 [nnz], increasing within a row
     val: np.ndarray  # float16 [nnz]
+    bias: np.ndarray | None = None  # [rows], the dtype of scale, or None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,7 +62,7 @@ def dense(w: Weight) -> np.ndarray:
     if isinstance(w, F16Weight):
         return w.data.astype(np.float32)
     if isinstance(w, Q8Weight):
-        return (w.q.astype(np.float32) * w.scale[:, None] + w.compensation()).astype(np.float32)
+        return (w.q.astype(np.float32) * w.scale.astype(np.float32)[:, None] + w.compensation()).astype(np.float32)
     return w
 
 

@@ -25,12 +25,36 @@ DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
 F16_MAX = 65504.0
 
 
-def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8Weight:
+F16_MIN_NORMAL = 2.0**-14
+# Error budget of compact parameters (format v2, docs/model-format.md "Quantised weights"):
+# an f16 scale is the nearest f16 to the f32 one, the int8 weights those of the f32 scale (a
+# gain error of at most 2^-12 per row); an f16 bias may move each output by at most this share of its
+# row's weight step s (1/4: half of what rounding one weight may add on a unit input, while a
+# row sums `cols` such roundings: their spread is about 0.29·s·|x|₂).
+F16_BIAS_SHARE = 1 / 4
+
+
+def _f16_bias(b: np.ndarray) -> np.ndarray:
+    """A finite f32 bias as f16 parameters hold it: rounded to nearest, with magnitudes below f16's
+    normal range going to the nearer of ±0 and ±2^-14 (the format has no f16 subnormal parameter)."""
+    h = b.astype(np.float16)
+    tiny = np.abs(h.astype(np.float32)) < F16_MIN_NORMAL
+    h[tiny] = np.where(np.abs(b[tiny]) >= F16_MIN_NORMAL / 2, np.copysign(np.float16(F16_MIN_NORMAL), b[tiny]),
+                       np.copysign(np.float16(0), b[tiny])).astype(np.float16)
+    return h
+
+
+def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bias: np.ndarray | None = None,
+                compact: bool = False) -> Q8Weight:
     """int8 per output channel; E takes the `compensation` share of largest residuals.
 
     The largest-magnitude weights are set aside first so they do not stretch
     their row's scale; E then stores the largest residuals W − Q·S, which are
     mostly those outliers, as f16.
+
+    `bias` (the layer's, [rows]) travels in the result (format v2) when given. With
+    `compact`, scales and bias are stored as f16 if they stay within the error budget
+    (F16_BIAS_SHARE; every nonzero scale a normal f16), else both as f32.
     """
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
@@ -40,6 +64,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8
         outliers = np.argpartition(body.ravel(), w.size - n_e)[w.size - n_e :]
         body = body.copy()
         body.ravel()[outliers] = 0
+
     scale = (body.max(axis=1) / np.float32(127)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
@@ -54,6 +79,24 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8
             scale[wide] = (np.abs(w[wide]).max(axis=1) / np.float32(127)).astype(np.float32)
             q[wide] = np.clip(np.rint(w[wide] / scale[wide, None]), -127, 127).astype(np.int8)
             residual[wide] = w[wide] - q[wide].astype(np.float32) * scale[wide, None]
+    if compact:
+        # f16 scales: the int8 weights stay those of the f32 scales (the same rounding as
+        # version 1), the stored scale is the nearest f16, a gain error of at most 2^-12 per
+        # row, and E is chosen from the residuals of the scales as stored.
+        s16 = scale.astype(np.float16) if np.all(scale <= F16_MAX) else None
+        nonzero = None if s16 is None else s16[s16 != 0].astype(np.float32)
+        ok = s16 is not None and bool(np.all((nonzero >= F16_MIN_NORMAL) & (nonzero <= F16_MAX))) \
+            and bool(np.all((s16 != 0) == (scale != 0)))
+        if ok and bias is not None:
+            b = np.asarray(bias, dtype=np.float32)  # NaN, inf, beyond f16: f32 parameters
+            ok = bool(np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX))
+            if ok:
+                err = np.abs(_f16_bias(b).astype(np.float32) - b)
+                ok = bool(np.all(err <= scale * F16_BIAS_SHARE))
+        if not ok:
+            return quantize_q8(w, compensation, bias=bias, compact=False)
+        scale = s16.astype(np.float32)
+        residual = w - q.astype(np.float32) * scale[:, None]
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
     col = np.zeros(0, dtype=np.uint16)
     val = np.zeros(0, dtype=np.float16)
@@ -71,7 +114,11 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION) -> Q8
         r, c = np.divmod(flat, cols)
         row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
         col, val = c.astype(np.uint16), values
-    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val)
+    b = None if bias is None else np.asarray(bias, dtype=np.float32)
+    if compact:
+        return Q8Weight(q=q, scale=scale.astype(np.float16), row_ptr=row_ptr, col=col, val=val,
+                        bias=None if b is None else _f16_bias(b))
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=b)
 
 
 def quantize_f16(w: np.ndarray) -> F16Weight:
@@ -95,6 +142,10 @@ def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
                     for attr in ("w1", "w2", "w3"):
                         if getattr(e, attr) is not None:
                             yield f"layers.{i}.{group}.{j}.{attr}", e, attr
+
+
+# The bias that goes with each weight matrix (compact q8 moves it into the weight's Q8_PARAMS).
+_BIAS_OF = {"weight": "bias", "router_weight": "router_bias", "w1": "b1", "w2": "b2", "w3": "b3"}
 
 
 def weight_names(graph: Graph) -> list[str]:
@@ -129,8 +180,14 @@ def quantize(
     keep: Sequence[str] = (),
     int8_act: Sequence[str] = (),
     progress: bool = False,
+    compact: bool = True,
 ) -> Graph:
-    """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8)."""
+    """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8).
+
+    q8 with `compact` (format v2, the default): each int8 matrix's bias moves into its
+    Q8_PARAMS companion, and scales and bias are f16 where the error budget allows
+    (`quantize_q8`). `compact=False` gives what format version 1 holds (f32 scales,
+    biases as f32 tensors), for `image.write(..., version=1)`."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if not 0 <= compensation < 1:
@@ -151,7 +208,14 @@ def quantize(
                 continue
             w = getattr(owner, attr)
             try:
-                setattr(owner, attr, quantize_q8(w, compensation) if dtype == "q8" else quantize_f16(w))
+                if dtype == "q8":
+                    b_attr = _BIAS_OF.get(attr)
+                    bias = getattr(owner, b_attr) if compact and b_attr else None
+                    setattr(owner, attr, quantize_q8(w, compensation, bias=bias, compact=compact))
+                    if bias is not None:
+                        setattr(owner, b_attr, None)
+                else:
+                    setattr(owner, attr, quantize_f16(w))
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None

@@ -143,14 +143,17 @@ def _linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = Fal
     """y = x Wᵀ + b for every weight storage, by the formulas of docs/model-format.md."""
     x = np.asarray(x, dtype=f32)
     if isinstance(w, Q8Weight):
+        scale = w.scale.astype(f32)  # f16 scales widen exactly
         if int8_act:
             xq, a = quantize_rows(x)
             acc = (xq @ w.q.astype(np.int64).T).astype(f32)
-            y = (acc * (w.scale[None, :] * a[:, None]).astype(f32)).astype(f32)
+            y = (acc * (scale[None, :] * a[:, None]).astype(f32)).astype(f32)
         else:
-            y = (_matmul(x, w.q.astype(f32)) * w.scale[None, :]).astype(f32)
+            y = (_matmul(x, w.q.astype(f32)) * scale[None, :]).astype(f32)
         if w.nnz:
             y = _add_compensation(y, x, w)
+        if w.bias is not None:  # the companion's bias (v2), after E, before the layer's own
+            y = (y + w.bias.astype(f32)).astype(f32)
     else:
         y = _matmul(x, dense(w).astype(f32, copy=False))
     return (y + b if b is not None else y).astype(f32)

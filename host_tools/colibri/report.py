@@ -1,16 +1,126 @@
 """How much quantisation costs: per-layer and end-to-end error against the f32
-model over calibration inputs, and the routing agreement of every MoE layer."""
+model over calibration inputs, the routing agreement of every MoE layer, and
+where an image's bytes go (`image_bytes`)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from rich.progress import Progress
 
+from . import format as F
+from . import image as _image
 from . import reference
 from .ir import Graph, dense
 from .quantize import weight_slots
+
+# ---------------------------------------------------------------------------
+# Where an image's bytes go
+
+BYTE_PARTS = {
+    "weights": "weights (weight matrices: int8, f16 or f32)",
+    "scales": "int8 scales",
+    "e_row_ptr": "compensation E: row pointers",
+    "e_col": "compensation E: columns",
+    "e_val": "compensation E: values",
+    "biases": "biases",
+    "other": "norm parameters, expert maps",
+    "tables": "header, records, Q8_PARAMS headers, alignment padding",
+}
+
+
+@dataclass
+class ImageBytes:
+    """Bytes of an image by what they hold (BYTE_PARTS); they sum to the image size."""
+
+    total: int
+    parts: dict[str, int]
+    version: int = F.VERSION
+    companion_biases: int = 0  # of `biases`, those held in Q8_PARAMS companions (format v2)
+    weight_dtypes: dict[str, int] = field(default_factory=dict)  # of `weights`, by storage dtype
+
+    @property
+    def compensation(self) -> int:
+        return self.parts["e_row_ptr"] + self.parts["e_col"] + self.parts["e_val"]
+
+    def lines(self) -> list[str]:
+        out = [f"image bytes (format v{self.version}): {self.total:,}"]
+        for key, what in BYTE_PARTS.items():
+            n = self.parts[key]
+            extra = ""
+            if key == "weights" and self.weight_dtypes:
+                extra = " (" + ", ".join(f"{k} {v:,}" for k, v in self.weight_dtypes.items()) + ")"
+            elif key == "biases" and self.companion_biases:
+                extra = f" ({self.companion_biases:,} in Q8_PARAMS)"
+            out.append(f"  {what:<56} {n:>10,} {100 * n / self.total:6.2f}%{extra}")
+        return out
+
+
+def image_bytes(data: bytes | bytearray | memoryview) -> ImageBytes:
+    """Where the bytes of a valid image go: weights, scales, E (row pointers, columns, values),
+    biases, norm parameters and expert maps, and the rest (header, tables, padding)."""
+    _image.read(data)  # validated: every field below is in range
+    buf = bytes(data)
+    h = F.HEADER.unpack_from(buf, 0)
+    version, size = h[1], h[4]
+    n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off = h[9:17]
+    recs = [F.TENSOR.unpack_from(buf, t_off + i * F.TENSOR.size) for i in range(n_t)]
+    role: dict[int, str] = {}
+
+    def mark(index: int, what: str) -> None:
+        if index != F.NONE:
+            role[index] = what
+
+    for i in range(n_l):
+        op, _, _, _, _, t0, t1, *_ = F.LAYER.unpack_from(buf, l_off + i * F.LAYER.size)
+        if op == F.Op.LINEAR:
+            mark(t0, "weights")
+            mark(t1, "biases")
+        elif op in (F.Op.LAYERNORM, F.Op.RMSNORM):
+            mark(t0, "other")
+            mark(t1, "other")
+    for i in range(n_m):
+        rec = F.MOE.unpack_from(buf, m_off + i * F.MOE.size)
+        mark(rec[7], "weights")
+        mark(rec[8], "biases")
+        mark(rec[9], "other")
+        mark(rec[11], "weights")
+    for i in range(n_e):
+        _, _, _, _, w1, b1, w2, b2, w3, b3 = F.EXPERT.unpack_from(buf, e_off + i * F.EXPERT.size)
+        for w in (w1, w2, w3):
+            mark(w, "weights")
+        for b in (b1, b2, b3):
+            mark(b, "biases")
+
+    parts = dict.fromkeys(BYTE_PARTS, 0)
+    dtypes: dict[str, int] = {}
+    in_companions = 0
+    for i, (off, nbytes, rows, _, dtype, *_) in enumerate(recs):
+        if dtype == F.DType.Q8_PARAMS:
+            nnz, p_dtype, flags = struct.unpack_from("<IBB", buf, off)
+            param = 2 if version >= 2 and p_dtype == F.DType.F16 else 4
+            bias = version >= 2 and bool(flags & F.Q8Flag.BIAS)
+            at = F.q8_layout(version, rows, nnz, param, bias)
+            parts["scales"] += param * rows
+            if bias:
+                parts["biases"] += param * rows
+                in_companions += param * rows
+            if nnz:
+                parts["e_row_ptr"] += F.q8_row_ptr_bytes(version, nnz) * (rows + 1)
+                parts["e_col"] += 2 * nnz
+                parts["e_val"] += 2 * nnz
+            continue
+        what = role.get(i, "other")
+        parts[what] += nbytes
+        if what == "weights":
+            name = F.DType(dtype).name.lower()
+            dtypes[name] = dtypes.get(name, 0) + nbytes
+    parts["tables"] = size - sum(parts.values())
+    return ImageBytes(total=size, parts=parts, version=version, companion_biases=in_companions,
+                      weight_dtypes=dtypes)
+
 
 
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:

@@ -5,8 +5,8 @@
  * For each image: a private copy is initialised and run (batch 1 and
  * max_batch), then every record byte the forward pass could parse is
  * overwritten (XOR 0x5A) in that copy: the header, the tensor, layer, MoE and
- * expert tables, and the nnz and reserved words that open each Q8_PARAMS
- * payload. Weights, scales, compensation terms, biases and expert maps are
+ * expert tables, and the 8-byte header that opens each Q8_PARAMS payload
+ * (nnz, then v1's reserved word or v2's parameter dtype, flags, reserved). Weights, scales, compensation terms, biases and expert maps are
  * payloads read in place, so they stay. The same context then runs again
  * and its outputs must equal the first run's bit for bit; the corrupted copy
  * must also fail validation, so the corruption is not a no-op.

@@ -3,9 +3,9 @@
 #define COLIBRI_FORMAT_H
 
 #define COLIBRI_MAGIC 0x52424C43u
-#define COLIBRI_FORMAT_VERSION 1u
+#define COLIBRI_FORMAT_VERSION 2u
 #define COLIBRI_FORMAT_VERSION_MIN 1u
-#define COLIBRI_FORMAT_VERSION_MAX 1u
+#define COLIBRI_FORMAT_VERSION_MAX 2u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -16,6 +16,7 @@
 #define COLIBRI_HEADER_CRC_OFFSET 8u
 #define COLIBRI_CRC_START 12u
 #define COLIBRI_Q8_PARAMS_HEADER 8u
+#define COLIBRI_Q8_FLAG_BIAS 1u
 
 #define COLIBRI_HEADER_SIZE 80u
 #define COLIBRI_TENSOR_SIZE 24u
@@ -81,7 +82,7 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_BATCH = -17, /* batch must be between 1 and the model's max_batch */
     COLIBRI_E_BUFFER_SIZE = -18, /* input or output buffer length does not match batch x features */
     COLIBRI_E_BAD_CONTEXT = -19, /* context is not initialised or was freed */
-    COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, scale count, NaN or negative scale) */
+    COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
     COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
 } colibri_status;
@@ -108,7 +109,7 @@ typedef enum colibri_status {
     X(-17, "batch must be between 1 and the model's max_batch") \
     X(-18, "input or output buffer length does not match batch x features") \
     X(-19, "context is not initialised or was freed") \
-    X(-20, "invalid int8 quantisation parameters (companion, scale count, NaN or negative scale)") \
+    X(-20, "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
     X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
 

@@ -116,11 +116,19 @@ static const float *f32_tensor(const uint8_t *image, const colibri_header *hdr, 
     return colibri_payload(image, hdr, index);
 }
 
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#else
+#define NOINLINE
+#endif
+
 /* Fills *w, the kernel's view of weight tensor `index` (F32, F16 or I8,
  * validated), an I8 one with its Q8_PARAMS scales and compensation term;
  * all zero for COLIBRI_NONE. The plan entries are written in place, field
- * by field, so init needs no struct-sized temporaries on a small stack. */
-static void weight(colibri_matrix *w, const uint8_t *image, const colibri_header *hdr, uint32_t index)
+ * by field, so init needs no struct-sized temporaries on a small stack;
+ * not inlined, so its record buffer sits in one frame, not in plan_expert's
+ * once for each of w1, w2 and w3. */
+static NOINLINE void weight(colibri_matrix *w, const uint8_t *image, const colibri_header *hdr, uint32_t index)
 {
     memset(w, 0, sizeof *w);
     if (index == COLIBRI_NONE)
@@ -132,18 +140,33 @@ static void weight(colibri_matrix *w, const uint8_t *image, const colibri_header
     w->cols = t.cols;
     w->data = image + t.offset;
     if (t.dtype == COLIBRI_DTYPE_I8) {
-        colibri_tensor q;
-        colibri_read_tensor(image, hdr, t.aux, &q);
-        /* docs/model-format.md "Quantised weights": nnz, reserved, scale
-         * [rows], then (nnz > 0) row_ptr [rows + 1], col [nnz], pad, value [nnz]. */
-        const uint8_t *p = image + q.offset;
-        const size_t rows = t.rows;
-        w->nnz = colibri_rd_u32(p);
-        w->scale = (const float *)(const void *)(p + COLIBRI_Q8_PARAMS_HEADER);
-        if (w->nnz) {
-            w->row_ptr = (const uint32_t *)(const void *)(w->scale + rows);
-            w->col = (const uint16_t *)(const void *)(w->row_ptr + rows + 1);
-            w->val = w->col + ((2u * (size_t)w->nnz + 3u) & ~(size_t)3u) / 2u;
+        /* docs/model-format.md "Quantised weights": the header, scale [rows]
+         * (f32, or f16 in v2), the bias [rows] (v2 with BIAS), then (nnz > 0)
+         * row_ptr [rows + 1], col [nnz], value [nnz], each field at a multiple
+         * of its element size. The offsets colibri_q8_layout_of() validated,
+         * here in size_t (they lie inside the image) and without its
+         * 64-bit struct, which would sit on init's stack. */
+        colibri_read_tensor(image, hdr, t.aux, &t);
+        const uint8_t *p = image + t.offset;
+        const size_t rows = w->rows, nnz = colibri_rd_u32(p);
+        const int v2 = hdr->version >= 2u;
+        const size_t param = v2 && p[4] == COLIBRI_DTYPE_F16 ? 2u : 4u;
+        w->q8_f16 = param == 2u;
+        w->q8_bias = v2 && (p[5] & COLIBRI_Q8_FLAG_BIAS);
+        w->q8_ptr = nnz == 0 ? 0u : (!v2 || nnz > 0xFFFFu) ? 4u : nnz > 0xFFu ? 2u : 1u;
+        w->q8_nnz = (uint32_t)nnz;
+        w->scale = p + COLIBRI_Q8_PARAMS_HEADER;
+        if (nnz) {
+            const size_t ptr = w->q8_ptr;
+            size_t pos = COLIBRI_Q8_PARAMS_HEADER + param * rows * (w->q8_bias ? 2u : 1u);
+            pos = (pos + ptr - 1u) & ~(ptr - 1u);
+            w->row_ptr = p + pos;
+            pos = (pos + ptr * (rows + 1u) + 1u) & ~(size_t)1u;
+            w->col = (const uint16_t *)(const void *)(p + pos);
+            pos += 2u * nnz;
+            if (!v2) /* v1 pads the columns to 4 bytes */
+                pos = (pos + 3u) & ~(size_t)3u;
+            w->val = (const uint16_t *)(const void *)(p + pos);
         }
     }
 }
@@ -190,17 +213,11 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
         plan_expert(&expert[j], image, hdr, r.first_expert + j);
 }
 
-/* Kept out of colibri_init: inlined, its record buffers would sit in the
- * same frame as init's model summary and offsets, and raise the stack
- * high-water mark a device reserves for init. */
-#if defined(__GNUC__)
-#define NOINLINE __attribute__((noinline))
-#else
-#define NOINLINE
-#endif
-
 /* Resolves the validated program of c->model into the plan arrays the
- * context points at, which arena_layout sized from the same counts. */
+ * context points at, which arena_layout sized from the same counts. Kept
+ * out of colibri_init: inlined, its record buffers would sit in the same
+ * frame as init's model summary and offsets, and raise the stack
+ * high-water mark a device reserves for init. */
 static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
 {
     const colibri_header *hdr = &c->model.hdr;

@@ -12,11 +12,13 @@
  *      aligned, inside the image, not before the end of the previous
  *      tensor's payload), then dtype, rank and shape, reserved, aux (NONE
  *      unless I8), nbytes (BAD_TENSOR; a Q8_PARAMS record needs nbytes >= 8
- *      before its nnz is read, then the size formula, and cols <= 65536 when
- *      nnz > 0);
+ *      before its header is read; in v2 its parameter dtype, flags and
+ *      reserved bits are BAD_QUANT; then the size formula, and cols <= 65536
+ *      when nnz > 0, BAD_TENSOR);
  *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
- *      a Q8_PARAMS of the same rows and cols), the companion's reserved word,
- *      its scales (BAD_QUANT), then its compensation term (BAD_COMPENSATION);
+ *      a Q8_PARAMS of the same rows and cols), v1's reserved word, its
+ *      scales and f16 biases (BAD_QUANT), then its compensation term: padding, row
+ *      pointers, columns, values (BAD_COMPENSATION);
  *   5. the layer program, top to bottom: a layer's fields, flags included
  *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
  *      I8 weight (BAD_LAYER); a MOE layer names a MoE record (in range and
@@ -41,6 +43,18 @@
 #include <math.h>
 
 #include "colibri_internal.h"
+
+/* check_tensor and check_quant are not inlined into colibri_check_work,
+ * whose frame holds the layer program's checks (the deepest), and the
+ * companion layout is inlined into them, its fields kept in registers:
+ * validating a q8 image then needs no more stack than an f32 one. */
+#if defined(__GNUC__)
+#define NOINLINE __attribute__((noinline))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define NOINLINE
+#define ALWAYS_INLINE inline
+#endif
 
 /* ---- Record readers ---- */
 
@@ -218,19 +232,91 @@ static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
 
 /* ---- Tensors ---- */
 
-/* Bytes of a Q8_PARAMS payload of this many rows and compensation entries. */
-static uint64_t q8_params_size(uint64_t rows, uint64_t nnz)
+/* Q8_PARAMS: where the fields of a companion lie (docs/model-format.md
+ * "Quantised weights"). */
+
+typedef struct colibri_q8_layout {
+    uint32_t nnz;        /* entries of E */
+    uint8_t param;       /* bytes per scale and bias: 4 (f32) or 2 (f16, v2) */
+    uint8_t bias;        /* 1: a bias [rows] follows the scales (v2 BIAS flag) */
+    uint8_t ptr;         /* bytes per row pointer: 0 (nnz 0), 1, 2 or 4 */
+    /* Byte offsets from the payload start, col and val only when nnz > 0;
+     * they are meaningful once size (in 64 bits: rows and nnz come from
+     * unchecked fields) has been found equal to the record's nbytes. */
+    uint32_t scale, bias_at, row_ptr, col, val;
+    uint64_t size;
+} colibri_q8_layout;
+
+/* Row pointer i of a layout's row_ptr array at p (any width). */
+static inline uint32_t colibri_q8_ptr_at(const uint8_t *p, uint8_t width, uint64_t i)
 {
-    uint64_t n = COLIBRI_Q8_PARAMS_HEADER + 4u * rows; /* nnz, reserved, scale [rows] */
-    if (nnz != 0) /* row_ptr [rows + 1], col [nnz], pad to 4, value [nnz] */
-        n += 4u * (rows + 1u) + ((2u * nnz + 3u) & ~(uint64_t)3u) + 2u * nnz;
-    return n;
+    switch (width) {
+    case 1:
+        return p[i];
+    case 2:
+        return colibri_rd_u16(p + 2u * (size_t)i);
+    default:
+        return colibri_rd_u32(p + 4u * (size_t)i);
+    }
 }
+
+/* n rounded up to a multiple of a, a power of two (no 64-bit division: none
+ * of libgcc's helpers on 32-bit targets). */
+static uint64_t colibri_up(uint64_t n, uint64_t a)
+{
+    return (n + a - 1u) & ~(a - 1u);
+}
+
+/* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
+ * bytes) of a tensor of `rows` rows in an image of format `version`, as
+ * colibri.format.q8_layout computes it. Returns 0 if its header codes are
+ * invalid (v2: parameter dtype other than F32 or F16, unknown flags,
+ * reserved bits); v1's reserved word is left to the second pass. */
+static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
+{
+    l->nnz = colibri_rd_u32(p);
+    l->param = 4;
+    l->bias = 0;
+    int ok = 1;
+    if (version >= 2u) {
+        const uint8_t dtype = p[4], flags = p[5];
+        ok = (dtype == COLIBRI_DTYPE_F32 || dtype == COLIBRI_DTYPE_F16) &&
+             (flags & ~COLIBRI_Q8_FLAG_BIAS) == 0 && colibri_rd_u16(p + 6) == 0;
+        l->param = dtype == COLIBRI_DTYPE_F16 ? 2u : 4u;
+        l->bias = (flags & COLIBRI_Q8_FLAG_BIAS) != 0;
+    }
+    if (l->nnz == 0)
+        l->ptr = 0;
+    else if (version < 2u || l->nnz > 0xFFFFu)
+        l->ptr = 4;
+    else
+        l->ptr = l->nnz > 0xFFu ? 2u : 1u;
+    /* Offsets are stored in 32 bits; only size, which decides validity,
+     * needs all 64. */
+    uint64_t pos = COLIBRI_Q8_PARAMS_HEADER + (uint64_t)l->param * rows;
+    l->scale = COLIBRI_Q8_PARAMS_HEADER;
+    l->bias_at = (uint32_t)pos;
+    if (l->bias)
+        pos += (uint64_t)l->param * rows;
+    l->row_ptr = l->col = l->val = (uint32_t)pos;
+    if (l->ptr) {
+        pos = colibri_up(pos, l->ptr);
+        l->row_ptr = (uint32_t)pos;
+        pos = colibri_up(pos + (uint64_t)l->ptr * (rows + 1u), 2u);
+        l->col = (uint32_t)pos;
+        pos = colibri_up(pos + 2u * (uint64_t)l->nnz, version < 2u ? 4u : 2u); /* v1 pads the columns to 4 bytes */
+        l->val = (uint32_t)pos;
+        pos += 2u * (uint64_t)l->nnz;
+    }
+    l->size = pos;
+    return ok;
+}
+
 
 /* Pass 1: one tensor record on its own: TENSOR_BOUNDS (inside the image,
  * aligned, at or after the end of the previous tensor's payload, prev_end),
  * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */
-static colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
+static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
                                    uint64_t prev_end)
 {
     if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size || t->offset < prev_end ||
@@ -268,21 +354,45 @@ static colibri_status check_tensor(const uint8_t *image, const colibri_header *h
             return COLIBRI_E_BAD_TENSOR;
         return COLIBRI_OK;
     }
-    /* Q8_PARAMS: nbytes follows from rows and nnz, the payload's first word
-     * (inside the image: nbytes >= 8 and the bounds above). */
+    /* Q8_PARAMS: nbytes follows from rows and the payload's header (inside
+     * the image: nbytes >= 8 and the bounds above): nnz, and in v2 the
+     * parameter dtype and flags, whose codes are BAD_QUANT. */
     if (t->nbytes < COLIBRI_Q8_PARAMS_HEADER)
         return COLIBRI_E_BAD_TENSOR;
-    const uint32_t nnz = colibri_rd_u32(image + t->offset);
-    if (t->nbytes != q8_params_size(t->rows, nnz) || (nnz != 0 && t->cols > 65536u))
+    colibri_q8_layout l;
+    if (!colibri_q8_layout_of(image + t->offset, h->version, t->rows, &l))
+        return COLIBRI_E_BAD_QUANT;
+    if (t->nbytes != l.size || (l.nnz != 0 && t->cols > 65536u))
         return COLIBRI_E_BAD_TENSOR;
     return COLIBRI_OK;
 }
 
+/* An f16 parameter: ±0 or a normal number (not subnormal, inf or NaN). */
+static int half_ok(uint16_t h)
+{
+    const uint16_t exp = h & 0x7C00u;
+    return exp != 0x7C00u && (exp != 0 || (h & 0x03FFu) == 0);
+}
+
+/* Is the f32 (param 4) scale at p finite and >= 0 (-0 is), or the f16
+ * (param 2) one ±0 or a positive normal number? */
+static int scale_ok(const uint8_t *p, uint8_t param)
+{
+    if (param == 2u) {
+        const uint16_t h = colibri_rd_u16(p);
+        return half_ok(h) && !((h & 0x8000u) && (h & 0x7FFFu));
+    }
+    const float s = colibri_rd_f32(p);
+    return isfinite(s) && s >= 0.0f;
+}
+
 /* Pass 2: the Q8_PARAMS companion of I8 tensor t (pass 1 has checked every
- * record, so the companion's payload has exactly the size its nnz implies):
- * BAD_QUANT for the reference, the reserved word and the scales, then
- * BAD_COMPENSATION for the sparse term E. */
-static colibri_status check_quant(checker *ck, const colibri_tensor *t)
+ * record, so the companion's header codes are valid and its payload has
+ * exactly the size they imply): BAD_QUANT for the reference, v1's reserved
+ * word and the scales, then BAD_COMPENSATION for the sparse term E (its
+ * padding bytes included). An f32 bias is any value, as an F32 bias tensor;
+ * an f16 bias ±0 or normal. Not inlined (see NOINLINE above). */
+static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
 {
     if (t->aux >= ck->h->tensor_count)
         return COLIBRI_E_BAD_QUANT;
@@ -294,32 +404,47 @@ static colibri_status check_quant(checker *ck, const colibri_tensor *t)
     /* Each scan below visits at most rows * cols + rows + 1 entries, no more
      * than the I8 tensor's own (non-overlapping) payload holds bytes. */
     const uint8_t *p = ck->image + c.offset;
-    const uint32_t nnz = colibri_rd_u32(p), rows = c.rows;
-    if (colibri_rd_u32(p + 4) != 0)
+    const uint32_t rows = c.rows;
+    colibri_q8_layout l;
+    (void)colibri_q8_layout_of(p, ck->h->version, rows, &l);
+    const uint32_t nnz = l.nnz;
+    if (ck->h->version < 2u && colibri_rd_u32(p + 4) != 0)
         return COLIBRI_E_BAD_QUANT;
-    const uint8_t *scale = p + COLIBRI_Q8_PARAMS_HEADER;
+    /* Offsets fit size_t even on 32-bit targets: all lie within nbytes. */
+    const uint8_t *scale = p + (size_t)l.scale;
     ck->work += rows;
-    for (uint32_t i = 0; i < rows; i++) {
-        const float s = colibri_rd_f32(scale + 4u * (size_t)i);
-        if (!(isfinite(s) && s >= 0.0f))
+    for (uint32_t i = 0; i < rows; i++)
+        if (!scale_ok(scale + (size_t)l.param * i, l.param))
             return COLIBRI_E_BAD_QUANT;
+    /* An f16 bias: ±0 or normal (an f32 bias is any value, as an F32 tensor). */
+    if (l.bias && l.param == 2u) {
+        ck->work += rows;
+        for (uint32_t i = 0; i < rows; i++)
+            if (!half_ok(colibri_rd_u16(p + (size_t)l.bias_at + 2u * (size_t)i)))
+                return COLIBRI_E_BAD_QUANT;
     }
     if (nnz == 0)
         return COLIBRI_OK;
 
-    /* Sizes fit size_t even on 32-bit targets: all lie within nbytes. */
-    const uint8_t *row_ptr = scale + 4u * (size_t)rows;
-    const uint8_t *col = row_ptr + 4u * ((size_t)rows + 1u);
-    const size_t col_bytes = 2u * (size_t)nnz, padded = (col_bytes + 3u) & ~(size_t)3u;
-    const uint8_t *val = col + padded;
+    const uint8_t *row_ptr = p + (size_t)l.row_ptr, *col = p + (size_t)l.col, *val = p + (size_t)l.val;
+    const uint8_t w = l.ptr;
+
+    /* The gaps before row_ptr, col and val (each field starts at a multiple
+     * of its element size): zero bytes. */
+    const size_t params_end = (size_t)l.bias_at + (l.bias ? (size_t)l.param * rows : 0u);
+    const size_t ptr_end = (size_t)l.row_ptr + (size_t)w * ((size_t)rows + 1u);
+    const size_t col_end = (size_t)l.col + 2u * (size_t)nnz;
+    if (any_set(p + params_end, (size_t)l.row_ptr - params_end) || any_set(p + ptr_end, (size_t)l.col - ptr_end) ||
+        any_set(p + col_end, (size_t)l.val - col_end))
+        return COLIBRI_E_BAD_COMPENSATION;
 
     /* row_ptr: 0, non-decreasing, nnz; so every row's range lies in [0, nnz). */
-    uint32_t prev = colibri_rd_u32(row_ptr);
+    uint32_t prev = colibri_q8_ptr_at(row_ptr, w, 0);
     if (prev != 0)
         return COLIBRI_E_BAD_COMPENSATION;
     ck->work += (uint64_t)rows + 1u;
     for (uint32_t i = 1; i <= rows; i++) {
-        const uint32_t next = colibri_rd_u32(row_ptr + 4u * (size_t)i);
+        const uint32_t next = colibri_q8_ptr_at(row_ptr, w, i);
         if (next < prev)
             return COLIBRI_E_BAD_COMPENSATION;
         prev = next;
@@ -328,8 +453,8 @@ static colibri_status check_quant(checker *ck, const colibri_tensor *t)
         return COLIBRI_E_BAD_COMPENSATION;
     /* Columns: below cols, strictly increasing within each row. */
     for (uint32_t i = 0; i < rows; i++) {
-        const uint32_t end = colibri_rd_u32(row_ptr + 4u * ((size_t)i + 1u));
-        uint32_t k = colibri_rd_u32(row_ptr + 4u * (size_t)i);
+        const uint32_t end = colibri_q8_ptr_at(row_ptr, w, (uint64_t)i + 1u);
+        uint32_t k = colibri_q8_ptr_at(row_ptr, w, i);
         for (uint32_t last = 0, first = 1; k < end; k++, first = 0) {
             ck->work++;
             const uint32_t j = colibri_rd_u16(col + 2u * (size_t)k);
@@ -338,9 +463,7 @@ static colibri_status check_quant(checker *ck, const colibri_tensor *t)
             last = j;
         }
     }
-    /* Pad bytes zero; values finite (f16 exponent not all ones). */
-    if (any_set(col + col_bytes, padded - col_bytes))
-        return COLIBRI_E_BAD_COMPENSATION;
+    /* Values finite (f16 exponent not all ones). */
     ck->work += nnz;
     for (uint32_t k = 0; k < nnz; k++)
         if ((colibri_rd_u16(val + 2u * (size_t)k) & 0x7C00u) == 0x7C00u)

@@ -30,18 +30,29 @@
 
 /* A weight matrix [rows = out, cols = in], read in place from the image.
  * The pointers are naturally aligned (payloads are 32-byte aligned in a
- * 4-byte aligned image, and every Q8_PARAMS field is 4-byte aligned but col,
- * which is 2-byte aligned). */
+ * 4-byte aligned image, and every Q8_PARAMS field starts at a multiple of
+ * its element size).
+ *
+ * The I8 fields describe the Q8_PARAMS companion (docs/model-format.md
+ * "Quantised weights", format v1 or v2); kernels read them only through
+ * colibri_q8_scale(), colibri_q8_compensate() and colibri_q8_has_terms()
+ * below. */
 typedef struct colibri_matrix {
     uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
+    /* I8 only, else 0; beside dtype so no padding sits inside the plan's copies. */
+    uint8_t q8_f16;            /* 1: scale (and bias) are f16 bits, 0: f32 */
+    uint8_t q8_bias;           /* 1: a bias [rows] follows the scales (v2) */
+    uint8_t q8_ptr;            /* bytes per row pointer: 0 (no E), 1, 2 or 4 */
     uint32_t rows, cols;
-    /* I8 only (from the Q8_PARAMS companion), as the pointers below but
-     * beside the other words, so no padding sits inside the plan's copies. */
-    uint32_t nnz;              /* entries of the compensation term E; 0: none */
+    uint32_t q8_nnz;           /* I8: entries of the compensation term E; 0: none.
+                                * Kernels ask colibri_q8_has_terms(), not this: a
+                                * companion without E may still hold a bias. */
     const void *data;          /* float, uint16_t (f16 bits) or int8_t [rows, cols] */
     /* I8 only (from the Q8_PARAMS companion); otherwise NULL. */
-    const float *scale;        /* [rows] per-output-channel scale s */
-    const uint32_t *row_ptr;   /* [rows + 1] E entries of row i: row_ptr[i] .. row_ptr[i+1]-1 */
+    const void *scale;         /* [rows] per-output-channel scale s (f32 or f16), then
+                                * the bias [rows] of the same type if q8_bias */
+    const void *row_ptr;       /* [rows + 1] of q8_ptr bytes: E entries of row i are
+                                * row_ptr[i] .. row_ptr[i+1]-1 */
     const uint16_t *col;       /* [nnz] input column of each entry, < cols */
     const uint16_t *val;       /* [nnz] f16 bits of each entry */
 } colibri_matrix;
@@ -206,22 +217,103 @@ static inline float colibri_f16_to_f32(uint16_t h)
     return f;
 }
 
-/* ---- I8 metadata, read through these two only, so every backend stays
- * independent of how Q8_PARAMS lays out its scales and compensation. ---- */
+/* ---- I8 metadata, read through colibri_q8_scale(), colibri_q8_compensate()
+ * and colibri_q8_has_terms() only, so every backend stays independent of how
+ * Q8_PARAMS lays out its scales, bias and compensation (format v1 or v2). ---- */
 
-/* s_o, the dequantisation scale of output row o. */
-static inline float colibri_q8_scale(const colibri_matrix *w, size_t o)
+/* Where the FPU converts half precision (32-bit Arm with FPv5, the
+ * Cortex-M7): one VCVTB widens a finite f16 exactly, subnormals included
+ * (flush-to-zero and FPSCR.AHP, the alternative half format, are never
+ * enabled). Every f16 these accessors read is validated finite, so it gives
+ * the same bits as the portable code. */
+#if defined(__arm__) && defined(__ARM_FP) && (__ARM_FP & 2) && defined(__GNUC__)
+#define COLIBRI_Q8_VCVTB 1
+static inline float colibri_q8_vcvtb(uint16_t h)
 {
-    return w->scale[o];
+    float f;
+    __asm__("vmov %0, %1\n\tvcvtb.f32.f16 %0, %0" : "=t"(f) : "r"((uint32_t)h));
+    return f;
+}
+#endif
+
+#if defined(__GNUC__)
+#define COLIBRI_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define COLIBRI_ALWAYS_INLINE inline
+#endif
+
+/* An f16 Q8_PARAMS parameter -> f32, exactly. Validation admits only ±0
+ * and normal numbers there (docs/model-format.md "Quantised weights"), so
+ * rebiasing the exponent is the whole conversion. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_half(uint16_t h)
+{
+#ifdef COLIBRI_Q8_VCVTB
+    return colibri_q8_vcvtb(h);
+#else
+    const uint32_t mag = (uint32_t)h & 0x7FFFu;
+    const uint32_t bits = ((uint32_t)h & 0x8000u) << 16 | (mag ? (mag << 13) + (112u << 23) : 0u);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
-/* v + Σ e · x[col] over row o's compensation entries, in storage order. */
-static inline float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
+/* A compensation value (f16, validated finite, maybe subnormal) -> f32. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_value(uint16_t h)
 {
-    if (w->nnz == 0)
-        return v;
-    for (uint32_t k = w->row_ptr[o]; k < w->row_ptr[o + 1]; k++)
-        v += colibri_f16_to_f32(w->val[k]) * x[w->col[k]];
+#ifdef COLIBRI_Q8_VCVTB
+    return colibri_q8_vcvtb(h);
+#else
+    return colibri_f16_to_f32(h);
+#endif
+}
+
+/* Parameter i (a scale for i < rows, the bias of row i - rows after them). */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_param(const colibri_matrix *w, size_t i)
+{
+    if (w->q8_f16)
+        return colibri_q8_half(((const uint16_t *)w->scale)[i]);
+    return ((const float *)w->scale)[i];
+}
+
+/* s_o, the dequantisation scale of output row o. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_scale(const colibri_matrix *w, size_t o)
+{
+    return colibri_q8_param(w, o);
+}
+
+/* Whether colibri_q8_compensate() adds anything to this matrix's rows (a
+ * compensation term E or a companion bias): a kernel may skip calling it
+ * only when this is 0. */
+static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
+{
+    return w->q8_ptr != 0 || w->q8_bias != 0;
+}
+
+/* The additive terms of row o, in this order: v + Σ e · x[col] over row o's
+ * compensation entries in storage order, then + the companion's bias of row
+ * o if it holds one (format v2; the layer's own bias reference is then
+ * NONE, so the kernel's b is NULL). Call it once for every output row. */
+static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
+{
+    const uint8_t width = w->q8_ptr; /* 0: no compensation term */
+    if (width) {
+        uint32_t k, end;
+        if (width == 1) {
+            k = ((const uint8_t *)w->row_ptr)[o];
+            end = ((const uint8_t *)w->row_ptr)[o + 1];
+        } else if (width == 2) {
+            k = ((const uint16_t *)w->row_ptr)[o];
+            end = ((const uint16_t *)w->row_ptr)[o + 1];
+        } else {
+            k = ((const uint32_t *)w->row_ptr)[o];
+            end = ((const uint32_t *)w->row_ptr)[o + 1];
+        }
+        for (; k < end; k++)
+            v += colibri_q8_value(w->val[k]) * x[w->col[k]];
+    }
+    if (w->q8_bias)
+        v += colibri_q8_param(w, (size_t)w->rows + o);
     return v;
 }
 
