@@ -258,7 +258,8 @@ static void run_linear(const colibri_kernels *ref, const colibri_kernels *opt, c
     if (c->dtype == COLIBRI_DTYPE_I8) {
         /* The Q8_PARAMS view of format v1: f32 scales, 32-bit row pointers
          * (kernels read it only through colibri_q8_scale/_compensate). */
-        w.nnz = nnz;
+        w.q8_nnz = nnz;
+        w.q8_ptr = nnz ? 4 : 0;
         w.scale = scale_w;
         w.row_ptr = row_ptr;
         w.col = col;

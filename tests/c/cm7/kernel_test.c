@@ -160,7 +160,7 @@ static float weight(const colibri_matrix *w, size_t o, size_t k)
         return f16_value(w_f16[o * in + k]);
     case COLIBRI_DTYPE_I8: {
         float v = (float)((const int8_t *)w->data)[o * in + k] * scale_q8[o];
-        if (w->nnz)
+        if (w->q8_nnz)
             for (uint32_t e = row_ptr[o]; e < row_ptr[o + 1]; e++)
                 if (e_col[e] == k)
                     v += f16_value(e_val[e]);
@@ -218,7 +218,8 @@ static void make_matrix(colibri_matrix *w, int kind, size_t out, size_t in)
                     }
             row_ptr[o + 1] = nnz;
         }
-        w->nnz = nnz;
+        w->q8_nnz = nnz;
+        w->q8_ptr = nnz ? 4 : 0;
         if (nnz) {
             w->row_ptr = row_ptr;
             w->col = e_col;

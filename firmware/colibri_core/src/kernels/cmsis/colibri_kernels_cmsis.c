@@ -657,7 +657,7 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
 {
     const int8_t *q = w->data;
     const size_t in = w->cols, out = w->rows;
-    const int with_e = w->nnz != 0;
+    const int with_e = colibri_q8_has_terms(w);
     int32_t sum[4];
     float v[4];
     size_t o = 0;
@@ -731,7 +731,7 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
 {
     const int8_t *q = w->data;
     const size_t in = w->cols, out = w->rows, words = in / 4u;
-    const int with_e = w->nnz != 0;
+    const int with_e = colibri_q8_has_terms(w);
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
         const int8_t *q0 = q + o * in;
