@@ -442,6 +442,7 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"summer 2000", "the data set (pmdarima's taylor series)"),
     (r"a 3-expert MoE", "design: forecaster.build_moe"),
     (r"dual 16-bit MACs", "hardware: the Cortex-M7's SIMD multiply-accumulate"),
+    (r"x86-64|AVX-512|32-bit Arm", "names of instruction sets and architectures"),
     (r"1–2 MB of flash", "design: the target class (STM32H7-class parts)"),
     (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quantize.DEFAULT_COMPENSATION"),
     (r"exit status 1", "design: the CLI's failure status"),
