@@ -62,7 +62,7 @@ build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 	mkdir -p build/bench
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
 
-bench: build/bench/colibri_bench
+bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
 	$(PY) bench/bench.py
 

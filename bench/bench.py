@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", type=int, metavar="BYTES")
     ap.add_argument("--baseline", action="store_true", help="peak RSS of a worker that runs no engine")
     ap.add_argument("--check-only", action="store_true", help="with --worker: the correctness check, no timing")
+    ap.add_argument("--no-device", action="store_true",
+                    help="skip the Cortex-M7 (QEMU) and image-size figures (scripts/measure.py's m7 group)")
     args = ap.parse_args(argv)
     work = args.out
     if args.worker:
@@ -424,12 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     bw["python_numpy_rss_mb"] = spawn(["--baseline"]).get("rss_mb")
     report(results, skipped, bw, info)
     goals = targets(results, bw, info)
+    device = {} if args.no_device else device_figures()
+    goals += device_targets(device)
     if goals:
         print("\nissue 10 targets (this run):")
         for what, figures, met in goals:
             print(f"  [{'met' if met else 'not yet'}] {what}: {figures}")
     (work / "bench.json").write_text(json.dumps({"results": results, "skipped": skipped, "bandwidth": bw,
-                                                 "targets": [list(g) for g in goals],
+                                                 "targets": [list(g) for g in goals], "device": device,
                                                  "models": info, "threads": THREAD_ENV}, indent=1))
     chart(results, work / "bench.png")
     print(f"wrote {work / 'bench.json'} and {work / 'bench.png'}")
@@ -536,6 +540,39 @@ def targets(results: dict, bw: dict, info: dict | None = None) -> list[tuple[str
     if cr and orss:
         out.append(("edge peak RSS <= 40% of ONNX Runtime's", f"{cr:.0f} MB vs {orss:.0f} MB = {cr / orss:.0%}",
                     cr <= 0.4 * orss))
+    return out
+
+
+def device_figures() -> dict[str, float]:
+    """Issue 10's size and Cortex-M7 figures, measured as README's are (scripts/measure.py): the meter
+    model's instructions on the emulated Cortex-M7 (QEMU -icount: instructions, not cycles) with the
+    cmsis and the reference kernels, and the weight-dominated model's q8/f32 image ratio."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import measure
+
+    print("\nCortex-M7 (QEMU mps2-an500 runner, -icount) and image sizes, as scripts/measure.py measures them:")
+    figures = {f.key: f for f in measure.group_m7()}
+    for f in figures.values():
+        print(f"  {f.key:<26} {f.text:>10}  {f.what}")
+    out = {k: f.value for k, f in figures.items()}
+    out["quant.ratio.q8"] = measure.weight_dominated_ratios()["q8"]
+    print(f"  {'quant.ratio.q8':<26} {out['quant.ratio.q8']:>10.3f}  q8 image / f32, d 128, 8 experts x hidden 512, E 0.5%")
+    return out
+
+
+def device_targets(d: dict[str, float]) -> list[tuple[str, str, bool]]:
+    out = []
+    if "m7.meter.f32.per_mac" in d:
+        out.append(("Cortex-M7 meter f32 <= 1.4 instructions per active MAC",
+                    f"{d['m7.meter.f32']:,.0f} instructions = {d['m7.meter.f32.per_mac']:.2f} per MAC "
+                    f"(reference kernels {d['m7.meter.f32.ref']:,.0f})", d["m7.meter.f32.per_mac"] <= 1.4))
+        out.append(("Cortex-M7 meter q8, int8 activations <= 0.6x f32's instructions",
+                    f"{d['m7.meter.q8i8']:,.0f} = {d['m7.meter.q8i8.vs_f32']:.2f}x", d["m7.meter.q8i8.vs_f32"] <= 0.6))
+        out.append(("Cortex-M7 meter q8, f32 activations <= 1.0x f32's instructions",
+                    f"{d['m7.meter.q8']:,.0f} = {d['m7.meter.q8.vs_f32']:.2f}x", d["m7.meter.q8.vs_f32"] <= 1.0))
+    if "quant.ratio.q8" in d:
+        out.append(("d128/hidden-512 q8 image (E 0.5%) <= 0.262 of f32", f"{d['quant.ratio.q8']:.3f}",
+                    d["quant.ratio.q8"] <= 0.262))
     return out
 
 

@@ -210,11 +210,7 @@ def group_quantisation() -> list[Figure]:
         x = TQ.inputs(TQ.TOKENS, g.input_size, seed=3)
         without, with_e = (TQ.rel_l2(g, quantize(g, "q8", compensation=c), x) for c in (0.0, DEFAULT_COMPENSATION))
         heavy[kind] = without / with_e
-    torch.manual_seed(5)  # test_image_size_ratios' model
-    g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
-    base = len(image.write(g))
-    ratio = {name: len(image.write(quantize(g, dtype, **kw))) / base
-             for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8_noE", "q8", {"compensation": 0.0}))}
+    ratio = weight_dominated_ratios()
 
     trained = TQ.digits_classifier(seed=0)
     q8g = quantize(trained.graph, "q8")
@@ -340,6 +336,22 @@ def active_macs(module) -> int:
         else:
             total += active_macs(m)
     return total
+
+
+def weight_dominated_ratios() -> dict[str, float]:
+    """Image bytes / f32 of test_image_size_ratios' weight-dominated model (d 128, 8 experts x hidden 512)."""
+    import torch
+
+    import test_quantize as TQ
+    from colibri import image
+    from colibri import nn as cnn
+    from colibri.quantize import quantize
+
+    torch.manual_seed(5)  # test_image_size_ratios' model
+    g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
+    base = len(image.write(g))
+    return {name: len(image.write(quantize(g, dtype, **kw))) / base
+            for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8_noE", "q8", {"compensation": 0.0}))}
 
 
 def group_m7() -> list[Figure]:
