@@ -17,8 +17,10 @@
  * - int8 weights with int8 activations, quantize_rows, activation, mul,
  *   add: bit for bit (a NaN where the reference has a NaN).
  *
- * When the optimised table is the reference (a CPU without AVX2/FMA/F16C or
- * a KERNELS=ref build) it says so and checks the table against itself.
+ * Every level of the x86-64 backend this CPU has is tested (AVX2+FMA+F16C,
+ * and AVX-512F when present), then the table colibri_init picks. When that
+ * is the reference (a CPU without AVX2/FMA/F16C, or another backend's build)
+ * it says so and checks the table against itself.
  * Prints "kernels ok" and exits 0 when every check passes.
  */
 #include <float.h>
@@ -29,6 +31,7 @@
 
 #include "colibri_kernels.h"
 #include "colibri_format.h"
+#include "kernels/colibri_backend.h"
 
 #define MAX_IN 300
 #define MAX_OUT 40
@@ -335,22 +338,37 @@ static void test_elementwise(const colibri_kernels *opt, const colibri_kernels *
     }
 }
 
+static void test_table(const colibri_kernels *opt, const colibri_kernels *ref, int trials)
+{
+    const long before = failures;
+    printf("kernels: %s\n", opt->name);
+    for (int t = 0; t < trials; t++)
+        test_linear(opt, ref, t);
+    for (int t = 0; t < trials / 10 + 1; t++)
+        test_elementwise(opt, ref, t);
+    printf("  %ld failures\n", failures - before);
+}
+
 int main(int argc, char **argv)
 {
     const int trials = argc > 1 ? atoi(argv[1]) : 3000;
     if (argc > 2)
         rng_state ^= strtoull(argv[2], NULL, 0) * 0x2545F4914F6CDD1Du;
     colibri_kernels opt, ref;
-    colibri_kernels_optimised(&opt);
     colibri_kernels_reference(&ref);
+#if defined(COLIBRI_BACKEND_X86)
+    for (int level = 1; level <= 2; level++) {
+        colibri_kernels_reference(&opt);
+        colibri_kernels_x86_level(&opt, level);
+        if (strcmp(opt.name, "reference") != 0 && (level == 1 || strstr(opt.name, "avx512")))
+            test_table(&opt, &ref, trials);
+    }
+#endif
+    colibri_kernels_optimised(&opt);
     printf("optimised kernels: %s\n", opt.name);
     if (strcmp(opt.name, "reference") == 0)
         printf("no optimised backend on this build or CPU: checking the reference against itself\n");
-
-    for (int t = 0; t < trials; t++)
-        test_linear(&opt, &ref, t);
-    for (int t = 0; t < trials / 10 + 1; t++)
-        test_elementwise(&opt, &ref, t);
+    test_table(&opt, &ref, trials);
 
     printf("%ld checks, %ld failures; %ld linear outputs differ from the reference, the largest by %.3g of "
            "the tolerance\n", checks, failures, differing, worst);
