@@ -5,12 +5,12 @@
  * x86-64 backend on this host) against its reference kernel, on random shapes
  * with odd sizes and tails, n = 1..9 tokens with and without the rows index
  * list, linear and linear_acc, bias or none, gate scales or none, and inputs
- * with NaN, ±inf, 1e38 and subnormals. The tolerances checked are the ones
+ * with NaN, ±inf, 1e38 and subnormals (sprinkled, or every value). The tolerances checked are the ones
  * docs/model-format.md "Numerics" states:
  *
  * - linear, linear_acc (f32, f16, and int8 weights with f32 activations):
- *   |y - y_ref| <= (in + 16) · 2^-23 · (Σ_k |w_ok x_k| + |b_o|) · max(1, |s|)
- *                  + 2^-23 · |y_ref|
+ *   |y - y_ref| <= (in + 16) · (2^-23 · (Σ_k |w_ok x_k| + |b_o|) · max(1, |s|)
+ *                             + 2^-149) + 2^-23 · |y_ref|
  *   with w the weights as the kernel reads them (I8: |Q_ok| s_o, plus the
  *   |e| |x| of the compensation entries); the same non-finite values where
  *   the reference has one (NaN where it has NaN, the same infinity).
@@ -58,9 +58,12 @@ static float uniform(float lo, float hi)
 }
 
 /* One value of a row of activations; special (0: no specials, else the kind
- * of value sprinkled in: 1 NaN, 2 inf, 3 1e38, 4 subnormals). */
+ * of value sprinkled in: 1 NaN, 2 inf, 3 1e38, 4 subnormals; 5: every value
+ * subnormal). */
 static float activation_value(int special)
 {
+    if (special == 5)
+        return uniform(-1.0f, 1.0f) * 1e-39f;
     if (special && rnd_below(23) == 0) {
         switch (special) {
         case 1:
@@ -199,7 +202,7 @@ static void test_linear(const colibri_kernels *opt, const colibri_kernels *ref, 
     const size_t out = 1 + rnd_below(MAX_OUT);
     const size_t n = 1 + (size_t)(trial / 6) % MAX_N;
     const int use_rows = rnd() & 1, use_bias = rnd() & 1, use_scale = rnd() & 1, acc = rnd() & 1;
-    const int special = (int)rnd_below(5);
+    const int special = (int)rnd_below(6);
     const size_t xrows = MAX_N; /* the x rows the index list picks from */
 
     colibri_matrix w;
@@ -254,8 +257,10 @@ static void test_linear(const colibri_kernels *opt, const colibri_kernels *ref, 
             const size_t at = yr * out + o;
             double tol = -1.0; /* int8 x int8: exact */
             if (!int8_act)
-                tol = (double)(in + 16) * 0x1p-23 * (magnitude(&w, o, xi) + (bias ? fabs((double)bias[o]) : 0.0)) *
-                          (s > 1.0 ? s : 1.0) +
+                tol = (double)(in + 16) *
+                          (0x1p-23 * (magnitude(&w, o, xi) + (bias ? fabs((double)bias[o]) : 0.0)) *
+                               (s > 1.0 ? s : 1.0) +
+                           0x1p-149) +
                       0x1p-23 * fabs((double)y_ref[at]);
             check_value(what, at, y_opt[at], y_ref[at], tol);
         }
