@@ -56,7 +56,7 @@ def test_kernel_names(small_image: bytes) -> None:
     assert colibri.Model(small_image, reference_kernels=True).kernels == "reference"
     name = colibri.Model(small_image).kernels
     if X86:
-        assert name in ("x86-64 avx2+fma+f16c", "x86-64 avx512f+avx2+fma+f16c")
+        assert name in ("x86-64 avx2+fma+f16c", "x86-64 avx512f+avx2+fma+f16c", "x86-64 avx512f+vnni+avx2+fma+f16c")
 
 
 def tol(y: np.ndarray, rel: float) -> float:

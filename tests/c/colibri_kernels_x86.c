@@ -18,7 +18,7 @@
  *   add: bit for bit (a NaN where the reference has a NaN).
  *
  * Every level of the x86-64 backend this CPU has is tested (AVX2+FMA+F16C,
- * and AVX-512F when present), then the table colibri_init picks. When that
+ * AVX-512F, AVX-512 VNNI), then the table colibri_init picks. When that
  * is the reference (a CPU without AVX2/FMA/F16C, or another backend's build)
  * it says so and checks the table against itself.
  * Prints "kernels ok" and exits 0 when every check passes.
@@ -362,10 +362,11 @@ int main(int argc, char **argv)
     colibri_kernels opt, ref;
     colibri_kernels_reference(&ref);
 #if defined(COLIBRI_BACKEND_X86)
-    for (int level = 1; level <= 2; level++) {
+    for (int level = 1; level <= 3; level++) {
         colibri_kernels_reference(&opt);
         colibri_kernels_x86_level(&opt, level);
-        if (strcmp(opt.name, "reference") != 0 && (level == 1 || strstr(opt.name, "avx512")))
+        if (strcmp(opt.name, "reference") != 0 &&
+            (level == 1 || (level == 2 && strstr(opt.name, "avx512")) || strstr(opt.name, "vnni")))
             test_table(&opt, &ref, trials);
     }
 #endif

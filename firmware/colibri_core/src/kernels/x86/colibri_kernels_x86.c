@@ -53,6 +53,7 @@
 
 #define X86_GEMM __attribute__((target("avx2,fma,f16c")))
 #define X86_GEMM512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define X86_GEMM512VNNI __attribute__((target("avx512f,avx512vnni,avx2,fma,f16c")))
 /* Element-wise kernels that must round as the reference: AVX2 without FMA,
  * so no multiply-add can be fused even where contraction is allowed. */
 #define X86_EXACT __attribute__((target("avx2")))
@@ -283,6 +284,62 @@ X86_INLINE X86_GEMM void dot_block_q8q8(int T, int R, const int8_t *W, size_t in
         v[i] = hsum_i32(acc[i]);
 }
 
+/* The same sums with AVX-512 VNNI (vpdpbusd: four u8 x s8 products added to
+ * each int32 lane, wrapping). xq + 128 (its sign bit flipped) is the u8
+ * operand, so Σ (xq + 128)·Q - 128·Σ Q = Σ Q·xq, exactly in wrapping int32
+ * arithmetic, for any int8 values; 128·Σ Q is summed per row alongside. */
+X86_INLINE X86_GEMM512VNNI void dot_block_q8q8_vnni(int T, int R, const int8_t *W, size_t in, size_t o,
+                                                     const int8_t *const *xq, int32_t *v)
+{
+    const __m512i flip = _mm512_set1_epi8(-128), c128 = _mm512_set1_epi8(-128); /* 0x80: 128 as u8 */
+    const int8_t *wr[8];
+    __m512i acc[32], rsum[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        wr[r] = W + (o + (size_t)r) * in;
+        rsum[r] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 32
+    for (int i = 0; i < T * R; i++)
+        acc[i] = _mm512_setzero_si512();
+
+    size_t k = 0;
+    for (; k + 64 <= in; k += 64) {
+        __m512i xv[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_xor_si512(_mm512_loadu_si512(xq[t] + k), flip);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512i wv = _mm512_loadu_si512(wr[r] + k);
+            rsum[r] = _mm512_dpbusd_epi32(rsum[r], c128, wv);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[t * R + r] = _mm512_dpbusd_epi32(acc[t * R + r], xv[t], wv);
+        }
+    }
+    if (k < in) { /* zero-padded: the padding adds 128 · 0 to both sums */
+        int8_t buf[64];
+        __m512i xv[4];
+        for (int t = 0; t < T; t++) {
+            memset(buf, 0, sizeof buf);
+            memcpy(buf, xq[t] + k, in - k);
+            xv[t] = _mm512_xor_si512(_mm512_loadu_si512(buf), flip);
+        }
+        for (int r = 0; r < R; r++) {
+            memset(buf, 0, sizeof buf);
+            memcpy(buf, wr[r] + k, in - k);
+            const __m512i wv = _mm512_loadu_si512(buf);
+            rsum[r] = _mm512_dpbusd_epi32(rsum[r], c128, wv);
+            for (int t = 0; t < T; t++)
+                acc[t * R + r] = _mm512_dpbusd_epi32(acc[t * R + r], xv[t], wv);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++)
+            v[t * R + r] = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[t * R + r], rsum[r]));
+}
+
 /* ---- The GEMM driver shared by linear and linear_acc ---- */
 
 /* One call's tokens: token i reads x row xrow(i) (and int8 row i of xq),
@@ -312,6 +369,19 @@ X86_INLINE X86_GEMM void emit(const gemm_args *g, int dt, size_t i, size_t o, fl
     colibri_emit(yi, o, v, g->b, g->acc, g->scale ? g->scale[i] : 1.0f);
 }
 
+/* emit for outputs o .. o + 3 of token i, f32 and f16 weights: the same
+ * IEEE operations as colibri_emit, four lanes at a time (no FMA: the
+ * engine builds with -ffp-contract=off). */
+X86_INLINE X86_GEMM void emit4(const gemm_args *g, size_t i, size_t o, __m128 v)
+{
+    float *yi = g->y + (g->yrows ? g->yrows[i] : i) * g->w->rows + o;
+    if (g->b)
+        v = _mm_add_ps(v, _mm_loadu_ps(g->b + o));
+    if (g->acc)
+        v = _mm_add_ps(_mm_loadu_ps(yi), _mm_mul_ps(_mm_set1_ps(g->scale ? g->scale[i] : 1.0f), v));
+    _mm_storeu_ps(yi, v);
+}
+
 X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32_t sum)
 {
     const colibri_matrix *w = g->w;
@@ -323,10 +393,10 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
 }
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
- * attribute, DOT its f32-activation micro-kernel; q8 x int8 always runs
- * AVX2's (integer, exact). R_ONE rows per block for one token, R_FEW for
- * two or three, R_MANY with groups of four tokens. */
-#define X86_DEFINE_GEMM(SFX, TGT, DOT, R_ONE, R_FEW, R_MANY)                                       \
+ * attribute, DOT its f32-activation micro-kernel, Q8DOT its q8 x int8 one.
+ * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
+ * groups of four tokens. */
+#define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY)                                       \
     /* Rows [o, o + R) for tokens [i, i + T). */                                                   \
     X86_INLINE TGT void block_##SFX(const gemm_args *g, int dt, int T, int R, size_t i, size_t o)  \
     {                                                                                              \
@@ -337,7 +407,7 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
             int32_t v[32];                                                                         \
             for (int t = 0; t < T; t++)                                                            \
                 xq[t] = g->xq->q + (i + (size_t)t) * in;                                           \
-            dot_block_q8q8(T, R, w->data, in, o, xq, v);                                           \
+            Q8DOT(T, R, w->data, in, o, xq, v);                                                    \
             for (int t = 0; t < T; t++)                                                            \
                 for (int r = 0; r < R; r++)                                                        \
                     emit_q8q8(g, i + (size_t)t, o + (size_t)r, v[t * R + r]);                      \
@@ -348,6 +418,12 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
         for (int t = 0; t < T; t++)                                                                \
             xr[t] = g->x + (g->xrows ? g->xrows[i + (size_t)t] : i + (size_t)t) * in;              \
         DOT(dt, T, R, w->data, in, o, xr, v);                                                      \
+        if (dt != DT_I8 && R % 4 == 0) {                                                           \
+            for (int t = 0; t < T; t++)                                                            \
+                for (int r = 0; r < R; r += 4)                                                     \
+                    emit4(g, i + (size_t)t, o + (size_t)r, _mm_loadu_ps(v + t * R + r));           \
+            return;                                                                                \
+        }                                                                                          \
         for (int t = 0; t < T; t++)                                                                \
             for (int r = 0; r < R; r++)                                                            \
                 emit(g, dt, i + (size_t)t, o + (size_t)r, v[t * R + r]);                           \
@@ -395,29 +471,37 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
         else                                                                                       \
             gemm_rows_##SFX(g, dt, R_MANY, n);                                                     \
     }                                                                                              \
-    static TGT __attribute__((noinline)) void gemm_f32_##SFX(const gemm_args *g, size_t n)         \
+    static TGT __attribute__((noinline, unused)) void gemm_f32_##SFX(const gemm_args *g, size_t n)         \
     {                                                                                              \
         gemm_dt_##SFX(g, DT_F32, n);                                                               \
     }                                                                                              \
-    static TGT __attribute__((noinline)) void gemm_f16_##SFX(const gemm_args *g, size_t n)         \
+    static TGT __attribute__((noinline, unused)) void gemm_f16_##SFX(const gemm_args *g, size_t n)         \
     {                                                                                              \
         gemm_dt_##SFX(g, DT_F16, n);                                                               \
     }                                                                                              \
-    static TGT __attribute__((noinline)) void gemm_i8_##SFX(const gemm_args *g, size_t n)          \
+    static TGT __attribute__((noinline, unused)) void gemm_i8_##SFX(const gemm_args *g, size_t n)          \
     {                                                                                              \
         gemm_dt_##SFX(g, DT_I8, n);                                                                \
     }
 
 /* AVX2: 8 accumulators of 8 lanes (4 tokens x 2 rows; 8 rows for one token). */
-X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, 8, 4, 2)
+X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, dot_block_q8q8, 8, 4, 2)
 /* AVX-512F: 24 accumulators of 16 lanes (4 tokens x 6 rows) of the 32 registers. */
-X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, 8, 4, 6)
+X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, dot_block_q8q8, 8, 4, 6)
+/* AVX-512 VNNI, used for q8 x int8 only: 16 + 4 accumulators (4 tokens x 4 rows). */
+X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 4)
 
 static X86_GEMM __attribute__((noinline)) void gemm_q8q8(const gemm_args *g, size_t n)
 {
     gemm_dt_avx2(g, DT_I8, n);
 }
 
+static X86_GEMM512VNNI __attribute__((noinline)) void gemm_q8q8_vnni(const gemm_args *g, size_t n)
+{
+    gemm_dt_vnni(g, DT_I8, n);
+}
+
+/* avx512: 0 AVX2, 1 AVX-512F, 2 AVX-512F and VNNI. */
 static void gemm(const gemm_args *g, size_t n, int avx512)
 {
     if (n == 0)
@@ -430,7 +514,9 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
             gemm_f16_avx2(g, n);
         break;
     case COLIBRI_DTYPE_I8:
-        if (g->xq)
+        if (g->xq && avx512 == 2)
+            gemm_q8q8_vnni(g, n);
+        else if (g->xq)
             gemm_q8q8(g, n);
         else if (avx512)
             gemm_i8_avx512(g, n);
@@ -462,6 +548,7 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
     }
 X86_DEFINE_LINEAR(avx2, 0)
 X86_DEFINE_LINEAR(avx512, 1)
+X86_DEFINE_LINEAR(vnni, 2)
 
 /* ---- Element-wise kernels, bit for bit the reference's ---- */
 
@@ -629,7 +716,7 @@ static X86_EXACT void quantize_rows_x86(const float *x, const uint16_t *rows, si
 /* ---- CPU detection: at every colibri_init, nothing cached ---- */
 
 /* 0: neither; 1: AVX2, FMA and F16C with the YMM state saved by the OS;
- * 2: AVX-512F as well, with the ZMM state saved. */
+ * 2: AVX-512F as well, with the ZMM state saved; 3: and AVX-512 VNNI. */
 static int x86_level(void)
 {
     unsigned a, b, c, d;
@@ -646,17 +733,29 @@ static int x86_level(void)
         return 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX2))
         return 0;
-    return (b & bit_AVX512F) && (lo & 0xE6u) == 0xE6u ? 2 : 1;
+    if (!(b & bit_AVX512F) || (lo & 0xE6u) != 0xE6u)
+        return 1;
+    return c & bit_AVX512VNNI ? 3 : 2;
 }
 
 void colibri_kernels_x86_level(colibri_kernels *k, int max_level)
 {
-    const int level = x86_level() < max_level ? x86_level() : max_level;
+    const int cpu = x86_level(), level = cpu < max_level ? cpu : max_level;
     if (level < 1)
         return; /* the reference kernels stand */
-    k->name = level == 2 ? "x86-64 avx512f+avx2+fma+f16c" : "x86-64 avx2+fma+f16c";
-    k->linear = level == 2 ? linear_avx512 : linear_avx2;
-    k->linear_acc = level == 2 ? linear_acc_avx512 : linear_acc_avx2;
+    if (level >= 3) {
+        k->name = "x86-64 avx512f+vnni+avx2+fma+f16c";
+        k->linear = linear_vnni;
+        k->linear_acc = linear_acc_vnni;
+    } else if (level == 2) {
+        k->name = "x86-64 avx512f+avx2+fma+f16c";
+        k->linear = linear_avx512;
+        k->linear_acc = linear_acc_avx512;
+    } else {
+        k->name = "x86-64 avx2+fma+f16c";
+        k->linear = linear_avx2;
+        k->linear_acc = linear_acc_avx2;
+    }
     k->quantize_rows = quantize_rows_x86;
     k->activation = activation_x86;
     k->mul = mul_x86;
@@ -665,7 +764,7 @@ void colibri_kernels_x86_level(colibri_kernels *k, int max_level)
 
 void colibri_kernels_x86(colibri_kernels *k)
 {
-    colibri_kernels_x86_level(k, 2);
+    colibri_kernels_x86_level(k, 3);
 }
 
 #endif /* COLIBRI_BACKEND_X86 */
