@@ -64,6 +64,11 @@
 /* Element-wise kernels that must round as the reference: AVX2 without FMA,
  * so no multiply-add can be fused even where contraction is allowed. */
 #define X86_EXACT __attribute__((target("avx2")))
+/* The same with AVX-512F, whose FMA cannot be left out of the target: its
+ * double arithmetic goes through the explicitly rounded intrinsics
+ * (_mm512_mul_round_pd ...), which the compiler never contracts. */
+#define X86_EXACT512 __attribute__((target("avx512f,avx2")))
+#define X86_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define X86_INLINE static inline __attribute__((always_inline))
 
 enum { DT_F32, DT_F16, DT_I8 };
@@ -637,6 +642,72 @@ static X86_EXACT void activation_x86(float *x, size_t n, uint32_t kind)
     }
 }
 
+/* expf8 with 8 double lanes (AVX-512F): the same operations. */
+X86_INLINE X86_EXACT512 __m256 expf8_512(__m256 x)
+{
+    const __m256 hi = _mm256_set1_ps(COLIBRI_EXPF_MAX_FINITE), lo = _mm256_set1_ps(COLIBRI_EXPF_MIN_NONZERO);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(_mm256_andnot_ps(nan, x), lo), hi);
+
+    const __m512d xd = _mm512_cvtps_pd(xc);
+    const __m512d t = _mm512_mul_round_pd(xd, _mm512_set1_pd(COLIBRI_INV_LN2), X86_RN);
+    const __m512d half = _mm512_set1_pd(0.5);
+    const __mmask8 neg = _mm512_cmp_pd_mask(t, _mm512_setzero_pd(), _CMP_LT_OQ);
+    const __m512d rounded = _mm512_mask_blend_pd(neg, _mm512_add_round_pd(t, half, X86_RN),
+                                                 _mm512_sub_round_pd(t, half, X86_RN));
+    const __m256i n = _mm512_cvttpd_epi32(rounded);
+    const __m512d nd = _mm512_cvtepi32_pd(n);
+    const __m512d r = _mm512_sub_round_pd(
+        _mm512_sub_round_pd(xd, _mm512_mul_round_pd(nd, _mm512_set1_pd(COLIBRI_LN2_HI), X86_RN), X86_RN),
+        _mm512_mul_round_pd(nd, _mm512_set1_pd(COLIBRI_LN2_LO), X86_RN), X86_RN);
+    const unsigned terms = COLIBRI_MATH_COUNT(colibri_exp_taylor);
+    __m512d p = _mm512_set1_pd(colibri_exp_taylor[terms - 1]);
+    for (unsigned i = terms - 1; i-- > 0;)
+        p = _mm512_add_round_pd(_mm512_mul_round_pd(p, r, X86_RN), _mm512_set1_pd(colibri_exp_taylor[i]), X86_RN);
+    p = _mm512_add_round_pd(_mm512_set1_pd(1.0), _mm512_mul_round_pd(r, p, X86_RN), X86_RN);
+    const __m512i k64 = _mm512_add_epi64(_mm512_cvtepi32_epi64(n), _mm512_set1_epi64(1023));
+    const __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(k64, 52));
+    __m256 e = _mm512_cvtpd_ps(_mm512_mul_round_pd(p, scale, X86_RN));
+
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), big);
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), small);
+    return _mm256_blendv_ps(e, _mm256_add_ps(x, x), nan);
+}
+
+X86_INLINE X86_EXACT512 __m256 act8_512(__m256 v, uint32_t kind)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    switch (kind) {
+    case COLIBRI_ACT_RELU:
+        return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    case COLIBRI_ACT_SILU:
+        return _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, expf8_512(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f))))));
+    default: /* COLIBRI_ACT_SIGMOID */
+        return _mm256_div_ps(one, _mm256_add_ps(one, expf8_512(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f)))));
+    }
+}
+
+static X86_EXACT512 void activation_x86_512(float *x, size_t n, uint32_t kind)
+{
+    if (kind != COLIBRI_ACT_RELU && kind != COLIBRI_ACT_SILU && kind != COLIBRI_ACT_SIGMOID) {
+        colibri_activation_ref(x, n, kind);
+        return;
+    }
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, act8_512(_mm256_loadu_ps(x + i), kind));
+    if (i < n) {
+        float buf[8] = {0};
+        for (size_t j = i; j < n; j++)
+            buf[j - i] = x[j];
+        _mm256_storeu_ps(buf, act8_512(_mm256_loadu_ps(buf), kind));
+        for (size_t j = i; j < n; j++)
+            x[j] = buf[j - i];
+    }
+}
+
 static X86_EXACT void mul_x86(float *x, const float *y, size_t n)
 {
     size_t i = 0;
@@ -764,7 +835,7 @@ void colibri_kernels_x86_level(colibri_kernels *k, int max_level)
         k->linear_acc = linear_acc_avx2;
     }
     k->quantize_rows = quantize_rows_x86;
-    k->activation = activation_x86;
+    k->activation = level >= 2 ? activation_x86_512 : activation_x86;
     k->mul = mul_x86;
     k->add = add_x86;
 }
