@@ -60,7 +60,7 @@
 
 #define X86_GEMM __attribute__((target("avx2,fma,f16c")))
 #define X86_GEMM512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define X86_GEMM512VNNI __attribute__((target("avx512f,avx512vnni,avx2,fma,f16c")))
+#define X86_GEMM512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 /* Element-wise kernels that must round as the reference: AVX2 without FMA,
  * so no multiply-add can be fused even where contraction is allowed. */
 #define X86_EXACT __attribute__((target("avx2")))
@@ -330,18 +330,13 @@ X86_INLINE X86_GEMM512VNNI void dot_block_q8q8_vnni(int T, int R, const int8_t *
                 acc[t * R + r] = _mm512_dpbusd_epi32(acc[t * R + r], xv[t], wv);
         }
     }
-    if (k < in) { /* zero-padded: the padding adds 128 · 0 to both sums */
-        int8_t buf[64];
+    if (k < in) { /* masked loads, zeros beyond: the padding adds 128 · 0 to both sums */
+        const __mmask64 m = ~0ull >> (64 - (in - k));
         __m512i xv[4];
-        for (int t = 0; t < T; t++) {
-            memset(buf, 0, sizeof buf);
-            memcpy(buf, xq[t] + k, in - k);
-            xv[t] = _mm512_xor_si512(_mm512_loadu_si512(buf), flip);
-        }
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, xq[t] + k), flip);
         for (int r = 0; r < R; r++) {
-            memset(buf, 0, sizeof buf);
-            memcpy(buf, wr[r] + k, in - k);
-            const __m512i wv = _mm512_loadu_si512(buf);
+            const __m512i wv = _mm512_maskz_loadu_epi8(m, wr[r] + k);
             rsum[r] = _mm512_dpbusd_epi32(rsum[r], c128, wv);
             for (int t = 0; t < T; t++)
                 acc[t * R + r] = _mm512_dpbusd_epi32(acc[t * R + r], xv[t], wv);
@@ -800,7 +795,7 @@ static X86_EXACT void quantize_rows_x86(const float *x, const uint16_t *rows, si
 /* ---- CPU detection: at every colibri_init, nothing cached ---- */
 
 /* 0: neither; 1: AVX2, FMA and F16C with the YMM state saved by the OS;
- * 2: AVX-512F as well, with the ZMM state saved; 3: and AVX-512 VNNI. */
+ * 2: AVX-512F as well, with the ZMM state saved; 3: and AVX-512 VNNI + BW. */
 static int x86_level(void)
 {
     unsigned a, b, c, d;
@@ -819,7 +814,7 @@ static int x86_level(void)
         return 0;
     if (!(b & bit_AVX512F) || (lo & 0xE6u) != 0xE6u)
         return 1;
-    return c & bit_AVX512VNNI ? 3 : 2;
+    return (c & bit_AVX512VNNI) && (b & bit_AVX512BW) ? 3 : 2;
 }
 
 void colibri_kernels_x86_level(colibri_kernels *k, int max_level)
