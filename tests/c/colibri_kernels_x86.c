@@ -298,6 +298,17 @@ static void test_elementwise(const colibri_kernels *opt, const colibri_kernels *
         for (size_t i = 0; i < sizeof edges / sizeof *edges && i < n; i++)
             a_ref[i] = edges[i];
     }
+    if (trial % 50 == 1) { /* a sweep over every branch of tanh and erf, and around their edges */
+        static const float edges[] = {0.55f, 1.0f, 2.5f, 4.0f, 9.1f};
+        for (size_t i = 0; i < n; i++)
+            a_ref[i] = -12.0f + 24.0f * (float)i / (float)n;
+        for (size_t e = 0; e < 5 && 8 * e + 8 <= n; e++)
+            for (size_t j = 0; j < 8; j++) {
+                float v = j & 4 ? edges[e] * 1.41421356f : edges[e]; /* GELU (erf) scales by 1/sqrt 2 */
+                v = j & 1 ? nextafterf(v, 0.0f) : v;
+                a_ref[8 * e + j] = j & 2 ? -v : v;
+            }
+    }
     char what[64];
     for (size_t kk = 0; kk < sizeof kinds / sizeof *kinds; kk++) {
         memcpy(a_opt, a_ref, n * sizeof *a_ref);

@@ -38,11 +38,12 @@
  * - Epilogue: outputs in blocks of 4 rows (f32, f16) are finished four at a
  *   time with the same IEEE operations as colibri_emit; I8 outputs go
  *   through colibri_q8_scale / colibri_q8_compensate one by one.
- * - activation: ReLU, SiLU and sigmoid vectorised with the engine's own
- *   exp (colibri_math.h) done in double exactly as the scalar one, in the same
- *   operation order and without FMA (those functions are compiled for AVX2
- *   only, so nothing can be contracted): bit for bit equal to the reference.
- *   GELU and tanh stay the reference's.
+ * - activation: every kind vectorised with the engine's own exp, tanh and
+ *   erf (colibri_math.h) done in double exactly as the scalar ones (each
+ *   branch computed, the lane's picked), in the same operation order and
+ *   without FMA (those functions are compiled for AVX2 only, so nothing can
+ *   be contracted; AVX-512's exp uses explicitly rounded intrinsics): bit for
+ *   bit equal to the reference.
  * - quantize_rows, mul, add: vectorised, bit for bit equal to the reference.
  * - layernorm, rmsnorm: the reference's (not hot in the models timed).
  */
@@ -606,6 +607,86 @@ X86_INLINE X86_EXACT __m256 sigmoid8(__m256 v)
     return _mm256_div_ps(one, _mm256_add_ps(one, expf8(negv)));
 }
 
+/* colibri_poly of 4 doubles: Horner, c[n-1] first. */
+X86_INLINE X86_EXACT __m256d poly4(const colibri_real *c, unsigned n, __m256d z)
+{
+    __m256d p = _mm256_set1_pd(c[n - 1]);
+    for (unsigned i = n - 1; i-- > 0;)
+        p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(c[i]));
+    return p;
+}
+
+/* colibri_exp_real of 4 doubles, |x| <= 20. */
+X86_INLINE X86_EXACT __m256d exp_real4(__m256d x)
+{
+    const __m256d t = _mm256_mul_pd(x, _mm256_set1_pd(COLIBRI_INV_LN2));
+    const __m256d half = _mm256_set1_pd(0.5);
+    const __m256d neg = _mm256_cmp_pd(t, _mm256_setzero_pd(), _CMP_LT_OQ);
+    const __m128i n = _mm256_cvttpd_epi32(_mm256_blendv_pd(_mm256_add_pd(t, half), _mm256_sub_pd(t, half), neg));
+    const __m256d nd = _mm256_cvtepi32_pd(n);
+    const __m256d r = _mm256_sub_pd(_mm256_sub_pd(x, _mm256_mul_pd(nd, _mm256_set1_pd(COLIBRI_LN2_HI))),
+                                    _mm256_mul_pd(nd, _mm256_set1_pd(COLIBRI_LN2_LO)));
+    const __m256d p = _mm256_add_pd(
+        _mm256_set1_pd(1.0), _mm256_mul_pd(r, poly4(colibri_exp_taylor, COLIBRI_MATH_COUNT(colibri_exp_taylor), r)));
+    const __m256i k64 = _mm256_add_epi64(_mm256_cvtepi32_epi64(n), _mm256_set1_epi64x(1023));
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(k64, 52)));
+}
+
+/* colibri_tanhf's two branches for 4 finite floats of |x| < 9.1; picks by |x| < 0.55. */
+X86_INLINE X86_EXACT __m128 tanh4(__m128 x)
+{
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    const __m128 ax = _mm_andnot_ps(sign, x);
+    const __m256d xd = _mm256_cvtps_pd(x);
+    const __m256d z = _mm256_mul_pd(xd, xd);
+    const __m128 small = _mm256_cvtpd_ps(_mm256_add_pd(
+        xd, _mm256_mul_pd(xd, _mm256_mul_pd(z, poly4(colibri_tanh_c, COLIBRI_MATH_COUNT(colibri_tanh_c), z)))));
+    const __m256d e = exp_real4(_mm256_cvtps_pd(_mm_mul_ps(_mm_set1_ps(2.0f), ax)));
+    const __m256d one = _mm256_set1_pd(1.0);
+    const __m128 t = _mm256_cvtpd_ps(_mm256_sub_pd(one, _mm256_div_pd(_mm256_set1_pd(2.0), _mm256_add_pd(e, one))));
+    const __m128 large = _mm_or_ps(_mm_andnot_ps(sign, t), _mm_and_ps(sign, x)); /* copysignf */
+    return _mm_blendv_ps(large, small, _mm_cmplt_ps(ax, _mm_set1_ps(0.55f)));
+}
+
+/* colibri_erff's three branches for 4 finite floats of |x| < 4. */
+X86_INLINE X86_EXACT __m128 erf4(__m128 x)
+{
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    const __m128 ax = _mm_andnot_ps(sign, x);
+    const __m256d xd = _mm256_cvtps_pd(x);
+    const __m256d z = _mm256_mul_pd(xd, xd);
+    const __m128 small = _mm256_cvtpd_ps(
+        _mm256_add_pd(xd, _mm256_mul_pd(xd, poly4(colibri_erf_q, COLIBRI_MATH_COUNT(colibri_erf_q), z))));
+    const __m256d a = _mm256_cvtps_pd(ax);
+    const __m256d r_low = poly4(colibri_erfc_r_low, COLIBRI_MATH_COUNT(colibri_erfc_r_low),
+                                _mm256_sub_pd(a, _mm256_set1_pd(1.75)));
+    const __m256d r_high = poly4(colibri_erfc_r_high, COLIBRI_MATH_COUNT(colibri_erfc_r_high),
+                                 _mm256_sub_pd(a, _mm256_set1_pd(3.25)));
+    const __m128 below = _mm_cmplt_ps(ax, _mm_set1_ps(2.5f));
+    const __m256d below_d = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_castps_si128(below)));
+    const __m256d r = _mm256_blendv_pd(r_high, r_low, below_d);
+    const __m256d na = _mm256_xor_pd(a, _mm256_set1_pd(-0.0));
+    const __m256d erfc = _mm256_mul_pd(exp_real4(_mm256_mul_pd(na, a)), r);
+    const __m128 big = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_set1_pd(1.0), erfc));
+    const __m128 large = _mm_or_ps(_mm_andnot_ps(sign, big), _mm_and_ps(sign, x));
+    return _mm_blendv_ps(large, small, _mm_cmplt_ps(ax, _mm_set1_ps(1.0f)));
+}
+
+/* f (tanh4 or erf4) of 8 floats with colibri_tanhf's / colibri_erff's NaN
+ * and saturation: NaN -> x + x, |x| >= limit -> ±1. */
+X86_INLINE X86_EXACT __m256 saturating8(__m256 x, float limit, int erf)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 sat = _mm256_cmp_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(limit), _CMP_GE_OQ);
+    /* Lanes NaN or saturated compute on 0, and are replaced below. */
+    const __m256 xc = _mm256_andnot_ps(_mm256_or_ps(nan, sat), x);
+    const __m128 lo = _mm256_castps256_ps128(xc), hi = _mm256_extractf128_ps(xc, 1);
+    __m256 y = erf ? _mm256_set_m128(erf4(hi), erf4(lo)) : _mm256_set_m128(tanh4(hi), tanh4(lo));
+    y = _mm256_blendv_ps(y, _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(sign, x)), sat);
+    return _mm256_blendv_ps(y, _mm256_add_ps(x, x), nan);
+}
+
 X86_INLINE X86_EXACT __m256 act8(__m256 v, uint32_t kind)
 {
     switch (kind) {
@@ -613,6 +694,18 @@ X86_INLINE X86_EXACT __m256 act8(__m256 v, uint32_t kind)
         return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     case COLIBRI_ACT_SILU:
         return _mm256_mul_ps(v, sigmoid8(v));
+    case COLIBRI_ACT_TANH:
+        return saturating8(v, COLIBRI_TANHF_SATURATE, 0);
+    case COLIBRI_ACT_GELU_TANH: { /* 0.5 v (1 + tanh(√(2/π) (v + 0.044715 v³))), the reference's order */
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), v), v), v);
+        const __m256 t = saturating8(_mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f), _mm256_add_ps(v, cube)),
+                                     COLIBRI_TANHF_SATURATE, 0);
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+    }
+    case COLIBRI_ACT_GELU_ERF: { /* 0.5 v (1 + erf(v / √2)) */
+        const __m256 e = saturating8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)), COLIBRI_ERFF_SATURATE, 1);
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    }
     default: /* COLIBRI_ACT_SIGMOID */
         return sigmoid8(v);
     }
@@ -620,8 +713,9 @@ X86_INLINE X86_EXACT __m256 act8(__m256 v, uint32_t kind)
 
 static X86_EXACT void activation_x86(float *x, size_t n, uint32_t kind)
 {
-    if (kind != COLIBRI_ACT_RELU && kind != COLIBRI_ACT_SILU && kind != COLIBRI_ACT_SIGMOID) {
-        colibri_activation_ref(x, n, kind);
+    if (kind != COLIBRI_ACT_RELU && kind != COLIBRI_ACT_SILU && kind != COLIBRI_ACT_SIGMOID &&
+        kind != COLIBRI_ACT_TANH && kind != COLIBRI_ACT_GELU_TANH && kind != COLIBRI_ACT_GELU_ERF) {
+        colibri_activation_ref(x, n, kind); /* unreachable: activation kinds are validated */
         return;
     }
     size_t i = 0;
@@ -693,7 +787,7 @@ X86_INLINE X86_EXACT512 __m256 act8_512(__m256 v, uint32_t kind)
 static X86_EXACT512 void activation_x86_512(float *x, size_t n, uint32_t kind)
 {
     if (kind != COLIBRI_ACT_RELU && kind != COLIBRI_ACT_SILU && kind != COLIBRI_ACT_SIGMOID) {
-        colibri_activation_ref(x, n, kind);
+        activation_x86(x, n, kind); /* GELU, tanh: AVX2's */
         return;
     }
     size_t i = 0;
