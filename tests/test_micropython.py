@@ -4,8 +4,10 @@ The x64 native module is built once per session by `colibri natmod build`
 (the path a user takes) and imported by the PyPI unix interpreter
 (`micropython`, x86-64, the same .mpy ABI as the Cortex-M7 firmware). Both it
 and the CPython binding run the same C engine on the same image, with the
-engine's own exp, erf and tanh and no fused multiply-add, so their outputs
-are the same bits (NaN where the host has NaN). Numbers printed by the REPL
+engine's own exp, erf and tanh and no fused multiply-add, so with the
+reference kernels on both (the natmod has no others; the host's
+`reference_kernels=True`) their outputs are the same bits (NaN where the
+host has NaN). Numbers printed by the REPL
 are compared to 1e-6 relative (they pass through decimal text).
 
 Data moves through files: inputs as raw float32, which `array('f', bytes)`
@@ -234,7 +236,8 @@ def matrix(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_outputs_equal_cpython_engine(matrix: MatrixRun, routing: str, dtype: str) -> None:
     """Model.forward and colibri.forward in MicroPython give the CPython engine's numbers, at every batch."""
-    host = colibri.Model(matrix.images[f"{routing}-{dtype}"])
+    # The natmod runs the reference kernels (x64 .mpy: no AVX backend): the host must too for the same bits.
+    host = colibri.Model(matrix.images[f"{routing}-{dtype}"], reference_kernels=True)
     for batch in BATCHES:
         case = f"{routing}-{dtype}-b{batch}"
         want = host.forward(matrix.inputs[case])
@@ -270,7 +273,7 @@ def nonfinite(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_nonfinite_inputs_equal_cpython_engine(nonfinite: MatrixRun, routing: str, dtype: str) -> None:
     """NaN stays NaN (ReLU, norms, routers, INT8_ACT), ±inf and overflow as on the host: the same bits."""
-    host = colibri.Model(nonfinite.images[f"{routing}-{dtype}"])
+    host = colibri.Model(nonfinite.images[f"{routing}-{dtype}"], reference_kernels=True)
     nan_rows = 0
     for case, x in nonfinite.inputs.items():
         if not case.startswith(f"{routing}-{dtype}-r"):
@@ -391,7 +394,7 @@ def test_repl_session(mpy_dir: Path, quickstart: Path, tmp_path: Path) -> None:
     (tmp_path / "model.clb").write_bytes(quickstart.read_bytes())
     out = repl(mpy_dir, tmp_path, REPL_SESSION)
     assert out.startswith("MicroPython "), out
-    host = colibri.Model(quickstart)
+    host = colibri.Model(quickstart, reference_kernels=True)
     assert after(out, "colibri.version()") == f"'{colibri.version()}'\n"
     assert after(out, "m") == (f"<colibri.Model input_size=48 output_size=24 num_experts={host.num_experts} "
                                f"max_batch={host.max_batch} arena_size={host.arena_size}>\n")

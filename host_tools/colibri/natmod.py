@@ -146,7 +146,10 @@ ARCHS: dict[str, Arch] = {
                           # structs in .bss aligned as the ABI says (8), not to 32 for vector loads
                           "-malign-data=abi",
                           # plain GOTPCREL: ld must not turn GOT loads of .bss into PC-relative leas
-                          "-Wa,-mrelax-relocations=no"),
+                          "-Wa,-mrelax-relocations=no",
+                          # the reference kernels: the x86-64 backend's AVX constants want 32- and
+                          # 64-byte aligned read-only data, and the loader aligns to 16
+                          "-DCOLIBRI_KERNELS_REF"),
         8, _X64_RELOCS, frozenset({9, 41, 42}), frozenset({1}),
     ),
     "armv7emsp": Arch(

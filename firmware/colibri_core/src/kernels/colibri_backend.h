@@ -53,6 +53,10 @@
  * leaves the rest (the reference kernels) alone. */
 struct colibri_kernels;
 void colibri_kernels_x86(struct colibri_kernels *k);
+/* The x86-64 backend up to a level (1: AVX2+FMA+F16C, 2: AVX-512F as well,
+ * 3: AVX-512 VNNI as well),
+ * for the kernel tests to cover every level the CPU has. */
+void colibri_kernels_x86_level(struct colibri_kernels *k, int max_level);
 void colibri_kernels_neon(struct colibri_kernels *k);
 void colibri_kernels_cmsis(struct colibri_kernels *k);
 

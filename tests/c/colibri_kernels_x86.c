@@ -1,0 +1,398 @@
+/*
+ * colibri_kernels_x86 [TRIALS [SEED]]
+ *
+ * Every kernel of the build's optimised table (colibri_kernels_optimised: the
+ * x86-64 backend on this host) against its reference kernel, on random shapes
+ * with odd sizes and tails, n = 1..9 tokens with and without the rows index
+ * list, linear and linear_acc, bias or none, gate scales or none, and inputs
+ * with NaN, ±inf, 1e38 and subnormals (sprinkled, or every value). The tolerances checked are the ones
+ * docs/model-format.md "Numerics" states:
+ *
+ * - linear, linear_acc (f32, f16, and int8 weights with f32 activations):
+ *   |y - y_ref| <= (in + 16) · (2^-23 · (Σ_k |w_ok x_k| + |b_o|) · max(1, |s|)
+ *                             + 2^-149) + 2^-23 · |y_ref|
+ *   with w the weights as the kernel reads them (I8: |Q_ok| s_o, plus the
+ *   |e| |x| of the compensation entries); the same non-finite values where
+ *   the reference has one (NaN where it has NaN, the same infinity).
+ * - int8 weights with int8 activations, quantize_rows, activation, mul,
+ *   add: bit for bit (a NaN where the reference has a NaN).
+ *
+ * Every level of the x86-64 backend this CPU has is tested (AVX2+FMA+F16C,
+ * AVX-512F, AVX-512 VNNI), then the table colibri_init picks. When that
+ * is the reference (a CPU without AVX2/FMA/F16C, or another backend's build)
+ * it says so and checks the table against itself.
+ * Prints "kernels ok" and exits 0 when every check passes.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "colibri_kernels.h"
+#include "colibri_format.h"
+#include "kernels/colibri_backend.h"
+
+#define MAX_IN 300
+#define MAX_OUT 40
+#define MAX_N 9
+#define MAX_NNZ 64
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15u;
+static long failures, checks, differing;
+static double worst; /* the largest |y - y_ref| / tolerance seen */
+
+static uint32_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static size_t rnd_below(size_t n) { return n ? rnd() % n : 0; }
+
+static float uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rnd() & 0xFFFFFF) / (float)0x1000000;
+}
+
+/* One value of a row of activations; special (0: no specials, else the kind
+ * of value sprinkled in: 1 NaN, 2 inf, 3 1e38, 4 subnormals; 5: every value
+ * subnormal). */
+static float activation_value(int special)
+{
+    if (special == 5)
+        return uniform(-1.0f, 1.0f) * 1e-39f;
+    if (special && rnd_below(23) == 0) {
+        switch (special) {
+        case 1:
+            return NAN;
+        case 2:
+            return rnd() & 1 ? INFINITY : -INFINITY;
+        case 3:
+            return rnd() & 1 ? 1e38f : -1e38f;
+        default:
+            return uniform(-1.0f, 1.0f) * 1e-40f;
+        }
+    }
+    return uniform(-2.0f, 2.0f);
+}
+
+static uint16_t f16_bits(void)
+{
+    const uint32_t sign = (rnd() & 1u) << 15;
+    const uint32_t exp = rnd_below(8) == 0 ? 0 : 8 + (uint32_t)rnd_below(8); /* subnormals, |w| < 2 */
+    return (uint16_t)(sign | exp << 10 | (rnd() & 0x3FFu));
+}
+
+/* A random matrix of dtype (and, for I8, scales and compensation entries).
+ * The I8 metadata is built in the fields colibri_kernels.h declares. */
+typedef struct matrix_store {
+    float f32[MAX_OUT * MAX_IN];
+    uint16_t f16[MAX_OUT * MAX_IN];
+    int8_t i8[MAX_OUT * MAX_IN];
+    float scale[MAX_OUT];
+    uint32_t row_ptr[MAX_OUT + 1];
+    uint16_t col[MAX_NNZ], val[MAX_NNZ];
+} matrix_store;
+
+static void make_matrix(colibri_matrix *w, matrix_store *s, uint8_t dtype, size_t out, size_t in)
+{
+    memset(w, 0, sizeof *w);
+    w->dtype = dtype;
+    w->rows = (uint32_t)out;
+    w->cols = (uint32_t)in;
+    for (size_t i = 0; i < out * in; i++) {
+        s->f32[i] = uniform(-1.0f, 1.0f);
+        s->f16[i] = f16_bits();
+        s->i8[i] = (int8_t)(int)(rnd() % 256u - 128u);
+    }
+    if (dtype == COLIBRI_DTYPE_F32) {
+        w->data = s->f32;
+    } else if (dtype == COLIBRI_DTYPE_F16) {
+        w->data = s->f16;
+    } else {
+        w->data = s->i8;
+        const int with_e = rnd() & 1;
+        uint32_t nnz = 0;
+        for (size_t o = 0; o < out; o++) {
+            s->scale[o] = uniform(0.001f, 0.02f);
+            s->row_ptr[o] = nnz;
+            if (with_e)
+                for (int e = (int)rnd_below(3); e > 0 && nnz < MAX_NNZ; e--) {
+                    s->col[nnz] = (uint16_t)rnd_below(in);
+                    s->val[nnz++] = f16_bits();
+                }
+        }
+        s->row_ptr[out] = nnz;
+        w->scale = s->scale;
+        w->q8_nnz = nnz;
+        w->q8_ptr = nnz ? 4 : 0; /* format v1's Q8_PARAMS view: f32 scales, 32-bit row pointers */
+        w->row_ptr = nnz ? s->row_ptr : NULL;
+        w->col = nnz ? s->col : NULL;
+        w->val = nnz ? s->val : NULL;
+    }
+}
+
+static float weight(const colibri_matrix *w, size_t o, size_t k)
+{
+    const size_t i = o * w->cols + k;
+    if (w->dtype == COLIBRI_DTYPE_F16)
+        return colibri_f16_to_f32(((const uint16_t *)w->data)[i]);
+    if (w->dtype == COLIBRI_DTYPE_I8)
+        return (float)((const int8_t *)w->data)[i] * colibri_q8_scale(w, o);
+    return ((const float *)w->data)[i];
+}
+
+/* Σ_k |w_ok x_k| (+ |E| |x| for I8), in double. */
+static double magnitude(const colibri_matrix *w, size_t o, const float *x)
+{
+    double m = 0.0;
+    for (size_t k = 0; k < w->cols; k++)
+        m += fabs((double)weight(w, o, k) * (double)x[k]);
+    const uint32_t *row_ptr = w->row_ptr;
+    if (w->dtype == COLIBRI_DTYPE_I8 && w->q8_nnz)
+        for (uint32_t e = row_ptr[o]; e < row_ptr[o + 1]; e++)
+            m += fabs((double)colibri_f16_to_f32(w->val[e]) * (double)x[w->col[e]]);
+    return m;
+}
+
+static int same_bits_or_nan(float a, float b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+static void fail(const char *what, size_t at, float got, float want, double tol)
+{
+    failures++;
+    if (failures <= 20)
+        printf("FAIL %s at %zu: got %.9g want %.9g (tolerance %.3g)\n", what, at, (double)got, (double)want, tol);
+}
+
+/* got against want with the linear tolerance (tol < 0: exact). */
+static void check_value(const char *what, size_t at, float got, float want, double tol)
+{
+    checks++;
+    if (tol < 0.0 || !isfinite(want)) {
+        if (!same_bits_or_nan(got, want))
+            fail(what, at, got, want, tol);
+        return;
+    }
+    const double d = fabs((double)got - (double)want);
+    differing += d != 0.0;
+    if (tol > 0.0 && d / tol > worst)
+        worst = d / tol;
+    if (!isfinite(got) || d > tol)
+        fail(what, at, got, want, tol);
+}
+
+static void test_linear(const colibri_kernels *opt, const colibri_kernels *ref, int trial)
+{
+    static matrix_store ms;
+    static float x[MAX_N * MAX_IN], b[MAX_OUT], scale[MAX_N];
+    static float y_ref[MAX_N * MAX_OUT], y_opt[MAX_N * MAX_OUT], y0[MAX_N * MAX_OUT];
+    static int8_t q[MAX_N * MAX_IN];
+    static float qa[MAX_N];
+    static uint16_t rows[MAX_N];
+    static const size_t common_in[] = {1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 256, 257, 300};
+    static const uint8_t dtypes[] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_I8};
+
+    const uint8_t dtype = dtypes[trial % 3];
+    const int int8_act = dtype == COLIBRI_DTYPE_I8 && (trial / 3) % 2;
+    const size_t in = rnd() & 1 ? common_in[rnd_below(sizeof common_in / sizeof *common_in)] : 1 + rnd_below(MAX_IN);
+    const size_t out = 1 + rnd_below(MAX_OUT);
+    const size_t n = 1 + (size_t)(trial / 6) % MAX_N;
+    const int use_rows = rnd() & 1, use_bias = rnd() & 1, use_scale = rnd() & 1, acc = rnd() & 1;
+    const int special = (int)rnd_below(6);
+    const size_t xrows = MAX_N; /* the x rows the index list picks from */
+
+    colibri_matrix w;
+    make_matrix(&w, &ms, dtype, out, in);
+    for (size_t i = 0; i < xrows * in; i++)
+        x[i] = activation_value(special == 3 ? 0 : special);
+    if (special == 3) /* one ±1e38 per row: large, but no sum can overflow */
+        for (size_t r = 0; r < xrows; r++)
+            x[r * in + rnd_below(in)] = rnd() & 1 ? 1e38f : -1e38f;
+    for (size_t o = 0; o < out; o++)
+        b[o] = uniform(-1.0f, 1.0f);
+    for (size_t i = 0; i < n; i++) {
+        rows[i] = (uint16_t)rnd_below(xrows);
+        scale[i] = uniform(-1.5f, 1.5f);
+    }
+    if (acc && use_rows) /* an expert's ring: distinct tokens */
+        for (size_t i = 0; i < n; i++)
+            rows[i] = (uint16_t)((rows[0] + i) % xrows);
+    for (size_t i = 0; i < MAX_N * out; i++)
+        y0[i] = uniform(-1.0f, 1.0f);
+
+    /* The rows each token reads and writes (as the kernels index them). */
+    const uint16_t *rl = use_rows ? rows : NULL;
+    colibri_qrows xq = {q, qa};
+    if (int8_act) {
+        if (acc)
+            ref->quantize_rows(x, NULL, n, in, q, qa);
+        else
+            ref->quantize_rows(x, rl, n, in, q, qa);
+    }
+    memcpy(y_ref, y0, sizeof y0);
+    memcpy(y_opt, y0, sizeof y0);
+    const float *bias = use_bias ? b : NULL;
+    const float *sc = use_scale ? scale : NULL;
+    if (acc) {
+        ref->linear_acc(x, n, &w, bias, rl, sc, int8_act ? &xq : NULL, y_ref);
+        opt->linear_acc(x, n, &w, bias, rl, sc, int8_act ? &xq : NULL, y_opt);
+    } else {
+        ref->linear(x, rl, n, &w, bias, int8_act ? &xq : NULL, y_ref);
+        opt->linear(x, rl, n, &w, bias, int8_act ? &xq : NULL, y_opt);
+    }
+
+    char what[96];
+    snprintf(what, sizeof what, "%s dtype %u%s in %zu out %zu n %zu rows %d bias %d scale %d special %d",
+             acc ? "linear_acc" : "linear", dtype, int8_act ? " int8-act" : "", in, out, n, use_rows, use_bias,
+             use_scale, special);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (acc ? i : (rl ? rl[i] : i)) * in;
+        const size_t yr = acc ? (rl ? rl[i] : i) : i;
+        const double s = acc ? fabs(sc ? (double)sc[i] : 1.0) : 1.0;
+        for (size_t o = 0; o < out; o++) {
+            const size_t at = yr * out + o;
+            double tol = -1.0; /* int8 x int8: exact */
+            if (!int8_act)
+                tol = (double)(in + 16) *
+                          (0x1p-23 * (magnitude(&w, o, xi) + (bias ? fabs((double)bias[o]) : 0.0)) *
+                               (s > 1.0 ? s : 1.0) +
+                           0x1p-149) +
+                      0x1p-23 * fabs((double)y_ref[at]);
+            check_value(what, at, y_opt[at], y_ref[at], tol);
+        }
+    }
+    /* Rows no token writes stay untouched. */
+    for (size_t r = 0; r < MAX_N; r++) {
+        int written = 0;
+        for (size_t i = 0; i < n; i++)
+            written |= (acc && rl ? rl[i] : i) == r;
+        for (size_t o = 0; !written && o < out; o++)
+            check_value("untouched row", r * out + o, y_opt[r * out + o], y0[r * out + o], -1.0);
+    }
+}
+
+static void test_elementwise(const colibri_kernels *opt, const colibri_kernels *ref, int trial)
+{
+    static float a_ref[1100], a_opt[1100], other[1100], big[MAX_N * 1100];
+    static int8_t q_ref[MAX_N * 1100], q_opt[MAX_N * 1100];
+    static float s_ref[MAX_N], s_opt[MAX_N];
+    static uint16_t rows[MAX_N];
+    static const uint32_t kinds[] = {COLIBRI_ACT_RELU, COLIBRI_ACT_GELU_ERF, COLIBRI_ACT_GELU_TANH,
+                                     COLIBRI_ACT_SILU, COLIBRI_ACT_TANH, COLIBRI_ACT_SIGMOID};
+    const size_t n = 1 + rnd_below(1099);
+    const int special = (int)rnd_below(5);
+    const float range = rnd() & 1 ? 4.0f : 120.0f;
+
+    for (size_t i = 0; i < n; i++) {
+        a_ref[i] = special ? activation_value(special) : uniform(-range, range);
+        other[i] = activation_value(special);
+    }
+    if (trial == 0) { /* every edge of exp's range */
+        static const float edges[] = {88.72283172607421875f, 88.7228393554688f, -103.972076416015625f,
+                                      -103.97206115722656f, -87.3f, 87.3f, 0.0f, -0.0f, 1e-45f, -1e-45f,
+                                      INFINITY, -INFINITY, NAN, 0.5f, -0.5f, 9.1f, -9.1f, 4.0f, -4.0f};
+        for (size_t i = 0; i < sizeof edges / sizeof *edges && i < n; i++)
+            a_ref[i] = edges[i];
+    }
+    if (trial % 50 == 1) { /* a sweep over every branch of tanh and erf, and around their edges */
+        static const float edges[] = {0.55f, 1.0f, 2.5f, 4.0f, 9.1f};
+        for (size_t i = 0; i < n; i++)
+            a_ref[i] = -12.0f + 24.0f * (float)i / (float)n;
+        for (size_t e = 0; e < 5 && 8 * e + 8 <= n; e++)
+            for (size_t j = 0; j < 8; j++) {
+                float v = j & 4 ? edges[e] * 1.41421356f : edges[e]; /* GELU (erf) scales by 1/sqrt 2 */
+                v = j & 1 ? nextafterf(v, 0.0f) : v;
+                a_ref[8 * e + j] = j & 2 ? -v : v;
+            }
+    }
+    char what[64];
+    for (size_t kk = 0; kk < sizeof kinds / sizeof *kinds; kk++) {
+        memcpy(a_opt, a_ref, n * sizeof *a_ref);
+        float *want = big; /* the reference's results */
+        memcpy(want, a_ref, n * sizeof *a_ref);
+        ref->activation(want, n, kinds[kk]);
+        opt->activation(a_opt, n, kinds[kk]);
+        snprintf(what, sizeof what, "activation %u n %zu", kinds[kk], n);
+        for (size_t i = 0; i < n; i++)
+            check_value(what, i, a_opt[i], want[i], -1.0);
+    }
+    for (int op = 0; op < 2; op++) {
+        memcpy(a_opt, a_ref, n * sizeof *a_ref);
+        memcpy(big, a_ref, n * sizeof *a_ref);
+        (op ? ref->add : ref->mul)(big, other, n);
+        (op ? opt->add : opt->mul)(a_opt, other, n);
+        for (size_t i = 0; i < n; i++)
+            check_value(op ? "add" : "mul", i, a_opt[i], big[i], -1.0);
+    }
+
+    /* quantize_rows: rows of width `in` out of MAX_N rows of x. */
+    const size_t in = 1 + rnd_below(1099), nq = 1 + rnd_below(MAX_N);
+    const int use_rows = rnd() & 1;
+    const float mag = rnd_below(4) == 0 ? 1e-33f : rnd_below(4) == 0 ? 1e37f : 1.0f;
+    for (size_t i = 0; i < MAX_N * in; i++)
+        big[i] = rnd_below(50) == 0 ? 0.0f : activation_value(special) * mag;
+    if (rnd_below(5) == 0) /* an all-zero row */
+        memset(big, 0, in * sizeof *big);
+    if (rnd_below(5) == 0) /* a row of halves: ties round away from zero */
+        for (size_t k = 0; k < in; k++)
+            big[k] = (float)((int)rnd_below(255) - 127) * 0.5f;
+    for (size_t i = 0; i < nq; i++)
+        rows[i] = (uint16_t)rnd_below(MAX_N);
+    ref->quantize_rows(big, use_rows ? rows : NULL, nq, in, q_ref, s_ref);
+    opt->quantize_rows(big, use_rows ? rows : NULL, nq, in, q_opt, s_opt);
+    for (size_t i = 0; i < nq; i++) {
+        check_value("quantize_rows scale", i, s_opt[i], s_ref[i], -1.0);
+        for (size_t k = 0; k < in; k++) {
+            checks++;
+            if (q_opt[i * in + k] != q_ref[i * in + k])
+                fail("quantize_rows q", i * in + k, q_opt[i * in + k], q_ref[i * in + k], -1.0);
+        }
+    }
+}
+
+static void test_table(const colibri_kernels *opt, const colibri_kernels *ref, int trials)
+{
+    const long before = failures;
+    printf("kernels: %s\n", opt->name);
+    for (int t = 0; t < trials; t++)
+        test_linear(opt, ref, t);
+    for (int t = 0; t < trials / 10 + 1; t++)
+        test_elementwise(opt, ref, t);
+    printf("  %ld failures\n", failures - before);
+}
+
+int main(int argc, char **argv)
+{
+    const int trials = argc > 1 ? atoi(argv[1]) : 3000;
+    if (argc > 2)
+        rng_state ^= strtoull(argv[2], NULL, 0) * 0x2545F4914F6CDD1Du;
+    colibri_kernels opt, ref;
+    colibri_kernels_reference(&ref);
+#if defined(COLIBRI_BACKEND_X86)
+    for (int level = 1; level <= 3; level++) {
+        colibri_kernels_reference(&opt);
+        colibri_kernels_x86_level(&opt, level);
+        if (strcmp(opt.name, "reference") != 0 &&
+            (level == 1 || (level == 2 && strstr(opt.name, "avx512")) || strstr(opt.name, "vnni")))
+            test_table(&opt, &ref, trials);
+    }
+#endif
+    colibri_kernels_optimised(&opt);
+    printf("optimised kernels: %s\n", opt.name);
+    if (strcmp(opt.name, "reference") == 0)
+        printf("no optimised backend on this build or CPU: checking the reference against itself\n");
+    test_table(&opt, &ref, trials);
+
+    printf("%ld checks, %ld failures; %ld linear outputs differ from the reference, the largest by %.3g of "
+           "the tolerance\n", checks, failures, differing, worst);
+    if (failures)
+        return 1;
+    printf("kernels ok\n");
+    return 0;
+}
