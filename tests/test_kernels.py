@@ -46,6 +46,17 @@ def test_kernel_driver_against_reference(c_drivers: Path) -> None:
             assert "optimised kernels: x86-64 avx" in r.stdout
 
 
+def test_backend_neutral_kernel_driver(c_drivers: Path) -> None:
+    """tests/c/colibri_kernel_test.c, the driver every backend runs (under qemu-aarch64 for NEON,
+    tests/test_aarch64.py): this build's optimised table against the reference, its own shapes
+    (edge-sized layers, int8 weights of -128, page-guarded buffers) and tolerances."""
+    r = subprocess.run([str(c_drivers / "colibri_kernel_test")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert " 0 failures" in r.stdout
+    if X86:
+        assert "kernels: x86-64 avx" in r.stdout
+
+
 @pytest.fixture(scope="module")
 def small_image() -> bytes:
     model, _, max_batch = random_model(3)
