@@ -229,19 +229,25 @@ def test_unexpected_error_is_one_line_with_a_hint(monkeypatch, work: Path) -> No
 def test_ctrl_c_is_one_line(work: Path) -> None:
     marker = work / "started"
     marker.unlink(missing_ok=True)
-    proc = subprocess.Popen([COLIBRI, "export", "mymodels:slow", "slow.clb"], cwd=work, env=user_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # Files, not pipes: the exit of colibri itself is what counts, and a pipe would also wait for
+    # any process that inherited it.
+    with open(work / "ctrl_c.out", "w+") as out_f, open(work / "ctrl_c.err", "w+") as err_f:
+        proc = subprocess.Popen([COLIBRI, "export", "mymodels:slow", "slow.clb"], cwd=work, env=user_env(),
+                                stdout=out_f, stderr=err_f, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, (work / "ctrl_c.err").read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out_f.seek(0)
+        err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
     assert proc.returncode == 130 and err == "colibri: interrupted\n" and out == "", (proc.returncode, err)
 
 
