@@ -232,8 +232,11 @@ def test_ctrl_c_is_one_line(work: Path) -> None:
     # Files, not pipes: the exit of colibri itself is what counts, and a pipe would also wait for
     # any process that inherited it.
     with open(work / "ctrl_c.out", "w+") as out_f, open(work / "ctrl_c.err", "w+") as err_f:
+        # Ctrl-C in a terminal: SIGINT at its default disposition. A test process may have inherited it
+        # ignored (then Python installs no KeyboardInterrupt handler and the signal does nothing).
         proc = subprocess.Popen([COLIBRI, "export", "mymodels:slow", "slow.clb"], cwd=work, env=user_env(),
-                                stdout=out_f, stderr=err_f, text=True)
+                                stdout=out_f, stderr=err_f, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 120
             while not marker.exists():
