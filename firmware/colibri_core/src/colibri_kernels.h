@@ -24,6 +24,7 @@
 #ifndef COLIBRI_KERNELS_H
 #define COLIBRI_KERNELS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -186,6 +187,19 @@ static inline void colibri_emit(float *y, size_t o, float v, const float *b, int
         y[o] += s * v;
     else
         y[o] = v;
+}
+
+/* One element of the int8 quantiser (colibri_quantize_fn): round half away
+ * from zero of (x · s) · inv, clamped to ±127. Shared by the reference and
+ * every backend's scalar tail, so all give the same bits. */
+static inline int8_t colibri_quantize_one(float x, float s, float inv)
+{
+    float v = roundf((x * s) * inv);
+    if (v > 127.0f)
+        v = 127.0f;
+    else if (v < -127.0f)
+        v = -127.0f;
+    return (int8_t)v;
 }
 
 /* IEEE binary16 bits -> f32, exactly, by bit manipulation (no compiler

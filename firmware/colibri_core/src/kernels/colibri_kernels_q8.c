@@ -85,12 +85,7 @@ void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, s
         const float s = m < 0x1p-100f ? 0x1p100f : 1.0f;
         const float inv = 127.0f / (m * s);
         for (size_t k = 0; k < in; k++) {
-            float v = roundf((xi[k] * s) * inv); /* half away from zero */
-            if (v > 127.0f)
-                v = 127.0f;
-            else if (v < -127.0f)
-                v = -127.0f;
-            q[k] = (int8_t)v;
+            q[k] = colibri_quantize_one(xi[k], s, inv);
         }
         a[i] = m / 127.0f;
     }

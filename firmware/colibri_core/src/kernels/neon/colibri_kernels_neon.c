@@ -596,12 +596,7 @@ static void quantize_rows_neon(const float *x, const uint16_t *rows, size_t n, s
             vst1_s8(q + k, vmovn_s16(q16));
         }
         for (; k < in; k++) {
-            float v = roundf((xi[k] * s) * inv);
-            if (v > 127.0f)
-                v = 127.0f;
-            else if (v < -127.0f)
-                v = -127.0f;
-            q[k] = (int8_t)v;
+            q[k] = colibri_quantize_one(xi[k], s, inv);
         }
         a[i] = m / 127.0f;
     }

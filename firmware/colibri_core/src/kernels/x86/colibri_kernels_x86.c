@@ -875,12 +875,7 @@ static X86_EXACT void quantize_rows_x86(const float *x, const uint16_t *rows, si
             _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(i16, i16));
         }
         for (; k < in; k++) {
-            float v = roundf((xi[k] * s) * inv);
-            if (v > 127.0f)
-                v = 127.0f;
-            else if (v < -127.0f)
-                v = -127.0f;
-            q[k] = (int8_t)v;
+            q[k] = colibri_quantize_one(xi[k], s, inv);
         }
         a[i] = m / 127.0f;
     }
