@@ -5,9 +5,10 @@
 Each input is an image (seeded from fuzz/corpus/differential: real exports of
 every dtype and option). The header CRC is rewritten over the mutated bytes
 when image_size lies within the input, so mutations reach the table and
-record checks instead of stopping at BAD_CRC. Then the engine
+record checks instead of stopping at BAD_CRC (format v3: the payload CRCs too). Then the engine
 (`colibri._engine.validate`, the C code) and `colibri.image.read` (the
-executable specification) must return the same status; any disagreement, or
+executable specification) must return the same status, at the full level and at the structure level
+(`colibri._engine.validate_structure`, `image.status(check="structure")`); any disagreement, or
 any exception from the reader other than a ColibriError, stops the run with
 the input saved as a crash-* file. Coverage guidance is over the Python reader
 (atheris instruments the colibri package).
@@ -15,6 +16,7 @@ the input saved as a crash-* file. Coverage guidance is over the Python reader
 from __future__ import annotations
 
 import sys
+import zlib
 
 import atheris
 
@@ -24,15 +26,35 @@ with atheris.instrument_imports(include=["colibri"]):
     from colibri import format as F
 
 
+def _fix_tensor_crcs(buf: bytearray, meta: int) -> None:
+    """Format v3: each tensor's CRC table entry made right where the record, the entry and the
+    payload lie inside the input (as fuzz/engine_fuzz.c), so mutations get past the payload CRCs."""
+    n_t, t_off = int.from_bytes(buf[32:36], "little"), int.from_bytes(buf[36:40], "little")
+    crc_off = int.from_bytes(buf[68:72], "little")
+    for i in range(min(n_t, 4096)):
+        rec, slot = t_off + i * F.TENSOR.size, crc_off + 4 * i
+        if rec + F.TENSOR.size > len(buf) or slot + 4 > meta or slot < F.HEADER_SIZE:
+            return
+        off, nbytes = int.from_bytes(buf[rec : rec + 4], "little"), int.from_bytes(buf[rec + 4 : rec + 8], "little")
+        if off + nbytes > len(buf) or off < meta:
+            continue
+        buf[slot : slot + 4] = (zlib.crc32(buf[off : off + nbytes]) & 0xFFFFFFFF).to_bytes(4, "little")
+
+
 def fixed_crc(data: bytes) -> bytes:
-    """The input with its header CRC made right, if its image_size allows one."""
+    """The input with its CRCs made right, if its image_size (v3: meta_size) allows."""
     if len(data) < F.HEADER_SIZE:
         return data
-    size = int.from_bytes(data[12:16], "little")
-    if not F.CRC_START <= size <= len(data):
-        return data
     buf = bytearray(data)
-    image.set_crc(buf)
+    end = int.from_bytes(data[12:16], "little")
+    if int.from_bytes(data[4:6], "little") == F.TENSOR_CRC_VERSION:
+        end = int.from_bytes(data[64:68], "little")
+        if F.CRC_START <= end <= len(data):
+            _fix_tensor_crcs(buf, end)
+    if not F.CRC_START <= end <= len(data):
+        return data
+    buf[F.HEADER_CRC_OFFSET : F.HEADER_CRC_OFFSET + 4] = (
+        zlib.crc32(buf[F.CRC_START : end]) & 0xFFFFFFFF).to_bytes(4, "little")
     return bytes(buf)
 
 
@@ -42,6 +64,11 @@ def test_one_input(data: bytes) -> None:
     py = image.status(data)
     if c != py:
         raise AssertionError(f"C validator {c}, Python reader {py}, image of {len(data)} bytes")
+    # The structure level (a mapped file's open; format v3 leaves out the payload CRCs).
+    c = _engine.validate_structure(data)
+    py = image.status(data, check="structure")
+    if c != py:
+        raise AssertionError(f"structure level: C validator {c}, Python reader {py}, image of {len(data)} bytes")
 
 
 def main() -> None:

@@ -12,7 +12,9 @@
  *
  * Properties beyond "no crash": model_size and get_info agree; init refuses
  * an arena one byte short with ARENA_TOO_SMALL and accepts the exact size;
- * validate, model_size and init give the same status.
+ * validate, model_size and init give the same status, except that
+ * model_size (and init at COLIBRI_CHECK_STRUCTURE) do not check format v3's
+ * payload CRCs, where validate and init may say BAD_PAYLOAD_CRC.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,16 +32,42 @@ static uint32_t rd32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+static void wr32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Format v3: each tensor's CRC table entry made right where the record, the
+ * entry and the payload lie inside the input, so mutations reach the checks
+ * after the payload CRCs (the full and the structure level both). */
+static void fix_tensor_crcs(uint8_t *image, size_t len, uint32_t meta)
+{
+    const uint32_t n = rd32(image + 32), t_off = rd32(image + 36), crc_off = rd32(image + 68);
+    for (uint64_t i = 0; i < n && i < 4096u; i++) {
+        const uint64_t rec = (uint64_t)t_off + i * COLIBRI_TENSOR_SIZE, slot = (uint64_t)crc_off + 4u * i;
+        if (rec + COLIBRI_TENSOR_SIZE > len || slot + 4u > meta || slot < COLIBRI_HEADER_SIZE)
+            return;
+        const uint32_t off = rd32(image + rec), nbytes = rd32(image + rec + 4);
+        if ((uint64_t)off + nbytes > len || off < meta)
+            continue;
+        wr32(image + slot, crc32_update(0u, image + off, nbytes));
+    }
+}
+
 static void fix_crc(uint8_t *image, size_t len)
 {
     if (len < COLIBRI_HEADER_SIZE)
         return;
-    const uint32_t size = rd32(image + 12);
+    uint32_t size = rd32(image + 12);
+    if (image[4] == COLIBRI_TENSOR_CRC_VERSION && image[5] == 0) {
+        size = rd32(image + 64); /* meta_size: the header CRC covers the metadata */
+        if (size >= COLIBRI_CRC_START && size <= len)
+            fix_tensor_crcs(image, len, size);
+    }
     if (size < COLIBRI_CRC_START || size > len)
         return;
-    const uint32_t crc = crc32_update(0u, image + COLIBRI_CRC_START, size - COLIBRI_CRC_START);
-    for (int i = 0; i < 4; i++)
-        image[8 + i] = (uint8_t)(crc >> (8 * i));
+    wr32(image + 8, crc32_update(0u, image + COLIBRI_CRC_START, size - COLIBRI_CRC_START));
 }
 
 static void forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
@@ -65,9 +93,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fix_crc(image, size);
 
     const colibri_status v = colibri_validate(image, size);
+    const colibri_status vs = colibri_validate_ex(image, size, COLIBRI_CHECK_STRUCTURE);
     size_t need = 0;
     const colibri_status sz = colibri_model_size(image, size, &need);
-    if (sz != v)
+    /* model_size checks the structure; the full check differs from it only
+     * by a payload CRC (format v3). */
+    if (sz != vs || (v != vs && v != COLIBRI_E_BAD_PAYLOAD_CRC))
         abort();
     if (sz == COLIBRI_OK) {
         colibri_model_info info;
@@ -81,8 +112,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 abort();
             if (colibri_init(&ctx, arena, need - 1, image, size) != COLIBRI_E_ARENA_TOO_SMALL || ctx != NULL)
                 abort();
-            if (colibri_init(&ctx, arena, need, image, size) != COLIBRI_OK)
+            if (colibri_init_ex(&ctx, arena, need, image, size, COLIBRI_CHECK_STRUCTURE) != COLIBRI_OK)
                 abort();
+            colibri_free(ctx);
+            if (colibri_init(&ctx, arena, need, image, size) != v || (v != COLIBRI_OK && ctx != NULL))
+                abort();
+            if (v != COLIBRI_OK) /* a payload CRC: the structure-level context runs it, as a mapped file */
+                if (colibri_init_ex(&ctx, arena, need, image, size, COLIBRI_CHECK_STRUCTURE) != COLIBRI_OK)
+                    abort();
             forward(ctx, &info, 1);
             if (info.max_batch <= 16)
                 forward(ctx, &info, info.max_batch);

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import format, image, ir, reference
 from .engine import Model, arena_size, validate, version
-from .errors import ArenaError, ColibriError, ExportError, ImageError, InputError, UnsupportedError
+from .errors import ArenaError, ColibriError, ExportError, ImageError, InputError, ModelFileError, UnsupportedError
 from .format import Status
 
 __version__ = "0.1.0"
@@ -25,6 +25,6 @@ def export(*args, **kwargs):
 
 
 __all__ = [
-    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "Model", "Status",
+    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "Model", "ModelFileError", "Status",
     "UnsupportedError", "arena_size", "export", "format", "image", "ir", "reference", "validate", "version",
 ]

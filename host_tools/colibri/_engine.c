@@ -4,6 +4,11 @@
  * A Context keeps the image buffer exported (so it cannot move or shrink),
  * owns the arena, and releases the GIL during forward so contexts run in
  * parallel from Python threads. colibri/engine.py wraps it with numpy.
+ *
+ * A File is a model file mapped by the POSIX layer (posix/colibri_file.h),
+ * the same path as libcolibri's users: it exports the mapping as a read-only
+ * buffer, so a Context over a File reads the weights in place, and checks
+ * before each forward that the file was not truncated under the mapping.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -13,6 +18,7 @@
 #include "pythread.h"
 
 #include "colibri.h"
+#include "colibri_file.h"
 
 /* setup.py passes the hash of the sources it builds from (colibri/sources.py), so
  * a checkout can tell this binary is stale after a C edit. A build without it
@@ -20,6 +26,16 @@
 #ifndef COLIBRI_SOURCE_HASH
 #define COLIBRI_SOURCE_HASH "unknown"
 #endif
+
+/* ---- File: a mapped model file ---- */
+
+typedef struct {
+    PyObject_HEAD
+    colibri_file *file;
+    Py_ssize_t exports; /* buffers handed out: the mapping stays until they are released */
+} FileObject;
+
+static PyTypeObject FileType;
 
 typedef struct {
     PyObject_HEAD
@@ -30,6 +46,7 @@ typedef struct {
     colibri_model_info info;
     PyThread_type_lock lock; /* one forward at a time per context; contexts run in parallel */
     int has_view;
+    FileObject *file;        /* the mapped file the image is, or NULL */
 } ContextObject;
 
 static PyObject *status_error(int status) {
@@ -48,6 +65,244 @@ static PyObject *raise_status(int status) {
     return NULL;
 }
 
+/* File(path, verify=0, lock=0, lock_experts=()) -> raises EngineError(status, message, errno, memlock_limit,
+ * lock_bytes) on failure. */
+static int File_init(FileObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", "verify", "lock", "lock_experts", NULL};
+    PyObject *path_obj, *experts = NULL;
+    unsigned int verify = COLIBRI_VERIFY_ON_USE, lock = COLIBRI_LOCK_NONE;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|IIO", kwlist, PyUnicode_FSConverter, &path_obj, &verify, &lock,
+                                     &experts)) {
+        return -1;
+    }
+    if (self->file != NULL) {
+        Py_DECREF(path_obj);
+        PyErr_SetString(PyExc_RuntimeError, "File already open");
+        return -1;
+    }
+    colibri_file_options opts = {.lock = lock, .verify = verify};
+    colibri_expert_id *ids = NULL;
+    Py_ssize_t n = 0;
+    if (experts != NULL && experts != Py_None) {
+        PyObject *seq = PySequence_Fast(experts, "lock_experts must be a sequence of (layer, expert) pairs");
+        if (seq == NULL) {
+            Py_DECREF(path_obj);
+            return -1;
+        }
+        n = PySequence_Fast_GET_SIZE(seq);
+        ids = PyMem_RawCalloc(n ? (size_t)n : 1u, sizeof *ids);
+        for (Py_ssize_t i = 0; ids != NULL && i < n; i++) {
+            unsigned int l, e;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "II", &l, &e)) {
+                PyMem_RawFree(ids);
+                Py_DECREF(seq);
+                Py_DECREF(path_obj);
+                return -1;
+            }
+            ids[i].layer = l;
+            ids[i].expert = e;
+        }
+        Py_DECREF(seq);
+        if (ids == NULL) {
+            Py_DECREF(path_obj);
+            PyErr_NoMemory();
+            return -1;
+        }
+        opts.lock_experts = ids;
+        opts.lock_count = (size_t)n;
+    }
+    colibri_file_diag diag;
+    colibri_status st;
+    const char *path = PyBytes_AS_STRING(path_obj);
+    Py_BEGIN_ALLOW_THREADS
+    st = colibri_file_open(&self->file, path, &opts, &diag);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(ids);
+    Py_DECREF(path_obj);
+    if (st != COLIBRI_OK) {
+        PyObject *a = Py_BuildValue("(isiKKII)", (int)st, colibri_strerror(st), diag.sys_errno,
+                                    (unsigned long long)diag.memlock_limit, (unsigned long long)diag.lock_bytes,
+                                    diag.expert.layer, diag.expert.expert);
+        if (a != NULL) {
+            PyErr_SetObject(EngineError, a);
+            Py_DECREF(a);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+static void File_dealloc(FileObject *self) {
+    colibri_file_close(self->file);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int File_getbuffer(FileObject *self, Py_buffer *view, int flags) {
+    if (self->file == NULL) {
+        PyErr_SetString(PyExc_ValueError, "model file is closed");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)self, (void *)(uintptr_t)colibri_file_data(self->file),
+                          (Py_ssize_t)colibri_file_size(self->file), 1, flags) < 0) {
+        return -1;
+    }
+    self->exports++;
+    return 0;
+}
+
+static void File_releasebuffer(FileObject *self, Py_buffer *view) {
+    (void)view;
+    self->exports--;
+}
+
+static PyBufferProcs File_as_buffer = {
+    .bf_getbuffer = (getbufferproc)File_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)File_releasebuffer,
+};
+
+static colibri_file *open_file(FileObject *self) {
+    if (self->file == NULL) {
+        PyErr_SetString(PyExc_ValueError, "model file is closed");
+    }
+    return self->file;
+}
+
+/* will_need(layer, experts) */
+static PyObject *File_will_need(FileObject *self, PyObject *args) {
+    unsigned int layer;
+    PyObject *experts;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "IO", &layer, &experts)) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(experts, "experts must be a sequence of ints");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint32_t *ids = PyMem_RawCalloc(n ? (size_t)n : 1u, sizeof *ids);
+    if (ids == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            PyMem_RawFree(ids);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        ids[i] = v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+    }
+    Py_DECREF(seq);
+    colibri_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = colibri_file_will_need(f, layer, ids, (size_t)n);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(ids);
+    return st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+}
+
+static PyObject *File_verify(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file *f = open_file(self);
+    if (f == NULL) {
+        return NULL;
+    }
+    colibri_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = colibri_file_verify(f);
+    Py_END_ALLOW_THREADS
+    return st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+}
+
+static PyObject *File_verify_expert(FileObject *self, PyObject *args) {
+    unsigned int layer, expert;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "II", &layer, &expert)) {
+        return NULL;
+    }
+    colibri_status st = colibri_file_verify_expert(f, layer, expert);
+    return st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+}
+
+static PyObject *File_expert_range(FileObject *self, PyObject *args) {
+    unsigned int layer, expert;
+    size_t off = 0, size = 0;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "II", &layer, &expert)) {
+        return NULL;
+    }
+    colibri_status st = colibri_file_expert_range(f, layer, expert, &off, &size);
+    return st == COLIBRI_OK ? Py_BuildValue("(nn)", (Py_ssize_t)off, (Py_ssize_t)size) : raise_status(st);
+}
+
+static PyObject *File_experts(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file *f = open_file(self);
+    if (f == NULL) {
+        return NULL;
+    }
+    const uint32_t n = colibri_file_moe_layers(f);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (uint32_t i = 0; out != NULL && i < n; i++) {
+        PyList_SET_ITEM(out, (Py_ssize_t)i, PyLong_FromUnsignedLong(colibri_file_layer_experts(f, i)));
+    }
+    return out;
+}
+
+static PyObject *File_check(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file *f = open_file(self);
+    return f == NULL ? NULL : PyLong_FromLong(colibri_file_check(f));
+}
+
+static PyObject *File_replaced(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file *f = open_file(self);
+    return f == NULL ? NULL : PyBool_FromLong(colibri_file_replaced(f));
+}
+
+static PyObject *File_resident(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file *f = open_file(self);
+    return f == NULL ? NULL : PyLong_FromLongLong(colibri_file_resident(f));
+}
+
+static PyObject *File_close(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->exports > 0) {
+        PyErr_SetString(PyExc_BufferError, "model file still in use (a Model or memoryview holds its mapping)");
+        return NULL;
+    }
+    colibri_file_close(self->file);
+    self->file = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef File_methods[] = {
+    {"will_need", (PyCFunction)File_will_need, METH_VARARGS, "will_need(layer, experts): MADV_WILLNEED (+ verify on use)"},
+    {"verify", (PyCFunction)File_verify, METH_NOARGS, "verify every payload now"},
+    {"verify_expert", (PyCFunction)File_verify_expert, METH_VARARGS, "verify_expert(layer, expert)"},
+    {"expert_range", (PyCFunction)File_expert_range, METH_VARARGS, "expert_range(layer, expert) -> (offset, size)"},
+    {"experts", (PyCFunction)File_experts, METH_NOARGS, "slots (routed + shared) of each MoE layer"},
+    {"check", (PyCFunction)File_check, METH_NOARGS, "0, or FILE_CHANGED if the file's size changed under the mapping"},
+    {"replaced", (PyCFunction)File_replaced, METH_NOARGS, "whether the path now names another file"},
+    {"resident", (PyCFunction)File_resident, METH_NOARGS, "bytes of the mapping resident now (mincore)"},
+    {"close", (PyCFunction)File_close, METH_NOARGS, "unmap (refused while a buffer is exported)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FileType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._engine.File",
+    .tp_basicsize = sizeof(FileObject),
+    .tp_dealloc = (destructor)File_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A model file mapped read-only by the POSIX layer (posix/colibri_file.h).",
+    .tp_methods = File_methods,
+    .tp_as_buffer = &File_as_buffer,
+    .tp_init = (initproc)File_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- Context ---- */
+
 static const void *image_bytes(ContextObject *self) {
     return self->image_copy != NULL ? self->image_copy : self->image_view.buf;
 }
@@ -64,14 +319,16 @@ static void Context_dealloc(ContextObject *self) {
     if (self->has_view) {
         PyBuffer_Release(&self->image_view);
     }
+    Py_XDECREF(self->file);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"image", "reference_kernels", NULL};
+    static char *kwlist[] = {"image", "reference_kernels", "check", NULL};
     PyObject *image;
     int reference = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &image, &reference)) {
+    unsigned int check = COLIBRI_CHECK_FULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pI", kwlist, &image, &reference, &check)) {
         return -1;
     }
     if (self->has_view) {
@@ -82,6 +339,10 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     self->has_view = 1;
+    if (PyObject_TypeCheck(image, &FileType)) {
+        Py_INCREF(image);
+        self->file = (FileObject *)image;
+    }
     size_t len = (size_t)self->image_view.len;
     if (((uintptr_t)self->image_view.buf & 3u) != 0) {
         self->image_copy = PyMem_RawMalloc(len ? len : 1);
@@ -110,7 +371,7 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         PyErr_NoMemory();
         return -1;
     }
-    st = colibri_init(&self->ctx, self->arena, arena_size, image_bytes(self), len);
+    st = colibri_init_ex(&self->ctx, self->arena, arena_size, image_bytes(self), len, check);
     if (st == COLIBRI_OK && reference) {
         st = colibri_set_kernels(self->ctx, COLIBRI_KERNELS_REFERENCE);
     }
@@ -151,7 +412,10 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
         int st;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        st = colibri_forward(self->ctx, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
+        /* A mapped file truncated in place would SIGBUS the forward pass: refuse instead. */
+        st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
+        if (st == COLIBRI_OK)
+            st = colibri_forward(self->ctx, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
                              (float *)out.buf, (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
@@ -210,6 +474,16 @@ static int do_validate(const void *img, size_t len, void *out) {
     return colibri_validate(img, len);
 }
 
+static int do_validate_structure(const void *img, size_t len, void *out) {
+    (void)out;
+    return colibri_validate_ex(img, len, COLIBRI_CHECK_STRUCTURE);
+}
+
+static PyObject *mod_validate_structure(PyObject *self, PyObject *image) {
+    (void)self;
+    return with_image(image, do_validate_structure, NULL);
+}
+
 static int do_size(const void *img, size_t len, void *out) {
     return colibri_model_size(img, len, (size_t *)out);
 }
@@ -245,6 +519,7 @@ static PyObject *mod_version(PyObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyMethodDef module_methods[] = {
     {"validate", mod_validate, METH_O, "validate(image) -> status"},
+    {"validate_structure", mod_validate_structure, METH_O, "validate_ex(image, COLIBRI_CHECK_STRUCTURE) -> status"},
     {"model_size", mod_model_size, METH_O, "model_size(image) -> (status, arena bytes)"},
     {"strerror", mod_strerror, METH_O, "strerror(status) -> str"},
     {"version", mod_version, METH_NOARGS, "engine version"},
@@ -257,7 +532,7 @@ static struct PyModuleDef engine_module = {
 };
 
 PyMODINIT_FUNC PyInit__engine(void) {
-    if (PyType_Ready(&ContextType) < 0) {
+    if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&FileType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&engine_module);
@@ -266,7 +541,9 @@ PyMODINIT_FUNC PyInit__engine(void) {
     }
     EngineError = PyErr_NewException("colibri._engine.EngineError", NULL, NULL);
     Py_INCREF(&ContextType);
+    Py_INCREF(&FileType);
     if (EngineError == NULL || PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
+        PyModule_AddObject(m, "File", (PyObject *)&FileType) < 0 ||
         PyModule_AddObject(m, "EngineError", EngineError) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_HASH", COLIBRI_SOURCE_HASH) < 0) {
         Py_DECREF(m);

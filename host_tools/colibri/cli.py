@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from . import format as F
-from .errors import ColibriError, UserCodeError
+from .errors import ColibriError, UserCodeError, error_for
 
 DEBUG_ENV = "COLIBRI_DEBUG"  # set (to anything but 0): errors re-raised with their traceback
 # Failures a user causes and can fix from the message alone; anything else is reported as unexpected.
@@ -289,7 +289,9 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
 @click.option("--prune", help="Experts to drop: '1,3' or per MoE layer '0:1,3;1:2'.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
-@click.option("--page-aligned", is_flag=True, help="Start every expert on a 4 KiB boundary (one madvise range).")
+@click.option("--page-aligned", is_flag=True,
+              help="Put each expert's tensors on 4 KiB pages of their own (one madvise/mlock range), with one CRC per "
+                   "tensor (format v3): for model files mapped on Linux.")
 @click.option("--no-check", is_flag=True,
               help="With --input-size: write the image even if it does not match PyTorch on a random batch.")
 @_quant_options
@@ -447,9 +449,9 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
     if kind not in (None, ".npy", ".csv"):
         raise ColibriError(f"{output_path}: outputs are written as .npy or .csv, "
                            f"not {output_path.suffix or 'a name without extension'}")
-    data = image_path.read_bytes()
     x = _load_inputs(input_path)
-    y = np.atleast_2d(ref.run(data, x) if reference else engine.Model(data).forward(x))
+    # The C engine maps the file (the POSIX layer, as libcolibri): no copy of the weights.
+    y = np.atleast_2d(ref.run(image_path.read_bytes(), x) if reference else engine.Model(image_path).forward(x))
     if output_path is None:
         np.savetxt(sys.stdout, y, delimiter=",", fmt="%.8g")
         return
@@ -472,8 +474,12 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
               help="Print where OUTPUT's bytes go (weights, scales, E, biases, tables) and, with --calibration, "
                    "per-layer and end-to-end error and routing agreement.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw the error distribution per layer (PNG).")
+@click.option("--page-aligned", is_flag=True,
+              help="Put each expert's tensors on 4 KiB pages of their own, with one CRC per tensor (format v3); "
+                   "implied when SOURCE is page-aligned.")
 def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: tuple[str, ...],
-             int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None) -> None:
+             int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
+             page_aligned: bool) -> None:
     """Quantise an f32 model image SOURCE to OUTPUT (image to image).
 
     Everything (the calibration inputs, the report) is checked before OUTPUT is written: on an
@@ -488,11 +494,14 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
     data = source.read_bytes()
     graph = image.read(data)
     calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
+    from .exporter import write_atomically
+
     quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True)
-    out = image.write(quantised)
+    page_aligned = page_aligned or bool(int.from_bytes(data[16:20], "little") & F.Flag.PAGE_ALIGNED)
+    out = image.write(quantised, page_aligned=page_aligned)
     rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(out)
+    write_atomically(output, out)
     click.echo(f"wrote {output}: {len(out):,} bytes ({len(out) / len(data):.3f} of {len(data):,})")
     if show_report:
         for line in image_bytes(out).lines():
@@ -662,6 +671,33 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
     if flash_stem is not None:
         fi = packing.flash_image(data, flash_stem, board=board, slot=slot, sequence=sequence, firmware=firmware)
         click.echo(f"wrote {fi.bin} and {fi.hex}: slot {slot.upper()} of {board} at 0x{fi.address:08x}, {fi.size:,} B")
+
+
+@main.command()
+@click.argument("image_path", metavar="IMAGE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def verify(image_path: Path) -> None:
+    """Verify every byte of a model image: header, tables, every tensor payload against its CRC
+    (format v3: one per tensor; v1, v2: the image CRC), by the C engine and the Python reader."""
+    import mmap
+
+    from . import engine, image
+
+    with open(image_path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise error_for(F.Status.TRUNCATED, f"{image_path} is empty")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            with memoryview(data) as view:
+                st_c = engine._engine.validate(view)
+                st_py = image.status(view)
+            version = int.from_bytes(data[4:6], "little")
+            tensors = int.from_bytes(data[32:36], "little")
+    if st_c != st_py:
+        raise ColibriError(f"{image_path}: the C engine says {st_c}, the Python reader {st_py} (please report)")
+    if st_c:
+        raise error_for(st_c, str(image_path))
+    what = f"{tensors} tensor CRCs" if version >= F.TENSOR_CRC_VERSION else "image CRC"
+    click.echo(f"{image_path}: ok (format v{version}, {size:,} bytes, {what} verified)")
 
 
 @main.command("gen-header", hidden=True)  # for maintainers (make header), not in the user's list

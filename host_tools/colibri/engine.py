@@ -8,18 +8,98 @@ import numpy as np
 
 from . import _engine, sources
 from .errors import error_for
+from .format import Status
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
 sources.check_binding(_engine)
 
 
-def _call(fn, *args):
+def _call(fn, *args, **kwargs):
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except _engine.EngineError as exc:
-        status, _ = exc.args
+        status = exc.args[0]
         raise error_for(status) from None
+
+
+CHECK_FULL, CHECK_STRUCTURE = 0, 1  # COLIBRI_CHECK_*
+VERIFY = {"on_use": 0, "full": 1, "none": 2}  # COLIBRI_VERIFY_* (posix/colibri_file.h)
+LOCK = {None: 0, "none": 0, "all": 1}  # COLIBRI_LOCK_*; a list of (layer, expert) is COLIBRI_LOCK_EXPERTS
+
+
+class ModelFile:
+    """A model file mapped by the POSIX layer (`open_file`); `raw` is the binding's object, a
+    read-only buffer over the mapping. Every method raises the engine's errors as ColibriError."""
+
+    def __init__(self, raw: "_engine.File", path: str):
+        self.raw, self.path = raw, path
+
+    def will_need(self, layer: int, experts) -> None:
+        """MADV_WILLNEED over these experts' pages (and their CRCs on first use with verify="on_use")."""
+        _call(self.raw.will_need, layer, list(experts))
+
+    def verify(self) -> None:
+        """Every payload against its CRC now (reads the whole file)."""
+        _call(self.raw.verify)
+
+    def verify_expert(self, layer: int, expert: int) -> None:
+        _call(self.raw.verify_expert, layer, expert)
+
+    def expert_range(self, layer: int, expert: int) -> tuple[int, int]:
+        """(offset, size) of the expert's payloads in the image."""
+        return _call(self.raw.expert_range, layer, expert)
+
+    def experts(self) -> list[int]:
+        """Expert slots (routed, then shared) of each MoE layer."""
+        return self.raw.experts()
+
+    def check(self) -> int:
+        """0, or Status.FILE_CHANGED once the file was truncated or extended in place."""
+        return self.raw.check()
+
+    def replaced(self) -> bool:
+        """Whether the path now names another file (replaced by rename: reopen to pick it up)."""
+        return self.raw.replaced()
+
+    def resident(self) -> int:
+        """Bytes of the mapping resident in memory now (mincore)."""
+        return self.raw.resident()
+
+    def close(self) -> None:
+        """Unmaps; BufferError while a Model or memoryview still reads the mapping."""
+        self.raw.close()
+
+    def __len__(self) -> int:
+        return memoryview(self.raw).nbytes
+
+
+def open_file(path: str | os.PathLike, *, verify: str = "on_use", lock=None) -> ModelFile:
+    """Maps a model file through the POSIX layer (firmware/colibri_core/posix/colibri_file.h): structural
+    validation, mmap read-only, MADV_RANDOM, the lock and verify options. Raises ModelFileError
+    (file missing, unreadable, mmap failed, mlock refused: the message gives RLIMIT_MEMLOCK) or ImageError."""
+    if verify not in VERIFY:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
+    experts = None
+    if isinstance(lock, str) or lock is None:
+        if lock not in LOCK:
+            raise ValueError(f"lock must be None, 'all', 'none' or a list of (layer, expert), got {lock!r}")
+        mode = LOCK[lock]
+    else:
+        mode, experts = 2, [(int(layer), int(e)) for layer, e in lock]
+    try:
+        return ModelFile(_engine.File(os.fspath(path), VERIFY[verify], mode, experts), os.fspath(path))
+    except _engine.EngineError as exc:
+        status, _, err, limit, want, layer, expert = exc.args
+        detail = f"{path}"
+        if err:
+            detail += f": {os.strerror(err)}"
+        if status == int(Status.MLOCK_FAILED):
+            lim = "unlimited" if limit == 2**64 - 1 else f"{limit:,} bytes"
+            detail += f"; RLIMIT_MEMLOCK is {lim}, {want:,} bytes asked (raise it: ulimit -l, or LimitMEMLOCK= in systemd)"
+        elif status in (int(Status.NO_SUCH_EXPERT), int(Status.BAD_PAYLOAD_CRC)) and (layer or expert):
+            detail += f" (MoE layer {layer}, expert {expert})"
+        raise error_for(status, detail) from None
 
 
 class Model:
@@ -32,14 +112,34 @@ class Model:
     `reference_kernels=True` runs the reference kernels (the specification,
     the same bits on every target and as `colibri.reference`) instead of the
     build's optimised backend; `kernels` names the ones in use.
+
+    A path is mapped, not copied (the POSIX layer, as libcolibri's users):
+    opening validates the structure and reads no weights; `verify` says when
+    payloads are checked against their CRCs (format v3: per tensor):
+    "on_use" (default; before the first forward pass), "full" (at open) or
+    "none" (`Model.file.verify()` on demand); `lock` pins pages: "all" or a
+    list of (moe_layer, expert). `model.file` is the mapping (`will_need`,
+    `resident`, `check`, `replaced`). A file replaced by rename keeps serving
+    the old mapping; a new Model(path) maps the new one. To copy the file
+    into memory instead, pass `copy=True` (or the bytes themselves).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
-                 reference_kernels: bool = False):
-        if isinstance(source, (str, os.PathLike)):
-            source = Path(source).read_bytes()
-        self.image = bytes(source)
-        self._ctx = _call(_engine.Context, self.image, reference_kernels)
+                 reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None):
+        self.file = None
+        self._verified = True
+        if isinstance(source, (str, os.PathLike)) and not copy:
+            self.file = open_file(source, verify=verify, lock=lock)
+            self._verified = verify != "on_use"
+            self.image = memoryview(self.file.raw)
+            self._ctx = _call(_engine.Context, self.file.raw, reference_kernels, CHECK_STRUCTURE)
+        else:
+            if lock is not None:
+                raise ValueError("lock applies to a mapped file: Model(path, lock=...)")
+            if isinstance(source, (str, os.PathLike)):
+                source = Path(source).read_bytes()
+            self.image = bytes(source)
+            self._ctx = _call(_engine.Context, self.image, reference_kernels)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
         self.info: dict[str, int] = info
@@ -59,6 +159,9 @@ class Model:
         if x.ndim != 2 or x.shape[1] != self.input_size:
             raise ValueError(f"input must be [batch, {self.input_size}], got shape {x.shape}")
         out = np.empty((x.shape[0], self.output_size), dtype=np.float32)
+        if not self._verified:  # "on_use": the payloads' CRCs before the first forward pass
+            _call(self.file.verify)
+            self._verified = True
         for start in range(0, x.shape[0], self.max_batch):
             chunk = x[start : start + self.max_batch]
             _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))
@@ -73,9 +176,10 @@ class Model:
         )
 
 
-def validate(image: bytes | bytearray | memoryview) -> None:
-    """Full validation by the C engine; raises the engine's ImageError on failure."""
-    status = _engine.validate(image)
+def validate(image: bytes | bytearray | memoryview, *, check: str = "full") -> None:
+    """Validation by the C engine (check="full", or "structure": no payload CRCs); raises the engine's
+    ImageError on failure."""
+    status = _engine.validate(image) if check == "full" else _engine.validate_structure(image)
     if status != 0:
         raise error_for(status)
 

@@ -33,6 +33,11 @@ class UnsupportedError(ColibriError):
     """The image uses a feature this engine build does not have."""
 
 
+class ModelFileError(ColibriError, OSError):
+    """A model file could not be opened, mapped or locked, or changed under its mapping
+    (the POSIX file layer, firmware/colibri_core/posix/colibri_file.h)."""
+
+
 class ExportError(ColibriError):
     """A PyTorch module could not be exported (unsupported layer, bad option)."""
 
@@ -61,8 +66,9 @@ class ExportCheckError(ExportError):
 _IMAGE = {
     Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.UNSUPPORTED_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
     Status.TABLE_BOUNDS, Status.TENSOR_BOUNDS, Status.BAD_TENSOR, Status.BAD_REF,
-    Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN,
+    Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN, Status.BAD_PAYLOAD_CRC,
 }
+_FILE = {Status.FILE_NOT_FOUND, Status.FILE_OPEN, Status.MMAP_FAILED, Status.MLOCK_FAILED, Status.FILE_CHANGED}
 
 
 def error_for(status: int, detail: str | None = None) -> ColibriError:
@@ -76,6 +82,8 @@ def error_for(status: int, detail: str | None = None) -> ColibriError:
         cls = InputError
     elif st == Status.UNSUPPORTED:
         cls = UnsupportedError
+    elif st in _FILE:
+        cls = ModelFileError
     else:
         cls = ColibriError
     text = STATUS_TEXT[st] if detail is None else f"{STATUS_TEXT[st]}: {detail}"

@@ -14,7 +14,11 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 2
+MAX_READ_VERSION = 3
+# Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
+# tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
+# reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").
+TENSOR_CRC_VERSION = 3
 INVALID_VERSIONS = (0, 0xFFFF)
 NONE = 0xFFFFFFFF  # absent tensor reference
 PAYLOAD_ALIGN = 32
@@ -33,7 +37,9 @@ EXPERT = struct.Struct("<BBHIIIIIII")
 
 HEADER_SIZE = HEADER.size
 HEADER_CRC_OFFSET = 8
-CRC_START = 12  # the CRC covers [CRC_START, image_size)
+CRC_START = 12  # the CRC covers [CRC_START, image_size) (v1, v2) or [CRC_START, meta_size) (v3)
+V3_FIELDS = struct.Struct("<II")  # v3: meta_size, crc_table_offset at header offset 64; bytes 72..80 reserved
+V3_FIELDS_OFFSET = 64
 
 
 class Flag(enum.IntFlag):
@@ -162,6 +168,14 @@ class Status(enum.IntEnum):
     BAD_QUANT = -20
     BAD_COMPENSATION = -21
     UNSUPPORTED_VERSION = -22
+    # Issue 11: per-tensor integrity (format v3) and the POSIX file layer (posix/colibri_file.h).
+    BAD_PAYLOAD_CRC = -23
+    FILE_NOT_FOUND = -24
+    FILE_OPEN = -25
+    MMAP_FAILED = -26
+    MLOCK_FAILED = -27
+    FILE_CHANGED = -28
+    NO_SUCH_EXPERT = -29
 
 
 STATUS_TEXT = {
@@ -188,6 +202,13 @@ STATUS_TEXT = {
     Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
     Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
+    Status.BAD_PAYLOAD_CRC: "a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights)",
+    Status.FILE_NOT_FOUND: "model file not found",
+    Status.FILE_OPEN: "model file could not be opened or read (permission, not a regular file, I/O error)",
+    Status.MMAP_FAILED: "mmap of the model file failed",
+    Status.MLOCK_FAILED: "mlock refused (see RLIMIT_MEMLOCK)",
+    Status.FILE_CHANGED: "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)",
+    Status.NO_SUCH_EXPERT: "no such MoE layer or expert in this model",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}
@@ -213,6 +234,7 @@ def c_header() -> str:
         f"#define COLIBRI_MAX_RESIDUAL_DEPTH {MAX_RESIDUAL_DEPTH}u",
         f"#define COLIBRI_HEADER_CRC_OFFSET {HEADER_CRC_OFFSET}u",
         f"#define COLIBRI_CRC_START {CRC_START}u",
+        f"#define COLIBRI_TENSOR_CRC_VERSION {TENSOR_CRC_VERSION}u",
         f"#define COLIBRI_Q8_PARAMS_HEADER {Q8_PARAMS_HEADER}u",
         f"#define COLIBRI_Q8_FLAG_BIAS {int(Q8Flag.BIAS)}u",
         "",

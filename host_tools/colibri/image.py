@@ -79,8 +79,11 @@ class _Tensors:
     def __init__(self, version: int = F.VERSION) -> None:
         self.entries: list[_Entry] = []
         self.version = version
+        self.page_next = False  # the next tensor starts a page (the one after an expert's last)
 
     def _push(self, entry: _Entry) -> int:
+        if self.page_next:
+            entry.page, self.page_next = True, False
         self.entries.append(entry)
         return len(self.entries) - 1
 
@@ -111,15 +114,27 @@ def needed_version(graph: Graph) -> int:
     return F.VERSION if any(isinstance(getattr(o, a), Q8Weight) for _, o, a in weight_slots(graph)) else 1
 
 
-def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None) -> bytes:
+def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None,
+          tensor_crc: bool | None = None) -> bytes:
     """Serialise a graph to a model image of format `version`: by default the lowest that holds it
     (`needed_version`); 1 also for a q8 graph quantised with compact=False, for engines that read
-    only version 1."""
+    only version 1.
+
+    `tensor_crc` (default: with `page_aligned`, or when version 3 is asked for) writes format
+    version 3: one CRC-32 per tensor payload, the header CRC over the metadata only, so a mapped
+    file opens without reading its weights (docs/model-format.md "Integrity"). `page_aligned` starts
+    every expert on a 4 KiB page and the tensor after an expert's last one on the next page, so each
+    expert's payloads are pages of their own (one madvise / mlock range)."""
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
-    version = needed_version(graph) if version is None else version
+    if tensor_crc is None:
+        tensor_crc = page_aligned or version == F.TENSOR_CRC_VERSION
+    if version is None:
+        version = F.TENSOR_CRC_VERSION if tensor_crc else needed_version(graph)
     if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
         raise ValueError(f"format version must be {F.MIN_READ_VERSION}..{F.MAX_READ_VERSION}, got {version}")
+    if tensor_crc != (version == F.TENSOR_CRC_VERSION):
+        raise ValueError(f"per-tensor CRCs are format version {F.TENSOR_CRC_VERSION}, not {version}")
     tensors = _Tensors(version)
     layer_recs: list[bytes] = []
     moe_recs: list[bytes] = []
@@ -134,6 +149,7 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         b2 = tensors.add(e.b2)
         w3 = tensors.add(e.w3)
         b3 = tensors.add(e.b3)
+        tensors.page_next = page_aligned  # the expert's pages are its own
         return F.EXPERT.pack(int(e.kind), int(e.act), int(flags), e.hidden, w1, b1, w2, b2, w3, b3)
 
     for layer in graph.layers:
@@ -190,6 +206,10 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     moe_off = layer_off + len(layer_recs) * F.LAYER.size
     expert_off = moe_off + len(moe_recs) * F.MOE.size
     pos = expert_off + len(expert_recs) * F.EXPERT.size
+    crc_off = meta_size = 0
+    if tensor_crc:  # v3: the CRC table ends the metadata, which the header CRC covers
+        crc_off = pos
+        pos = meta_size = crc_off + 4 * n_t
 
     tensor_recs = []
     placed: list[tuple[int, bytes]] = []
@@ -212,13 +232,36 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         buf[off : off + len(blob)] = blob
     for off, data in placed:
         buf[off : off + len(data)] = data
+    if tensor_crc:
+        F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, meta_size, crc_off)
+        for i, (off, data) in enumerate(placed):
+            struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(data) & 0xFFFFFFFF)
     set_crc(buf)
     return bytes(buf)
 
 
+def set_tensor_crcs(buf: bytearray) -> None:
+    """Recompute a version-3 image's CRC table from its payloads and then the header CRC, in place
+    (after editing a payload); for versions 1 and 2 the header CRC only."""
+    if int.from_bytes(bytes(buf[4:6]), "little") == F.TENSOR_CRC_VERSION:
+        n_t, t_off = struct.unpack_from("<II", buf, 32)
+        _, crc_off = F.V3_FIELDS.unpack_from(buf, F.V3_FIELDS_OFFSET)
+        for i in range(n_t):
+            off, nbytes = struct.unpack_from("<II", buf, t_off + i * F.TENSOR.size)
+            struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(memoryview(buf)[off : off + nbytes]) & 0xFFFFFFFF)
+    set_crc(buf)
+
+
+def crc_end(image: bytes | bytearray | memoryview) -> int:
+    """Where the header CRC's range ends: image_size, or meta_size in a version-3 image."""
+    if int.from_bytes(bytes(image[4:6]), "little") == F.TENSOR_CRC_VERSION:
+        return F.V3_FIELDS.unpack_from(bytes(image[F.V3_FIELDS_OFFSET : F.V3_FIELDS_OFFSET + 8]))[0]
+    return int.from_bytes(bytes(image[12:16]), "little")
+
+
 def crc_of(image: bytes | bytearray | memoryview) -> int:
-    size = int.from_bytes(bytes(image[12:16]), "little")
-    return zlib.crc32(memoryview(image)[F.CRC_START:size]) & 0xFFFFFFFF
+    """The header CRC-32: of [12, image_size), in version 3 of [12, meta_size) (the metadata)."""
+    return zlib.crc32(memoryview(image)[F.CRC_START : crc_end(image)]) & 0xFFFFFFFF
 
 
 def set_crc(buf: bytearray) -> None:
@@ -262,10 +305,13 @@ class Work:
 
 
 class _Reader:
-    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None):
+    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None, full: bool = True):
         self.buf = memoryview(data).cast("B")
         self.n = len(self.buf)
         self.work = Work() if work is None else work
+        self.full = full  # check the payload CRCs (version 3)
+        self.meta = 0  # version 3: the metadata ends here, payloads start at or after it
+        self.crc_off = 0
 
     def header(self) -> tuple:
         if self.n < F.HEADER_SIZE:
@@ -284,9 +330,14 @@ class _Reader:
             _fail(Status.BAD_HEADER, f"image_size {size}")
         if size > self.n:
             _fail(Status.TRUNCATED, f"image_size {size} but only {self.n} bytes")
+        v3 = version == F.TENSOR_CRC_VERSION
+        if v3:
+            self.meta, self.crc_off = F.V3_FIELDS.unpack_from(self.buf, F.V3_FIELDS_OFFSET)
+            if self.meta % 4 or not F.HEADER_SIZE <= self.meta <= size:
+                _fail(Status.BAD_HEADER, f"meta_size {self.meta} (4-aligned, {F.HEADER_SIZE}..image_size {size})")
         if crc != crc_of(self.buf):
             _fail(Status.BAD_CRC, f"stored 0x{crc:08x}, computed 0x{crc_of(self.buf):08x}")
-        if any(self.buf[64:80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
+        if any(self.buf[72 if v3 else 64 : 80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
             _fail(Status.BAD_HEADER, "reserved bits set")
         if n_in == 0 or n_out == 0:
             _fail(Status.BAD_HEADER, "input_size and output_size must be >= 1")
@@ -299,8 +350,10 @@ class _Reader:
 
     def table(self, count: int, offset: int, rec) -> list[tuple]:
         end = offset + count * rec.size
-        if offset % 4 or offset < F.HEADER_SIZE or end > self.size:
-            _fail(Status.TABLE_BOUNDS, f"table at {offset} x {count} records exceeds image of {self.size} bytes")
+        limit = self.meta or self.size  # version 3: inside the metadata
+        if offset % 4 or offset < F.HEADER_SIZE or end > limit:
+            _fail(Status.TABLE_BOUNDS, f"table at {offset} x {count} records exceeds the "
+                                       + (f"metadata of {limit} bytes" if self.meta else f"image of {limit} bytes"))
         self.work.visits += count
         return [rec.unpack_from(self.buf, offset + i * rec.size) for i in range(count)]
 
@@ -312,28 +365,36 @@ class _Owners:
     moe = expert = emap = 0
 
 
-def status(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> int:
+def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> int:
     """What colibri_validate returns for this image: 0 (OK) or the negative Status of the first
-    failure, found in the same order (the differential tests and fuzzer compare the two)."""
+    failure, found in the same order (the differential tests and fuzzer compare the two);
+    check="structure" is colibri_validate_ex(..., COLIBRI_CHECK_STRUCTURE)."""
     try:
-        read(data, work=work)
+        read(data, work=work, check=check)
     except ColibriError as exc:
         return int(exc.status)
     return 0
 
 
-def read(data: bytes | bytearray | memoryview, *, work: Work | None = None) -> Graph:
+def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> Graph:
     """Parse and validate an image. Weights are numpy views into `data` (zero copy).
 
-    `work`, if given, is increased by the records and payload entries visited."""
+    `work`, if given, is increased by the records and payload entries visited. `check="structure"`
+    leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE."""
+    if check not in ("full", "structure"):
+        raise ValueError(f"check must be 'full' or 'structure', got {check!r}")
     work = Work() if work is None else work
-    r = _Reader(data, work)
+    r = _Reader(data, work, full=check == "full")
     h = r.header()
     (_, _, _, _, size, flags, n_in, n_out, max_batch, n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off) = h
     t_recs = r.table(n_t, t_off, F.TENSOR)
     l_recs = r.table(n_l, l_off, F.LAYER)
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
+    if r.meta:  # the CRC table: bounds as the other tables', entries read as each payload is checked
+        if r.crc_off % 4 or r.crc_off < F.HEADER_SIZE or r.crc_off + 4 * n_t > r.meta:
+            _fail(Status.TABLE_BOUNDS, f"CRC table at {r.crc_off} x {n_t} exceeds the metadata of {r.meta} bytes")
+        r.crcs = [(c,) for c in struct.unpack_from(f"<{n_t}I", r.buf, r.crc_off)]
 
     objs = _tensors(r, t_recs, size, h[1])
 
@@ -475,9 +536,13 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
     prev_end = 0  # payloads lie in table order and never overlap
     for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
         r.work.visits += 1
-        if off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off < prev_end or off >= size or off + nbytes > size:
+        if (off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off < prev_end or off < r.meta or off >= size
+                or off + nbytes > size):
             _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}" + (
-                f" overlaps the previous payload (ends at {prev_end})" if off < prev_end else ""))
+                f" overlaps the previous payload (ends at {prev_end})" if off < prev_end else "") + (
+                f" inside the metadata (ends at {r.meta})" if off < r.meta else ""))
+        if r.meta and r.full and zlib.crc32(buf[off : off + nbytes]) & 0xFFFFFFFF != r.crcs[i][0]:
+            _fail(Status.BAD_PAYLOAD_CRC, f"tensor {i} at {off}+{nbytes}")
         if dtype not in iter(DType):
             _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
         if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res:

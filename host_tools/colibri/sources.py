@@ -40,6 +40,7 @@ except ImportError:  # loaded by path from setup.py or scripts/source_hash.py
 HASHED = (
     "firmware/colibri_core/include/**/*",
     "firmware/colibri_core/src/**/*",
+    "firmware/colibri_core/posix/**/*",
     "firmware/colibri_core/sources.txt",
     "host_tools/colibri/_engine.c",
     "setup.py",
@@ -54,6 +55,7 @@ PACKAGED = (
     "firmware/colibri_core/sources.txt",
     "firmware/colibri_core/include/**/*",
     "firmware/colibri_core/src/**/*",
+    "firmware/colibri_core/posix/**/*",
     "firmware/runner/Makefile",
     "firmware/runner/*.c",
     "firmware/runner/*.h",

@@ -67,13 +67,32 @@ typedef struct colibri_model_info {
  * image alignment; colibri_init() also requires a 4-byte aligned image. */
 colibri_status colibri_validate(const void *image, size_t image_len);
 
-/* Exact arena bytes colibri_init() needs for this image at its max_batch. */
+/* Validation levels (colibri_validate_ex, colibri_init_ex; docs/model-format.md
+ * "Integrity"). FULL checks everything colibri_validate() does. STRUCTURE
+ * checks the header, the metadata CRC, every table, record, offset and
+ * reference, the q8 companions and expert maps, but not the per-tensor
+ * payload CRCs of a version-3 image, so it does not read the weights
+ * (a version 1 or 2 image has one CRC over everything: it is checked). */
+#define COLIBRI_CHECK_FULL 0u
+#define COLIBRI_CHECK_STRUCTURE 1u
+
+/* colibri_validate at a level; COLIBRI_E_UNSUPPORTED for an unknown one. */
+colibri_status colibri_validate_ex(const void *image, size_t image_len, uint32_t level);
+
+/* Exact arena bytes colibri_init() needs for this image at its max_batch.
+ * Checks the image's structure (COLIBRI_CHECK_STRUCTURE), as the info calls do. */
 colibri_status colibri_model_size(const void *image, size_t image_len, size_t *arena_size);
 
 /* Validates the image and builds a context inside the arena (8-byte aligned).
  * The image must stay readable, unchanged, until colibri_free(). */
 colibri_status colibri_init(colibri_ctx **ctx, void *arena, size_t arena_size,
                             const void *image, size_t image_len);
+
+/* colibri_init at a validation level: COLIBRI_CHECK_STRUCTURE for an image
+ * whose payloads are verified elsewhere (a mapped file: per expert on first
+ * use, posix/colibri_file.h), COLIBRI_CHECK_FULL as colibri_init. */
+colibri_status colibri_init_ex(colibri_ctx **ctx, void *arena, size_t arena_size,
+                               const void *image, size_t image_len, uint32_t level);
 
 /* Runs batch tokens: input [batch, input_size] -> output [batch, output_size],
  * row-major f32. input_count and output_count are element counts and must

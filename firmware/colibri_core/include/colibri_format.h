@@ -5,7 +5,7 @@
 #define COLIBRI_MAGIC 0x52424C43u
 #define COLIBRI_FORMAT_VERSION 2u
 #define COLIBRI_FORMAT_VERSION_MIN 1u
-#define COLIBRI_FORMAT_VERSION_MAX 2u
+#define COLIBRI_FORMAT_VERSION_MAX 3u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -15,6 +15,7 @@
 #define COLIBRI_MAX_RESIDUAL_DEPTH 16u
 #define COLIBRI_HEADER_CRC_OFFSET 8u
 #define COLIBRI_CRC_START 12u
+#define COLIBRI_TENSOR_CRC_VERSION 3u
 #define COLIBRI_Q8_PARAMS_HEADER 8u
 #define COLIBRI_Q8_FLAG_BIAS 1u
 
@@ -85,6 +86,13 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
     COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
+    COLIBRI_E_BAD_PAYLOAD_CRC = -23, /* a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights) */
+    COLIBRI_E_FILE_NOT_FOUND = -24, /* model file not found */
+    COLIBRI_E_FILE_OPEN = -25, /* model file could not be opened or read (permission, not a regular file, I/O error) */
+    COLIBRI_E_MMAP_FAILED = -26, /* mmap of the model file failed */
+    COLIBRI_E_MLOCK_FAILED = -27, /* mlock refused (see RLIMIT_MEMLOCK) */
+    COLIBRI_E_FILE_CHANGED = -28, /* the model file changed size under its mapping (truncated or rewritten in place; replace it by rename) */
+    COLIBRI_E_NO_SUCH_EXPERT = -29, /* no such MoE layer or expert in this model */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -112,6 +120,13 @@ typedef enum colibri_status {
     X(-20, "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
     X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
+    X(-23, "a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights)") \
+    X(-24, "model file not found") \
+    X(-25, "model file could not be opened or read (permission, not a regular file, I/O error)") \
+    X(-26, "mmap of the model file failed") \
+    X(-27, "mlock refused (see RLIMIT_MEMLOCK)") \
+    X(-28, "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)") \
+    X(-29, "no such MoE layer or expert in this model") \
 
 
 #endif /* COLIBRI_FORMAT_H */

@@ -83,10 +83,12 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
         off[i + 1] = off[i] + ((size[i] + 7u) & ~(uint64_t)7u);
 }
 
-/* Validates the image and sizes its arena. */
-static colibri_status size_model(const void *image, size_t image_len, colibri_model *m, uint64_t off[P_COUNT + 1])
+/* Validates the image at a level (COLIBRI_CHECK_*) and sizes its arena. */
+static colibri_status size_model(const void *image, size_t image_len, colibri_model *m, uint64_t off[P_COUNT + 1],
+                                 uint32_t level)
 {
-    colibri_status st = colibri_check(image, image_len, m);
+    uint64_t work;
+    colibri_status st = colibri_check_level(image, image_len, m, &work, level);
     if (st != COLIBRI_OK)
         return st;
     arena_layout(m, off);
@@ -102,7 +104,7 @@ colibri_status colibri_model_size(const void *image, size_t image_len, size_t *a
     uint64_t off[P_COUNT + 1];
     if (!image || !arena_size)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = size_model(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off, COLIBRI_CHECK_STRUCTURE);
     if (st != COLIBRI_OK)
         return st;
     *arena_size = (size_t)off[P_COUNT];
@@ -248,6 +250,12 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
 colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
                             const void *image, size_t image_len)
 {
+    return colibri_init_ex(out, arena, arena_size, image, image_len, COLIBRI_CHECK_FULL);
+}
+
+colibri_status colibri_init_ex(colibri_ctx **out, void *arena, size_t arena_size,
+                               const void *image, size_t image_len, uint32_t level)
+{
     if (!out)
         return COLIBRI_E_NULL_ARG;
     *out = NULL;
@@ -258,9 +266,12 @@ colibri_status colibri_init(colibri_ctx **out, void *arena, size_t arena_size,
     if ((uintptr_t)arena % COLIBRI_ARENA_ALIGN != 0)
         return COLIBRI_E_ARENA_ALIGN;
 
+    if (level != COLIBRI_CHECK_FULL && level != COLIBRI_CHECK_STRUCTURE)
+        return COLIBRI_E_UNSUPPORTED;
+
     colibri_model m;
     uint64_t off[P_COUNT + 1];
-    colibri_status st = size_model(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off, level);
     if (st != COLIBRI_OK)
         return st;
     if (off[P_COUNT] > arena_size)
@@ -491,7 +502,8 @@ colibri_status colibri_get_num_experts(const void *image, size_t image_len, uint
     colibri_model m;
     if (!image || !num_experts)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = colibri_check(image, image_len, &m);
+    uint64_t work;
+    colibri_status st = colibri_check_level(image, image_len, &m, &work, COLIBRI_CHECK_STRUCTURE);
     if (st != COLIBRI_OK)
         return st;
     *num_experts = m.routed_experts;
@@ -504,7 +516,7 @@ colibri_status colibri_get_info(const void *image, size_t image_len, colibri_mod
     uint64_t off[P_COUNT + 1];
     if (!image || !info)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = size_model(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off, COLIBRI_CHECK_STRUCTURE);
     if (st != COLIBRI_OK)
         return st;
     info->format_version = m.hdr.version;

@@ -5,12 +5,15 @@
  *
  *   1. header: TRUNCATED, BAD_MAGIC, BAD_VERSION (0, 0xFFFF),
  *      UNSUPPORTED_VERSION, BAD_HEADER (header_size, image_size),
- *      TRUNCATED (image_size), BAD_CRC, then the header fields
- *      the CRC covers (BAD_HEADER);
- *   2. the four tables' bounds (TABLE_BOUNDS);
+ *      TRUNCATED (image_size), in v3 meta_size (BAD_HEADER), BAD_CRC
+ *      (v3: over the metadata only), then the header fields the CRC
+ *      covers (BAD_HEADER);
+ *   2. the four tables' bounds, in v3 inside the metadata, then v3's CRC
+ *      table (TABLE_BOUNDS);
  *   3. pass 1, every tensor record in index order: bounds (TENSOR_BOUNDS:
- *      aligned, inside the image, not before the end of the previous
- *      tensor's payload), then dtype, rank and shape, reserved, aux (NONE
+ *      aligned, inside the image, in v3 after the metadata, not before the
+ *      end of the previous tensor's payload), in v3 with COLIBRI_CHECK_FULL
+ *      the payload's CRC (BAD_PAYLOAD_CRC), then dtype, rank and shape, reserved, aux (NONE
  *      unless I8), nbytes (BAD_TENSOR; a Q8_PARAMS record needs nbytes >= 8
  *      before its header is read; in v2 its parameter dtype, flags and
  *      reserved bits are BAD_QUANT; then the size formula, and cols <= 65536
@@ -85,7 +88,14 @@ void colibri_read_header(const uint8_t *p, colibri_header *h)
     h->moe_offset = colibri_rd_u32(p + 52);
     h->expert_count = colibri_rd_u32(p + 56);
     h->expert_offset = colibri_rd_u32(p + 60);
-    h->reserved_set = any_set(p + 64, 16);
+    if (h->version == COLIBRI_TENSOR_CRC_VERSION) {
+        h->meta_size = colibri_rd_u32(p + 64);
+        h->crc_offset = colibri_rd_u32(p + 68);
+        h->reserved_set = any_set(p + 72, 8);
+    } else {
+        h->meta_size = h->crc_offset = 0;
+        h->reserved_set = any_set(p + 64, 16);
+    }
 }
 
 void colibri_read_tensor(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_tensor *t)
@@ -150,7 +160,7 @@ void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t
 
 /* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32), a nibble at a time ---- */
 
-static uint32_t crc32_ieee(const uint8_t *p, size_t n)
+uint32_t colibri_crc32(const uint8_t *p, size_t n)
 {
     static const uint32_t table[16] = {
         0x00000000u, 0x1DB71064u, 0x3B6E20C8u, 0x26D930ACu,
@@ -188,7 +198,13 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
         return COLIBRI_E_BAD_HEADER;
     if (image_len < h->image_size)
         return COLIBRI_E_TRUNCATED;
-    if (crc32_ieee(image + COLIBRI_CRC_START, h->image_size - COLIBRI_CRC_START) != h->crc32)
+    /* v3: the CRC covers the metadata [12, meta_size) (header and tables);
+     * the payloads have their own CRCs (the CRC table). */
+    if (h->version == COLIBRI_TENSOR_CRC_VERSION &&
+        (h->meta_size % 4u != 0 || h->meta_size < h->header_size || h->meta_size > h->image_size))
+        return COLIBRI_E_BAD_HEADER;
+    const uint32_t covered = h->version == COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
+    if (colibri_crc32(image + COLIBRI_CRC_START, covered - COLIBRI_CRC_START) != h->crc32)
         return COLIBRI_E_BAD_CRC;
     if (h->reserved_set || (h->flags & ~COLIBRI_FLAG_PAGE_ALIGNED) ||
         h->input_size == 0 || h->output_size == 0 ||
@@ -197,12 +213,19 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
     return COLIBRI_OK;
 }
 
+/* Where the tables may lie: up to image_size, in v3 up to meta_size (the
+ * metadata the header CRC covers). */
+static uint32_t meta_end(const colibri_header *h)
+{
+    return h->version == COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
+}
+
 /* A table of count records of record_size bytes at offset: 4-aligned, after
- * the header, inside the image (an empty table too). */
+ * the header, inside the metadata (an empty table too). */
 static int table_ok(const colibri_header *h, uint32_t offset, uint32_t count, uint32_t record_size)
 {
     return offset % 4u == 0 && offset >= h->header_size &&
-           (uint64_t)offset + (uint64_t)count * record_size <= h->image_size;
+           (uint64_t)offset + (uint64_t)count * record_size <= meta_end(h);
 }
 
 /* ---- The validator's state ---- */
@@ -317,11 +340,17 @@ static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version
  * aligned, at or after the end of the previous tensor's payload, prev_end),
  * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */
 static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
-                                   uint64_t prev_end)
+                                   uint64_t prev_end, uint32_t index, uint32_t level)
 {
     if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size || t->offset < prev_end ||
+        t->offset < h->meta_size || /* v3: payloads after the metadata (meta_size 0 before) */
         t->offset >= h->image_size || (uint64_t)t->offset + t->nbytes > h->image_size)
         return COLIBRI_E_TENSOR_BOUNDS;
+    /* v3, full check: the payload against its CRC table entry, before
+     * anything in it is interpreted. */
+    if (h->version == COLIBRI_TENSOR_CRC_VERSION && level == COLIBRI_CHECK_FULL &&
+        colibri_crc32(image + t->offset, t->nbytes) != colibri_rd_u32(image + h->crc_offset + 4u * (size_t)index))
+        return COLIBRI_E_BAD_PAYLOAD_CRC;
 
     uint64_t elem = 0; /* bytes per element; Q8_PARAMS has its own layout */
     switch (t->dtype) {
@@ -790,7 +819,8 @@ static colibri_status check_program(checker *c)
 
 /* ---- Everything, in order ---- */
 
-colibri_status colibri_check_work(const void *image, size_t image_len, colibri_model *m, uint64_t *work)
+colibri_status colibri_check_level(const void *image, size_t image_len, colibri_model *m, uint64_t *work,
+                                   uint32_t level)
 {
     const uint8_t *p = image;
     const colibri_header *h = &m->hdr;
@@ -809,7 +839,8 @@ colibri_status colibri_check_work(const void *image, size_t image_len, colibri_m
     if (!table_ok(h, h->tensor_offset, h->tensor_count, COLIBRI_TENSOR_SIZE) ||
         !table_ok(h, h->layer_offset, h->layer_count, COLIBRI_LAYER_SIZE) ||
         !table_ok(h, h->moe_offset, h->moe_count, COLIBRI_MOE_SIZE) ||
-        !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE))
+        !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE) ||
+        (h->version == COLIBRI_TENSOR_CRC_VERSION && !table_ok(h, h->crc_offset, h->tensor_count, 4u)))
         return COLIBRI_E_TABLE_BOUNDS;
 
     /* Pass 1: every tensor record on its own, payloads in table order. */
@@ -817,7 +848,7 @@ colibri_status colibri_check_work(const void *image, size_t image_len, colibri_m
     for (uint32_t i = 0; i < h->tensor_count; i++) {
         colibri_tensor t;
         read_tensor(&c, i, &t);
-        if ((st = check_tensor(p, h, &t, prev_end)) != COLIBRI_OK)
+        if ((st = check_tensor(p, h, &t, prev_end, i, level)) != COLIBRI_OK)
             break;
         prev_end = (uint64_t)t.offset + t.nbytes;
         if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8)
@@ -836,6 +867,11 @@ colibri_status colibri_check_work(const void *image, size_t image_len, colibri_m
     return st;
 }
 
+colibri_status colibri_check_work(const void *image, size_t image_len, colibri_model *m, uint64_t *work)
+{
+    return colibri_check_level(image, image_len, m, work, COLIBRI_CHECK_FULL);
+}
+
 colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m)
 {
     uint64_t work;
@@ -846,4 +882,13 @@ colibri_status colibri_validate(const void *image, size_t image_len)
 {
     colibri_model m;
     return colibri_check(image, image_len, &m);
+}
+
+colibri_status colibri_validate_ex(const void *image, size_t image_len, uint32_t level)
+{
+    colibri_model m;
+    uint64_t work;
+    if (level != COLIBRI_CHECK_FULL && level != COLIBRI_CHECK_STRUCTURE)
+        return COLIBRI_E_UNSUPPORTED;
+    return colibri_check_level(image, image_len, &m, &work, level);
 }

@@ -44,6 +44,9 @@ typedef struct colibri_header {
     uint32_t layer_count, layer_offset;
     uint32_t moe_count, moe_offset;
     uint32_t expert_count, expert_offset;
+    /* Version 3: the metadata the header CRC covers ends at meta_size; the
+     * CRC table (one u32 per tensor) is at crc_offset. Both 0 before v3. */
+    uint32_t meta_size, crc_offset;
     int reserved_set;   /* nonzero if any reserved byte is nonzero */
 } colibri_header;
 
@@ -124,6 +127,15 @@ colibri_status colibri_check(const void *image, size_t image_len, colibri_model 
  * payload entries it scanned: tests bound it to show validation is linear
  * in the image size (tests/c/colibri_work.c). */
 colibri_status colibri_check_work(const void *image, size_t image_len, colibri_model *m, uint64_t *work);
+
+/* colibri_check_work with a COLIBRI_CHECK_* level: FULL is colibri_check;
+ * STRUCTURE skips the per-tensor payload CRCs of a version-3 image (every
+ * other check, the header CRC over the metadata included, stays). */
+colibri_status colibri_check_level(const void *image, size_t image_len, colibri_model *m, uint64_t *work,
+                                   uint32_t level);
+
+/* CRC-32 (IEEE 802.3, as zlib) of n bytes. */
+uint32_t colibri_crc32(const uint8_t *p, size_t n);
 
 /* ---- Routing (colibri_router.c). ---- */
 

@@ -1,0 +1,447 @@
+/*
+ * The POSIX file layer: open, validate, mmap, madvise, mlock, verify per
+ * expert (colibri_file.h). Outside the core: the core has no OS calls.
+ */
+#define _DEFAULT_SOURCE 1 /* madvise, MADV_*, mincore */
+
+#include "colibri_file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../src/colibri_internal.h"
+
+/* One expert slot: its record and the byte range of its payloads. */
+typedef struct file_expert {
+    uint32_t record;    /* expert record index */
+    uint64_t start, end;
+    atomic_uchar verified;
+} file_expert;
+
+struct colibri_file {
+    int fd;
+    char *path;
+    dev_t dev;
+    ino_t ino;
+    const uint8_t *base;
+    size_t map_len;     /* bytes mapped: the file's size at open */
+    size_t image_size;
+    size_t page;
+    colibri_model model;
+    uint32_t verify;
+    uint32_t moe_layers;
+    uint32_t *layer_first; /* [moe_layers + 1]: slots of layer L are experts[layer_first[L] .. layer_first[L+1]) */
+    file_expert *experts;
+};
+
+static void set_diag(colibri_file_diag *d, int err)
+{
+    if (d)
+        d->sys_errno = err;
+}
+
+const void *colibri_file_data(const colibri_file *f)
+{
+    return f ? f->base : NULL;
+}
+
+size_t colibri_file_size(const colibri_file *f)
+{
+    return f ? f->image_size : 0;
+}
+
+uint32_t colibri_file_moe_layers(const colibri_file *f)
+{
+    return f ? f->moe_layers : 0;
+}
+
+uint32_t colibri_file_layer_experts(const colibri_file *f, uint32_t layer)
+{
+    if (!f || layer >= f->moe_layers)
+        return 0;
+    return f->layer_first[layer + 1] - f->layer_first[layer];
+}
+
+/* Tensors of an expert record: w1 b1 w2 b2 w3 b3 and the companions of the
+ * I8 ones; NONE for absent. Returns how many slots were written (12). */
+static unsigned expert_tensors(const colibri_file *f, uint32_t record, uint32_t out[12])
+{
+    colibri_expert e;
+    colibri_read_expert(f->base, &f->model.hdr, record, &e);
+    const uint32_t refs[6] = {e.w1, e.b1, e.w2, e.b2, e.w3, e.b3};
+    unsigned n = 0;
+    for (unsigned i = 0; i < 6; i++) {
+        out[n++] = refs[i];
+        uint32_t aux = COLIBRI_NONE;
+        if (refs[i] != COLIBRI_NONE) {
+            colibri_tensor t;
+            colibri_read_tensor(f->base, &f->model.hdr, refs[i], &t);
+            if (t.dtype == COLIBRI_DTYPE_I8)
+                aux = t.aux;
+        }
+        out[n++] = aux;
+    }
+    return n;
+}
+
+/* CRC of tensor `index` against the CRC table (v3); OK before v3, where the
+ * one image CRC was checked at open. */
+static colibri_status verify_tensor(const colibri_file *f, uint32_t index)
+{
+    const colibri_header *h = &f->model.hdr;
+    if (index == COLIBRI_NONE || h->version != COLIBRI_TENSOR_CRC_VERSION)
+        return COLIBRI_OK;
+    colibri_tensor t;
+    colibri_read_tensor(f->base, h, index, &t);
+    const uint32_t want = colibri_rd_u32(f->base + h->crc_offset + 4u * (size_t)index);
+    return colibri_crc32(f->base + t.offset, t.nbytes) == want ? COLIBRI_OK : COLIBRI_E_BAD_PAYLOAD_CRC;
+}
+
+static colibri_status verify_slot(colibri_file *f, file_expert *x)
+{
+    if (atomic_load(&x->verified))
+        return COLIBRI_OK;
+    uint32_t ts[12];
+    const unsigned n = expert_tensors(f, x->record, ts);
+    for (unsigned i = 0; i < n; i++) {
+        colibri_status st = verify_tensor(f, ts[i]);
+        if (st != COLIBRI_OK)
+            return st;
+    }
+    atomic_store(&x->verified, 1);
+    return COLIBRI_OK;
+}
+
+static file_expert *slot(const colibri_file *f, uint32_t layer, uint32_t expert)
+{
+    if (layer >= f->moe_layers || expert >= f->layer_first[layer + 1] - f->layer_first[layer])
+        return NULL;
+    return &f->experts[f->layer_first[layer] + expert];
+}
+
+/* Walks the (validated) program: the expert slots of each MOE layer, their
+ * payload ranges, and which tensors belong to experts (owned, a bit set). */
+static colibri_status index_experts(colibri_file *f, uint8_t *owned)
+{
+    const colibri_header *h = &f->model.hdr;
+    const uint32_t slots = f->model.routed_experts + f->model.shared_experts;
+    f->moe_layers = f->model.moe_layers;
+    f->layer_first = calloc((size_t)f->moe_layers + 1u, sizeof *f->layer_first);
+    f->experts = calloc(slots ? slots : 1u, sizeof *f->experts);
+    if (!f->layer_first || !f->experts)
+        return COLIBRI_E_FILE_OPEN;
+    uint32_t L = 0, k = 0;
+    for (uint32_t i = 0; i < h->layer_count; i++) {
+        colibri_layer l;
+        colibri_read_layer(f->base, h, i, &l);
+        if (l.op != COLIBRI_OP_MOE)
+            continue;
+        colibri_moe m;
+        colibri_read_moe(f->base, h, l.t0, &m);
+        f->layer_first[L] = k;
+        const uint32_t used = m.expert_count + m.shared_count;
+        for (uint32_t j = 0; j < used; j++, k++) {
+            file_expert *x = &f->experts[k];
+            x->record = m.first_expert + j;
+            x->start = UINT64_MAX;
+            x->end = 0;
+            uint32_t ts[12];
+            const unsigned n = expert_tensors(f, x->record, ts);
+            for (unsigned t = 0; t < n; t++) {
+                if (ts[t] == COLIBRI_NONE)
+                    continue;
+                colibri_tensor rec;
+                colibri_read_tensor(f->base, h, ts[t], &rec);
+                if (rec.offset < x->start)
+                    x->start = rec.offset;
+                if ((uint64_t)rec.offset + rec.nbytes > x->end)
+                    x->end = (uint64_t)rec.offset + rec.nbytes;
+                owned[ts[t] / 8u] = (uint8_t)(owned[ts[t] / 8u] | (1u << (ts[t] % 8u)));
+            }
+            atomic_init(&x->verified, 0);
+        }
+        L++;
+    }
+    f->layer_first[L] = k;
+    return COLIBRI_OK;
+}
+
+/* Page range of [start, end) inside the mapping. */
+static void page_range(const colibri_file *f, uint64_t start, uint64_t end, void **addr, size_t *len)
+{
+    const uint64_t a = start & ~((uint64_t)f->page - 1u);
+    uint64_t b = (end + f->page - 1u) & ~((uint64_t)f->page - 1u);
+    if (b > f->map_len)
+        b = f->map_len;
+    *addr = (void *)(uintptr_t)(f->base + a);
+    *len = (size_t)(b - a);
+}
+
+static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, colibri_file_diag *diag,
+                                 uint64_t total)
+{
+    void *addr;
+    size_t len;
+    page_range(f, start, end, &addr, &len);
+    if (len && mlock(addr, len) != 0) {
+        const int err = errno;
+        if (diag) {
+            struct rlimit rl;
+            diag->sys_errno = err;
+            diag->lock_bytes = total;
+            if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0)
+                diag->memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : (uint64_t)rl.rlim_cur;
+        }
+        return COLIBRI_E_MLOCK_FAILED;
+    }
+    return COLIBRI_OK;
+}
+
+static colibri_status apply_options(colibri_file *f, const colibri_file_options *o, colibri_file_diag *diag,
+                                    const uint8_t *owned)
+{
+    const colibri_header *h = &f->model.hdr;
+    colibri_status st;
+    if (f->verify == COLIBRI_VERIFY_FULL) {
+        uint64_t work;
+        colibri_model m;
+        if ((st = colibri_check_level(f->base, f->image_size, &m, &work, COLIBRI_CHECK_FULL)) != COLIBRI_OK)
+            return st;
+        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
+            atomic_store(&f->experts[i].verified, 1);
+    } else if (f->verify == COLIBRI_VERIFY_ON_USE) {
+        /* Everything but the experts: routers, dense layers, norms, maps. */
+        for (uint32_t i = 0; i < h->tensor_count; i++)
+            if (!(owned[i / 8u] & (1u << (i % 8u))) && (st = verify_tensor(f, i)) != COLIBRI_OK)
+                return st;
+    }
+    if (!o || o->lock == COLIBRI_LOCK_NONE)
+        return COLIBRI_OK;
+    if (o->lock == COLIBRI_LOCK_ALL)
+        return lock_range(f, 0, f->map_len, diag, f->map_len);
+    if (o->lock != COLIBRI_LOCK_EXPERTS || (o->lock_count && !o->lock_experts))
+        return COLIBRI_E_NULL_ARG;
+    uint64_t total = 0;
+    for (size_t i = 0; i < o->lock_count; i++) {
+        const file_expert *x = slot(f, o->lock_experts[i].layer, o->lock_experts[i].expert);
+        if (!x) {
+            if (diag)
+                diag->expert = o->lock_experts[i];
+            return COLIBRI_E_NO_SUCH_EXPERT;
+        }
+        total += x->end - x->start;
+    }
+    for (size_t i = 0; i < o->lock_count; i++) {
+        file_expert *x = slot(f, o->lock_experts[i].layer, o->lock_experts[i].expert);
+        if ((st = lock_range(f, x->start, x->end, diag, total)) != COLIBRI_OK)
+            return st;
+        /* Pinned pages are resident: verify them now rather than mid-forward. */
+        if (f->verify == COLIBRI_VERIFY_ON_USE && (st = verify_slot(f, x)) != COLIBRI_OK) {
+            if (diag)
+                diag->expert = o->lock_experts[i];
+            return st;
+        }
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_open(colibri_file **out, const char *path, const colibri_file_options *opts,
+                                 colibri_file_diag *diag)
+{
+    if (diag)
+        memset(diag, 0, sizeof *diag);
+    if (!out)
+        return COLIBRI_E_NULL_ARG;
+    *out = NULL;
+    if (!path)
+        return COLIBRI_E_NULL_ARG;
+    const uint32_t verify = opts ? opts->verify : COLIBRI_VERIFY_ON_USE;
+    if (verify > COLIBRI_VERIFY_NONE || (opts && opts->lock > COLIBRI_LOCK_EXPERTS))
+        return COLIBRI_E_UNSUPPORTED;
+
+    colibri_file *f = calloc(1, sizeof *f);
+    if (!f)
+        return COLIBRI_E_FILE_OPEN;
+    f->fd = -1;
+    f->verify = verify;
+    f->page = (size_t)sysconf(_SC_PAGESIZE);
+    colibri_status st = COLIBRI_OK;
+    uint8_t *owned = NULL;
+
+    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (f->fd < 0) {
+        set_diag(diag, errno);
+        st = errno == ENOENT || errno == ENOTDIR ? COLIBRI_E_FILE_NOT_FOUND : COLIBRI_E_FILE_OPEN;
+        goto fail;
+    }
+    struct stat sb;
+    if (fstat(f->fd, &sb) != 0) {
+        set_diag(diag, errno);
+        st = COLIBRI_E_FILE_OPEN;
+        goto fail;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        set_diag(diag, S_ISDIR(sb.st_mode) ? EISDIR : EINVAL);
+        st = COLIBRI_E_FILE_OPEN;
+        goto fail;
+    }
+    f->dev = sb.st_dev;
+    f->ino = sb.st_ino;
+    if ((uint64_t)sb.st_size < COLIBRI_HEADER_SIZE) {
+        st = COLIBRI_E_TRUNCATED; /* not a model: too short for the header */
+        goto fail;
+    }
+    if ((uint64_t)sb.st_size > SIZE_MAX) {
+        st = COLIBRI_E_MMAP_FAILED;
+        goto fail;
+    }
+    f->map_len = (size_t)sb.st_size;
+    void *map = mmap(NULL, f->map_len, PROT_READ, MAP_SHARED, f->fd, 0);
+    if (map == MAP_FAILED) {
+        set_diag(diag, errno);
+        st = COLIBRI_E_MMAP_FAILED;
+        goto fail;
+    }
+    f->base = map;
+    /* Random access by default: no readahead of neighbouring experts. */
+    (void)madvise(map, f->map_len, MADV_RANDOM);
+
+    uint64_t work;
+    if ((st = colibri_check_level(f->base, f->map_len, &f->model, &work, COLIBRI_CHECK_STRUCTURE)) != COLIBRI_OK)
+        goto fail;
+    f->image_size = f->model.hdr.image_size;
+    f->path = strdup(path);
+    owned = calloc((size_t)f->model.hdr.tensor_count / 8u + 1u, 1);
+    if (!f->path || !owned) {
+        st = COLIBRI_E_FILE_OPEN;
+        goto fail;
+    }
+    if ((st = index_experts(f, owned)) != COLIBRI_OK || (st = apply_options(f, opts, diag, owned)) != COLIBRI_OK)
+        goto fail;
+    free(owned);
+    *out = f;
+    return COLIBRI_OK;
+
+fail:
+    free(owned);
+    colibri_file_close(f);
+    return st;
+}
+
+void colibri_file_close(colibri_file *f)
+{
+    if (!f)
+        return;
+    if (f->base)
+        munmap((void *)(uintptr_t)f->base, f->map_len); /* also drops its mlocks */
+    if (f->fd >= 0)
+        close(f->fd);
+    free(f->layer_first);
+    free(f->experts);
+    free(f->path);
+    free(f);
+}
+
+colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uint32_t *experts, size_t n)
+{
+    if (!f || (n && !experts))
+        return COLIBRI_E_NULL_ARG;
+    for (size_t i = 0; i < n; i++) {
+        file_expert *x = slot(f, layer, experts[i]);
+        if (!x)
+            return COLIBRI_E_NO_SUCH_EXPERT;
+        void *addr;
+        size_t len;
+        page_range(f, x->start, x->end, &addr, &len);
+        if (len)
+            (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
+    }
+    if (f->verify != COLIBRI_VERIFY_ON_USE)
+        return COLIBRI_OK;
+    for (size_t i = 0; i < n; i++) {
+        colibri_status st = verify_slot(f, slot(f, layer, experts[i]));
+        if (st != COLIBRI_OK)
+            return st;
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert)
+{
+    if (!f)
+        return COLIBRI_E_NULL_ARG;
+    file_expert *x = slot(f, layer, expert);
+    return x ? verify_slot(f, x) : COLIBRI_E_NO_SUCH_EXPERT;
+}
+
+colibri_status colibri_file_verify(colibri_file *f)
+{
+    if (!f)
+        return COLIBRI_E_NULL_ARG;
+    colibri_status st = colibri_file_check(f);
+    if (st != COLIBRI_OK)
+        return st;
+    st = colibri_validate(f->base, f->image_size);
+    if (st == COLIBRI_OK)
+        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
+            atomic_store(&f->experts[i].verified, 1);
+    return st;
+}
+
+colibri_status colibri_file_expert_range(const colibri_file *f, uint32_t layer, uint32_t expert, size_t *offset,
+                                         size_t *size)
+{
+    if (!f || !offset || !size)
+        return COLIBRI_E_NULL_ARG;
+    const file_expert *x = slot(f, layer, expert);
+    if (!x)
+        return COLIBRI_E_NO_SUCH_EXPERT;
+    *offset = (size_t)x->start;
+    *size = (size_t)(x->end - x->start);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_check(const colibri_file *f)
+{
+    if (!f)
+        return COLIBRI_E_NULL_ARG;
+    struct stat sb;
+    if (fstat(f->fd, &sb) != 0)
+        return COLIBRI_E_FILE_OPEN;
+    return (uint64_t)sb.st_size == (uint64_t)f->map_len ? COLIBRI_OK : COLIBRI_E_FILE_CHANGED;
+}
+
+int colibri_file_replaced(const colibri_file *f)
+{
+    struct stat sb;
+    if (!f)
+        return 0;
+    if (stat(f->path, &sb) != 0)
+        return 1;
+    return sb.st_dev != f->dev || sb.st_ino != f->ino;
+}
+
+long long colibri_file_resident(const colibri_file *f)
+{
+    if (!f)
+        return -1;
+    const size_t pages = (f->map_len + f->page - 1u) / f->page;
+    unsigned char *vec = malloc(pages ? pages : 1u);
+    if (!vec)
+        return -1;
+    long long resident = -1;
+    if (mincore((void *)(uintptr_t)f->base, f->map_len, vec) == 0) {
+        resident = 0;
+        for (size_t i = 0; i < pages; i++)
+            resident += (vec[i] & 1u) ? (long long)f->page : 0;
+    }
+    free(vec);
+    return resident;
+}

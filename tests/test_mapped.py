@@ -1,0 +1,358 @@
+"""Issue 11, the file side: format v3 (one CRC per tensor), the POSIX file layer
+(firmware/colibri_core/posix/colibri_file.c through colibri._engine.File), colibri.Model(path)
+mapping instead of copying, page-aligned experts, hot model swap by rename and the truncation case."""
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import engine, image, reference
+from colibri import format as F
+from colibri import nn as cnn
+from colibri.errors import ImageError, ModelFileError
+from colibri.exporter import export, write_atomically
+from colibri.format import Status
+
+PAGE = 4096
+
+
+def _model(seed: int, experts: int = 6, hidden: int = 40) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), cnn.MoE(16, experts, hidden, top_k=2),
+                               torch.nn.Linear(16, 16), cnn.MoE(16, experts, hidden, top_k=2, gated=True, activation="silu"),
+                               torch.nn.Linear(16, 3))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return export(_model(0), None, max_batch=4).graph
+
+
+@pytest.fixture(scope="module")
+def paged(graph) -> bytes:
+    return image.write(graph, page_aligned=True)
+
+
+def _x(n: int = 3) -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((n, 8)).astype(np.float32)
+
+
+def _tensors(data: bytes):
+    n_t, t_off = struct.unpack_from("<II", data, 32)
+    return [F.TENSOR.unpack_from(data, t_off + i * F.TENSOR.size) for i in range(n_t)]
+
+
+# ---- format v3 ---------------------------------------------------------------------------------
+
+
+def test_v3_layout_and_crcs(graph, paged: bytes) -> None:
+    assert struct.unpack_from("<H", paged, 4)[0] == 3
+    plain = image.write(graph)
+    assert struct.unpack_from("<H", plain, 4)[0] == 1  # no q8, not paged: the lowest version, as before
+    meta, crc_off = F.V3_FIELDS.unpack_from(paged, 64)
+    recs = _tensors(paged)
+    assert crc_off + 4 * len(recs) == meta and all(r[0] >= meta for r in recs)
+    assert struct.unpack_from("<I", paged, 8)[0] == zlib.crc32(paged[12:meta])
+    for i, (off, nbytes, *_) in enumerate(recs):
+        assert struct.unpack_from("<I", paged, crc_off + 4 * i)[0] == zlib.crc32(paged[off : off + nbytes])
+    # v3 and v1 images of one graph compute the same bits
+    x = _x()
+    np.testing.assert_array_equal(colibri.Model(paged).forward(x), colibri.Model(plain).forward(x))
+    assert image.write(graph, tensor_crc=True)[4] == 3
+    with pytest.raises(ValueError):
+        image.write(graph, version=2, tensor_crc=True)
+
+
+def test_page_aligned_experts_own_their_pages(paged: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    f = engine.open_file(path)
+    ranges = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    assert f.experts() == [6, 6]
+    pages = []
+    for off, size in ranges:
+        assert off % PAGE == 0
+        pages.append(set(range(off // PAGE, (off + size + PAGE - 1) // PAGE)))
+    recs = _tensors(paged)
+    expert_bytes = set()
+    for off, size in ranges:
+        expert_bytes |= set(range(off // PAGE, (off + size + PAGE - 1) // PAGE))
+    for a in range(len(pages)):  # no page shared between two experts...
+        for b in range(a + 1, len(pages)):
+            assert not pages[a] & pages[b]
+    for off, nbytes, *_ in recs:  # ...nor between an expert and a tensor outside every expert
+        inside = any(o <= off < o + s for o, s in ranges)
+        if not inside:
+            assert not set(range(off // PAGE, (off + nbytes + PAGE - 1) // PAGE)) & expert_bytes
+
+
+def test_structure_check_reads_no_payload_and_full_check_finds_corruption(paged: bytes) -> None:
+    recs = _tensors(paged)
+    off, nbytes = recs[-2][:2]  # a payload (last layer's weight or bias)
+    bad = bytearray(paged)
+    bad[off + nbytes // 2] ^= 0x10
+    assert engine._engine.validate(bytes(bad)) == Status.BAD_PAYLOAD_CRC
+    assert image.status(bytes(bad)) == Status.BAD_PAYLOAD_CRC
+    assert engine._engine.validate_structure(bytes(bad)) == 0
+    assert image.status(bytes(bad), check="structure") == 0
+    with pytest.raises(ImageError, match="CRC"):
+        colibri.Model(bytes(bad))  # colibri_init: full, as the MCU's boot and slot commit
+    assert colibri.arena_size(bytes(bad)) == colibri.arena_size(paged)  # model_size: structure
+    image.set_tensor_crcs(bad)
+    assert engine._engine.validate(bytes(bad)) == 0 == image.status(bytes(bad))
+
+
+@pytest.mark.parametrize("case", ["meta_small", "meta_odd", "meta_big", "crc_table", "payload_in_meta", "header_crc",
+                                  "reserved"])
+def test_v3_header_statuses_agree(paged: bytes, case: str) -> None:
+    b = bytearray(paged)
+    meta, crc_off = F.V3_FIELDS.unpack_from(b, 64)
+    size = struct.unpack_from("<I", b, 12)[0]
+    want = {"meta_small": Status.BAD_HEADER, "meta_odd": Status.BAD_HEADER, "meta_big": Status.BAD_HEADER,
+            "crc_table": Status.TABLE_BOUNDS, "payload_in_meta": Status.TENSOR_BOUNDS, "header_crc": Status.BAD_CRC,
+            "reserved": Status.BAD_HEADER}[case]
+    if case == "meta_small":
+        struct.pack_into("<I", b, 64, 40)
+    elif case == "meta_odd":
+        struct.pack_into("<I", b, 64, meta + 2)
+    elif case == "meta_big":
+        struct.pack_into("<I", b, 64, size + 4)
+    elif case == "crc_table":
+        struct.pack_into("<I", b, 68, meta - 4)
+    elif case == "payload_in_meta":
+        first = _tensors(paged)[0][0]
+        struct.pack_into("<I", b, 64, first + 32)
+    elif case == "reserved":
+        b[75] = 1
+    if case != "header_crc":
+        image.set_crc(b)
+    else:
+        b[crc_off] ^= 1  # the CRC table is metadata: the header CRC covers it
+    assert engine._engine.validate(bytes(b)) == want
+    assert image.status(bytes(b)) == want
+    assert engine._engine.validate_structure(bytes(b)) == want == image.status(bytes(b), check="structure")
+
+
+def test_older_versions_still_read(graph) -> None:
+    for v in (1, 2):
+        data = image.write(graph, version=v)
+        assert engine._engine.validate(data) == 0 == engine._engine.validate_structure(data)
+        bad = bytearray(data)
+        bad[-5] ^= 1  # v1/v2: one CRC over everything, checked at either level
+        assert engine._engine.validate_structure(bytes(bad)) == Status.BAD_CRC == image.status(bytes(bad), check="structure")
+
+
+# ---- the POSIX layer ---------------------------------------------------------------------------
+
+
+def test_model_path_maps_not_copies(paged: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    x = _x()
+    m = colibri.Model(path)
+    assert m.file is not None
+    np.testing.assert_allclose(m.forward(x), reference.run(paged, x), rtol=1e-5, atol=1e-6)
+    # the weights are read in place: the image buffer is the mapping of the file
+    maps = Path("/proc/self/maps").read_text()
+    assert str(path) in maps
+    copied = colibri.Model(path, copy=True)
+    assert copied.file is None and isinstance(copied.image, bytes)
+    np.testing.assert_array_equal(copied.forward(x), m.forward(x))
+    with pytest.raises(BufferError):
+        m.file.close()  # the Model still reads it
+    del m
+
+
+def test_file_statuses(paged: bytes, tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError) as e:
+        colibri.Model(tmp_path / "missing.clb")
+    assert e.value.status == Status.FILE_NOT_FOUND and "missing.clb" in str(e.value)
+    with pytest.raises(ModelFileError) as e:
+        colibri.Model(tmp_path)
+    assert e.value.status == Status.FILE_OPEN
+    (tmp_path / "text.clb").write_bytes(b"hello, not a model" * 10)
+    with pytest.raises(ImageError) as e:
+        colibri.Model(tmp_path / "text.clb")
+    assert e.value.status == Status.BAD_MAGIC
+    (tmp_path / "short.clb").write_bytes(b"CLBR")
+    with pytest.raises(ImageError) as e:
+        colibri.Model(tmp_path / "short.clb")
+    assert e.value.status == Status.TRUNCATED
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked.clb"
+        locked.write_bytes(paged)
+        locked.chmod(0)
+        with pytest.raises(ModelFileError) as e:
+            colibri.Model(locked)
+        assert e.value.status == Status.FILE_OPEN
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    with pytest.raises(colibri.ColibriError) as e:
+        engine.open_file(path, lock=[(0, 6)])
+    assert e.value.status == Status.NO_SUCH_EXPERT and "expert 6" in str(e.value)
+
+
+def test_mlock_refused_reports_rlimit(paged: bytes, tmp_path: Path) -> None:
+    """mlock beyond RLIMIT_MEMLOCK, in a child whose limit is lowered to one page (root bypasses it)."""
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    code = textwrap.dedent(f"""
+        import resource, sys
+        from colibri import engine
+        from colibri.format import Status
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, 4096))
+        try:
+            engine.open_file({str(path)!r}, lock="all")
+        except Exception as exc:
+            print(int(exc.status), exc)
+            sys.exit(0)
+        print("locked")
+    """)
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0 and shutil.which("capsh"):  # root's CAP_IPC_LOCK ignores the limit: drop it
+        cmd = ["capsh", "--drop=cap_ipc_lock", "--", "-c", shlex.join(cmd)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.startswith("locked"):
+        assert os.geteuid() == 0
+        pytest.skip("running as root without capsh: mlock is not limited by RLIMIT_MEMLOCK")
+    assert out.stdout.startswith(str(int(Status.MLOCK_FAILED))), out.stdout
+    assert "RLIMIT_MEMLOCK is 4,096 bytes" in out.stdout
+
+
+def test_lock_options_and_will_need(paged: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = sum(engine.open_file(path).expert_range(0, e)[1] for e in (0, 1)) + 2 * PAGE
+    if soft != resource.RLIM_INFINITY and soft < need and os.geteuid() != 0:
+        pytest.skip(f"RLIMIT_MEMLOCK {soft} below {need}")
+    x = _x()
+    want = colibri.Model(paged).forward(x)
+    for lock in ("all", "none", [(0, 0), (1, 5)]):
+        m = colibri.Model(path, lock=lock)
+        np.testing.assert_array_equal(m.forward(x), want)
+    f = engine.open_file(path)
+    f.will_need(1, [0, 3, 5])
+    with pytest.raises(colibri.ColibriError) as e:
+        f.will_need(1, [6])
+    assert e.value.status == Status.NO_SUCH_EXPERT
+    with pytest.raises(colibri.ColibriError) as e:
+        f.will_need(2, [0])
+    assert e.value.status == Status.NO_SUCH_EXPERT
+    assert f.resident() > 0
+
+
+def test_verify_on_use_per_expert(paged: bytes, tmp_path: Path) -> None:
+    """A corrupted expert: open succeeds (nothing of it is read), its first use fails with
+    BAD_PAYLOAD_CRC, the other experts verify; full verification at open refuses the file."""
+    f0 = None
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    f0 = engine.open_file(path)
+    off, size = f0.expert_range(1, 2)
+    del f0
+    bad = bytearray(paged)
+    bad[off + size // 3] ^= 0x40
+    path.write_bytes(bad)
+    f = engine.open_file(path)  # structure only: opens
+    f.will_need(1, [0, 1, 3])
+    f.verify_expert(0, 2)
+    with pytest.raises(ImageError) as e:
+        f.will_need(1, [2])
+    assert e.value.status == Status.BAD_PAYLOAD_CRC
+    with pytest.raises(ImageError) as e:
+        f.verify()
+    assert e.value.status == Status.BAD_PAYLOAD_CRC
+    with pytest.raises(ImageError) as e:
+        engine.open_file(path, verify="full")
+    assert e.value.status == Status.BAD_PAYLOAD_CRC
+    with pytest.raises(ImageError) as e:
+        engine.open_file(path, lock=[(1, 2)])  # a locked expert is verified at open
+    assert e.value.status == Status.BAD_PAYLOAD_CRC
+    m = colibri.Model(path)  # opens; "on_use" verifies before the first forward pass
+    with pytest.raises(ImageError):
+        m.forward(_x())
+    assert colibri.Model(path, verify="none").forward(_x()).shape == (3, 3)
+
+
+def test_cli_verify_and_run_use_the_file(paged: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    np.save(tmp_path / "x.npy", _x())
+    cli = [str(Path(sys.executable).parent / "colibri")]
+    out = subprocess.run([*cli, "verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok (format v3" in out.stdout, out.stderr
+    out = subprocess.run([*cli, "run", str(path), "-i", str(tmp_path / "x.npy")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    np.testing.assert_allclose(np.loadtxt(out.stdout.splitlines(), delimiter=","), reference.run(paged, _x()),
+                               rtol=1e-5, atol=1e-5)
+    bad = bytearray(paged)
+    bad[_tensors(paged)[3][0]] ^= 1
+    path.write_bytes(bad)
+    out = subprocess.run([*cli, "verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "CRC" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---- hot model swap ----------------------------------------------------------------------------
+
+
+def test_replace_by_rename_keeps_serving_then_reopen_picks_up(tmp_path: Path) -> None:
+    old = image.write(export(_model(0), None, max_batch=4).graph, page_aligned=True)
+    new = image.write(export(_model(7), None, max_batch=4).graph, page_aligned=True)
+    path = tmp_path / "model.clb"
+    write_atomically(path, old)
+    x = _x()
+    serving = colibri.Model(path)
+    before = serving.forward(x)
+    write_atomically(path, new)  # tmp file, fsync, rename over: the safe update
+    assert serving.file.replaced()
+    assert serving.file.check() == 0
+    np.testing.assert_array_equal(serving.forward(x), before)  # the old mapping stays valid
+    reopened = colibri.Model(path)
+    assert not reopened.file.replaced()
+    np.testing.assert_array_equal(reopened.forward(x), colibri.Model(new).forward(x))
+    assert not np.array_equal(reopened.forward(x), before)
+
+
+def test_truncation_in_place_detected_before_forward(paged: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "model.clb"
+    path.write_bytes(paged)
+    m = colibri.Model(path)
+    m.forward(_x())
+    os.truncate(path, len(paged) // 2)
+    with pytest.raises(ModelFileError) as e:
+        m.forward(_x())
+    assert e.value.status == Status.FILE_CHANGED
+    assert m.file.check() == Status.FILE_CHANGED
+
+
+def test_truncation_under_a_running_reader_is_sigbus(paged: bytes, tmp_path: Path) -> None:
+    """What the safe procedure avoids: a reader touching pages past the new end of a file truncated
+    in place dies of SIGBUS (in a child process); the rename procedure above never does."""
+    path = tmp_path / "model.clb"
+    path.write_bytes(paged)
+    code = textwrap.dedent(f"""
+        import os
+        from colibri import engine
+        f = engine.open_file({str(path)!r}, verify="none")
+        view = memoryview(f.raw)
+        os.truncate({str(path)!r}, 4096)
+        print(sum(view[len(view) - 1 : len(view)]), flush=True)  # a page past the end
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -7, (out.returncode, out.stderr)  # SIGBUS
