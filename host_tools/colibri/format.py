@@ -162,6 +162,7 @@ class Status(enum.IntEnum):
     BAD_QUANT = -20
     BAD_COMPENSATION = -21
     UNSUPPORTED_VERSION = -22
+    BAD_EXEC = -23
 
 
 STATUS_TEXT = {
@@ -188,6 +189,7 @@ STATUS_TEXT = {
     Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
     Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
+    Status.BAD_EXEC: "invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}

@@ -85,6 +85,7 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
     COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
+    COLIBRI_E_BAD_EXEC = -23, /* invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -112,6 +113,7 @@ typedef enum colibri_status {
     X(-20, "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
     X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
+    X(-23, "invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds)") \
 
 
 #endif /* COLIBRI_FORMAT_H */
