@@ -168,14 +168,15 @@ class Status(enum.IntEnum):
     BAD_QUANT = -20
     BAD_COMPENSATION = -21
     UNSUPPORTED_VERSION = -22
+    BAD_EXEC = -23
     # Issue 11: per-tensor integrity (format v3) and the POSIX file layer (posix/colibri_file.h).
-    BAD_PAYLOAD_CRC = -23
-    FILE_NOT_FOUND = -24
-    FILE_OPEN = -25
-    MMAP_FAILED = -26
-    MLOCK_FAILED = -27
-    FILE_CHANGED = -28
-    NO_SUCH_EXPERT = -29
+    BAD_PAYLOAD_CRC = -24
+    FILE_NOT_FOUND = -25
+    FILE_OPEN = -26
+    MMAP_FAILED = -27
+    MLOCK_FAILED = -28
+    FILE_CHANGED = -29
+    NO_SUCH_EXPERT = -30
 
 
 STATUS_TEXT = {
@@ -202,6 +203,7 @@ STATUS_TEXT = {
     Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
     Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
+    Status.BAD_EXEC: "invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds)",
     Status.BAD_PAYLOAD_CRC: "a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights)",
     Status.FILE_NOT_FOUND: "model file not found",
     Status.FILE_OPEN: "model file could not be opened or read (permission, not a regular file, I/O error)",

@@ -101,6 +101,124 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
                                const float *input, size_t input_count,
                                float *output, size_t output_count);
 
+/* ---- Extended forward: what the caller supplies (threads, devices, hooks) ----
+ *
+ * colibri_forward_ex() is colibri_forward() with a set of caller-supplied
+ * options; exec == NULL, or every callback NULL and workers <= 1, is exactly
+ * colibri_forward(). The core still starts no thread and calls no OS: threads
+ * come from parallel_for (the POSIX layer's colibri_pool implements it), page
+ * advice from on_route (the POSIX file layer issues MADV_WILLNEED there).
+ *
+ * Versioning: the caller sets struct_size = sizeof(colibri_exec) of the
+ * header it compiled against (COLIBRI_EXEC_INIT does). Fields past a smaller
+ * struct_size read as zero, so older callers keep working as fields are
+ * added at the end; a larger struct_size (a newer caller) is accepted only if
+ * the bytes this library does not know are all zero. Anything else, a
+ * struct_size below COLIBRI_EXEC_SIZE_V1 or more workers than the arena holds,
+ * is COLIBRI_E_BAD_EXEC. Callbacks run on the thread that called
+ * colibri_forward_ex(), except expert, which may run on any worker. */
+
+/* One MoE layer's routing, passed to on_route after the router ran and
+ * before any expert of the layer runs: the union of what the batch selected.
+ * Expert numbering is the image's expert table (docs/model-format.md):
+ * routed slot s of this layer is expert record first_expert + s, and its
+ * shared experts, which run for every token, are records
+ * first_expert + experts .. first_expert + experts + shared - 1. */
+typedef struct colibri_route {
+    uint32_t layer;          /* MoE layer, 0-based in program order */
+    uint32_t first_expert;   /* expert record of routed slot 0 */
+    uint32_t experts;        /* routed slots of this layer */
+    uint32_t shared;         /* shared experts of this layer */
+    size_t batch;            /* tokens of this forward pass */
+    const uint32_t *tokens;  /* [experts] tokens routed to slot s; 0: slot s will not run */
+    const uint16_t *token;   /* slot s's token indices: token[s * batch + i], i < tokens[s] */
+    const float *gate;       /* and their gate weights: gate[s * batch + i] */
+} colibri_route;
+
+/* Returns COLIBRI_OK to go on; a negative status stops the forward pass,
+ * which returns it (e.g. a per-expert integrity check failing). */
+typedef colibri_status (*colibri_on_route_fn)(void *user, const colibri_route *route);
+
+/* One task of a parallel loop: worker < the exec's workers, and no two
+ * tasks run at once with the same worker index (it selects the scratch). */
+typedef void (*colibri_task_fn)(void *arg, size_t task, size_t worker);
+
+/* Runs fn(arg, task, worker) for every task in [0, n_tasks), spread over at
+ * most `workers` workers, each task exactly once, and returns when all have
+ * finished (with their writes visible to the caller). Returns COLIBRI_OK, or
+ * a negative status if it could not run them (the forward pass returns it). */
+typedef colibri_status (*colibri_parallel_for_fn)(void *user, colibri_task_fn fn, void *arg, size_t n_tasks);
+
+/* The accelerator hook (issue 13): one expert over a ring of tokens, run on
+ * the caller's device while the engine keeps routing and aggregation. The
+ * weights are the image's payloads in place (w* as the expert's tensors store
+ * them: F32, F16 or I8; for I8 the caller reads the Q8_PARAMS companion of
+ * expert record `expert` from the image, docs/model-format.md). No rows are
+ * copied: the hook computes, for i < n,
+ *     y[y_row(i), :] += gate[i] * expert(x[x_row(i), :])
+ * with x_row(i) = x_rows ? x_rows[i] : i, y_row(i) = y_rows ? y_rows[i] : i,
+ * gate NULL meaning 1, x and y [*, d] row-major f32, and
+ * expert(v) = act(v W1ᵀ + b1) (⊙ (v W3ᵀ + b3) if GLU) W2ᵀ + b2. */
+typedef struct colibri_expert_call {
+    uint32_t struct_size;    /* sizeof(colibri_expert_call) of the library */
+    uint32_t layer;          /* MoE layer, as colibri_route */
+    uint32_t expert;         /* expert record index in the image */
+    uint32_t d;              /* features per row in and out */
+    uint32_t hidden;         /* the expert's hidden size */
+    uint8_t kind;            /* COLIBRI_EXPERT_MLP or COLIBRI_EXPERT_GLU */
+    uint8_t activation;      /* COLIBRI_ACT_* after W1 */
+    uint16_t reserved;
+    uint32_t worker;         /* the worker running this call (0 without parallel_for) */
+    const void *w1, *w2, *w3; /* [hidden, d], [d, hidden], [hidden, d] (GLU) payloads, or NULL */
+    const float *b1, *b2, *b3; /* [hidden], [d], [hidden] biases, each or NULL */
+    size_t n;                /* rows */
+    const float *x;
+    const uint16_t *x_rows;
+    const float *gate;
+    float *y;
+    const uint16_t *y_rows;
+} colibri_expert_call;
+
+/* Returns COLIBRI_OK once y holds the expert's contribution,
+ * COLIBRI_EXPERT_DECLINED (y untouched) for the engine to run it itself, or a
+ * negative status, which the forward pass returns (any other value:
+ * COLIBRI_E_BAD_EXEC). With parallel_for it runs on the workers, several
+ * experts at once. */
+typedef colibri_status (*colibri_expert_fn)(void *user, const colibri_expert_call *call);
+#define COLIBRI_EXPERT_DECLINED ((colibri_status)1)
+
+typedef struct colibri_exec {
+    uint32_t struct_size;                 /* sizeof(colibri_exec); COLIBRI_EXEC_INIT */
+    uint32_t workers;                     /* parallel_for's workers; 0 or 1: none */
+    /* Each callback with its own user pointer, so that independent layers
+     * (a thread pool, a file mapping, a device) plug in side by side. */
+    colibri_on_route_fn on_route;         /* NULL: not called */
+    void *on_route_user;
+    colibri_parallel_for_fn parallel_for; /* NULL: single-threaded */
+    void *parallel_for_user;
+    colibri_expert_fn expert;             /* NULL: the engine runs every expert */
+    void *expert_user;
+} colibri_exec;
+
+/* The size of the first version of colibri_exec (every field above). */
+#define COLIBRI_EXEC_SIZE_V1 ((uint32_t)sizeof(colibri_exec))
+#define COLIBRI_EXEC_INIT {(uint32_t)sizeof(colibri_exec), 0u, NULL, NULL, NULL, NULL, NULL, NULL}
+
+/* Exact arena bytes for this image run with up to `workers` workers
+ * (parallel_for): colibri_model_size() plus, for workers > 1, the shared
+ * expert staging rows and each extra worker's scratch. workers 0 or 1 gives
+ * colibri_model_size(). colibri_init() takes any arena at least
+ * colibri_model_size(); a context then serves as many workers as its arena holds. */
+colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size);
+
+/* colibri_forward() with the caller's options (above). With parallel_for
+ * and workers > 1, the experts of each MoE layer run as parallel tasks and
+ * the results are bit for bit those of colibri_forward() with the same
+ * kernels. Workers beyond what the context's arena holds: COLIBRI_E_BAD_EXEC. */
+colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
+                                  const float *input, size_t input_count,
+                                  float *output, size_t output_count);
+
 /* Which kernels a context's forward pass runs (colibri_init() picks
  * COLIBRI_KERNELS_OPTIMISED). The reference kernels are the specification:
  * plain C in index order, the same bits on every target, what

@@ -86,13 +86,14 @@ typedef enum colibri_status {
     COLIBRI_E_BAD_QUANT = -20, /* invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale) */
     COLIBRI_E_BAD_COMPENSATION = -21, /* invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values) */
     COLIBRI_E_UNSUPPORTED_VERSION = -22, /* unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX) */
-    COLIBRI_E_BAD_PAYLOAD_CRC = -23, /* a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights) */
-    COLIBRI_E_FILE_NOT_FOUND = -24, /* model file not found */
-    COLIBRI_E_FILE_OPEN = -25, /* model file could not be opened or read (permission, not a regular file, I/O error) */
-    COLIBRI_E_MMAP_FAILED = -26, /* mmap of the model file failed */
-    COLIBRI_E_MLOCK_FAILED = -27, /* mlock refused (see RLIMIT_MEMLOCK) */
-    COLIBRI_E_FILE_CHANGED = -28, /* the model file changed size under its mapping (truncated or rewritten in place; replace it by rename) */
-    COLIBRI_E_NO_SUCH_EXPERT = -29, /* no such MoE layer or expert in this model */
+    COLIBRI_E_BAD_EXEC = -23, /* invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds) */
+    COLIBRI_E_BAD_PAYLOAD_CRC = -24, /* a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights) */
+    COLIBRI_E_FILE_NOT_FOUND = -25, /* model file not found */
+    COLIBRI_E_FILE_OPEN = -26, /* model file could not be opened or read (permission, not a regular file, I/O error) */
+    COLIBRI_E_MMAP_FAILED = -27, /* mmap of the model file failed */
+    COLIBRI_E_MLOCK_FAILED = -28, /* mlock refused (see RLIMIT_MEMLOCK) */
+    COLIBRI_E_FILE_CHANGED = -29, /* the model file changed size under its mapping (truncated or rewritten in place; replace it by rename) */
+    COLIBRI_E_NO_SUCH_EXPERT = -30, /* no such MoE layer or expert in this model */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -120,13 +121,14 @@ typedef enum colibri_status {
     X(-20, "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)") \
     X(-21, "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)") \
     X(-22, "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)") \
-    X(-23, "a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights)") \
-    X(-24, "model file not found") \
-    X(-25, "model file could not be opened or read (permission, not a regular file, I/O error)") \
-    X(-26, "mmap of the model file failed") \
-    X(-27, "mlock refused (see RLIMIT_MEMLOCK)") \
-    X(-28, "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)") \
-    X(-29, "no such MoE layer or expert in this model") \
+    X(-23, "invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds)") \
+    X(-24, "a tensor payload's CRC-32 does not match its entry in the CRC table (corrupted weights)") \
+    X(-25, "model file not found") \
+    X(-26, "model file could not be opened or read (permission, not a regular file, I/O error)") \
+    X(-27, "mmap of the model file failed") \
+    X(-28, "mlock refused (see RLIMIT_MEMLOCK)") \
+    X(-29, "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)") \
+    X(-30, "no such MoE layer or expert in this model") \
 
 
 #endif /* COLIBRI_FORMAT_H */

@@ -12,9 +12,11 @@
 #include "colibri_kernels.h"
 
 #define CTX_MAGIC 0x58424C43u /* "CLBX" */
+#define COLIBRI_MAX_WORKERS 65535u
 
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
+    uint32_t workers;        /* workers the arena has scratch for (colibri_forward_ex); in magic's padding */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
     colibri_kernels k;       /* the kernels the forward pass calls (colibri_kernels.h) */
     colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
@@ -109,6 +111,64 @@ colibri_status colibri_model_size(const void *image, size_t image_len, size_t *a
         return st;
     *arena_size = (size_t)off[P_COUNT];
     return COLIBRI_OK;
+}
+
+/* ---- The parallel region: what workers > 1 add (colibri_model_size_ex) ----
+ *
+ * After the arena of colibri_model_size(): the staging rows every expert of a
+ * MoE layer writes its gated output to before the ordered merge ([B (K + S), W]
+ * f32, S the shared experts of all MoE layers: a bound on one layer's), the task
+ * table (slot, first staging row, status for each of N + S tasks), then, for
+ * each worker from 1 on, its own expert scratch: two hidden buffers [B, H] and,
+ * with INT8_ACT, int8 rows [B, Q] and their scales [B]. Worker 0 uses the
+ * context's own. */
+static uint64_t round8(uint64_t n)
+{
+    return (n + 7u) & ~(uint64_t)7u;
+}
+
+static void exec_layout(const colibri_model *m, uint64_t *fixed, uint64_t *per_worker)
+{
+    const uint64_t B = m->hdr.max_batch, W = m->width, H = m->hidden, Q = m->qwidth;
+    const uint64_t K = m->select, S = m->shared_experts, tasks = (uint64_t)m->experts + S;
+    *fixed = round8(B * (K + S) * W * sizeof(float)) + round8(tasks * 3u * sizeof(uint32_t));
+    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * sizeof(float)) : 0u);
+}
+
+colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size)
+{
+    colibri_model m;
+    uint64_t off[P_COUNT + 1], fixed, per;
+    if (!image || !arena_size)
+        return COLIBRI_E_NULL_ARG;
+    colibri_status st = size_model(image, image_len, &m, off);
+    if (st != COLIBRI_OK)
+        return st;
+    uint64_t total = off[P_COUNT];
+    if (workers > 1) {
+        exec_layout(&m, &fixed, &per);
+        /* No arena could hold absurd worker counts: no wrap past 64 bits. */
+        if (per && (uint64_t)(workers - 1) > (UINT64_MAX - total - fixed) / per)
+            return COLIBRI_E_UNSUPPORTED;
+        total += fixed + (uint64_t)(workers - 1) * per;
+        if (total > SIZE_MAX)
+            return COLIBRI_E_UNSUPPORTED;
+    }
+    *arena_size = (size_t)total;
+    return COLIBRI_OK;
+}
+
+/* Workers an arena of arena_size bytes holds scratch for (>= 1). */
+static uint32_t arena_workers(const colibri_model *m, uint64_t base, size_t arena_size)
+{
+    uint64_t fixed, per;
+    exec_layout(m, &fixed, &per);
+    if (arena_size < base + fixed + per)
+        return 1;
+    if (per == 0)
+        return COLIBRI_MAX_WORKERS;
+    const uint64_t w = 1u + (arena_size - base - fixed) / per;
+    return w > COLIBRI_MAX_WORKERS ? COLIBRI_MAX_WORKERS : (uint32_t)w;
 }
 
 /* ---- Building the plan (init only: the records are read here, once) ---- */
@@ -209,8 +269,9 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
     p->routing.flags = r.flags;
     p->expert = expert;
     p->d = r.d_model;
-    p->n_experts = r.expert_count;
-    p->shared_count = r.shared_count;
+    p->first_expert = r.first_expert;
+    p->n_experts = (uint16_t)r.expert_count;    /* validated <= COLIBRI_MAX_ROUTES */
+    p->shared_count = (uint16_t)r.shared_count; /* validated <= COLIBRI_MAX_SHARED */
     for (uint32_t j = 0; j < r.expert_count + r.shared_count; j++)
         plan_expert(&expert[j], image, hdr, r.first_expert + j);
 }
@@ -297,6 +358,7 @@ colibri_status colibri_init_ex(colibri_ctx **out, void *arena, size_t arena_size
     c->stack = (float *)(void *)(base + off[P_STACK]);
     c->qrows = (int8_t *)(void *)(base + off[P_QROWS]);
     c->qscale = (float *)(void *)(base + off[P_QSCALE]);
+    c->workers = arena_workers(&m, off[P_COUNT], arena_size);
     build_plan(c, image);
     colibri_kernels_optimised(&c->k);
     c->magic = CTX_MAGIC;
@@ -341,44 +403,159 @@ colibri_status colibri_free(colibri_ctx *ctx)
 
 /* ---- Forward pass ---- */
 
-/* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
- * context's int8 scratch; returns the view the linear kernels take. */
-static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16_t *rows, size_t n, size_t in)
+/* One worker's expert scratch: hidden rows [B, H] (W1 path, W3 path) and,
+ * with INT8_ACT, int8 rows [B, Q] and their scales [B]. */
+typedef struct scratch {
+    float *h0, *h1;
+    int8_t *q;
+    float *qa;
+} scratch;
+
+/* The options of one forward pass, as colibri_forward_ex() read them; NULL
+ * in colibri_forward(). */
+typedef struct run_opts {
+    colibri_exec exec;
+    uint8_t *region;         /* the parallel region (workers > 1), else NULL */
+    uint64_t fixed, per;     /* its layout (exec_layout) */
+} run_opts;
+
+static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t worker)
 {
-    c->k.quantize_rows(x, rows, n, in, c->qrows, c->qscale);
-    return (colibri_qrows){c->qrows, c->qscale};
+    if (worker == 0 || !o || !o->region)
+        return (scratch){c->hidden[0], c->hidden[1], c->qrows, c->qscale};
+    const colibri_model *m = &c->model;
+    const uint64_t B = m->hdr.max_batch, H = m->hidden, Q = m->qwidth;
+    uint8_t *p = o->region + o->fixed + (worker - 1u) * o->per;
+    scratch s;
+    s.h0 = (float *)(void *)p;
+    p += round8(B * H * sizeof(float));
+    s.h1 = (float *)(void *)p;
+    p += round8(B * H * sizeof(float));
+    s.q = (int8_t *)(void *)p;
+    p += round8(B * Q);
+    s.qa = (float *)(void *)p;
+    return s;
 }
 
-/* y[rows[i]] += scale[i] · expert(x[rows[i]]) for i < n (rows NULL: tokens
- * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
- * index list; the hidden rows [n, H] are compact. With INT8_ACT the x rows
- * are quantised once for w1 and w3, the hidden rows again for w2. */
-static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, const float *x, size_t d,
-                           const uint16_t *rows, size_t n, const float *scale, float *y)
+/* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
+ * scratch's int8 rows; returns the view the linear kernels take. */
+static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, const float *x, const uint16_t *rows,
+                              size_t n, size_t in)
+{
+    c->k.quantize_rows(x, rows, n, in, sc->q, sc->qa);
+    return (colibri_qrows){sc->q, sc->qa};
+}
+
+/* y[yrows[i]] += scale[i] · expert(x[xrows[i]]) for i < n (an index list
+ * NULL: 0 .. n-1; scale NULL: 1). The n input rows are read in place through
+ * the index list; the hidden rows [n, H] are compact. With INT8_ACT the x
+ * rows are quantised once for w1 and w3, the hidden rows again for w2. */
+static void expert_forward(const colibri_ctx *c, const scratch *sc, const colibri_plan_expert *e, const float *x,
+                           size_t d, const uint16_t *xrows, size_t n, const float *scale, const uint16_t *yrows,
+                           float *y)
 {
     const size_t hid = e->hidden;
-    float *h = c->hidden[0];
+    float *h = sc->h0;
     colibri_qrows q = {NULL, NULL};
 
     if (e->int8_act)
-        q = quantize(c, x, rows, n, d);
-    c->k.linear(x, rows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
+        q = quantize(c, sc, x, xrows, n, d);
+    c->k.linear(x, xrows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
     c->k.activation(h, n * hid, e->activation);
     if (e->glu) {
-        float *g = c->hidden[1];
-        c->k.linear(x, rows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
+        float *g = sc->h1;
+        c->k.linear(x, xrows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
         c->k.mul(h, g, n * hid);
     }
     if (e->int8_act)
-        q = quantize(c, h, NULL, n, hid);
-    c->k.linear_acc(h, n, &e->w2, e->b2, rows, scale, e->int8_act ? &q : NULL, y);
+        q = quantize(c, sc, h, NULL, n, hid);
+    c->k.linear_acc(h, n, &e->w2, e->b2, yrows, scale, e->int8_act ? &q : NULL, y);
+}
+
+/* expert_forward, offered first to the caller's expert hook (if any). */
+static colibri_status run_expert(const colibri_ctx *c, const run_opts *o, size_t worker, uint32_t layer,
+                                 const colibri_plan_moe *moe, size_t slot, const float *x, const uint16_t *xrows,
+                                 size_t n, const float *scale, const uint16_t *yrows, float *y)
+{
+    const colibri_plan_expert *e = &moe->expert[slot];
+    if (o && o->exec.expert) {
+        colibri_expert_call call;
+        call.struct_size = (uint32_t)sizeof call;
+        call.layer = layer;
+        call.expert = moe->first_expert + (uint32_t)slot;
+        call.d = moe->d;
+        call.hidden = e->hidden;
+        call.kind = e->glu ? COLIBRI_EXPERT_GLU : COLIBRI_EXPERT_MLP;
+        call.activation = e->activation;
+        call.worker = (uint32_t)worker;
+        call.w1 = e->w1.data;
+        call.w2 = e->w2.data;
+        call.w3 = e->w3.data;
+        call.b1 = e->b1;
+        call.b2 = e->b2;
+        call.b3 = e->b3;
+        call.n = n;
+        call.x = x;
+        call.x_rows = xrows;
+        call.gate = scale;
+        call.y = y;
+        call.y_rows = yrows;
+        const colibri_status st = o->exec.expert(o->exec.expert_user, &call);
+        if (st == COLIBRI_OK || st < 0)
+            return st;
+        if (st != COLIBRI_EXPERT_DECLINED)
+            return COLIBRI_E_BAD_EXEC;
+    }
+    const scratch sc = worker_scratch(c, o, worker);
+    expert_forward(c, &sc, e, x, moe->d, xrows, n, scale, yrows, y);
+    return COLIBRI_OK;
+}
+
+/* The parallel experts of one MoE layer: task t runs expert slot task[t]
+ * (routed slots, then n_experts + i for shared expert i) into staging rows
+ * from row[t] on; status[t] is its outcome. */
+typedef struct par_layer {
+    const colibri_ctx *c;
+    const run_opts *o;
+    const colibri_plan_moe *moe;
+    uint32_t layer;
+    const float *x;
+    const float *gate;       /* shared experts' gate [batch], or NULL */
+    size_t batch;
+    float *stage;
+    uint32_t *task, *row;
+    int32_t *status;
+} par_layer;
+
+static void expert_task(void *arg, size_t t, size_t worker)
+{
+    const par_layer *a = arg;
+    const colibri_ctx *c = a->c;
+    const size_t slot = a->task[t], d = a->moe->d, batch = a->batch;
+    const int routed = slot < a->moe->n_experts;
+    const size_t n = routed ? c->ring_count[slot] : batch;
+    float *y = a->stage + (size_t)a->row[t] * d;
+
+    if (worker >= a->o->exec.workers) { /* the parallel_for broke its contract */
+        a->status[t] = COLIBRI_E_BAD_EXEC;
+        return;
+    }
+    /* -0 + v is v for every v (and -0 + +0 = +0): a staging row holds each
+     * gated output exactly as the single-threaded accumulation adds it. */
+    for (size_t i = 0; i < n * d; i++)
+        y[i] = -0.0f;
+    a->status[t] = run_expert(c, a->o, worker, a->layer, a->moe, slot, a->x,
+                              routed ? c->ring_token + slot * batch : NULL, n,
+                              routed ? c->ring_weight + slot * batch : a->gate, NULL, y);
 }
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
-static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
+static colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint32_t layer,
+                                  const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
 {
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
+    colibri_status st;
 
     /* 1. Router logits of the whole batch: scores [batch, R]. */
     c->k.linear(x, NULL, batch, &moe->router, moe->router_bias, NULL, c->scores);
@@ -401,27 +578,75 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
         }
     }
 
+    /* 2b. The caller hears which experts are about to run (colibri_route). */
+    if (o && o->exec.on_route) {
+        const colibri_route r = {layer, moe->first_expert, moe->n_experts, moe->shared_count, batch,
+                                 c->ring_count, c->ring_token, c->ring_weight};
+        if ((st = o->exec.on_route(o->exec.on_route_user, &r)) < 0)
+            return st;
+    }
+
+    /* The shared experts' gate g = sigmoid(x · gate), when there is one: the
+     * router scores are dead after dispatch, so they hold g [batch]. */
+    const float *gate = NULL;
+    if (moe->shared_count && moe->shared_gate.data) {
+        c->k.linear(x, NULL, batch, &moe->shared_gate, NULL, NULL, c->scores);
+        c->k.activation(c->scores, batch, COLIBRI_ACT_SIGMOID);
+        gate = c->scores;
+    }
+
+    if (o && o->region) {
+        /* 3'. Parallel: every expert with tokens is a task writing its gated
+         *     rows to its own staging rows; then the rows are added into y
+         *     in the single-threaded order, so y gets the same bits. */
+        par_layer a = {c, o, moe, layer, x, gate, batch, (float *)(void *)o->region, NULL, NULL, NULL};
+        const colibri_model *m = &c->model;
+        const size_t max_tasks = (size_t)m->experts + m->shared_experts;
+        uint8_t *tab = o->region + round8((uint64_t)m->hdr.max_batch * (m->select + m->shared_experts) * m->width *
+                                          sizeof(float));
+        a.task = (uint32_t *)(void *)tab;
+        a.row = a.task + max_tasks;
+        a.status = (int32_t *)(void *)(a.row + max_tasks);
+        uint32_t tasks = 0, rows = 0;
+        for (size_t s = 0; s < n_experts + moe->shared_count; s++) {
+            const uint32_t n = s < n_experts ? c->ring_count[s] : (uint32_t)batch;
+            if (n == 0)
+                continue;
+            a.task[tasks] = (uint32_t)s;
+            a.row[tasks++] = rows;
+            rows += n;
+        }
+        if ((st = o->exec.parallel_for(o->exec.parallel_for_user, expert_task, &a, tasks)) < 0)
+            return st;
+        memset(y, 0, batch * d * sizeof *y);
+        for (uint32_t t = 0; t < tasks; t++) {
+            if (a.status[t] < 0)
+                return (colibri_status)a.status[t];
+            const size_t s = a.task[t];
+            const uint16_t *ring = s < n_experts ? c->ring_token + s * batch : NULL;
+            const size_t n = s < n_experts ? c->ring_count[s] : batch;
+            for (size_t i = 0; i < n; i++)
+                c->k.add(y + (ring ? ring[i] : i) * d, a.stage + ((size_t)a.row[t] + i) * d, d);
+        }
+        return COLIBRI_OK;
+    }
+
     /* 3. Each routed expert with tokens runs once over its ring,
      *    accumulating straight into the tokens' output rows. */
     memset(y, 0, batch * d * sizeof *y);
     for (size_t s = 0; s < n_experts; s++)
-        if (c->ring_count[s])
-            expert_forward(c, &moe->expert[s], x, d, c->ring_token + s * batch,
-                           c->ring_count[s], c->ring_weight + s * batch, y);
-
-    /* 4. Shared experts over every token, scaled by g = sigmoid(x · gate)
-     *    when there is a gate. The router scores are dead by now, so they
-     *    hold g [batch]. */
-    if (moe->shared_count) {
-        const float *gate = NULL;
-        if (moe->shared_gate.data) {
-            c->k.linear(x, NULL, batch, &moe->shared_gate, NULL, NULL, c->scores);
-            c->k.activation(c->scores, batch, COLIBRI_ACT_SIGMOID);
-            gate = c->scores;
+        if (c->ring_count[s]) {
+            const uint16_t *ring = c->ring_token + s * batch;
+            st = run_expert(c, o, 0, layer, moe, s, x, ring, c->ring_count[s], c->ring_weight + s * batch, ring, y);
+            if (st < 0)
+                return st;
         }
-        for (uint32_t i = 0; i < moe->shared_count; i++)
-            expert_forward(c, &moe->expert[n_experts + i], x, d, NULL, batch, gate, y);
-    }
+
+    /* 4. Shared experts over every token, scaled by the gate if any. */
+    for (uint32_t i = 0; i < moe->shared_count; i++)
+        if ((st = run_expert(c, o, 0, layer, moe, n_experts + i, x, NULL, batch, gate, NULL, y)) < 0)
+            return st;
+    return COLIBRI_OK;
 }
 
 static void swap(float **a, float **b)
@@ -431,31 +656,21 @@ static void swap(float **a, float **b)
     *b = t;
 }
 
-colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
-                               const float *input, size_t input_count,
-                               float *output, size_t output_count)
+/* The forward pass; o NULL: colibri_forward(). */
+static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
+                              const float *input, size_t input_count,
+                              float *output, size_t output_count)
 {
-    if (!ctx)
-        return COLIBRI_E_NULL_ARG;
-    if (ctx->magic != CTX_MAGIC)
-        return COLIBRI_E_BAD_CONTEXT;
-    if (!input || !output)
-        return COLIBRI_E_NULL_ARG;
-    const colibri_header *hdr = &ctx->model.hdr;
-    if (batch == 0 || batch > hdr->max_batch)
-        return COLIBRI_E_BAD_BATCH;
-    /* No overflow: batch * width fits, the arena holds max_batch * W floats. */
-    if (input_count != batch * hdr->input_size || output_count != batch * hdr->output_size)
-        return COLIBRI_E_BUFFER_SIZE;
-
     /* x is the current activation [batch, width]; spare receives LINEAR
      * outputs, moe_acc MoE outputs, and pointers swap instead of copying. */
     float *x = ctx->act[0], *spare = ctx->act[1], *moe_acc = ctx->moe_acc;
     const size_t stack_slot = batch * ctx->model.width;
+    const scratch sc0 = worker_scratch(ctx, NULL, 0);
     size_t depth = 0;
+    colibri_status st;
 
     memcpy(x, input, input_count * sizeof *x);
-    for (uint32_t i = 0; i < hdr->layer_count; i++) {
+    for (uint32_t i = 0; i < ctx->model.hdr.layer_count; i++) {
         const colibri_plan_layer *l = &ctx->layer[i];
         const size_t in = l->in;
 
@@ -463,7 +678,7 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
         case COLIBRI_OP_LINEAR: {
             colibri_qrows q = {NULL, NULL};
             if (l->int8_act)
-                q = quantize(ctx, x, NULL, batch, in);
+                q = quantize(ctx, &sc0, x, NULL, batch, in);
             ctx->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
             swap(&x, &spare);
             break;
@@ -484,7 +699,8 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
             ctx->k.add(x, ctx->stack + --depth * stack_slot, batch * in);
             break;
         case COLIBRI_OP_MOE:
-            moe_forward(ctx, &ctx->moe[l->moe], x, moe_acc, batch);
+            if ((st = moe_forward(ctx, o, l->moe, &ctx->moe[l->moe], x, moe_acc, batch)) < 0)
+                return st;
             swap(&x, &moe_acc);
             break;
         default: /* unreachable: ops are validated */
@@ -493,6 +709,67 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     }
     memcpy(output, x, output_count * sizeof *x);
     return COLIBRI_OK;
+}
+
+/* The argument checks colibri_forward() and colibri_forward_ex() share. */
+static colibri_status check_call(const colibri_ctx *ctx, size_t batch, const float *input, size_t input_count,
+                                 const float *output, size_t output_count)
+{
+    if (!ctx)
+        return COLIBRI_E_NULL_ARG;
+    if (ctx->magic != CTX_MAGIC)
+        return COLIBRI_E_BAD_CONTEXT;
+    if (!input || !output)
+        return COLIBRI_E_NULL_ARG;
+    const colibri_header *hdr = &ctx->model.hdr;
+    if (batch == 0 || batch > hdr->max_batch)
+        return COLIBRI_E_BAD_BATCH;
+    /* No overflow: batch * width fits, the arena holds max_batch * W floats. */
+    if (input_count != batch * hdr->input_size || output_count != batch * hdr->output_size)
+        return COLIBRI_E_BUFFER_SIZE;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
+                               const float *input, size_t input_count,
+                               float *output, size_t output_count)
+{
+    colibri_status st = check_call(ctx, batch, input, input_count, output, output_count);
+    if (st != COLIBRI_OK)
+        return st;
+    return forward(ctx, NULL, batch, input, input_count, output, output_count);
+}
+
+colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
+                                  const float *input, size_t input_count,
+                                  float *output, size_t output_count)
+{
+    colibri_status st = check_call(ctx, batch, input, input_count, output, output_count);
+    if (st != COLIBRI_OK)
+        return st;
+    if (!exec)
+        return forward(ctx, NULL, batch, input, input_count, output, output_count);
+
+    /* The caller's struct, as far as both sides know it (colibri.h: versioning). */
+    run_opts o;
+    memset(&o, 0, sizeof o);
+    if (exec->struct_size < COLIBRI_EXEC_SIZE_V1)
+        return COLIBRI_E_BAD_EXEC;
+    for (size_t i = sizeof o.exec; i < exec->struct_size; i++)
+        if (((const uint8_t *)exec)[i] != 0)
+            return COLIBRI_E_BAD_EXEC;
+    memcpy(&o.exec, exec, sizeof o.exec);
+    if (!o.exec.parallel_for || o.exec.workers < 2)
+        o.exec.workers = 1;
+    else if (o.exec.workers > ctx->workers)
+        return COLIBRI_E_BAD_EXEC;
+    if (o.exec.workers > 1) {
+        uint64_t off[P_COUNT + 1];
+        arena_layout(&ctx->model, off);
+        exec_layout(&ctx->model, &o.fixed, &o.per);
+        o.region = (uint8_t *)ctx + off[P_COUNT];
+    }
+    return forward(ctx, &o, batch, input, input_count, output, output_count);
 }
 
 /* ---- Model information ---- */

@@ -194,7 +194,10 @@ typedef struct colibri_plan_moe {
     colibri_route_fn route;        /* the routing mode's selector */
     colibri_routing routing;       /* expert map [R], R, top_k, flags */
     const colibri_plan_expert *expert; /* [n_experts routed, then shared_count shared] */
-    uint32_t d, n_experts, shared_count;
+    uint32_t d;
+    uint32_t first_expert;         /* image expert record of routed slot 0 (colibri_route) */
+    uint16_t n_experts;            /* <= COLIBRI_MAX_ROUTES */
+    uint16_t shared_count;         /* <= COLIBRI_MAX_SHARED */
 } colibri_plan_moe;
 
 /* One layer of the program. */

@@ -1,0 +1,63 @@
+"""colibri_forward_ex (include/colibri.h): the caller's options (on_route, parallel_for over the POSIX
+layer's colibri_pool, the expert hook, struct_size versioning) and colibri_model_size_ex, by the C
+driver tests/c/colibri_exec_test.c: every way through gives colibri_forward's bits, with the optimised
+and the reference kernels, plain and under ASan+UBSan, and (tests/test_aarch64.py style) under qemu-aarch64."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from colibri import nn as cnn
+from colibri.exporter import export
+
+from conftest import ROOT, build_c_tests
+
+BATCH = 16
+VARIANTS = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
+            ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2.experts.*", "layers.4"]})]
+
+
+def _model(routing: str, index: int) -> torch.nn.Module:
+    torch.manual_seed(300 + index)
+    acts = cnn.ACTIVATIONS
+    d_in, d, out = 29, 41, 13
+    moe = cnn.MoE(d, 6, 57, top_k=1 if routing == "top1" else 2, routing=routing,
+                  activation=acts[index % len(acts)], gated=index % 2 == 1,
+                  num_shared=index % 3, shared_hidden=19, shared_gate=index % 3 == 1)
+    moe2 = cnn.MoE(d, 3, 23, top_k=1, routing="top1", activation="relu")
+    return torch.nn.Sequential(torch.nn.Linear(d_in, d), torch.nn.LayerNorm(d), moe, moe2,
+                               torch.nn.Linear(d, out)).eval()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("exec")
+    paths = sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))
+    for i, routing in enumerate(cnn.ROUTINGS):
+        name, kw = VARIANTS[i % len(VARIANTS)]
+        p = folder / f"{routing}-{name}.clb"
+        export(_model(routing, i), p, max_batch=BATCH, **kw)
+        paths.append(p)
+    return paths
+
+
+def test_forward_ex_matches_forward(c_drivers: Path, images: list[Path]) -> None:
+    r = subprocess.run([str(c_drivers / "colibri_exec_test"), *map(str, images)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert f"exec ok: {len(images)} images" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("qemu-aarch64") is None or shutil.which("aarch64-linux-gnu-gcc") is None,
+                    reason="needs qemu-user and gcc-aarch64-linux-gnu (scripts/setup.sh)")
+def test_forward_ex_matches_forward_on_aarch64(images: list[Path]) -> None:
+    drivers = build_c_tests("aarch64")
+    r = subprocess.run(["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu",
+                        str(drivers / "colibri_exec_test"), *map(str, images)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert f"exec ok: {len(images)} images" in r.stdout
