@@ -263,16 +263,16 @@ def test_verify_on_use_per_expert(paged: bytes, tmp_path: Path) -> None:
     path = tmp_path / "m.clb"
     path.write_bytes(paged)
     f0 = engine.open_file(path)
-    off, size = f0.expert_range(1, 2)
+    off, size = f0.expert_range(1, 0)
     del f0
     bad = bytearray(paged)
     bad[off + size // 3] ^= 0x40
     path.write_bytes(bad)
     f = engine.open_file(path)  # structure only: opens
-    f.will_need(1, [0, 1, 3])
-    f.verify_expert(0, 2)
+    f.will_need(1, [1, 2, 3])
+    f.verify_expert(0, 0)
     with pytest.raises(ImageError) as e:
-        f.will_need(1, [2])
+        f.will_need(1, [0])
     assert e.value.status == Status.BAD_PAYLOAD_CRC
     with pytest.raises(ImageError) as e:
         f.verify()
@@ -281,11 +281,13 @@ def test_verify_on_use_per_expert(paged: bytes, tmp_path: Path) -> None:
         engine.open_file(path, verify="full")
     assert e.value.status == Status.BAD_PAYLOAD_CRC
     with pytest.raises(ImageError) as e:
-        engine.open_file(path, lock=[(1, 2)])  # a locked expert is verified at open
+        engine.open_file(path, lock=[(1, 0)])  # a locked expert is verified at open
     assert e.value.status == Status.BAD_PAYLOAD_CRC
-    m = colibri.Model(path)  # opens; "on_use" verifies before the first forward pass
-    with pytest.raises(ImageError):
-        m.forward(_x())
+    m = colibri.Model(path)  # opens; the on_route callback verifies each expert the first time it is routed to
+    many = np.random.default_rng(2).standard_normal((400, 8)).astype(np.float32)
+    with pytest.raises(ImageError) as e:
+        m.forward(many)
+    assert e.value.status == Status.BAD_PAYLOAD_CRC
     assert colibri.Model(path, verify="none").forward(_x()).shape == (3, 3)
 
 

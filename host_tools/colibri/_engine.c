@@ -414,9 +414,17 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         /* A mapped file truncated in place would SIGBUS the forward pass: refuse instead. */
         st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
-        if (st == COLIBRI_OK)
+        if (st == COLIBRI_OK && self->file != NULL) {
+            /* The routed experts' pages advised in (and verified on first use) before they run. */
+            colibri_exec exec = COLIBRI_EXEC_INIT;
+            exec.on_route = colibri_file_on_route;
+            exec.on_route_user = self->file->file;
+            st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
+                                    (float *)out.buf, (size_t)(out.len / 4));
+        } else if (st == COLIBRI_OK) {
             st = colibri_forward(self->ctx, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
-                             (float *)out.buf, (size_t)(out.len / 4));
+                                 (float *)out.buf, (size_t)(out.len / 4));
+        }
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);

@@ -116,7 +116,8 @@ class Model:
     A path is mapped, not copied (the POSIX layer, as libcolibri's users):
     opening validates the structure and reads no weights; `verify` says when
     payloads are checked against their CRCs (format v3: per tensor):
-    "on_use" (default; before the first forward pass), "full" (at open) or
+    "on_use" (default: each expert when routing first selects it, through
+    the engine's on_route callback, with MADV_WILLNEED), "full" (at open) or
     "none" (`Model.file.verify()` on demand); `lock` pins pages: "all" or a
     list of (moe_layer, expert). `model.file` is the mapping (`will_need`,
     `resident`, `check`, `replaced`). A file replaced by rename keeps serving
@@ -127,10 +128,8 @@ class Model:
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
                  reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None):
         self.file = None
-        self._verified = True
         if isinstance(source, (str, os.PathLike)) and not copy:
             self.file = open_file(source, verify=verify, lock=lock)
-            self._verified = verify != "on_use"
             self.image = memoryview(self.file.raw)
             self._ctx = _call(_engine.Context, self.file.raw, reference_kernels, CHECK_STRUCTURE)
         else:
@@ -159,9 +158,6 @@ class Model:
         if x.ndim != 2 or x.shape[1] != self.input_size:
             raise ValueError(f"input must be [batch, {self.input_size}], got shape {x.shape}")
         out = np.empty((x.shape[0], self.output_size), dtype=np.float32)
-        if not self._verified:  # "on_use": the payloads' CRCs before the first forward pass
-            _call(self.file.verify)
-            self._verified = True
         for start in range(0, x.shape[0], self.max_batch):
             chunk = x[start : start + self.max_batch]
             _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))

@@ -373,6 +373,30 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
     return COLIBRI_OK;
 }
 
+colibri_status colibri_file_on_route(void *file, const colibri_route *route)
+{
+    colibri_file *f = file;
+    if (!f || !route)
+        return COLIBRI_E_NULL_ARG;
+    /* The selected routed slots, then every shared one, in chunks (no allocation). */
+    enum { CHUNK = 64 };
+    uint32_t ids[CHUNK];
+    size_t n = 0;
+    const uint32_t total = route->experts + route->shared;
+    for (uint32_t s = 0; s < total; s++) {
+        if (s < route->experts && (!route->tokens || route->tokens[s] == 0))
+            continue;
+        ids[n++] = s;
+        if (n == CHUNK || s + 1u == total) {
+            colibri_status st = colibri_file_will_need(f, route->layer, ids, n);
+            if (st != COLIBRI_OK)
+                return st;
+            n = 0;
+        }
+    }
+    return n ? colibri_file_will_need(f, route->layer, ids, n) : COLIBRI_OK;
+}
+
 colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert)
 {
     if (!f)

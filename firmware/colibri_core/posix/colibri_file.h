@@ -106,6 +106,13 @@ size_t colibri_file_size(const colibri_file *f);
  * BAD_PAYLOAD_CRC for a corrupted expert. */
 colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uint32_t *experts, size_t n);
 
+/* The engine's on_route callback (colibri_exec, include/colibri.h): with
+ *   exec.on_route = colibri_file_on_route; exec.on_route_user = file;
+ * colibri_forward_ex advises (and verifies on first use) the routed experts
+ * the batch selected and the layer's shared experts before they run; a
+ * corrupted expert stops the forward pass with BAD_PAYLOAD_CRC. */
+colibri_status colibri_file_on_route(void *file, const colibri_route *route);
+
 /* Verifies one expert's payload CRCs now (a no-op once verified). */
 colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert);
 

@@ -141,7 +141,7 @@ colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t
     uint64_t off[P_COUNT + 1], fixed, per;
     if (!image || !arena_size)
         return COLIBRI_E_NULL_ARG;
-    colibri_status st = size_model(image, image_len, &m, off);
+    colibri_status st = size_model(image, image_len, &m, off, COLIBRI_CHECK_STRUCTURE);
     if (st != COLIBRI_OK)
         return st;
     uint64_t total = off[P_COUNT];
