@@ -10,7 +10,8 @@ LayerNorm, RMSNorm, residual blocks, a PAGE_ALIGNED image and int8 weights
 of one input column. q8 comes in both model image formats: version 2 (what
 the exporter writes: f16 scales, biases in the Q8_PARAMS companions, row
 pointers of 1 or 2 bytes, and a companion whose parameters fall back to f32)
-and version 1 (f32 scales, 4-byte row pointers). The runner
+and version 1 (f32 scales, 4-byte row pointers); version 3 (one CRC per
+tensor payload) page-aligned and not. The runner
 fuzzer also loads one of them (runner-model.clb) into its emulated flash.
 """
 from __future__ import annotations
@@ -80,6 +81,12 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
     "shared-nogate-pruned-f32": (
         lambda: _moe_model(routing="topk_softmax", top_k=2, num_shared=1), {"prune": [1]}),
     "page-aligned-f32": (lambda: _moe_model(experts=2, routing="top1", gated=True), {"page_aligned": True}),
+    # Format version 3 (one CRC per tensor payload): page-aligned q8, and a non-paged f16 one.
+    "page-aligned-q8-int8act-v3": (
+        lambda: _moe_model(experts=2, routing="topk_softmax", top_k=2, gated=True, num_shared=1),
+        {**Q8_ACT, "page_aligned": True}),
+    "tensor-crc-f16-v3": (lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True),
+                          {"dtype": "f16", "tensor_crc": True}),
     "softmax-topk-q8": (lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), Q8),
     "glu-q8-int8act": (
         lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, expert_bias=False), Q8_ACT),
@@ -98,6 +105,9 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
 
 def seed_image(factory: Callable[[], torch.nn.Module], opts: dict) -> bytes:
     """The export of one seed model; with "version": 1 in opts, q8 in format version 1."""
+    if opts.get("tensor_crc"):  # version 3 without page alignment: written from the exported graph
+        opts = {k: v for k, v in opts.items() if k != "tensor_crc"}
+        return image.write(export(factory(), None, max_batch=3, **opts).graph, tensor_crc=True)
     if opts.get("version", 2) >= 2:
         return export(factory(), None, max_batch=3, **opts).image
     opts = dict(opts)
