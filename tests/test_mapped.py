@@ -358,3 +358,22 @@ def test_truncation_under_a_running_reader_is_sigbus(paged: bytes, tmp_path: Pat
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == -7, (out.returncode, out.stderr)  # SIGBUS
+
+
+# ---- the same from C (plain and ASan + UBSan) ----------------------------------------------------
+
+
+def test_c_driver(c_drivers: Path, paged: bytes, tmp_path: Path) -> None:
+    """tests/c/colibri_file_test.c: open statuses, forward_ex with colibri_file_on_route over the mapping
+    (bit for bit colibri_init's), per-expert verification of a corrupted expert, lock and verify options."""
+    good, bad = tmp_path / "good.clb", tmp_path / "bad.clb"
+    good.write_bytes(paged)
+    f = engine.open_file(good)
+    off, size = f.expert_range(1, 4)
+    del f
+    corrupted = bytearray(paged)
+    corrupted[off + size - 7] ^= 0x02
+    bad.write_bytes(corrupted)
+    out = subprocess.run([str(c_drivers / "colibri_file_test"), str(good), str(bad), "1", "4", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
