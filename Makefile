@@ -4,7 +4,8 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
+        libs install
 
 setup:
 	./scripts/setup.sh
@@ -15,6 +16,14 @@ engine:
 
 engine-all:
 	$(MAKE) -C $(CORE) all-variants
+
+# The Linux libraries: libcolibri.a and libcolibri.so (host and aarch64), and their install
+# (make install PREFIX=/usr/local [VARIANT=aarch64] [DESTDIR=]): docs/libcolibri.md.
+libs:
+	$(MAKE) -C $(CORE) host aarch64 shared-host shared-aarch64
+
+install:
+	$(MAKE) -C $(CORE) install $(if $(PREFIX),PREFIX=$(PREFIX)) $(if $(VARIANT),VARIANT=$(VARIANT))
 
 c-tests: engine-all
 	$(MAKE) -C tests/c VARIANT=host
