@@ -4,7 +4,8 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
+        libs install
 
 setup:
 	./scripts/setup.sh
@@ -15,6 +16,14 @@ engine:
 
 engine-all:
 	$(MAKE) -C $(CORE) all-variants
+
+# The Linux libraries: libcolibri.a and libcolibri.so (host and aarch64), and their install
+# (make install PREFIX=/usr/local [VARIANT=aarch64] [DESTDIR=]): docs/libcolibri.md.
+libs:
+	$(MAKE) -C $(CORE) host aarch64 shared-host shared-aarch64
+
+install:
+	$(MAKE) -C $(CORE) install $(if $(PREFIX),PREFIX=$(PREFIX)) $(if $(VARIANT),VARIANT=$(VARIANT))
 
 c-tests: engine-all
 	$(MAKE) -C tests/c VARIANT=host
@@ -61,6 +70,10 @@ BENCH_CFLAGS := -std=c11 -Wall -Wextra -Werror -pedantic -O2 -D_POSIX_C_SOURCE=2
 build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 	mkdir -p build/bench
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+# Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
+bench-exec:
+	$(PY) bench/exec_bench.py
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -52,6 +52,14 @@ def test_forward_ex_matches_forward(c_drivers: Path, images: list[Path]) -> None
     assert f"exec ok: {len(images)} images" in r.stdout
 
 
+def test_pool_under_threadsanitizer(images: list[Path]) -> None:
+    drivers = build_c_tests("tsan")
+    r = subprocess.run([str(drivers / "colibri_exec_test"), *map(str, images)], capture_output=True, text=True,
+                       timeout=600, env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "ThreadSanitizer" not in r.stderr
+
+
 @pytest.mark.skipif(shutil.which("qemu-aarch64") is None or shutil.which("aarch64-linux-gnu-gcc") is None,
                     reason="needs qemu-user and gcc-aarch64-linux-gnu (scripts/setup.sh)")
 def test_forward_ex_matches_forward_on_aarch64(images: list[Path]) -> None:

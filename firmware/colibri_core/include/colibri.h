@@ -36,6 +36,14 @@
 extern "C" {
 #endif
 
+/* Marks the public API. The Linux libraries build with -fvisibility=hidden,
+ * so libcolibri.so exports these and nothing else. */
+#if defined(__GNUC__) || defined(__clang__)
+#define COLIBRI_API __attribute__((visibility("default")))
+#else
+#define COLIBRI_API
+#endif
+
 #define COLIBRI_VERSION_MAJOR 0
 #define COLIBRI_VERSION_MINOR 1
 #define COLIBRI_VERSION_PATCH 0
@@ -65,7 +73,7 @@ typedef struct colibri_model_info {
 /* Full validation: header, CRC, every table, tensor and reference. Reads the
  * image byte by byte, so (like model_size and the info calls) it accepts any
  * image alignment; colibri_init() also requires a 4-byte aligned image. */
-colibri_status colibri_validate(const void *image, size_t image_len);
+COLIBRI_API colibri_status colibri_validate(const void *image, size_t image_len);
 
 /* Validation levels (colibri_validate_ex, colibri_init_ex; docs/model-format.md
  * "Integrity"). FULL checks everything colibri_validate() does. STRUCTURE
@@ -77,27 +85,27 @@ colibri_status colibri_validate(const void *image, size_t image_len);
 #define COLIBRI_CHECK_STRUCTURE 1u
 
 /* colibri_validate at a level; COLIBRI_E_UNSUPPORTED for an unknown one. */
-colibri_status colibri_validate_ex(const void *image, size_t image_len, uint32_t level);
+COLIBRI_API colibri_status colibri_validate_ex(const void *image, size_t image_len, uint32_t level);
 
 /* Exact arena bytes colibri_init() needs for this image at its max_batch.
  * Checks the image's structure (COLIBRI_CHECK_STRUCTURE), as the info calls do. */
-colibri_status colibri_model_size(const void *image, size_t image_len, size_t *arena_size);
+COLIBRI_API colibri_status colibri_model_size(const void *image, size_t image_len, size_t *arena_size);
 
 /* Validates the image and builds a context inside the arena (8-byte aligned).
  * The image must stay readable, unchanged, until colibri_free(). */
-colibri_status colibri_init(colibri_ctx **ctx, void *arena, size_t arena_size,
+COLIBRI_API colibri_status colibri_init(colibri_ctx **ctx, void *arena, size_t arena_size,
                             const void *image, size_t image_len);
 
 /* colibri_init at a validation level: COLIBRI_CHECK_STRUCTURE for an image
  * whose payloads are verified elsewhere (a mapped file: per expert on first
  * use, posix/colibri_file.h), COLIBRI_CHECK_FULL as colibri_init. */
-colibri_status colibri_init_ex(colibri_ctx **ctx, void *arena, size_t arena_size,
-                               const void *image, size_t image_len, uint32_t level);
+COLIBRI_API colibri_status colibri_init_ex(colibri_ctx **ctx, void *arena, size_t arena_size,
+                                           const void *image, size_t image_len, uint32_t level);
 
 /* Runs batch tokens: input [batch, input_size] -> output [batch, output_size],
  * row-major f32. input_count and output_count are element counts and must
  * equal batch * input_size and batch * output_size. */
-colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
+COLIBRI_API colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
                                const float *input, size_t input_count,
                                float *output, size_t output_count);
 
@@ -209,13 +217,13 @@ typedef struct colibri_exec {
  * expert staging rows and each extra worker's scratch. workers 0 or 1 gives
  * colibri_model_size(). colibri_init() takes any arena at least
  * colibri_model_size(); a context then serves as many workers as its arena holds. */
-colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size);
+COLIBRI_API colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size);
 
 /* colibri_forward() with the caller's options (above). With parallel_for
  * and workers > 1, the experts of each MoE layer run as parallel tasks and
  * the results are bit for bit those of colibri_forward() with the same
  * kernels. Workers beyond what the context's arena holds: COLIBRI_E_BAD_EXEC. */
-colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
+COLIBRI_API colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
                                   const float *input, size_t input_count,
                                   float *output, size_t output_count);
 
@@ -232,24 +240,24 @@ typedef enum colibri_kernel_set {
 } colibri_kernel_set;
 
 /* Switches a context's kernels; COLIBRI_E_UNSUPPORTED for an unknown set. */
-colibri_status colibri_set_kernels(colibri_ctx *ctx, colibri_kernel_set set);
+COLIBRI_API colibri_status colibri_set_kernels(colibri_ctx *ctx, colibri_kernel_set set);
 
 /* The kernels a context runs: "reference", or the backend and the CPU level
  * chosen (e.g. "x86-64 avx2+fma+f16c"); "none" for no valid context. */
-const char *colibri_kernels_name(const colibri_ctx *ctx);
+COLIBRI_API const char *colibri_kernels_name(const colibri_ctx *ctx);
 
 /* Invalidates the context; the arena may then be reused. */
-colibri_status colibri_free(colibri_ctx *ctx);
+COLIBRI_API colibri_status colibri_free(colibri_ctx *ctx);
 
 /* Routed experts kept in the image, summed over MoE layers. */
-colibri_status colibri_get_num_experts(const void *image, size_t image_len, uint32_t *num_experts);
+COLIBRI_API colibri_status colibri_get_num_experts(const void *image, size_t image_len, uint32_t *num_experts);
 
-colibri_status colibri_get_info(const void *image, size_t image_len, colibri_model_info *info);
+COLIBRI_API colibri_status colibri_get_info(const void *image, size_t image_len, colibri_model_info *info);
 
 /* Static text for a status code; never NULL. */
-const char *colibri_strerror(int status);
+COLIBRI_API const char *colibri_strerror(int status);
 
-const char *colibri_version(void);
+COLIBRI_API const char *colibri_version(void);
 
 #ifdef __cplusplus
 }

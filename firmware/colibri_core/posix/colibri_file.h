@@ -90,57 +90,57 @@ typedef struct colibri_file_diag {
  * FILE_OPEN (permission, a directory, an I/O error), TRUNCATED / BAD_MAGIC /
  * ... (not a model: the validator's status), MMAP_FAILED, MLOCK_FAILED,
  * NO_SUCH_EXPERT (a named lock expert), BAD_PAYLOAD_CRC (verification). */
-colibri_status colibri_file_open(colibri_file **out, const char *path, const colibri_file_options *opts,
+COLIBRI_API colibri_status colibri_file_open(colibri_file **out, const char *path, const colibri_file_options *opts,
                                  colibri_file_diag *diag);
 
 /* Unmaps and closes (after colibri_free of every context over it). NULL is a no-op. */
-void colibri_file_close(colibri_file *f);
+COLIBRI_API void colibri_file_close(colibri_file *f);
 
 /* The mapped image and its length (image_size), for colibri_init_ex. */
-const void *colibri_file_data(const colibri_file *f);
-size_t colibri_file_size(const colibri_file *f);
+COLIBRI_API const void *colibri_file_data(const colibri_file *f);
+COLIBRI_API size_t colibri_file_size(const colibri_file *f);
 
 /* MADV_WILLNEED over the pages of these experts of MoE layer `layer` (ids
  * as colibri_expert_id), verifying each one's payload CRCs on first use
  * (COLIBRI_VERIFY_ON_USE). NO_SUCH_EXPERT for an id out of range,
  * BAD_PAYLOAD_CRC for a corrupted expert. */
-colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uint32_t *experts, size_t n);
+COLIBRI_API colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uint32_t *experts, size_t n);
 
 /* The engine's on_route callback (colibri_exec, include/colibri.h): with
  *   exec.on_route = colibri_file_on_route; exec.on_route_user = file;
  * colibri_forward_ex advises (and verifies on first use) the routed experts
  * the batch selected and the layer's shared experts before they run; a
  * corrupted expert stops the forward pass with BAD_PAYLOAD_CRC. */
-colibri_status colibri_file_on_route(void *file, const colibri_route *route);
+COLIBRI_API colibri_status colibri_file_on_route(void *file, const colibri_route *route);
 
 /* Verifies one expert's payload CRCs now (a no-op once verified). */
-colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert);
+COLIBRI_API colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert);
 
 /* Verifies every payload now (colibri_validate: reads the whole file). */
-colibri_status colibri_file_verify(colibri_file *f);
+COLIBRI_API colibri_status colibri_file_verify(colibri_file *f);
 
 /* Byte range [*offset, *offset + *size) of an expert's payloads in the image. */
-colibri_status colibri_file_expert_range(const colibri_file *f, uint32_t layer, uint32_t expert,
+COLIBRI_API colibri_status colibri_file_expert_range(const colibri_file *f, uint32_t layer, uint32_t expert,
                                          size_t *offset, size_t *size);
 
 /* MoE layers of the program, and slots (routed + shared) of one of them (0 if none). */
-uint32_t colibri_file_moe_layers(const colibri_file *f);
-uint32_t colibri_file_layer_experts(const colibri_file *f, uint32_t layer);
+COLIBRI_API uint32_t colibri_file_moe_layers(const colibri_file *f);
+COLIBRI_API uint32_t colibri_file_layer_experts(const colibri_file *f, uint32_t layer);
 
 /* COLIBRI_OK while the file still has the size that was mapped, FILE_CHANGED
  * once it was truncated or extended in place (the mapping's pages past a new
  * end would SIGBUS: stop using the model, reopen). Call it before a forward
  * pass, as the Python binding does; a truncation racing a running forward
  * pass cannot be caught, hence the rename procedure above. */
-colibri_status colibri_file_check(const colibri_file *f);
+COLIBRI_API colibri_status colibri_file_check(const colibri_file *f);
 
 /* 1 if `path` (the name it was opened by) now names another file or none
  * (replaced by rename, deleted): a reopen maps the new model. 0 if it is
  * still the mapped file. */
-int colibri_file_replaced(const colibri_file *f);
+COLIBRI_API int colibri_file_replaced(const colibri_file *f);
 
 /* Bytes of the mapping resident in memory now (mincore), or -1. */
-long long colibri_file_resident(const colibri_file *f);
+COLIBRI_API long long colibri_file_resident(const colibri_file *f);
 
 #ifdef __cplusplus
 }

@@ -36,19 +36,19 @@ typedef struct colibri_pool colibri_pool;
  * count out of range, COLIBRI_E_UNSUPPORTED if memory or a thread could not
  * be had (nothing is left running then). */
 #define COLIBRI_POOL_MAX_WORKERS 256u
-colibri_status colibri_pool_create(colibri_pool **pool, size_t workers);
+COLIBRI_API colibri_status colibri_pool_create(colibri_pool **pool, size_t workers);
 
 /* Stops and joins the threads and frees the pool; NULL is a no-op. */
-void colibri_pool_destroy(colibri_pool *pool);
+COLIBRI_API void colibri_pool_destroy(colibri_pool *pool);
 
 /* The pool's workers (the caller's thread included); 0 for NULL. */
-size_t colibri_pool_workers(const colibri_pool *pool);
+COLIBRI_API size_t colibri_pool_workers(const colibri_pool *pool);
 
 /* colibri_parallel_for_fn over the pool passed as user. */
-colibri_status colibri_pool_parallel_for(void *pool, colibri_task_fn fn, void *arg, size_t n_tasks);
+COLIBRI_API colibri_status colibri_pool_parallel_for(void *pool, colibri_task_fn fn, void *arg, size_t n_tasks);
 
 /* Sets exec's parallel_for, parallel_for_user and workers to this pool. */
-void colibri_pool_attach(colibri_pool *pool, colibri_exec *exec);
+COLIBRI_API void colibri_pool_attach(colibri_pool *pool, colibri_exec *exec);
 
 #ifdef __cplusplus
 }
