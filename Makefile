@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install
+        libs install bench-edge-mmap bench-edge-mmap-full
 
 setup:
 	./scripts/setup.sh
@@ -74,6 +74,14 @@ build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:
 	$(PY) bench/exec_bench.py
+
+# Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
+# resident bytes and major faults per token with and without MADV_WILLNEED. ~400 MB; -full ~1.6 GB.
+bench-edge-mmap: setup
+	$(PY) bench/edge_mmap.py
+
+bench-edge-mmap-full: setup
+	$(PY) bench/edge_mmap.py --layers 4 --experts 128
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -377,3 +377,14 @@ def test_c_driver(c_drivers: Path, paged: bytes, tmp_path: Path) -> None:
     out = subprocess.run([str(c_drivers / "colibri_file_test"), str(good), str(bad), "1", "4", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
+    """bench/edge_mmap.py (make bench-edge-mmap) does not rot: a tiny model, figures printed."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "edge_mmap.py"), "--layers", "1", "--experts", "4",
+                          "--d", "64", "--hidden", "64", "--tokens", "4", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "time to first output, cold cache" in out.stdout and out.stdout.count("major faults/token") == 3
+    assert list(tmp_path.iterdir()) == []  # the model file is removed

@@ -47,6 +47,7 @@ typedef struct {
     PyThread_type_lock lock; /* one forward at a time per context; contexts run in parallel */
     int has_view;
     FileObject *file;        /* the mapped file the image is, or NULL */
+    int advise;              /* with a file: forward through colibri_file_on_route (WILLNEED + verify on use) */
 } ContextObject;
 
 static PyObject *status_error(int status) {
@@ -324,13 +325,14 @@ static void Context_dealloc(ContextObject *self) {
 }
 
 static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"image", "reference_kernels", "check", NULL};
+    static char *kwlist[] = {"image", "reference_kernels", "check", "advise", NULL};
     PyObject *image;
-    int reference = 0;
+    int reference = 0, advise = 1;
     unsigned int check = COLIBRI_CHECK_FULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pI", kwlist, &image, &reference, &check)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pIp", kwlist, &image, &reference, &check, &advise)) {
         return -1;
     }
+    self->advise = advise;
     if (self->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "Context already initialised");
         return -1;
@@ -414,7 +416,7 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         /* A mapped file truncated in place would SIGBUS the forward pass: refuse instead. */
         st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
-        if (st == COLIBRI_OK && self->file != NULL) {
+        if (st == COLIBRI_OK && self->file != NULL && self->advise) {
             /* The routed experts' pages advised in (and verified on first use) before they run. */
             colibri_exec exec = COLIBRI_EXEC_INIT;
             exec.on_route = colibri_file_on_route;

@@ -118,7 +118,9 @@ class Model:
     payloads are checked against their CRCs (format v3: per tensor):
     "on_use" (default: each expert when routing first selects it, through
     the engine's on_route callback, with MADV_WILLNEED), "full" (at open) or
-    "none" (`Model.file.verify()` on demand); `lock` pins pages: "all" or a
+    "none" (`Model.file.verify()` on demand); `advise=False` (with "full"
+    or "none") runs without the route callback (no MADV_WILLNEED, for the
+    bench's comparison); `lock` pins pages: "all" or a
     list of (moe_layer, expert). `model.file` is the mapping (`will_need`,
     `resident`, `check`, `replaced`). A file replaced by rename keeps serving
     the old mapping; a new Model(path) maps the new one. To copy the file
@@ -126,12 +128,15 @@ class Model:
     """
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
-                 reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None):
+                 reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None,
+                 advise: bool = True):
         self.file = None
         if isinstance(source, (str, os.PathLike)) and not copy:
+            if not advise and verify == "on_use":
+                raise ValueError("advise=False skips the route callback that verifies on use: verify='full' or 'none'")
             self.file = open_file(source, verify=verify, lock=lock)
             self.image = memoryview(self.file.raw)
-            self._ctx = _call(_engine.Context, self.file.raw, reference_kernels, CHECK_STRUCTURE)
+            self._ctx = _call(_engine.Context, self.file.raw, reference_kernels, CHECK_STRUCTURE, advise)
         else:
             if lock is not None:
                 raise ValueError("lock applies to a mapped file: Model(path, lock=...)")
