@@ -10,11 +10,14 @@
  * mapping run through colibri_forward_ex with colibri_file_on_route gives
  * colibri_init's (full check) bits; the expert ranges are page-aligned; the
  * corrupted expert opens, is refused on use (on_route, verify_expert, verify,
- * a lock of it at open) and the others verify; NO_SUCH_EXPERT. Prints "ok".
+ * a lock of it at open) and the others verify; NO_SUCH_EXPERT; a copy
+ * truncated in place under a context stops forward_ex with FILE_CHANGED
+ * (no SIGBUS: the first MoE layer's experts sit past the new end). Prints "ok".
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "colibri.h"
 #include "colibri_file.h"
@@ -139,6 +142,36 @@ int main(int argc, char **argv)
         CHECK(diag.expert.layer == bad_layer && diag.expert.expert == bad_expert);
     id.expert = 1000;
     CHECK(colibri_file_open(&f, argv[2], &lock, &diag) == COLIBRI_E_NO_SUCH_EXPERT && f == NULL);
+
+    /* Truncated in place under a context: the route callback stops the forward
+     * pass with FILE_CHANGED before any expert touches a page past the end. */
+    char trunc[4096];
+    snprintf(trunc, sizeof trunc, "%s/truncated.clb", argv[5]);
+    FILE *src = fopen(argv[1], "rb"), *dst = fopen(trunc, "wb");
+    CHECK(src && dst);
+    char buf[65536];
+    for (size_t n; (n = fread(buf, 1, sizeof buf, src)) > 0;)
+        CHECK(fwrite(buf, 1, n, dst) == n);
+    fclose(src);
+    CHECK(fclose(dst) == 0);
+    CHECK(colibri_file_open(&f, trunc, NULL, &diag) == COLIBRI_OK);
+    CHECK(colibri_model_size(colibri_file_data(f), colibri_file_size(f), &need) == COLIBRI_OK);
+    arena = aligned_alloc(8, (need + 7u) & ~(size_t)7u);
+    CHECK(arena && colibri_init_ex(&ctx, arena, need, colibri_file_data(f), colibri_file_size(f),
+                                   COLIBRI_CHECK_STRUCTURE) == COLIBRI_OK);
+    size_t first, first_size;
+    CHECK(colibri_file_expert_range(f, 0, 0, &first, &first_size) == COLIBRI_OK);
+    CHECK(truncate(trunc, (off_t)first) == 0); /* the first layer's experts and all after them are gone */
+    CHECK(colibri_file_check(f) == COLIBRI_E_FILE_CHANGED);
+    colibri_exec exec = COLIBRI_EXEC_INIT;
+    exec.on_route = colibri_file_on_route;
+    exec.on_route_user = f;
+    CHECK(colibri_forward_ex(ctx, &exec, batch, in, batch * info.input_size, a, batch * info.output_size) ==
+          COLIBRI_E_FILE_CHANGED);
+    colibri_free(ctx);
+    free(arena);
+    colibri_file_close(f);
+    CHECK(remove(trunc) == 0);
 
     free(in);
     free(a);

@@ -378,6 +378,11 @@ colibri_status colibri_file_on_route(void *file, const colibri_route *route)
     colibri_file *f = file;
     if (!f || !route)
         return COLIBRI_E_NULL_ARG;
+    /* A file truncated in place would SIGBUS the experts about to run: stop
+     * the forward pass with FILE_CHANGED instead (one fstat per MoE layer). */
+    colibri_status changed = colibri_file_check(f);
+    if (changed != COLIBRI_OK)
+        return changed;
     /* The selected routed slots, then every shared one, in chunks (no allocation). */
     enum { CHUNK = 64 };
     uint32_t ids[CHUNK];

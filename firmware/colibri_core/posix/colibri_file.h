@@ -110,7 +110,9 @@ COLIBRI_API colibri_status colibri_file_will_need(colibri_file *f, uint32_t laye
  *   exec.on_route = colibri_file_on_route; exec.on_route_user = file;
  * colibri_forward_ex advises (and verifies on first use) the routed experts
  * the batch selected and the layer's shared experts before they run; a
- * corrupted expert stops the forward pass with BAD_PAYLOAD_CRC. */
+ * runs, so a corrupted expert stops the forward pass with BAD_PAYLOAD_CRC,
+ * and a file whose size changed under the mapping with FILE_CHANGED
+ * (colibri_file_check, before each MoE layer's experts touch their pages). */
 COLIBRI_API colibri_status colibri_file_on_route(void *file, const colibri_route *route);
 
 /* Verifies one expert's payload CRCs now (a no-op once verified). */
