@@ -69,3 +69,32 @@ def test_forward_ex_matches_forward_on_aarch64(images: list[Path]) -> None:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert f"exec ok: {len(images)} images" in r.stdout
+
+
+def test_on_route_through_the_binding() -> None:
+    """colibri.Model.forward(x, on_route=...) calls back once per MoE layer before its experts run, with
+    the expert records about to run and their token counts; the output is forward's; an exception stops it."""
+    import numpy as np
+
+    import colibri
+
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 20),
+                              cnn.MoE(20, 5, 32, top_k=2, routing="topk_softmax", num_shared=1, shared_hidden=8),
+                              cnn.MoE(20, 4, 16, top_k=1, routing="top1"), torch.nn.Linear(20, 6)).eval()
+    m = colibri.Model(bytes(export(net, None, max_batch=8).image))
+    x = np.random.default_rng(0).standard_normal((8, 12)).astype(np.float32)
+    calls = []
+    out = m.forward(x, on_route=lambda layer, experts, tokens: calls.append((layer, experts, tokens)))
+    assert out.tobytes() == m.forward(x).tobytes()
+    assert [c[0] for c in calls] == [0, 1]
+    (_, e0, t0), (_, e1, t1) = calls
+    assert sum(t0[:-1]) == 8 * 2 and t0[-1] == 8 and e0[-1] == 5  # routed records 0..4, the shared one 5
+    assert sum(t1) == 8 and all(6 <= e < 10 for e in e1) and e1 == sorted(e1)
+
+    def boom(layer, experts, tokens):
+        raise KeyError(layer)
+
+    with pytest.raises(KeyError):
+        m.forward(x, on_route=boom)
+    assert m.forward(x).tobytes() == out.tobytes()  # the context is still usable
