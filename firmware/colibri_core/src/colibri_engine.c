@@ -142,17 +142,21 @@ colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t
     colibri_status st = size_model(image, image_len, &m, off);
     if (st != COLIBRI_OK)
         return st;
-    uint64_t total = off[P_COUNT];
+    /* size_model checked the base fits size_t. Divisions in size_t: a
+     * 32-bit target has no 64-bit divide instruction (and a MicroPython
+     * native module no libgcc to supply one). */
+    size_t total = (size_t)off[P_COUNT];
     if (workers > 1) {
         exec_layout(&m, &fixed, &per);
-        /* No arena could hold absurd worker counts: no wrap past 64 bits. */
-        if (per && (uint64_t)(workers - 1) > (UINT64_MAX - total - fixed) / per)
+        /* No arena could hold absurd worker counts: nothing wraps. */
+        if (fixed > SIZE_MAX - total || per > SIZE_MAX)
             return COLIBRI_E_UNSUPPORTED;
-        total += fixed + (uint64_t)(workers - 1) * per;
-        if (total > SIZE_MAX)
+        total += (size_t)fixed;
+        if (per && workers - 1 > (SIZE_MAX - total) / (size_t)per)
             return COLIBRI_E_UNSUPPORTED;
+        total += (workers - 1) * (size_t)per;
     }
-    *arena_size = (size_t)total;
+    *arena_size = total;
     return COLIBRI_OK;
 }
 
@@ -165,7 +169,8 @@ static uint32_t arena_workers(const colibri_model *m, uint64_t base, size_t aren
         return 1;
     if (per == 0)
         return COLIBRI_MAX_WORKERS;
-    const uint64_t w = 1u + (arena_size - base - fixed) / per;
+    /* All below arena_size: size_t division (no 64-bit divide on 32-bit targets). */
+    const size_t w = 1u + (arena_size - (size_t)base - (size_t)fixed) / (size_t)per;
     return w > COLIBRI_MAX_WORKERS ? COLIBRI_MAX_WORKERS : (uint32_t)w;
 }
 
