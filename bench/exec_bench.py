@@ -5,7 +5,8 @@ beside colibri_forward_ex over the POSIX layer's thread pool (posix/colibri_pool
 
 bench/exec_bench.c does the timing in C (alternating rounds of ~20 ms, medians) and checks every parallel
 output bit for bit against the single-threaded one. The machine's load average is printed before and
-after: wall-clock speedup from a second worker needs a second idle core, which a shared machine may not have.
+after, and the CPUs the process got during the parallel rounds (its CPU time over wall time): wall-clock
+speedup from a second worker needs a second idle core, which a shared machine may not have.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"edge model, {args.workers} workers vs 1, {os.cpu_count()} CPUs, load average before "
           f"{load0[0]:.2f} (1 min)")
-    print(f"{'dtype':<6}{'batch':>6}{'1 thread µs':>14}{f'{args.workers} workers µs':>16}{'speedup':>9}  kernels")
+    print(f"{'dtype':<6}{'batch':>6}{'1 thread µs':>14}{f'{args.workers} workers µs':>16}{'speedup':>9}"
+          f"{'best 1':>11}{'best n':>11}{'speedup':>9}{'CPUs got':>10}  (median of rounds; best round)")
     for dtype in [d for d in args.dtypes.split(",") if d]:
         image = OUT / f"edge-{dtype}.clb"
         export(models.edge(), image, max_batch=max(int(b) for b in batches), **DTYPES[dtype])
@@ -62,7 +64,9 @@ def main() -> None:
             row = json.loads(line) | {"dtype": dtype}
             rows.append(row)
             print(f"{dtype:<6}{row['batch']:>6}{row['us_1']:>14,.1f}{row['us_n']:>16,.1f}"
-                  f"{row['us_1'] / row['us_n']:>8.2f}×  {row['kernels']}")
+                  f"{row['us_1'] / row['us_n']:>8.2f}×{row['best_1']:>11,.1f}{row['best_n']:>11,.1f}"
+                  f"{row['best_1'] / row['best_n']:>8.2f}×{row['cpus_n']:>10.2f}")
+    print(f"kernels: {rows[0]['kernels']}" if rows else "no rows")
     load1 = os.getloadavg()
     print(f"load average after {load1[0]:.2f} (1 min); outputs bit-identical to single-threaded in every round")
     if args.json:

@@ -42,6 +42,14 @@ def images(tmp_path_factory) -> list[Path]:
         p = folder / f"{routing}-{name}.clb"
         export(_model(routing, i), p, max_batch=BATCH, **kw)
         paths.append(p)
+    # LINEAR layers large enough for colibri_forward_ex to split their tokens across the workers.
+    torch.manual_seed(9)
+    wide = torch.nn.Sequential(torch.nn.Linear(40, 256), cnn.MoE(256, 4, 24, top_k=2, routing="topk_softmax"),
+                               torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 7)).eval()
+    for name, kw in (("f32", {}), ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2"]})):
+        p = folder / f"wide-{name}.clb"
+        export(wide, p, max_batch=BATCH, **kw)
+        paths.append(p)
     return paths
 
 
@@ -69,3 +77,32 @@ def test_forward_ex_matches_forward_on_aarch64(images: list[Path]) -> None:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert f"exec ok: {len(images)} images" in r.stdout
+
+
+def test_on_route_through_the_binding() -> None:
+    """colibri.Model.forward(x, on_route=...) calls back once per MoE layer before its experts run, with
+    the expert records about to run and their token counts; the output is forward's; an exception stops it."""
+    import numpy as np
+
+    import colibri
+
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 20),
+                              cnn.MoE(20, 5, 32, top_k=2, routing="topk_softmax", num_shared=1, shared_hidden=8),
+                              cnn.MoE(20, 4, 16, top_k=1, routing="top1"), torch.nn.Linear(20, 6)).eval()
+    m = colibri.Model(bytes(export(net, None, max_batch=8).image))
+    x = np.random.default_rng(0).standard_normal((8, 12)).astype(np.float32)
+    calls = []
+    out = m.forward(x, on_route=lambda layer, experts, tokens: calls.append((layer, experts, tokens)))
+    assert out.tobytes() == m.forward(x).tobytes()
+    assert [c[0] for c in calls] == [0, 1]
+    (_, e0, t0), (_, e1, t1) = calls
+    assert sum(t0[:-1]) == 8 * 2 and t0[-1] == 8 and e0[-1] == 5  # routed records 0..4, the shared one 5
+    assert sum(t1) == 8 and all(6 <= e < 10 for e in e1) and e1 == sorted(e1)
+
+    def boom(layer, experts, tokens):
+        raise KeyError(layer)
+
+    with pytest.raises(KeyError):
+        m.forward(x, on_route=boom)
+    assert m.forward(x).tobytes() == out.tobytes()  # the context is still usable

@@ -436,6 +436,93 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
     return result;
 }
 
+/* colibri_exec.on_route into a Python callable: on_route(layer, experts, tokens) with the
+ * expert records about to run (routed ones with tokens, then the shared ones) and each one's
+ * token count. Runs with the GIL taken back; an exception stops the pass and is re-raised. */
+typedef struct route_call {
+    PyObject *fn;
+    int raised;
+} route_call;
+
+static colibri_status py_on_route(void *user, const colibri_route *r) {
+    route_call *rc = user;
+    colibri_status st = COLIBRI_OK;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *experts = PyList_New(0), *tokens = PyList_New(0), *res = NULL;
+    int ok = experts && tokens;
+    for (uint32_t i = 0; ok && i < r->experts + r->shared; i++) {
+        size_t n = i < r->experts ? r->tokens[i] : r->batch;
+        if (n == 0)
+            continue;
+        PyObject *e = PyLong_FromUnsignedLong(r->first_expert + i), *t = PyLong_FromSize_t(n);
+        ok = e && t && PyList_Append(experts, e) == 0 && PyList_Append(tokens, t) == 0;
+        Py_XDECREF(e);
+        Py_XDECREF(t);
+    }
+    if (ok)
+        res = PyObject_CallFunction(rc->fn, "IOO", (unsigned)r->layer, experts, tokens);
+    if (!res) {
+        rc->raised = 1;
+        st = COLIBRI_E_BAD_EXEC;
+    }
+    Py_XDECREF(res);
+    Py_XDECREF(experts);
+    Py_XDECREF(tokens);
+    PyGILState_Release(g);
+    return st;
+}
+
+/* forward_ex(input, output, batch, on_route): colibri_forward_ex with a Python on_route. */
+static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
+    PyObject *in_obj, *out_obj, *fn;
+    Py_ssize_t batch;
+    if (!PyArg_ParseTuple(args, "OOnO", &in_obj, &out_obj, &batch, &fn)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "on_route must be callable");
+        return NULL;
+    }
+    if (self->ctx == NULL) {
+        return raise_status(COLIBRI_E_BAD_CONTEXT);
+    }
+    if (batch < 0) {
+        return raise_status(COLIBRI_E_BAD_BATCH);
+    }
+    Py_buffer in, out;
+    if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (in.itemsize != 4 || out.itemsize != 4 || in.format == NULL || out.format == NULL ||
+        strcmp(in.format, "f") != 0 || strcmp(out.format, "f") != 0) {
+        PyErr_SetString(PyExc_TypeError, "input and output must be float32 buffers");
+    } else {
+        int st;
+        route_call rc = {fn, 0};
+        colibri_exec exec = COLIBRI_EXEC_INIT;
+        exec.on_route = py_on_route;
+        exec.on_route_user = &rc;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
+                                (float *)out.buf, (size_t)(out.len / 4));
+        PyThread_release_lock(self->lock);
+        Py_END_ALLOW_THREADS
+        if (rc.raised)
+            result = NULL; /* the callback's exception is set */
+        else
+            result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+    }
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
     const colibri_model_info *i = &self->info;
     return Py_BuildValue(
@@ -453,6 +540,8 @@ static PyObject *Context_kernels(ContextObject *self, PyObject *Py_UNUSED(ignore
 static PyMethodDef Context_methods[] = {
     {"kernels", (PyCFunction)Context_kernels, METH_NOARGS, "the kernels forward runs: 'reference' or the backend"},
     {"forward", (PyCFunction)Context_forward, METH_VARARGS, "forward(input, output, batch)"},
+    {"forward_ex", (PyCFunction)Context_forward_ex, METH_VARARGS,
+     "forward_ex(input, output, batch, on_route): colibri_forward_ex with on_route(layer, experts, tokens)"},
     {"info", (PyCFunction)Context_info, METH_NOARGS, "model info as a dict"},
     {NULL, NULL, 0, NULL},
 };

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +156,13 @@ class Model:
         self.arena_size: int = info["arena_size"]
         self.image_size: int = info["image_size"]
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, on_route: Callable[[int, list[int], list[int]], object] | None = None
+                ) -> np.ndarray:
+        """Runs the rows of x ([batch, input_size] or one row). on_route, if given, is called for each
+        MoE layer after routing and before its experts run (colibri_forward_ex): on_route(layer,
+        experts, tokens) with the expert records about to run (routed ones that got tokens, then the
+        shared ones) and each one's token count; an exception it raises stops the pass and propagates.
+        Batches beyond max_batch run in chunks, each calling on_route again."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         single = x.ndim == 1
         if single:
@@ -165,7 +172,10 @@ class Model:
         out = np.empty((x.shape[0], self.output_size), dtype=np.float32)
         for start in range(0, x.shape[0], self.max_batch):
             chunk = x[start : start + self.max_batch]
-            _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))
+            if on_route is None:
+                _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))
+            else:
+                _call(self._ctx.forward_ex, chunk, out[start : start + len(chunk)], len(chunk), on_route)
         return out[0] if single else out
 
     __call__ = forward

@@ -208,7 +208,8 @@ typedef struct colibri_exec {
     void *expert_user;
 } colibri_exec;
 
-/* The size of the first version of colibri_exec (every field above). */
+/* The size of the first version of colibri_exec (every field above; when fields
+ * are added, this stays that size: offsetof the first added field). */
 #define COLIBRI_EXEC_SIZE_V1 ((uint32_t)sizeof(colibri_exec))
 #define COLIBRI_EXEC_INIT {(uint32_t)sizeof(colibri_exec), 0u, NULL, NULL, NULL, NULL, NULL, NULL}
 

@@ -144,17 +144,21 @@ colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t
     colibri_status st = size_model(image, image_len, &m, off, COLIBRI_CHECK_STRUCTURE);
     if (st != COLIBRI_OK)
         return st;
-    uint64_t total = off[P_COUNT];
+    /* size_model checked the base fits size_t. Divisions in size_t: a
+     * 32-bit target has no 64-bit divide instruction (and a MicroPython
+     * native module no libgcc to supply one). */
+    size_t total = (size_t)off[P_COUNT];
     if (workers > 1) {
         exec_layout(&m, &fixed, &per);
-        /* No arena could hold absurd worker counts: no wrap past 64 bits. */
-        if (per && (uint64_t)(workers - 1) > (UINT64_MAX - total - fixed) / per)
+        /* No arena could hold absurd worker counts: nothing wraps. */
+        if (fixed > SIZE_MAX - total || per > SIZE_MAX)
             return COLIBRI_E_UNSUPPORTED;
-        total += fixed + (uint64_t)(workers - 1) * per;
-        if (total > SIZE_MAX)
+        total += (size_t)fixed;
+        if (per && workers - 1 > (SIZE_MAX - total) / (size_t)per)
             return COLIBRI_E_UNSUPPORTED;
+        total += (workers - 1) * (size_t)per;
     }
-    *arena_size = (size_t)total;
+    *arena_size = total;
     return COLIBRI_OK;
 }
 
@@ -167,7 +171,8 @@ static uint32_t arena_workers(const colibri_model *m, uint64_t base, size_t aren
         return 1;
     if (per == 0)
         return COLIBRI_MAX_WORKERS;
-    const uint64_t w = 1u + (arena_size - base - fixed) / per;
+    /* All below arena_size: size_t division (no 64-bit divide on 32-bit targets). */
+    const size_t w = 1u + (arena_size - (size_t)base - (size_t)fixed) / (size_t)per;
     return w > COLIBRI_MAX_WORKERS ? COLIBRI_MAX_WORKERS : (uint32_t)w;
 }
 
@@ -649,6 +654,56 @@ static colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint3
     return COLIBRI_OK;
 }
 
+/* A LINEAR layer's tokens in chunks across the workers, each chunk a
+ * multiple of 4 tokens and at least 4 (the last takes the rest, so it is
+ * never shorter), so every
+ * backend blocks the tokens as in one call (groups of four, then the tail)
+ * and each output gets the same bits. Worth it from this many MACs on. */
+#define PAR_LINEAR_MIN_MACS (1u << 18)
+
+typedef struct par_linear {
+    const colibri_ctx *c;
+    const colibri_plan_layer *l;
+    const float *x;
+    float *y;
+    size_t batch, chunk, tasks;
+    const colibri_qrows *q;  /* the whole batch's int8 rows, or NULL */
+} par_linear;
+
+static void linear_task(void *arg, size_t t, size_t worker)
+{
+    const par_linear *a = arg;
+    const size_t in = a->l->in, out = a->l->w.rows, t0 = t * a->chunk;
+    const size_t n = t + 1 == a->tasks ? a->batch - t0 : a->chunk; /* the last takes the rest */
+    colibri_qrows q = {NULL, NULL};
+    (void)worker;
+    if (a->q)
+        q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0};
+    a->c->k.linear(a->x + t0 * in, NULL, n, &a->l->w, a->l->t1, a->q ? &q : NULL, a->y + t0 * out);
+}
+
+/* y = x Wᵀ + b for a LINEAR layer over batch tokens; split across the
+ * workers when there are several and the layer is large enough. */
+static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, const colibri_plan_layer *l,
+                                   const float *x, float *y, size_t batch)
+{
+    const size_t in = l->in, workers = o && o->region ? o->exec.workers : 1;
+    colibri_qrows q = {NULL, NULL};
+    if (l->int8_act) {
+        const scratch sc0 = worker_scratch(c, NULL, 0);
+        q = quantize(c, &sc0, x, NULL, batch, in);
+    }
+    if (workers > 1 && batch >= 8 && (uint64_t)batch * in * l->w.rows >= PAR_LINEAR_MIN_MACS) {
+        size_t chunk = (batch + workers - 1) / workers;
+        chunk = (chunk + 3u) & ~(size_t)3u;
+        const par_linear a = {c, l, x, y, batch, chunk, batch / chunk, l->int8_act ? &q : NULL};
+        if (a.tasks > 1)
+            return o->exec.parallel_for(o->exec.parallel_for_user, linear_task, (void *)&a, a.tasks);
+    }
+    c->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, y);
+    return COLIBRI_OK;
+}
+
 static void swap(float **a, float **b)
 {
     float *t = *a;
@@ -665,7 +720,6 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
      * outputs, moe_acc MoE outputs, and pointers swap instead of copying. */
     float *x = ctx->act[0], *spare = ctx->act[1], *moe_acc = ctx->moe_acc;
     const size_t stack_slot = batch * ctx->model.width;
-    const scratch sc0 = worker_scratch(ctx, NULL, 0);
     size_t depth = 0;
     colibri_status st;
 
@@ -675,14 +729,11 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
         const size_t in = l->in;
 
         switch (l->op) {
-        case COLIBRI_OP_LINEAR: {
-            colibri_qrows q = {NULL, NULL};
-            if (l->int8_act)
-                q = quantize(ctx, &sc0, x, NULL, batch, in);
-            ctx->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
+        case COLIBRI_OP_LINEAR:
+            if ((st = linear_layer(ctx, o, l, x, spare, batch)) < 0)
+                return st;
             swap(&x, &spare);
             break;
-        }
         case COLIBRI_OP_ACTIVATION:
             ctx->k.activation(x, batch * in, l->act);
             break;
