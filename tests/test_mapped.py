@@ -388,3 +388,26 @@ def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "time to first output, cold cache" in out.stdout and out.stdout.count("major faults/token") == 3
     assert list(tmp_path.iterdir()) == []  # the model file is removed
+
+
+def test_python_on_route_over_a_mapped_file_still_verifies(paged: bytes, tmp_path: Path) -> None:
+    """Model.forward(x, on_route=...) (the caller's callback) on a mapped file: the file layer's
+    advice and per-expert verification run first, then the caller's callback."""
+    path = tmp_path / "m.clb"
+    f = None
+    path.write_bytes(paged)
+    f = engine.open_file(path)
+    off, size = f.expert_range(1, 0)
+    del f
+    bad = bytearray(paged)
+    bad[off + size // 2] ^= 0x08
+    path.write_bytes(bad)
+    seen: list[int] = []
+    many = np.random.default_rng(2).standard_normal((400, 8)).astype(np.float32)
+    with pytest.raises(ImageError) as e:
+        colibri.Model(path).forward(many, on_route=lambda layer, experts, tokens: seen.append(layer))
+    assert e.value.status == Status.BAD_PAYLOAD_CRC and seen
+    path.write_bytes(paged)
+    x = _x()
+    got = colibri.Model(path).forward(x, on_route=lambda layer, experts, tokens: None)
+    np.testing.assert_array_equal(got, colibri.Model(paged).forward(x))

@@ -442,11 +442,15 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
 typedef struct route_call {
     PyObject *fn;
     int raised;
+    colibri_file *file; /* a mapped model: its pages advised and experts verified first */
 } route_call;
 
 static colibri_status py_on_route(void *user, const colibri_route *r) {
     route_call *rc = user;
     colibri_status st = COLIBRI_OK;
+    if (rc->file != NULL && (st = colibri_file_on_route(rc->file, r)) != COLIBRI_OK) {
+        return st;
+    }
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject *experts = PyList_New(0), *tokens = PyList_New(0), *res = NULL;
     int ok = experts && tokens;
@@ -503,14 +507,16 @@ static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "input and output must be float32 buffers");
     } else {
         int st;
-        route_call rc = {fn, 0};
+        route_call rc = {fn, 0, self->file != NULL && self->advise ? self->file->file : NULL};
         colibri_exec exec = COLIBRI_EXEC_INIT;
         exec.on_route = py_on_route;
         exec.on_route_user = &rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
-                                (float *)out.buf, (size_t)(out.len / 4));
+        st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
+        if (st == COLIBRI_OK)
+            st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
+                                    (float *)out.buf, (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         if (rc.raised)
