@@ -411,3 +411,28 @@ def test_python_on_route_over_a_mapped_file_still_verifies(paged: bytes, tmp_pat
     x = _x()
     got = colibri.Model(path).forward(x, on_route=lambda layer, experts, tokens: None)
     np.testing.assert_array_equal(got, colibri.Model(paged).forward(x))
+
+
+def test_open_reads_no_expert_page(paged: bytes, tmp_path: Path) -> None:
+    """From a cold page cache, opening (structure check, non-expert tensors verified) leaves every
+    expert's pages unread (mincore); a forward pass reads only the routed experts'; verify() reads all."""
+    path = tmp_path / "m.clb"
+    path.write_bytes(paged)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    f = engine.open_file(path, verify="none")
+    ranges = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    expert_pages = sum((size + PAGE - 1) // PAGE for _, size in ranges) * PAGE
+    del f
+    if engine.open_file(path, verify="none").resident() > len(paged) - expert_pages:
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    m = colibri.Model(path)  # verify on use: the non-expert tensors are read at open
+    assert m.file.resident() <= len(paged) - expert_pages + PAGE
+    m.forward(_x(1))  # one token: top-2 of each MoE layer
+    assert m.file.resident() <= len(paged) - expert_pages + PAGE + 4 * max(s for _, s in ranges) + 4 * PAGE
+    m.file.verify()
+    assert m.file.resident() >= len(paged) - PAGE
