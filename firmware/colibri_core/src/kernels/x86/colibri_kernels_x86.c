@@ -32,12 +32,17 @@
  *   are exact (wrapping mod 2^32 as the reference), and the epilogue is the
  *   reference's: bit for bit equal to it. With AVX-512 VNNI, vpdpbusd on
  *   (xq + 128) as u8 and Q as s8, less 128·Σ Q: the same exact sums, about
- *   1.2-1.9x faster than AVX2's in the kernel (16-64 tokens); a q8 model's
- *   time is then mostly its compensation entries (colibri_q8_compensate,
- *   scalar, per output).
- * - Epilogue: outputs in blocks of 4 rows (f32, f16) are finished four at a
- *   time with the same IEEE operations as colibri_emit; I8 outputs go
- *   through colibri_q8_scale / colibri_q8_compensate one by one.
+ *   1.2-1.9x faster than AVX2's in the kernel (16-64 tokens).
+ * - With f32 activations and 8 tokens or more, each block of f16 or int8
+ *   rows is widened to f32 once (on the stack, at most 24 KiB) and every
+ *   token group runs the f32 micro-kernel on it: the same values, so the
+ *   same results, without converting the weights again per group of 4.
+ * - Epilogue (emit_rows): per token, the block's outputs four rows at a time
+ *   with the reference's IEEE operations in its order; I8 scales and
+ *   companion biases are loaded four at a time through the block accessors
+ *   (colibri_q8_params_at, widened by F16C), the compensation entries added
+ *   row by row in storage order (colibri_q8_terms): q8 x int8 stays bit for
+ *   bit the reference's.
  * - activation: every kind vectorised with the engine's own exp, tanh and
  *   erf (colibri_math.h) done in double exactly as the scalar ones (each
  *   branch computed, the lane's picked), in the same operation order and
@@ -364,40 +369,102 @@ typedef struct gemm_args {
     int acc;
 } gemm_args;
 
-/* The end of output o for token i, as the reference's colibri_emit (and,
- * for I8, its scale and compensation). */
-X86_INLINE X86_GEMM void emit(const gemm_args *g, int dt, size_t i, size_t o, float v)
+/* Four scales (or companion biases) of a colibri_q8_block from row r on,
+ * widened exactly (F16C's conversion is exact for every f16). */
+X86_INLINE X86_GEMM __m128 q8_four(const uint16_t *h, const float *f, int r)
+{
+    if (h)
+        return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(h + r)));
+    return _mm_loadu_ps(f + r);
+}
+
+X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
+{
+    return h ? _cvtsh_ss(h[r]) : f[r];
+}
+
+/* The end of outputs o .. o + R - 1 of token i from their R sums: v the
+ * f32-activation dot products (rewritten in place), or vi the int32 sums
+ * of q8 x int8 (then v is scratch). Per output, the reference's operations
+ * in its order (colibri_q8_scale, colibri_q8_compensate, colibri_emit),
+ * through the q8 block accessors and four rows at a time where they are
+ * element-wise (no FMA: the engine builds with -ffp-contract=off). */
+X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, size_t o, float *v,
+                                   const int32_t *vi)
 {
     const colibri_matrix *w = g->w;
     const size_t in = w->cols, out = w->rows;
-    const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
     float *yi = g->y + (g->yrows ? g->yrows[i] : i) * out;
-    if (dt == DT_I8)
-        v = colibri_q8_compensate(w, o, xi, v * colibri_q8_scale(w, o));
-    colibri_emit(yi, o, v, g->b, g->acc, g->scale ? g->scale[i] : 1.0f);
+    const float s = g->scale ? g->scale[i] : 1.0f;
+    int r;
+    if (dt == DT_I8) {
+        const colibri_q8_block p = colibri_q8_params_at(w, o);
+        if (vi) { /* (float)sum · (s_o · a) */
+            const float a = g->xq->a[i];
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)(vi + r))),
+                                                _mm_mul_ps(q8_four(p.scale_f16, p.scale_f32, r), _mm_set1_ps(a))));
+            for (; r < R; r++)
+                v[r] = (float)vi[r] * (q8_one(p.scale_f16, p.scale_f32, r) * a);
+        } else { /* v · s_o */
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_mul_ps(_mm_loadu_ps(v + r), q8_four(p.scale_f16, p.scale_f32, r)));
+            for (; r < R; r++)
+                v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
+        }
+        if (w->q8_ptr) { /* + Σ e · x[col], row by row in storage order */
+            const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
+            for (r = 0; r < R; r++) {
+                uint32_t k, end;
+                colibri_q8_terms(w, o + (size_t)r, &k, &end);
+                float acc = v[r];
+                for (; k < end; k++)
+                    acc += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+                v[r] = acc;
+            }
+        }
+        if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_add_ps(_mm_loadu_ps(v + r), q8_four(p.bias_f16, p.bias_f32, r)));
+            for (; r < R; r++)
+                v[r] += q8_one(p.bias_f16, p.bias_f32, r);
+        }
+    }
+    /* colibri_emit: + b, then store or add s · v */
+    for (r = 0; r + 4 <= R; r += 4) {
+        __m128 x = _mm_loadu_ps(v + r);
+        float *yo = yi + o + (size_t)r;
+        if (g->b)
+            x = _mm_add_ps(x, _mm_loadu_ps(g->b + o + (size_t)r));
+        if (g->acc)
+            x = _mm_add_ps(_mm_loadu_ps(yo), _mm_mul_ps(_mm_set1_ps(s), x));
+        _mm_storeu_ps(yo, x);
+    }
+    for (; r < R; r++)
+        colibri_emit(yi, o + (size_t)r, v[r], g->b, g->acc, s);
 }
 
-/* emit for outputs o .. o + 3 of token i, f32 and f16 weights: the same
- * IEEE operations as colibri_emit, four lanes at a time (no FMA: the
- * engine builds with -ffp-contract=off). */
-X86_INLINE X86_GEMM void emit4(const gemm_args *g, size_t i, size_t o, __m128 v)
+/* Rows [o, o + R) of an f16 or int8 matrix [*, in], widened to f32 into
+ * wide [R, in] (exact conversions). At most X86_WIDEN_MAX floats: the
+ * largest row block (6 rows) of a 1024-wide matrix, 24 KiB of stack. */
+#define X86_WIDEN_MAX 6144
+X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, size_t in, float *wide)
 {
-    float *yi = g->y + (g->yrows ? g->yrows[i] : i) * g->w->rows + o;
-    if (g->b)
-        v = _mm_add_ps(v, _mm_loadu_ps(g->b + o));
-    if (g->acc)
-        v = _mm_add_ps(_mm_loadu_ps(yi), _mm_mul_ps(_mm_set1_ps(g->scale ? g->scale[i] : 1.0f), v));
-    _mm_storeu_ps(yi, v);
-}
-
-X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32_t sum)
-{
-    const colibri_matrix *w = g->w;
-    const size_t in = w->cols, out = w->rows;
-    const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
-    float *yi = g->y + (g->yrows ? g->yrows[i] : i) * out;
-    const float v = colibri_q8_compensate(w, o, xi, (float)sum * (colibri_q8_scale(w, o) * g->xq->a[i]));
-    colibri_emit(yi, o, v, g->b, g->acc, g->scale ? g->scale[i] : 1.0f);
+    const size_t count = R * in;
+    size_t k = 0;
+    if (dt == DT_F16) {
+        const uint16_t *h = (const uint16_t *)W + o * in;
+        for (; k + 8 <= count; k += 8)
+            _mm256_storeu_ps(wide + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+        for (; k < count; k++)
+            wide[k] = _cvtsh_ss(h[k]);
+    } else {
+        const int8_t *q = (const int8_t *)W + o * in;
+        for (; k + 8 <= count; k += 8)
+            _mm256_storeu_ps(wide + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))));
+        for (; k < count; k++)
+            wide[k] = (float)q[k];
+    }
 }
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
@@ -405,53 +472,63 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
  * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
  * groups of four tokens. */
 #define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY)                                       \
-    /* Rows [o, o + R) for tokens [i, i + T). */                                                   \
-    X86_INLINE TGT void block_##SFX(const gemm_args *g, int dt, int T, int R, size_t i, size_t o)  \
+    /* Rows [o, o + R) for tokens [i, i + T); the f32-activation products read                     \
+     * rows [wo, wo + R) of W, of dtype ddt (the matrix's, or its rows widened).                   \
+     */                                                                                            \
+    X86_INLINE TGT void block_##SFX(const gemm_args *g, int dt, int T, int R, size_t i, size_t o,  \
+                                    int ddt, const void *W, size_t wo)                             \
     {                                                                                              \
         const colibri_matrix *w = g->w;                                                            \
         const size_t in = w->cols;                                                                 \
         if (g->xq) {                                                                               \
             const int8_t *xq[4];                                                                   \
-            int32_t v[32];                                                                         \
+            int32_t vi[32];                                                                        \
+            float v[32];                                                                           \
             for (int t = 0; t < T; t++)                                                            \
                 xq[t] = g->xq->q + (i + (size_t)t) * in;                                           \
-            Q8DOT(T, R, w->data, in, o, xq, v);                                                    \
+            Q8DOT(T, R, w->data, in, o, xq, vi);                                                   \
             for (int t = 0; t < T; t++)                                                            \
-                for (int r = 0; r < R; r++)                                                        \
-                    emit_q8q8(g, i + (size_t)t, o + (size_t)r, v[t * R + r]);                      \
+                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R);                   \
             return;                                                                                \
         }                                                                                          \
         const float *xr[4];                                                                        \
         float v[32];                                                                               \
         for (int t = 0; t < T; t++)                                                                \
             xr[t] = g->x + (g->xrows ? g->xrows[i + (size_t)t] : i + (size_t)t) * in;              \
-        DOT(dt, T, R, w->data, in, o, xr, v);                                                      \
-        if (dt != DT_I8 && R % 4 == 0) {                                                           \
-            for (int t = 0; t < T; t++)                                                            \
-                for (int r = 0; r < R; r += 4)                                                     \
-                    emit4(g, i + (size_t)t, o + (size_t)r, _mm_loadu_ps(v + t * R + r));           \
-            return;                                                                                \
-        }                                                                                          \
+        DOT(ddt, T, R, W, in, wo, xr, v);                                                          \
         for (int t = 0; t < T; t++)                                                                \
-            for (int r = 0; r < R; r++)                                                            \
-                emit(g, dt, i + (size_t)t, o + (size_t)r, v[t * R + r]);                           \
+            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL);                                \
     }                                                                                              \
                                                                                                    \
-    /* All tokens for rows [o, o + R): token groups of 4, then the rest. */                        \
+    /* All tokens for rows [o, o + R): token groups of 4, then the rest. With                      \
+     * f32 activations and 8 tokens or more, f16 and int8 rows are widened to                      \
+     * f32 once (exactly: the same values) instead of once per token group.                        \
+     */                                                                                            \
     X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
     {                                                                                              \
+        const size_t in = g->w->cols;                                                              \
+        float wide[X86_WIDEN_MAX];                                                                 \
+        int ddt = dt;                                                                              \
+        const void *W = g->w->data;                                                                \
+        size_t wo = o;                                                                             \
+        if (dt != DT_F32 && !g->xq && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {                 \
+            widen_rows(dt, W, o, (size_t)R, in, wide);                                             \
+            ddt = DT_F32;                                                                          \
+            W = wide;                                                                              \
+            wo = 0;                                                                                \
+        }                                                                                          \
         size_t i = 0;                                                                              \
         for (; i + 4 <= n; i += 4)                                                                 \
-            block_##SFX(g, dt, 4, R, i, o);                                                        \
+            block_##SFX(g, dt, 4, R, i, o, ddt, W, wo);                                            \
         switch (n - i) {                                                                           \
         case 3:                                                                                    \
-            block_##SFX(g, dt, 3, R, i, o);                                                        \
+            block_##SFX(g, dt, 3, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         case 2:                                                                                    \
-            block_##SFX(g, dt, 2, R, i, o);                                                        \
+            block_##SFX(g, dt, 2, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         case 1:                                                                                    \
-            block_##SFX(g, dt, 1, R, i, o);                                                        \
+            block_##SFX(g, dt, 1, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         default:                                                                                   \
             break;                                                                                 \
