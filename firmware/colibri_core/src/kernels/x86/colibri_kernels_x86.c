@@ -515,23 +515,12 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
             emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL);                                \
     }                                                                                              \
                                                                                                    \
-    /* All tokens for rows [o, o + R): token groups of 4, then the rest. With                      \
-     * f32 activations and 8 tokens or more, f16 and int8 rows are widened to                      \
-     * f32 once (exactly: the same values) instead of once per token group.                        \
+    /* All tokens for rows [o, o + R): token groups of 4, then the rest. ddt                      \
+     * is a constant at each call, so the micro-kernel is specialised for it.                      \
      */                                                                                            \
-    X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
+    X86_INLINE TGT void groups_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o,        \
+                                     int ddt, const void *W, size_t wo)                            \
     {                                                                                              \
-        const size_t in = g->w->cols;                                                              \
-        float wide[X86_WIDEN_MAX];                                                                 \
-        int ddt = dt;                                                                              \
-        const void *W = g->w->data;                                                                \
-        size_t wo = o;                                                                             \
-        if (dt != DT_F32 && !g->xq && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {                 \
-            widen_rows(dt, W, o, (size_t)R, in, wide);                                             \
-            ddt = DT_F32;                                                                          \
-            W = wide;                                                                              \
-            wo = 0;                                                                                \
-        }                                                                                          \
         size_t i = 0;                                                                              \
         for (; i + 4 <= n; i += 4)                                                                 \
             block_##SFX(g, dt, 4, R, i, o, ddt, W, wo);                                            \
@@ -547,6 +536,22 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
             break;                                                                                 \
         default:                                                                                   \
             break;                                                                                 \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [o, o + R) for all tokens. With f32 activations and 8 tokens or                        \
+     * more, f16 and int8 rows are widened to f32 once (exactly: the same                          \
+     * values) instead of once per token group.                                                    \
+     */                                                                                            \
+    X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
+    {                                                                                              \
+        const size_t in = g->w->cols;                                                              \
+        if (dt != DT_F32 && !g->xq && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {                 \
+            float wide[X86_WIDEN_MAX];                                                             \
+            widen_rows(dt, g->w->data, o, (size_t)R, in, wide);                                    \
+            groups_##SFX(g, dt, R, n, o, DT_F32, wide, 0);                                         \
+        } else {                                                                                   \
+            groups_##SFX(g, dt, R, n, o, dt, g->w->data, o);                                       \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
