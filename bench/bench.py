@@ -43,17 +43,17 @@ sys.path.insert(0, str(HERE))
 CONFIGS = [("meter", 1), ("smart_meter", 1), ("edge", 1), ("edge", 8), ("edge", 64)]
 POOL = {"meter": 256, "smart_meter": 256, "edge": 128}
 # The engine every ratio is taken against, and the order of the columns.
-ENGINES = ["colibri-c", "colibri-c-ref", "colibri-c-f16", "colibri-c-q8", "colibri", "torch", "torch-gather", "onnxruntime",
+ENGINES = ["colibri-c", "colibri-c-ref", "colibri-c-f16", "colibri-c-q8", "colibri-c-q8i8", "colibri", "torch", "torch-gather", "onnxruntime",
            "onnxruntime-masked", "onnxruntime-loop", "litert", "tflm"]
 BASELINE = "colibri-c"
 # The C driver's rows: (image dtype, reference kernels?). "colibri" is the Python binding (f32),
 # which adds Python's call overhead.
 C_ENGINES = {"colibri-c": ("f32", False), "colibri-c-ref": ("f32", True), "colibri-c-f16": ("f16", False),
-             "colibri-c-q8": ("q8", False)}
+             "colibri-c-q8": ("q8", False), "colibri-c-q8i8": ("q8i8", False)}
 # Correctness against PyTorch, relative to max(1, max|reference|): f32 engines differ from
 # torch only in summation order; f16/q8 weights carry their quantisation error, and a token
 # near a routing tie may pick another expert, so those need 99% of rows within the bound.
-TOLERANCE = {"colibri-c-f16": 2e-2, "colibri-c-q8": 8e-2}
+TOLERANCE = {"colibri-c-f16": 2e-2, "colibri-c-q8": 8e-2, "colibri-c-q8i8": 8e-2}
 F32_TOLERANCE = 1e-4
 PYPI = {"onnxruntime": "onnxruntime", "onnxruntime-loop": "onnxruntime", "onnxruntime-masked": "onnxruntime", "litert": "ai_edge_litert",
         "tflm": "tflite_micro"}
@@ -111,6 +111,9 @@ def prepare(work: Path, models: list[str], skipped: dict[str, str]) -> dict:
         for dtype in ("f32", "f16", "q8"):
             result = colibri.export(module, work / f"{name}_{dtype}.clb", max_batch=max(batches), dtype=dtype)
             images[dtype] = len(result.image)
+        # q8 with int8 activations in every layer and expert (INT8_ACT): the same weights, int32 sums.
+        result = colibri.export(module, work / f"{name}_q8i8.clb", max_batch=max(batches), dtype="q8", int8_act=["*"])
+        images["q8i8"] = len(result.image)
         info[name] = {"origin": origin, "params": sum(p.numel() for p in module.parameters()),
                       "bytes_per_token": bytes_per_token(module), "images": images, "batches": batches}
         if installed("onnx") and installed("onnxruntime"):
@@ -462,7 +465,7 @@ def report(results: dict, skipped: dict, bw: dict, info: dict) -> None:
     kernels = sorted({r["kernels"] for row in results.values() for e, r in row.items() if "kernels" in r})
     print(f"(peak RSS of a Python worker with numpy and no engine: {bw['python_numpy_rss_mb']:.1f} MB; colibri-c* is "
           f"the C driver alone, kernels: {', '.join(kernels) or 'n/a'}; colibri-c-ref runs the reference kernels, "
-          "colibri the Python binding. Peers run torch.topk + index_select routing (bench/models.py GatherMoE) except: "
+          "colibri-c-q8i8 the q8 image with int8 activations in every layer and expert, colibri the Python binding. Peers run torch.topk + index_select routing (bench/models.py GatherMoE) except: "
           "torch = the colibri.nn module as written; onnxruntime-masked and tflm compute every expert and gate the "
           "unchosen to 0 (TFLM lacks TOPK_V2, ONE_HOT and the converter's bounds-checked gathers); "
           "onnxruntime-loop = the module as written, traced)")
@@ -512,6 +515,10 @@ def targets(results: dict, bw: dict, info: dict | None = None) -> list[tuple[str
     if q8 and ort:
         out.append(("edge q8 b1 >= 3x faster than ONNX Runtime f32",
                     f"{ort:,.0f} / {q8:,.0f} us = {ort / q8:.2f}x", ort / q8 >= 3))
+    q8i8 = us("edge b1", "colibri-c-q8i8")
+    if q8i8 and ort:
+        out.append(("edge q8 with int8 activations b1 >= 3x faster than ONNX Runtime f32",
+                    f"{ort:,.0f} / {q8i8:,.0f} us = {ort / q8i8:.2f}x", ort / q8i8 >= 3))
     f16 = us("edge b1", "colibri-c-f16")
     if f16 and c1:
         out.append(("edge f16 b1 faster than f32", f"f16 {f16:,.0f} us, f32 {c1:,.0f} us", f16 < c1))

@@ -80,6 +80,7 @@ def test_the_targets_compare_in_the_right_direction():
 
     def run(colibri_us):
         return {"edge b1": {"colibri-c": {"us": colibri_us, "rss_mb": 35.0},
+                            "colibri-c-q8i8": {"us": colibri_us / 2, "rss_mb": 11.0},
                             "onnxruntime": {"us": 600.0, "rss_mb": 110.0},
                             "litert": {"us": 1900.0, "rss_mb": 88.0}},
                 "meter b1": {"colibri-c": {"us": colibri_us / 500, "arena_bytes": 1400},
@@ -93,4 +94,6 @@ def test_the_targets_compare_in_the_right_direction():
     assert not slow["edge f32 b1 >= 1.3x faster than the fastest correct peer"]
     assert not slow["edge f32 b1 within 1.15x of the bandwidth bound (model-sized array)"]
     assert not slow["meter f32 b1 <= 1.0 us"] and not slow["meter f32 b1 >= 2.5x faster than LiteRT"]
+    assert fast["edge q8 with int8 activations b1 >= 3x faster than ONNX Runtime f32"]
+    assert not slow["edge q8 with int8 activations b1 >= 3x faster than ONNX Runtime f32"]
     assert fast["meter arena below TFLM's"] and fast["edge peak RSS <= 40% of ONNX Runtime's"]

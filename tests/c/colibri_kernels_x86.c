@@ -5,7 +5,9 @@
  * x86-64 backend on this host) against its reference kernel, on random shapes
  * with odd sizes and tails, n = 1..9 tokens with and without the rows index
  * list, linear and linear_acc, bias or none, gate scales or none, and inputs
- * with NaN, ±inf, 1e38 and subnormals (sprinkled, or every value). The tolerances checked are the ones
+ * with NaN, ±inf, 1e38 and subnormals (sprinkled, or every value); int8
+ * weights in both Q8_PARAMS layouts (v1; v2 with f16 or f32 scales, a
+ * companion bias or none, 1-, 2- or 4-byte row pointers). The tolerances checked are the ones
  * docs/model-format.md "Numerics" states:
  *
  * - linear, linear_acc (f32, f16, and int8 weights with f32 activations):
@@ -92,14 +94,30 @@ typedef struct matrix_store {
     float f32[MAX_OUT * MAX_IN];
     uint16_t f16[MAX_OUT * MAX_IN];
     int8_t i8[MAX_OUT * MAX_IN];
-    float scale[MAX_OUT];
+    float scale[2 * MAX_OUT];      /* f32 scales, then the companion bias if any */
+    uint16_t scale16[2 * MAX_OUT]; /* the same as f16 bits (format v2) */
     uint32_t row_ptr[MAX_OUT + 1];
+    uint16_t row_ptr16[MAX_OUT + 1];
+    uint8_t row_ptr8[MAX_OUT + 1];
     uint16_t col[MAX_NNZ], val[MAX_NNZ];
 } matrix_store;
 
-static void make_matrix(colibri_matrix *w, matrix_store *s, uint8_t dtype, size_t out, size_t in)
+/* A normal f16 of magnitude in [2^lo, 2^(hi+1)), random sign if sign. */
+static uint16_t f16_normal(int lo, int hi, int sign)
+{
+    const uint32_t exp = (uint32_t)(15 + lo + (int)rnd_below((size_t)(hi - lo + 1)));
+    return (uint16_t)((sign ? (rnd() & 1u) << 15 : 0u) | exp << 10 | (rnd() & 0x3FFu));
+}
+
+/* I8 matrices come in both Q8_PARAMS layouts (docs/model-format.md
+ * "Quantised weights"): format v1 (f32 scales, 32-bit row pointers) and v2
+ * (f32 or f16 scales, a companion bias or none, row pointers of 1, 2 or 4
+ * bytes, none without E). *companion: whether it holds a bias (the layer's
+ * own bias is then NONE: the kernels get b = NULL). */
+static void make_matrix(colibri_matrix *w, matrix_store *s, uint8_t dtype, size_t out, size_t in, int *companion)
 {
     memset(w, 0, sizeof *w);
+    *companion = 0;
     w->dtype = dtype;
     w->rows = (uint32_t)out;
     w->cols = (uint32_t)in;
@@ -114,9 +132,10 @@ static void make_matrix(colibri_matrix *w, matrix_store *s, uint8_t dtype, size_
         w->data = s->f16;
     } else {
         w->data = s->i8;
-        const int with_e = rnd() & 1;
+        const int with_e = rnd() & 1, v2 = rnd() & 1;
         uint32_t nnz = 0;
         for (size_t o = 0; o < out; o++) {
+            s->scale16[o] = f16_normal(-10, -6, 0);
             s->scale[o] = uniform(0.001f, 0.02f);
             s->row_ptr[o] = nnz;
             if (with_e)
@@ -126,12 +145,33 @@ static void make_matrix(colibri_matrix *w, matrix_store *s, uint8_t dtype, size_
                 }
         }
         s->row_ptr[out] = nnz;
-        w->scale = s->scale;
+        for (size_t o = 0; o <= out; o++) {
+            s->row_ptr16[o] = (uint16_t)s->row_ptr[o];
+            s->row_ptr8[o] = (uint8_t)s->row_ptr[o];
+        }
         w->q8_nnz = nnz;
         w->q8_ptr = nnz ? 4 : 0; /* format v1's Q8_PARAMS view: f32 scales, 32-bit row pointers */
         w->row_ptr = nnz ? s->row_ptr : NULL;
         w->col = nnz ? s->col : NULL;
         w->val = nnz ? s->val : NULL;
+        w->scale = s->scale;
+        if (v2) {
+            w->q8_f16 = (uint8_t)(rnd() & 1);
+            w->q8_bias = (uint8_t)(rnd() & 1);
+            *companion = w->q8_bias;
+            for (size_t o = 0; o < out; o++) {
+                s->scale16[out + o] = rnd_below(8) == 0 ? (uint16_t)((rnd() & 1u) << 15) : f16_normal(-4, 0, 1);
+                s->scale[out + o] = uniform(-1.0f, 1.0f);
+            }
+            if (w->q8_f16)
+                w->scale = s->scale16;
+            const int width = rnd_below(3) == 0 ? 4 : nnz <= 255 && rnd() & 1 ? 1 : 2;
+            w->q8_ptr = nnz ? (uint8_t)width : 0;
+            if (nnz && width == 1)
+                w->row_ptr = s->row_ptr8;
+            else if (nnz && width == 2)
+                w->row_ptr = s->row_ptr16;
+        }
     }
 }
 
@@ -145,16 +185,23 @@ static float weight(const colibri_matrix *w, size_t o, size_t k)
     return ((const float *)w->data)[i];
 }
 
-/* Σ_k |w_ok x_k| (+ |E| |x| for I8), in double. */
+/* Σ_k |w_ok x_k| (+ |E| |x| and the companion bias for I8), in double. */
 static double magnitude(const colibri_matrix *w, size_t o, const float *x)
 {
     double m = 0.0;
     for (size_t k = 0; k < w->cols; k++)
         m += fabs((double)weight(w, o, k) * (double)x[k]);
-    const uint32_t *row_ptr = w->row_ptr;
-    if (w->dtype == COLIBRI_DTYPE_I8 && w->q8_nnz)
-        for (uint32_t e = row_ptr[o]; e < row_ptr[o + 1]; e++)
-            m += fabs((double)colibri_f16_to_f32(w->val[e]) * (double)x[w->col[e]]);
+    if (w->dtype == COLIBRI_DTYPE_I8) {
+        uint32_t e, end;
+        colibri_q8_terms(w, o, &e, &end);
+        for (; e < end; e++)
+            m += fabs((double)colibri_f16_to_f32(colibri_q8_term_bits(w, e)) * (double)x[colibri_q8_term_col(w, e)]);
+        const colibri_q8_block p = colibri_q8_params_at(w, o);
+        if (p.bias_f16)
+            m += fabs((double)colibri_f16_to_f32(p.bias_f16[0]));
+        else if (p.bias_f32)
+            m += fabs((double)p.bias_f32[0]);
+    }
     return m;
 }
 
@@ -203,12 +250,15 @@ static void test_linear(const colibri_kernels *opt, const colibri_kernels *ref, 
     const size_t in = rnd() & 1 ? common_in[rnd_below(sizeof common_in / sizeof *common_in)] : 1 + rnd_below(MAX_IN);
     const size_t out = 1 + rnd_below(MAX_OUT);
     const size_t n = 1 + (size_t)(trial / 6) % MAX_N;
-    const int use_rows = rnd() & 1, use_bias = rnd() & 1, use_scale = rnd() & 1, acc = rnd() & 1;
+    const int use_rows = rnd() & 1, use_scale = rnd() & 1, acc = rnd() & 1;
+    int use_bias = rnd() & 1, companion;
     const int special = (int)rnd_below(6);
     const size_t xrows = MAX_N; /* the x rows the index list picks from */
 
     colibri_matrix w;
-    make_matrix(&w, &ms, dtype, out, in);
+    make_matrix(&w, &ms, dtype, out, in, &companion);
+    if (companion) /* the bias is the Q8_PARAMS companion's: the layer has none */
+        use_bias = 0;
     for (size_t i = 0; i < xrows * in; i++)
         x[i] = activation_value(special == 3 ? 0 : special);
     if (special == 3) /* one ±1e38 per row: large, but no sum can overflow */
@@ -247,10 +297,10 @@ static void test_linear(const colibri_kernels *opt, const colibri_kernels *ref, 
         opt->linear(x, rl, n, &w, bias, int8_act ? &xq : NULL, y_opt);
     }
 
-    char what[96];
-    snprintf(what, sizeof what, "%s dtype %u%s in %zu out %zu n %zu rows %d bias %d scale %d special %d",
-             acc ? "linear_acc" : "linear", dtype, int8_act ? " int8-act" : "", in, out, n, use_rows, use_bias,
-             use_scale, special);
+    char what[160];
+    snprintf(what, sizeof what, "%s dtype %u%s q8 f16 %u bias %u ptr %u in %zu out %zu n %zu rows %d bias %d scale %d special %d",
+             acc ? "linear_acc" : "linear", dtype, int8_act ? " int8-act" : "", w.q8_f16, w.q8_bias, w.q8_ptr, in, out,
+             n, use_rows, use_bias, use_scale, special);
     for (size_t i = 0; i < n; i++) {
         const float *xi = x + (acc ? i : (rl ? rl[i] : i)) * in;
         const size_t yr = acc ? (rl ? rl[i] : i) : i;

@@ -232,8 +232,10 @@ static inline float colibri_f16_to_f32(uint16_t h)
 }
 
 /* ---- I8 metadata, read through colibri_q8_scale(), colibri_q8_compensate()
- * and colibri_q8_has_terms() only, so every backend stays independent of how
- * Q8_PARAMS lays out its scales, bias and compensation (format v1 or v2). ---- */
+ * and colibri_q8_has_terms() (or their block variants colibri_q8_params_at(),
+ * colibri_q8_terms(), colibri_q8_term_col() and colibri_q8_term_bits()) only,
+ * so every backend stays independent of how Q8_PARAMS lays out its scales,
+ * bias and compensation (format v1 or v2). ---- */
 
 /* Where the FPU converts half precision (32-bit Arm with FPv5, the
  * Cortex-M7): one VCVTB widens a finite f16 exactly, subnormals included
@@ -304,10 +306,49 @@ static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
     return w->q8_ptr != 0 || w->q8_bias != 0;
 }
 
+/* Row o's compensation entries k = *begin .. *end - 1 (none when the
+ * matrix has no E: *begin == *end == 0). Read entry k with
+ * colibri_q8_term_col() and colibri_q8_term_bits(). */
+static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size_t o, uint32_t *begin, uint32_t *end)
+{
+    switch (w->q8_ptr) { /* bytes per row pointer; 0: no compensation term */
+    case 1:
+        *begin = ((const uint8_t *)w->row_ptr)[o];
+        *end = ((const uint8_t *)w->row_ptr)[o + 1];
+        break;
+    case 2:
+        *begin = ((const uint16_t *)w->row_ptr)[o];
+        *end = ((const uint16_t *)w->row_ptr)[o + 1];
+        break;
+    case 4:
+        *begin = ((const uint32_t *)w->row_ptr)[o];
+        *end = ((const uint32_t *)w->row_ptr)[o + 1];
+        break;
+    default:
+        *begin = *end = 0;
+        break;
+    }
+}
+
+/* Entry k's input column (< cols) and the f16 bits of its value e
+ * (validated finite, maybe subnormal): colibri_q8_value() widens them, as
+ * does any exact f16 -> f32 conversion (F16C's, NEON's). */
+static COLIBRI_ALWAYS_INLINE size_t colibri_q8_term_col(const colibri_matrix *w, uint32_t k)
+{
+    return w->col[k];
+}
+
+static COLIBRI_ALWAYS_INLINE uint16_t colibri_q8_term_bits(const colibri_matrix *w, uint32_t k)
+{
+    return w->val[k];
+}
+
 /* The additive terms of row o, in this order: v + Σ e · x[col] over row o's
  * compensation entries in storage order, then + the companion's bias of row
  * o if it holds one (format v2; the layer's own bias reference is then
- * NONE, so the kernel's b is NULL). Call it once for every output row. */
+ * NONE, so the kernel's b is NULL). Call it once for every output row, or
+ * do the same through the block accessors (colibri_q8_terms() gives the same
+ * entries as this loop, colibri_q8_params_at() the same bias). */
 static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w, size_t o, const float *x, float v)
 {
     const uint8_t width = w->q8_ptr; /* 0: no compensation term */
@@ -329,6 +370,36 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w
     if (w->q8_bias)
         v += colibri_q8_param(w, (size_t)w->rows + o);
     return v;
+}
+
+/* ---- Block accessors, for vector backends: the same parameters for rows
+ * o, o + 1, ... as stored, so a backend can load (and widen) several at
+ * once. For every row r, the scale is the value colibri_q8_scale(w, o + r)
+ * returns, and the bias the one colibri_q8_compensate() adds last. A kernel
+ * doing its epilogue through these does, per row, exactly what
+ * colibri_q8_scale() and colibri_q8_compensate() would: v · s_o (for int8
+ * activations (float)sum · (s_o · a)), then the row's entries in the order
+ * colibri_q8_terms() gives, then the companion bias. ---- */
+typedef struct colibri_q8_block {
+    const uint16_t *scale_f16; /* scales of rows o.. as f16 bits (exact to widen), or NULL */
+    const float *scale_f32;    /* or as f32 (exactly one of the two is set) */
+    const uint16_t *bias_f16;  /* the companion's biases of rows o.. as f16 bits, */
+    const float *bias_f32;     /* or as f32; both NULL: the matrix has none */
+} colibri_q8_block;
+
+static COLIBRI_ALWAYS_INLINE colibri_q8_block colibri_q8_params_at(const colibri_matrix *w, size_t o)
+{
+    colibri_q8_block p = {NULL, NULL, NULL, NULL};
+    if (w->q8_f16) {
+        p.scale_f16 = (const uint16_t *)w->scale + o;
+        if (w->q8_bias)
+            p.bias_f16 = (const uint16_t *)w->scale + w->rows + o;
+    } else {
+        p.scale_f32 = (const float *)w->scale + o;
+        if (w->q8_bias)
+            p.bias_f32 = (const float *)w->scale + w->rows + o;
+    }
+    return p;
 }
 
 #endif /* COLIBRI_KERNELS_H */

@@ -32,12 +32,17 @@
  *   are exact (wrapping mod 2^32 as the reference), and the epilogue is the
  *   reference's: bit for bit equal to it. With AVX-512 VNNI, vpdpbusd on
  *   (xq + 128) as u8 and Q as s8, less 128·Σ Q: the same exact sums, about
- *   1.2-1.9x faster than AVX2's in the kernel (16-64 tokens); a q8 model's
- *   time is then mostly its compensation entries (colibri_q8_compensate,
- *   scalar, per output).
- * - Epilogue: outputs in blocks of 4 rows (f32, f16) are finished four at a
- *   time with the same IEEE operations as colibri_emit; I8 outputs go
- *   through colibri_q8_scale / colibri_q8_compensate one by one.
+ *   1.2-1.9x faster than AVX2's in the kernel (16-64 tokens).
+ * - With f32 activations and 8 tokens or more, each block of f16 or int8
+ *   rows is widened to f32 once (on the stack, at most 24 KiB) and every
+ *   token group runs the f32 micro-kernel on it: the same values, so the
+ *   same results, without converting the weights again per group of 4.
+ * - Epilogue (emit_rows): per token, the block's outputs four rows at a time
+ *   with the reference's IEEE operations in its order; I8 scales and
+ *   companion biases are loaded four at a time through the block accessors
+ *   (colibri_q8_params_at, widened by F16C), the compensation entries added
+ *   row by row in storage order (colibri_q8_terms): q8 x int8 stays bit for
+ *   bit the reference's.
  * - activation: every kind vectorised with the engine's own exp, tanh and
  *   erf (colibri_math.h) done in double exactly as the scalar ones (each
  *   branch computed, the lane's picked), in the same operation order and
@@ -116,17 +121,18 @@ X86_INLINE X86_GEMM __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d)
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* Reduces the T·R accumulators to v[t·R + r]. */
-X86_INLINE X86_GEMM void reduce_block(const __m256 *acc, int count, float *v)
+/* Reduces the T·R accumulators to v[t·R + r], four rows of a token per
+ * store (the chunks emit_rows loads back, so the stores forward to its
+ * loads); a token's last chunk may write up to 3 floats past its rows,
+ * which the next token's chunk rewrites: v holds T·R + 3 floats. */
+X86_INLINE X86_GEMM void reduce_block(const __m256 *acc, int T, int R, float *v)
 {
     const __m256 z = _mm256_setzero_ps();
-    for (int i = 0; i < count; i += 4) {
-        float s[4];
-        _mm_storeu_ps(s, hsum4(acc[i], i + 1 < count ? acc[i + 1] : z, i + 2 < count ? acc[i + 2] : z,
-                               i + 3 < count ? acc[i + 3] : z));
-        for (int j = 0; j < 4 && i + j < count; j++)
-            v[i + j] = s[j];
-    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r += 4) {
+            const __m256 *a = acc + t * R + r;
+            _mm_storeu_ps(v + t * R + r, hsum4(a[0], r + 1 < R ? a[1] : z, r + 2 < R ? a[2] : z, r + 3 < R ? a[3] : z));
+        }
 }
 
 /* v[t·R + r] = row (o + r) of W · x_t, for t < T, r < R. */
@@ -167,7 +173,7 @@ X86_INLINE X86_GEMM void dot_block(int dt, int T, int R, const void *W, size_t i
                 acc[t * R + r] = _mm256_fmadd_ps(wv, xv[t], acc[t * R + r]);
         }
     }
-    reduce_block(acc, T * R, v);
+    reduce_block(acc, T, R, v);
 }
 
 /* dot_block with 16 lanes (AVX-512F): the same products, the 16-lane sums
@@ -186,9 +192,18 @@ X86_INLINE X86_GEMM512 void dot_block512(int dt, int T, int R, const void *W, si
     for (int i = 0; i < T * R; i++)
         acc[i] = _mm512_setzero_ps();
 
+    /* One token (GEMV) of f16 or int8 weights: the rows two blocks ahead
+     * are prefetched, a cache line per row as k passes it (beyond the
+     * matrix a prefetch is a no-op: it never faults). f32 rows stream fast
+     * enough for the hardware prefetcher: measured 5% slower with it. */
+    const size_t ahead = 2 * (size_t)R * in * esize;
     size_t k = 0;
     for (; k + 16 <= in; k += 16) {
         __m512 xv[4];
+        if (T == 1 && esize < 4 && !((k * esize) & 63))
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                _mm_prefetch(wr[r] + ahead + k * esize, _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             xv[t] = _mm512_loadu_ps(xr[t] + k);
@@ -226,7 +241,7 @@ X86_INLINE X86_GEMM512 void dot_block512(int dt, int T, int R, const void *W, si
                 a8[t * R + r] = _mm256_fmadd_ps(wv, load_x_tail(xr[t], k, in), a8[t * R + r]);
         }
     }
-    reduce_block(a8, T * R, v);
+    reduce_block(a8, T, R, v);
 }
 
 /* ---- q8 with int8 activations: exact int32 dot products ---- */
@@ -316,9 +331,14 @@ X86_INLINE X86_GEMM512VNNI void dot_block_q8q8_vnni(int T, int R, const int8_t *
     for (int i = 0; i < T * R; i++)
         acc[i] = _mm512_setzero_si512();
 
+    const size_t ahead = 2 * (size_t)R * in; /* as dot_block512's prefetch */
     size_t k = 0;
     for (; k + 64 <= in; k += 64) {
         __m512i xv[4];
+        if (T == 1)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)wr[r] + ahead + k, _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             xv[t] = _mm512_xor_si512(_mm512_loadu_si512(xq[t] + k), flip);
@@ -364,40 +384,102 @@ typedef struct gemm_args {
     int acc;
 } gemm_args;
 
-/* The end of output o for token i, as the reference's colibri_emit (and,
- * for I8, its scale and compensation). */
-X86_INLINE X86_GEMM void emit(const gemm_args *g, int dt, size_t i, size_t o, float v)
+/* Four scales (or companion biases) of a colibri_q8_block from row r on,
+ * widened exactly (F16C's conversion is exact for every f16). */
+X86_INLINE X86_GEMM __m128 q8_four(const uint16_t *h, const float *f, int r)
+{
+    if (h)
+        return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(h + r)));
+    return _mm_loadu_ps(f + r);
+}
+
+X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
+{
+    return h ? _cvtsh_ss(h[r]) : f[r];
+}
+
+/* The end of outputs o .. o + R - 1 of token i from their R sums: v the
+ * f32-activation dot products (rewritten in place), or vi the int32 sums
+ * of q8 x int8 (then v is scratch). Per output, the reference's operations
+ * in its order (colibri_q8_scale, colibri_q8_compensate, colibri_emit),
+ * through the q8 block accessors and four rows at a time where they are
+ * element-wise (no FMA: the engine builds with -ffp-contract=off). */
+X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, size_t o, float *v,
+                                   const int32_t *vi)
 {
     const colibri_matrix *w = g->w;
     const size_t in = w->cols, out = w->rows;
-    const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
     float *yi = g->y + (g->yrows ? g->yrows[i] : i) * out;
-    if (dt == DT_I8)
-        v = colibri_q8_compensate(w, o, xi, v * colibri_q8_scale(w, o));
-    colibri_emit(yi, o, v, g->b, g->acc, g->scale ? g->scale[i] : 1.0f);
+    const float s = g->scale ? g->scale[i] : 1.0f;
+    int r;
+    if (dt == DT_I8) {
+        const colibri_q8_block p = colibri_q8_params_at(w, o);
+        if (vi) { /* (float)sum · (s_o · a) */
+            const float a = g->xq->a[i];
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_mul_ps(_mm_cvtepi32_ps(_mm_setr_epi32(vi[r], vi[r + 1], vi[r + 2], vi[r + 3])),
+                                                _mm_mul_ps(q8_four(p.scale_f16, p.scale_f32, r), _mm_set1_ps(a))));
+            for (; r < R; r++)
+                v[r] = (float)vi[r] * (q8_one(p.scale_f16, p.scale_f32, r) * a);
+        } else { /* v · s_o */
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_mul_ps(_mm_loadu_ps(v + r), q8_four(p.scale_f16, p.scale_f32, r)));
+            for (; r < R; r++)
+                v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
+        }
+        if (w->q8_ptr) { /* + Σ e · x[col], row by row in storage order */
+            const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
+            for (r = 0; r < R; r++) {
+                uint32_t k, end;
+                colibri_q8_terms(w, o + (size_t)r, &k, &end);
+                float acc = v[r];
+                for (; k < end; k++)
+                    acc += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+                v[r] = acc;
+            }
+        }
+        if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
+            for (r = 0; r + 4 <= R; r += 4)
+                _mm_storeu_ps(v + r, _mm_add_ps(_mm_loadu_ps(v + r), q8_four(p.bias_f16, p.bias_f32, r)));
+            for (; r < R; r++)
+                v[r] += q8_one(p.bias_f16, p.bias_f32, r);
+        }
+    }
+    /* colibri_emit: + b, then store or add s · v */
+    for (r = 0; r + 4 <= R; r += 4) {
+        __m128 x = _mm_loadu_ps(v + r);
+        float *yo = yi + o + (size_t)r;
+        if (g->b)
+            x = _mm_add_ps(x, _mm_loadu_ps(g->b + o + (size_t)r));
+        if (g->acc)
+            x = _mm_add_ps(_mm_loadu_ps(yo), _mm_mul_ps(_mm_set1_ps(s), x));
+        _mm_storeu_ps(yo, x);
+    }
+    for (; r < R; r++)
+        colibri_emit(yi, o + (size_t)r, v[r], g->b, g->acc, s);
 }
 
-/* emit for outputs o .. o + 3 of token i, f32 and f16 weights: the same
- * IEEE operations as colibri_emit, four lanes at a time (no FMA: the
- * engine builds with -ffp-contract=off). */
-X86_INLINE X86_GEMM void emit4(const gemm_args *g, size_t i, size_t o, __m128 v)
+/* Rows [o, o + R) of an f16 or int8 matrix [*, in], widened to f32 into
+ * wide [R, in] (exact conversions). At most X86_WIDEN_MAX floats: the
+ * largest row block (6 rows) of a 1024-wide matrix, 24 KiB of stack. */
+#define X86_WIDEN_MAX 6144
+X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, size_t in, float *wide)
 {
-    float *yi = g->y + (g->yrows ? g->yrows[i] : i) * g->w->rows + o;
-    if (g->b)
-        v = _mm_add_ps(v, _mm_loadu_ps(g->b + o));
-    if (g->acc)
-        v = _mm_add_ps(_mm_loadu_ps(yi), _mm_mul_ps(_mm_set1_ps(g->scale ? g->scale[i] : 1.0f), v));
-    _mm_storeu_ps(yi, v);
-}
-
-X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32_t sum)
-{
-    const colibri_matrix *w = g->w;
-    const size_t in = w->cols, out = w->rows;
-    const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
-    float *yi = g->y + (g->yrows ? g->yrows[i] : i) * out;
-    const float v = colibri_q8_compensate(w, o, xi, (float)sum * (colibri_q8_scale(w, o) * g->xq->a[i]));
-    colibri_emit(yi, o, v, g->b, g->acc, g->scale ? g->scale[i] : 1.0f);
+    const size_t count = R * in;
+    size_t k = 0;
+    if (dt == DT_F16) {
+        const uint16_t *h = (const uint16_t *)W + o * in;
+        for (; k + 8 <= count; k += 8)
+            _mm256_storeu_ps(wide + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+        for (; k < count; k++)
+            wide[k] = _cvtsh_ss(h[k]);
+    } else {
+        const int8_t *q = (const int8_t *)W + o * in;
+        for (; k + 8 <= count; k += 8)
+            _mm256_storeu_ps(wide + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))));
+        for (; k < count; k++)
+            wide[k] = (float)q[k];
+    }
 }
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
@@ -405,56 +487,71 @@ X86_INLINE X86_GEMM void emit_q8q8(const gemm_args *g, size_t i, size_t o, int32
  * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
  * groups of four tokens. */
 #define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY)                                       \
-    /* Rows [o, o + R) for tokens [i, i + T). */                                                   \
-    X86_INLINE TGT void block_##SFX(const gemm_args *g, int dt, int T, int R, size_t i, size_t o)  \
+    /* Rows [o, o + R) for tokens [i, i + T); the f32-activation products read                     \
+     * rows [wo, wo + R) of W, of dtype ddt (the matrix's, or its rows widened).                   \
+     */                                                                                            \
+    X86_INLINE TGT void block_##SFX(const gemm_args *g, int dt, int T, int R, size_t i, size_t o,  \
+                                    int ddt, const void *W, size_t wo)                             \
     {                                                                                              \
         const colibri_matrix *w = g->w;                                                            \
         const size_t in = w->cols;                                                                 \
         if (g->xq) {                                                                               \
             const int8_t *xq[4];                                                                   \
-            int32_t v[32];                                                                         \
+            int32_t vi[32];                                                                        \
+            float v[32];                                                                           \
             for (int t = 0; t < T; t++)                                                            \
                 xq[t] = g->xq->q + (i + (size_t)t) * in;                                           \
-            Q8DOT(T, R, w->data, in, o, xq, v);                                                    \
+            Q8DOT(T, R, w->data, in, o, xq, vi);                                                   \
             for (int t = 0; t < T; t++)                                                            \
-                for (int r = 0; r < R; r++)                                                        \
-                    emit_q8q8(g, i + (size_t)t, o + (size_t)r, v[t * R + r]);                      \
+                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R);                   \
             return;                                                                                \
         }                                                                                          \
         const float *xr[4];                                                                        \
         float v[32];                                                                               \
         for (int t = 0; t < T; t++)                                                                \
             xr[t] = g->x + (g->xrows ? g->xrows[i + (size_t)t] : i + (size_t)t) * in;              \
-        DOT(dt, T, R, w->data, in, o, xr, v);                                                      \
-        if (dt != DT_I8 && R % 4 == 0) {                                                           \
-            for (int t = 0; t < T; t++)                                                            \
-                for (int r = 0; r < R; r += 4)                                                     \
-                    emit4(g, i + (size_t)t, o + (size_t)r, _mm_loadu_ps(v + t * R + r));           \
-            return;                                                                                \
-        }                                                                                          \
+        DOT(ddt, T, R, W, in, wo, xr, v);                                                          \
         for (int t = 0; t < T; t++)                                                                \
-            for (int r = 0; r < R; r++)                                                            \
-                emit(g, dt, i + (size_t)t, o + (size_t)r, v[t * R + r]);                           \
+            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL);                                \
     }                                                                                              \
                                                                                                    \
-    /* All tokens for rows [o, o + R): token groups of 4, then the rest. */                        \
-    X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
+    /* All tokens for rows [o, o + R): token groups of 4, then the rest. ddt                      \
+     * is a constant at each call, so the micro-kernel is specialised for it.                      \
+     */                                                                                            \
+    X86_INLINE TGT void groups_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o,        \
+                                     int ddt, const void *W, size_t wo)                            \
     {                                                                                              \
         size_t i = 0;                                                                              \
         for (; i + 4 <= n; i += 4)                                                                 \
-            block_##SFX(g, dt, 4, R, i, o);                                                        \
+            block_##SFX(g, dt, 4, R, i, o, ddt, W, wo);                                            \
         switch (n - i) {                                                                           \
         case 3:                                                                                    \
-            block_##SFX(g, dt, 3, R, i, o);                                                        \
+            block_##SFX(g, dt, 3, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         case 2:                                                                                    \
-            block_##SFX(g, dt, 2, R, i, o);                                                        \
+            block_##SFX(g, dt, 2, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         case 1:                                                                                    \
-            block_##SFX(g, dt, 1, R, i, o);                                                        \
+            block_##SFX(g, dt, 1, R, i, o, ddt, W, wo);                                            \
             break;                                                                                 \
         default:                                                                                   \
             break;                                                                                 \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Rows [o, o + R) for all tokens. With f32 activations and 8 tokens or                        \
+     * more, f16 and int8 rows are widened to f32 once (exactly: the same                          \
+     * values) instead of once per token group.                                                    \
+     */                                                                                            \
+    X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
+    {                                                                                              \
+        const size_t in = g->w->cols;                                                              \
+        if (dt != DT_F32 && !g->xq && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {                 \
+            float wide[X86_WIDEN_MAX];                                                             \
+            widen_rows(dt, g->w->data, o, (size_t)R, in, wide);                                    \
+            groups_##SFX(g, dt, R, n, o, DT_F32, wide, 0);                                         \
+        } else {                                                                                   \
+            groups_##SFX(g, dt, R, n, o, dt, g->w->data, o);                                       \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
