@@ -102,6 +102,7 @@ static void put_str(const char *s)
     board_uart_write((const uint8_t *)s, n);
 }
 
+#if defined(APP_PRINT_RAW)
 static void put_hex32(uint32_t v)
 {
     char buf[8];
@@ -111,6 +112,7 @@ static void put_hex32(uint32_t v)
     }
     board_uart_write((const uint8_t *)buf, sizeof buf);
 }
+#endif
 
 static void put_u32(uint32_t v)
 {
@@ -239,7 +241,8 @@ void vApplicationGetTimerTaskMemory(StaticTask_t **tcb, StackType_t **stack, con
  * at the kernel; every other entry is unchanged. The port reads the initial
  * stack pointer from entry 0 of whatever VTOR points at when it starts the
  * first task, so the copy keeps that too. */
-#define SCB_VTOR (*(volatile uint32_t *)0xE000ED08u) /* PM0253: SCB VTOR */
+#define SCB_CPUID (*(const volatile uint32_t *)0xE000ED00u) /* PM0253: SCB CPUID */
+#define SCB_VTOR (*(volatile uint32_t *)0xE000ED08u)         /* PM0253: SCB VTOR */
 #define SYST_CSR (*(volatile uint32_t *)0xE000E010u) /* PM0253: SysTick control and status */
 #define SYST_CSR_TICKINT (1u << 1)
 #define VECTOR_SVCALL 11u
@@ -511,11 +514,13 @@ static void inference_task(void *arg)
                     print_stack("sensor", sensor_handle, SENSOR_STACK_WORDS);
                     print_stack("inference", NULL, INFERENCE_STACK_WORDS);
                 }
-                if (APP_STOP_AFTER_DAYS != 0u && days_scored >= APP_STOP_AFTER_DAYS) {
+#if APP_STOP_AFTER_DAYS > 0
+                if (days_scored >= APP_STOP_AFTER_DAYS) {
                     put_str("done\r\n");
                     vTaskDelay(pdMS_TO_TICKS(20)); /* QEMU: lets the UART's last bytes out first */
                     board_exit(0);
                 }
+#endif
             }
         }
 
@@ -564,7 +569,11 @@ int main(void)
     put_str(tskKERNEL_VERSION_NUMBER);
     put_str(", ");
     put_str(board_name());
-    put_str(", core at ");
+    put_str(", core r");
+    put_u32((SCB_CPUID >> 20) & 15u); /* variant */
+    put_str("p");
+    put_u32(SCB_CPUID & 15u); /* revision: the GCC/ARM_CM7/r0p1 port is for r0p0/r0p1 (README.md) */
+    put_str(" at ");
     put_u32((uint32_t)(configCPU_CLOCK_HZ / 1000000u));
     put_str(" MHz\r\n");
 
