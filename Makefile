@@ -70,10 +70,11 @@ bench: build/bench/colibri_bench firmware
 # built and run in QEMU on each kernel (':'-separated paths), the MicroPython module as a user C
 # module of the unix and qemu ports and as a .mpy in the unix port built from that tree.
 #   make upstream-check FREERTOS_KERNEL_PATH=/src/FreeRTOS-Kernel[:...] MICROPYTHON_PATH=/src/micropython
-upstream-check: setup
+upstream-check:
 	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (README.md, Upstream checks)" >&2; exit 1; }
+	$(MAKE) setup
 	FREERTOS_KERNEL_PATH="$(FREERTOS_KERNEL_PATH)" MICROPYTHON_PATH="$(MICROPYTHON_PATH)" \
-	  .venv/bin/pytest -v -rs tests/test_freertos.py tests/test_upstream_micropython.py
+	  .venv/bin/pytest -v -rs -n 2 --dist loadfile tests/test_freertos.py tests/test_upstream_micropython.py
 
 clean:
 	$(MAKE) -C $(CORE) clean

@@ -13,6 +13,10 @@ are compared to 1e-6 relative (they pass through decimal text).
 Data moves through files: inputs as raw float32, which `array('f', bytes)`
 reads in MicroPython, outputs written back from the arrays' buffers.
 Interpreter runs are few and batched, so the whole file stays within seconds.
+
+COLIBRI_MICROPYTHON names another interpreter (tests/test_upstream_micropython.py
+runs this file under MicroPython's unix port built from source, with the .mpy
+and with `colibri` compiled in as a user C module: COLIBRI_MICROPYTHON_BUILTIN=1).
 """
 from __future__ import annotations
 
