@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full
+        libs install bench-edge-mmap bench-edge-mmap-full upstream-check
 
 setup:
 	./scripts/setup.sh
@@ -86,6 +86,16 @@ bench-edge-mmap-full: setup
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
 	$(PY) bench/bench.py
+
+# Against upstream trees no registry has (README.md, "Upstream checks"): the FreeRTOS example
+# built and run in QEMU on each kernel (':'-separated paths), the MicroPython module as a user C
+# module of the unix and qemu ports and as a .mpy in the unix port built from that tree.
+#   make upstream-check FREERTOS_KERNEL_PATH=/src/FreeRTOS-Kernel[:...] MICROPYTHON_PATH=/src/micropython
+upstream-check:
+	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (README.md, Upstream checks)" >&2; exit 1; }
+	$(MAKE) setup
+	FREERTOS_KERNEL_PATH="$(FREERTOS_KERNEL_PATH)" MICROPYTHON_PATH="$(MICROPYTHON_PATH)" \
+	  .venv/bin/pytest -v -rs -n 2 --dist loadfile tests/test_freertos.py tests/test_upstream_micropython.py
 
 clean:
 	$(MAKE) -C $(CORE) clean

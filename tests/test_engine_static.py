@@ -179,6 +179,9 @@ def test_every_build_sets_the_floating_point_contract(tmp_path: Path) -> None:
         "firmware/runner nucleo_h743zi": _dry_run("-C", "firmware/runner", "BOARD=nucleo_h743zi"),
         "tests/c": _dry_run("-C", "tests/c", "VARIANT=host"),
         "examples/freertos": _dry_run("-C", "examples/freertos", f"FREERTOS_KERNEL_PATH={kernel}", f"MODEL_C={model_c}"),
+        "examples/freertos mps2_an500": _dry_run("-C", "examples/freertos", "BOARD=mps2_an500",
+                                                 f"FREERTOS_KERNEL_PATH={kernel}", f"MODEL_C={model_c}",
+                                                 f"BUILD={tmp_path / 'build'}"),
     }
     assert any("colibri_check.c" in ln for ln in makefiles["tests/c"]), "the C test drivers are compiled too"
     for build, lines in makefiles.items():

@@ -13,6 +13,10 @@ are compared to 1e-6 relative (they pass through decimal text).
 Data moves through files: inputs as raw float32, which `array('f', bytes)`
 reads in MicroPython, outputs written back from the arrays' buffers.
 Interpreter runs are few and batched, so the whole file stays within seconds.
+
+COLIBRI_MICROPYTHON names another interpreter (tests/test_upstream_micropython.py
+runs this file under MicroPython's unix port built from source, with the .mpy
+and with `colibri` compiled in as a user C module: COLIBRI_MICROPYTHON_BUILTIN=1).
 """
 from __future__ import annotations
 
@@ -34,9 +38,12 @@ from colibri.engine import arena_size
 from colibri.format import STATUS_TEXT, Status
 from conftest import ROOT
 from nonfinite_inputs import nonfinite_rows
-from test_natmod import build_mpy, shared_build_dir
+from test_natmod import MICROPYTHON, build_mpy, shared_build_dir
 
-MICROPYTHON = Path(sys.executable).parent / "micropython"
+# COLIBRI_MICROPYTHON_BUILTIN=1: the interpreter has `colibri` compiled in as a user C module (it then
+# shadows the .mpy on MICROPYPATH), built with the host's default kernels (x86-64: the AVX backend, as
+# the CPython binding's default), so the bit-for-bit comparisons use the host's default kernels too.
+BUILTIN = os.environ.get("COLIBRI_MICROPYTHON_BUILTIN") == "1"
 FORECAST = ROOT / "examples" / "micropython" / "forecast.py"
 MAX_BATCH = 4
 BATCHES = (1, 3, MAX_BATCH)
@@ -236,8 +243,9 @@ def matrix(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_outputs_equal_cpython_engine(matrix: MatrixRun, routing: str, dtype: str) -> None:
     """Model.forward and colibri.forward in MicroPython give the CPython engine's numbers, at every batch."""
-    # The natmod runs the reference kernels (x64 .mpy: no AVX backend): the host must too for the same bits.
-    host = colibri.Model(matrix.images[f"{routing}-{dtype}"], reference_kernels=True)
+    # The natmod runs the reference kernels (x64 .mpy: no AVX backend): the host must too for the same bits
+    # (a user-C-module interpreter runs the default kernels, as the host then does: BUILTIN).
+    host = colibri.Model(matrix.images[f"{routing}-{dtype}"], reference_kernels=not BUILTIN)
     for batch in BATCHES:
         case = f"{routing}-{dtype}-b{batch}"
         want = host.forward(matrix.inputs[case])
@@ -273,7 +281,7 @@ def nonfinite(mpy_dir: Path, tmp_path_factory) -> MatrixRun:
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_nonfinite_inputs_equal_cpython_engine(nonfinite: MatrixRun, routing: str, dtype: str) -> None:
     """NaN stays NaN (ReLU, norms, routers, INT8_ACT), ±inf and overflow as on the host: the same bits."""
-    host = colibri.Model(nonfinite.images[f"{routing}-{dtype}"], reference_kernels=True)
+    host = colibri.Model(nonfinite.images[f"{routing}-{dtype}"], reference_kernels=not BUILTIN)
     nan_rows = 0
     for case, x in nonfinite.inputs.items():
         if not case.startswith(f"{routing}-{dtype}-r"):
@@ -295,6 +303,18 @@ def test_model_attributes_and_version(matrix: MatrixRun) -> None:
         host = colibri.Model(matrix.images[case.rsplit("-b", 1)[0]])
         want = [host.num_experts, host.input_size, host.output_size, host.max_batch, host.arena_size]
         assert got == want, case
+
+
+def test_module_is_the_expected_build(mpy_dir: Path, tmp_path: Path) -> None:
+    """`import colibri` finds the native .mpy, or the compiled-in user C module when the interpreter has one."""
+    script = mp_script(tmp_path, "origin.py", "import colibri\nprint('FILE', getattr(colibri, '__file__', None))\n")
+    r = run_mp(script, mpy_dir=mpy_dir, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    origin = r.stdout.split("FILE ", 1)[1].strip()
+    if BUILTIN:
+        assert origin == "None", f"expected the built-in module, got {origin}"
+    else:
+        assert origin.endswith("colibri.mpy"), origin
 
 
 # --------------------------------------------------------------------------- zero copy, one allocation
@@ -394,7 +414,7 @@ def test_repl_session(mpy_dir: Path, quickstart: Path, tmp_path: Path) -> None:
     (tmp_path / "model.clb").write_bytes(quickstart.read_bytes())
     out = repl(mpy_dir, tmp_path, REPL_SESSION)
     assert out.startswith("MicroPython "), out
-    host = colibri.Model(quickstart, reference_kernels=True)
+    host = colibri.Model(quickstart, reference_kernels=not BUILTIN)
     assert after(out, "colibri.version()") == f"'{colibri.version()}'\n"
     assert after(out, "m") == (f"<colibri.Model input_size=48 output_size=24 num_experts={host.num_experts} "
                                f"max_batch={host.max_batch} arena_size={host.arena_size}>\n")

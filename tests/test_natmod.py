@@ -26,6 +26,10 @@ FIXTURES = ROOT / "tests" / "natmod_fixtures"
 ARCH_CODES = {"x64": 2, "armv7emsp": 7, "armv7emdp": 8}
 WORD = {"x64": 8, "armv7emsp": 4, "armv7emdp": 4}
 MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
+# The MicroPython interpreter the tests run: the PyPI unix build, or one named by COLIBRI_MICROPYTHON
+# (tests/test_upstream_micropython.py runs these tests again under MicroPython's unix port built from
+# source, with and without `colibri` compiled in as a user C module).
+MICROPYTHON = Path(os.environ.get("COLIBRI_MICROPYTHON") or Path(sys.executable).parent / "micropython")
 PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "output_size", "max_batch",
                 "arena_size"}
 
@@ -296,8 +300,7 @@ def test_minimal_module_imports(tmp_path: Path) -> None:
     from colibri import natmod
 
     natmod.link([compile_fixture("entry", "x64", tmp_path)], "x64", tmp_path / "entry.mpy")
-    micropython = Path(sys.executable).parent / "micropython"
-    r = subprocess.run([str(micropython), "-c", "import entry; print('imported', entry.__name__)"],
+    r = subprocess.run([str(MICROPYTHON), "-c", "import entry; print('imported', entry.__name__)"],
                        env=dict(os.environ, MICROPYPATH=str(tmp_path)), capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == "imported entry", r.stdout + r.stderr
 

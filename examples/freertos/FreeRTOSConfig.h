@@ -1,10 +1,17 @@
 /*
- * FreeRTOS configuration of the Colibri smart meter example: NUCLEO-H743ZI,
- * STM32H743ZI, Cortex-M7 at 480 MHz with the double-precision FPv5-D16 FPU,
- * kernel port GCC/ARM_CM7/r0p1 (see README.md for why that port).
+ * FreeRTOS configuration of the Colibri smart meter example, for its two
+ * boards (the Makefile defines APP_BOARD_MPS2_AN500 for BOARD=mps2_an500):
+ *   - NUCLEO-H743ZI (default): STM32H743ZI, Cortex-M7 at 480 MHz with the
+ *     double-precision FPv5-D16 FPU;
+ *   - mps2-an500 (APP_BOARD_MPS2_AN500): the Cortex-M7 that QEMU emulates,
+ *     25 MHz, the same FPU.
+ * Kernel port GCC/ARM_CM7/r0p1 on both (see README.md for why that port).
  *
- * Written for FreeRTOS-Kernel V10.4 .. V11.x: it sets only options both
- * understand (configUSE_16_BIT_TICKS rather than V11's
+ * Written for FreeRTOS-Kernel V10.4.2 .. V11.x and main (README.md,
+ * "Kernel versions"): it sets only options all of them understand
+ * (INCLUDE_xTaskDelayUntil, which V10.4.2 introduced: defining the old
+ * INCLUDE_vTaskDelayUntil as well is an #error from V10.4.2 on;
+ * configUSE_16_BIT_TICKS rather than V11's
  * configTICK_TYPE_WIDTH_IN_BITS, which V11 derives from it; the two must not
  * both be set), and configSTACK_DEPTH_TYPE = uint32_t, which makes the static
  * memory callbacks' stack size parameter the same type in both (V10:
@@ -19,8 +26,10 @@
 #ifndef __ASSEMBLER__
 #include <stdint.h>
 
+#if !defined(APP_BOARD_MPS2_AN500)
 /* boards/nucleo_h743zi/board.c: the core clock board_init() achieved. */
 uint32_t nh7_sysclk_hz(void);
+#endif
 
 /* main.c: prints the failed assertion on the console and stops. */
 void app_assert_failed(const char *file, int line);
@@ -28,6 +37,12 @@ void app_assert_failed(const char *file, int line);
 
 /* ---- clock and tick ----------------------------------------------------- */
 
+#if defined(APP_BOARD_MPS2_AN500)
+/* QEMU's mps2-an500: SysTick counts the 25 MHz system clock
+ * (boards/mps2_an500/mps2_an500.h). Under -icount the tick is 1 ms of QEMU's
+ * virtual time, not of the host's. */
+#define configCPU_CLOCK_HZ 25000000UL
+#else
 /* The nominal core clock: PLL1 at 480 MHz on revision V silicon (VOS0). */
 #define APP_NOMINAL_CPU_CLOCK_HZ 480000000UL
 
@@ -38,6 +53,7 @@ void app_assert_failed(const char *file, int line);
  * actually reached keeps the tick at 1 ms in every case. On revision V it is
  * exactly APP_NOMINAL_CPU_CLOCK_HZ. */
 #define configCPU_CLOCK_HZ ((unsigned long)nh7_sysclk_hz())
+#endif
 #define configTICK_RATE_HZ ((TickType_t)1000) /* 1 ms tick: pdMS_TO_TICKS() is exact */
 #define configUSE_16_BIT_TICKS 0              /* 32-bit TickType_t: 49 days before it wraps */
 #define configUSE_TICKLESS_IDLE 0
@@ -80,7 +96,7 @@ void app_assert_failed(const char *file, int line);
 
 /* ---- hooks and checks --------------------------------------------------- */
 
-#define configUSE_IDLE_HOOK 0
+#define configUSE_IDLE_HOOK 1 /* main.c: wfi until the next interrupt */
 #define configUSE_TICK_HOOK 0
 #define configUSE_MALLOC_FAILED_HOOK 0 /* nothing to fail: no dynamic allocation */
 #define configUSE_DAEMON_TASK_STARTUP_HOOK 0
@@ -102,6 +118,17 @@ void app_assert_failed(const char *file, int line);
 
 /* ---- interrupt priorities ------------------------------------------------ */
 
+#if defined(APP_BOARD_MPS2_AN500)
+/* QEMU's NVIC: how many priority bits it implements depends on the QEMU
+ * version (7.2 implements all 8), and V10's ports assert that
+ * configPRIO_BITS, when defined, equals what they read back. So it is not
+ * defined here, and the two levels are given as 8-bit register values: the
+ * NUCLEO's levels 15 (the kernel: the lowest) and 5, which any number of
+ * implemented bits from 4 up keeps distinct and V11's 8-bit check accepts
+ * (lowest bit clear). */
+#define configKERNEL_INTERRUPT_PRIORITY 0xFF
+#define configMAX_SYSCALL_INTERRUPT_PRIORITY 0x50
+#else
 /* The STM32H7 NVIC implements 4 priority bits (16 levels, in the top nibble). */
 #define configPRIO_BITS 4
 #define configLIBRARY_LOWEST_INTERRUPT_PRIORITY 15
@@ -110,10 +137,12 @@ void app_assert_failed(const char *file, int line);
 #define configLIBRARY_MAX_SYSCALL_INTERRUPT_PRIORITY 5
 #define configKERNEL_INTERRUPT_PRIORITY (configLIBRARY_LOWEST_INTERRUPT_PRIORITY << (8 - configPRIO_BITS))
 #define configMAX_SYSCALL_INTERRUPT_PRIORITY (configLIBRARY_MAX_SYSCALL_INTERRUPT_PRIORITY << (8 - configPRIO_BITS))
+#endif
 #define configMAX_API_CALL_INTERRUPT_PRIORITY configMAX_SYSCALL_INTERRUPT_PRIORITY
 
 /* ---- exception handlers --------------------------------------------------- */
 
+#if !defined(APP_BOARD_MPS2_AN500)
 /* Direct routing of SVCall and PendSV: the port's handlers take the names of
  * the weak aliases in boards/nucleo_h743zi/startup.c's vector table, so the
  * table points at them and V11's configCHECK_HANDLER_INSTALLATION check
@@ -126,6 +155,13 @@ void app_assert_failed(const char *file, int line);
  * install_vectors() there). */
 #define vPortSVCHandler SVC_Handler
 #define xPortPendSVHandler PendSV_Handler
+#else
+/* mps2-an500: boards/mps2_an500/startup.S sends SVCall and PendSV to its
+ * fault report and SysTick to its work counter, and has no weak aliases, so
+ * main.c's RAM copy of the vector table points all three at the port's
+ * handlers under their own names (install_vectors() there); the check below
+ * reads that copy. */
+#endif
 #define configCHECK_HANDLER_INSTALLATION 1
 
 /* ---- optional API functions ------------------------------------------------ */
@@ -134,7 +170,8 @@ void app_assert_failed(const char *file, int line);
 #define INCLUDE_uxTaskPriorityGet 0
 #define INCLUDE_vTaskDelete 0
 #define INCLUDE_vTaskSuspend 1          /* also: portMAX_DELAY blocks without a timeout */
-#define INCLUDE_vTaskDelayUntil 1       /* V10; V11 maps it onto INCLUDE_xTaskDelayUntil */
+/* Only the new name: from V10.4.2 on, FreeRTOS.h stops with an #error if
+ * INCLUDE_vTaskDelayUntil is defined as well (tests/test_freertos.py checks). */
 #define INCLUDE_xTaskDelayUntil 1
 #define INCLUDE_vTaskDelay 1
 #define INCLUDE_xTaskGetSchedulerState 1 /* main.c's SysTick entry asks it */

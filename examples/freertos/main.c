@@ -1,6 +1,7 @@
 /*
  * Colibri on FreeRTOS: a smart meter forecasting tomorrow's load, on the
- * NUCLEO-H743ZI (README.md in this folder).
+ * NUCLEO-H743ZI, or on QEMU's mps2-an500 Cortex-M7 (BOARD=mps2_an500, which
+ * defines APP_BOARD_MPS2_AN500; README.md in this folder).
  *
  *   sensor task     one reading every half hour of simulated time
  *   (priority 3)    (METER_PERIOD_MS of real time), from meter.c's synthetic
@@ -52,6 +53,18 @@ _Static_assert(COLIBRI_MODEL_OUTPUT_SIZE == METER_HORIZON,
  * scores them. */
 #define FORECAST_EVERY METER_STEPS_PER_DAY
 
+/* Build options for checks (the QEMU run of tests/test_freertos.py):
+ *   APP_STOP_AFTER_DAYS=n   after the n-th forecast has been scored, print
+ *                           "done" and board_exit(0) (QEMU: ends the run);
+ *   APP_REFERENCE_KERNELS   the engine's reference kernels instead of the
+ *                           build's optimised ones (bit-for-bit the host's
+ *                           colibri.Model(..., reference_kernels=True));
+ *   APP_PRINT_RAW           also print each forecast's 48 model outputs as
+ *                           float32 bit patterns ("raw" lines, hex). */
+#ifndef APP_STOP_AFTER_DAYS
+#define APP_STOP_AFTER_DAYS 0u
+#endif
+
 #define READING_QUEUE_LENGTH 8u
 
 #define SENSOR_PRIORITY (tskIDLE_PRIORITY + 3u)    /* on time, every period */
@@ -60,9 +73,9 @@ _Static_assert(COLIBRI_MODEL_OUTPUT_SIZE == METER_HORIZON,
 /* Stack depths in words (StackType_t, 4 bytes). The inference task's deepest
  * path is colibri_init()'s image validation, roughly 1.5 KB with GCC 12 -O2
  * (-fstack-usage); colibri_forward() keeps its activations in the arena, not
- * on the stack. 4 KB leaves a wide margin; the task prints its high-water mark
- * after the first forecast, and configCHECK_FOR_STACK_OVERFLOW catches an
- * overflow. */
+ * on the stack. 4 KB leaves a wide margin; both tasks' high-water marks are
+ * printed once the first forecast has been scored, and
+ * configCHECK_FOR_STACK_OVERFLOW catches an overflow. */
 #define SENSOR_STACK_WORDS 256u
 #define INFERENCE_STACK_WORDS 1024u
 
@@ -71,7 +84,11 @@ _Static_assert(COLIBRI_MODEL_OUTPUT_SIZE == METER_HORIZON,
  * data. A small model's arena also fits in DTCM (faster, never cached):
  * build with -DAPP_ARENA_SECTION='".bss.app_arena"'. */
 #ifndef APP_ARENA_SECTION
+#if defined(APP_BOARD_MPS2_AN500)
+#define APP_ARENA_SECTION ".bss.app_arena" /* mps2-an500: plain RAM (.bss, zeroed at reset) */
+#else
 #define APP_ARENA_SECTION ".axisram"
+#endif
 #endif
 
 /* ---- console ---------------------------------------------------------------- */
@@ -84,6 +101,18 @@ static void put_str(const char *s)
     }
     board_uart_write((const uint8_t *)s, n);
 }
+
+#if defined(APP_PRINT_RAW)
+static void put_hex32(uint32_t v)
+{
+    char buf[8];
+    for (uint32_t i = 0; i < 8u; ++i) {
+        const uint32_t nibble = (v >> (28u - 4u * i)) & 15u;
+        buf[i] = (char)(nibble < 10u ? '0' + nibble : 'a' + (nibble - 10u));
+    }
+    board_uart_write((const uint8_t *)buf, sizeof buf);
+}
+#endif
 
 static void put_u32(uint32_t v)
 {
@@ -178,6 +207,13 @@ void vApplicationStackOverflowHook(TaskHandle_t task, char *name)
     halt();
 }
 
+/* Nothing to do: sleep until the next interrupt (the tick, at the latest).
+ * Under QEMU -icount sleep=off, virtual time then jumps to that interrupt. */
+void vApplicationIdleHook(void)
+{
+    __asm__ volatile("wfi");
+}
+
 /* ---- static memory for the kernel's own tasks (configSUPPORT_STATIC_ALLOCATION) */
 
 void vApplicationGetIdleTaskMemory(StaticTask_t **tcb, StackType_t **stack, configSTACK_DEPTH_TYPE *words)
@@ -198,26 +234,43 @@ void vApplicationGetTimerTaskMemory(StaticTask_t **tcb, StackType_t **stack, con
     *words = configTIMER_TASK_STACK_DEPTH;
 }
 
-/* ---- SysTick: the FreeRTOS tick and the board's cycle counter ----------------
+/* ---- exception vectors --------------------------------------------------------
  *
- * board.c owns SysTick_Handler (it extends DWT CYCCNT to 64 bits for
- * board_work_start/stop), so the flash vector table cannot point at the
- * port's xPortSysTickHandler. install_vectors() copies the table to RAM
- * (VTOR needs it aligned to the next power of two above its size: 166 words
- * -> 1 KB) and points the SysTick entry at tick(), which calls both. Every
- * other entry, SVCall and PendSV included (FreeRTOSConfig.h), is unchanged.
- * The port reads the initial stack pointer from entry 0 of whatever VTOR
- * points at when it starts the first task, so the copy keeps that too. */
-#define SCB_VTOR (*(volatile uint32_t *)0xE000ED08u) /* PM0253: SCB VTOR */
+ * install_vectors() copies the board's flash vector table to RAM (VTOR needs
+ * it aligned to the next power of two above its size) and points some entries
+ * at the kernel; every other entry is unchanged. The port reads the initial
+ * stack pointer from entry 0 of whatever VTOR points at when it starts the
+ * first task, so the copy keeps that too. */
+#define SCB_CPUID (*(const volatile uint32_t *)0xE000ED00u) /* PM0253: SCB CPUID */
+#define SCB_VTOR (*(volatile uint32_t *)0xE000ED08u)         /* PM0253: SCB VTOR */
 #define SYST_CSR (*(volatile uint32_t *)0xE000E010u) /* PM0253: SysTick control and status */
 #define SYST_CSR_TICKINT (1u << 1)
-#define VECTOR_COUNT (16u + 150u) /* initial SP, 15 exceptions, STM32H743 IRQ 0..149 (startup.c) */
+#define VECTOR_SVCALL 11u
+#define VECTOR_PENDSV 14u
 #define VECTOR_SYSTICK 15u
 
 void xPortSysTickHandler(void); /* FreeRTOS port.c */
-void SysTick_Handler(void);     /* boards/nucleo_h743zi/board.c */
 
-static uint32_t ram_vectors[VECTOR_COUNT] __attribute__((aligned(1024)));
+#if defined(APP_BOARD_MPS2_AN500)
+/* mps2-an500: boards/mps2_an500/startup.S sends SVCall and PendSV to its
+ * fault report and SysTick to its work counter (which board_work_start/stop
+ * reprogram, so this example does not use them: the kernel owns SysTick).
+ * The copy points the three at the port's handlers, under their own names
+ * (FreeRTOSConfig.h). 16 + 64 entries (startup.S) -> 512-byte alignment. */
+#define VECTOR_COUNT (16u + 64u)
+#define VECTOR_ALIGN 512
+void vPortSVCHandler(void);    /* FreeRTOS port.c */
+void xPortPendSVHandler(void); /* FreeRTOS port.c */
+#else
+/* NUCLEO-H743ZI: board.c owns SysTick_Handler (it extends DWT CYCCNT to 64
+ * bits for board_work_start/stop), so the flash vector table cannot point at
+ * the port's xPortSysTickHandler: the copy points the SysTick entry at tick(),
+ * which calls both. SVCall and PendSV use direct routing (FreeRTOSConfig.h).
+ * 166 words (initial SP, 15 exceptions, STM32H743 IRQ 0..149, startup.c) ->
+ * 1 KB alignment. */
+#define VECTOR_COUNT (16u + 150u)
+#define VECTOR_ALIGN 1024
+void SysTick_Handler(void); /* boards/nucleo_h743zi/board.c */
 
 static void tick(void)
 {
@@ -228,6 +281,9 @@ static void tick(void)
     }
     SysTick_Handler();
 }
+#endif
+
+static uint32_t ram_vectors[VECTOR_COUNT] __attribute__((aligned(VECTOR_ALIGN)));
 
 static void install_vectors(void)
 {
@@ -235,11 +291,25 @@ static void install_vectors(void)
     for (uint32_t i = 0; i < VECTOR_COUNT; ++i) {
         ram_vectors[i] = flash_vectors[i];
     }
+#if defined(APP_BOARD_MPS2_AN500)
+    ram_vectors[VECTOR_SVCALL] = (uint32_t)(uintptr_t)&vPortSVCHandler;
+    ram_vectors[VECTOR_PENDSV] = (uint32_t)(uintptr_t)&xPortPendSVHandler;
+    ram_vectors[VECTOR_SYSTICK] = (uint32_t)(uintptr_t)&xPortSysTickHandler;
+#else
     ram_vectors[VECTOR_SYSTICK] = (uint32_t)(uintptr_t)&tick;
+#endif
     __asm__ volatile("cpsid i\n\tdsb\n\tisb" ::: "memory");
     SCB_VTOR = (uint32_t)(uintptr_t)ram_vectors;
     __asm__ volatile("dsb\n\tisb\n\tcpsie i" ::: "memory");
 }
+
+/* The work counter around colibri_forward(): the NUCLEO's DWT cycle counter;
+ * none on mps2-an500 (the board's counter is SysTick, the kernel's tick). */
+#if defined(APP_BOARD_MPS2_AN500)
+#define APP_HAS_WORK_COUNTER 0
+#else
+#define APP_HAS_WORK_COUNTER 1
+#endif
 
 /* ---- the sensor task ------------------------------------------------------------ */
 
@@ -256,6 +326,7 @@ static volatile uint32_t readings_dropped; /* written by the sensor only */
 
 static StaticTask_t sensor_tcb;
 static StackType_t sensor_stack[SENSOR_STACK_WORDS];
+static TaskHandle_t sensor_handle; /* for the inference task's stack report */
 
 static void sensor_task(void *arg)
 {
@@ -269,7 +340,7 @@ static void sensor_task(void *arg)
         if (xQueueSend(reading_queue, &r, 0) != pdPASS) {
             readings_dropped = readings_dropped + 1u;
         }
-        vTaskDelayUntil(&wake, METER_PERIOD_TICKS);
+        (void)xTaskDelayUntil(&wake, METER_PERIOD_TICKS);
     }
 }
 
@@ -312,9 +383,15 @@ static void print_forecast(uint32_t t, uint64_t cycles)
     put_u32(day);
     put_str(" (");
     put_str(weekday_name[day % 7u]);
-    put_str(") forecast, MW per half hour, in ");
+    put_str(") forecast, MW per half hour");
+#if APP_HAS_WORK_COUNTER
+    put_str(", in ");
     put_u32(cycles > UINT32_MAX ? UINT32_MAX : (uint32_t)cycles);
-    put_str(" cycles:\r\n");
+    put_str(" cycles");
+#else
+    (void)cycles;
+#endif
+    put_str(":\r\n");
     for (uint32_t row = 0; row < METER_HORIZON; row += 12u) {
         put_str("  ");
         put_clock(row);
@@ -324,6 +401,29 @@ static void print_forecast(uint32_t t, uint64_t cycles)
         }
         put_str("\r\n");
     }
+#if defined(APP_PRINT_RAW)
+    for (uint32_t row = 0; row < METER_HORIZON; row += 12u) {
+        put_str("  raw");
+        for (uint32_t i = row; i < row + 12u; ++i) {
+            uint32_t bits;
+            __builtin_memcpy(&bits, &forecast_scaled[i], sizeof bits);
+            put_str(" ");
+            put_hex32(bits);
+        }
+        put_str("\r\n");
+    }
+#endif
+}
+
+/* Words of a task's stack never used so far (its high-water mark). */
+static void print_stack(const char *name, TaskHandle_t task, uint32_t words)
+{
+    put_str(name);
+    put_str(" task stack: ");
+    put_u32((uint32_t)uxTaskGetStackHighWaterMark(task));
+    put_str(" of ");
+    put_u32(words);
+    put_str(" words never used\r\n");
 }
 
 static void inference_task(void *arg)
@@ -348,6 +448,15 @@ static void inference_task(void *arg)
     if (st != COLIBRI_OK) {
         colibri_failed("colibri_init", st);
     }
+#if defined(APP_REFERENCE_KERNELS)
+    st = colibri_set_kernels(ctx, COLIBRI_KERNELS_REFERENCE);
+    if (st != COLIBRI_OK) {
+        colibri_failed("colibri_set_kernels", st);
+    }
+#endif
+    put_str("kernels: ");
+    put_str(colibri_kernels_name(ctx));
+    put_str("\r\n");
 
     meter_history_init(&history);
     uint32_t expected = 0;       /* the step of the next reading */
@@ -355,7 +464,7 @@ static void inference_task(void *arg)
     int have_forecast = 0;       /* forecast_mw holds the day starting at forecast_t */
     uint32_t forecast_t = 0;
     float abs_err_sum = 0.0f, actual_sum = 0.0f;
-    int first = 1;
+    uint32_t days_scored = 0;
 
     put_str("waiting for a week of readings (");
     put_u32(METER_WEEK);
@@ -397,6 +506,21 @@ static void inference_task(void *arg)
                 put_i32(tenths % 10);
                 put_str(" % of the load)\r\n");
                 have_forecast = 0;
+                ++days_scored;
+                if (days_scored == 1u) {
+                    /* Both tasks have been through their deepest paths: init
+                     * and a forecast for this one, a full day of readings for
+                     * the sensor. */
+                    print_stack("sensor", sensor_handle, SENSOR_STACK_WORDS);
+                    print_stack("inference", NULL, INFERENCE_STACK_WORDS);
+                }
+#if APP_STOP_AFTER_DAYS > 0
+                if (days_scored >= APP_STOP_AFTER_DAYS) {
+                    put_str("done\r\n");
+                    vTaskDelay(pdMS_TO_TICKS(20)); /* QEMU: lets the UART's last bytes out first */
+                    board_exit(0);
+                }
+#endif
             }
         }
 
@@ -409,9 +533,15 @@ static void inference_task(void *arg)
             put_str("error: meter_build_input\r\n");
             continue;
         }
+#if APP_HAS_WORK_COUNTER
         board_work_start();
+#endif
         st = colibri_forward(ctx, 1, model_input, METER_INPUT_SIZE, forecast_scaled, METER_HORIZON);
+#if APP_HAS_WORK_COUNTER
         const uint64_t cycles = board_work_stop();
+#else
+        const uint64_t cycles = 0;
+#endif
         if (st != COLIBRI_OK) {
             colibri_failed("colibri_forward", st);
         }
@@ -423,14 +553,6 @@ static void inference_task(void *arg)
         abs_err_sum = 0.0f;
         actual_sum = 0.0f;
         print_forecast(t, cycles);
-        if (first) {
-            first = 0;
-            put_str("inference task stack: ");
-            put_u32((uint32_t)uxTaskGetStackHighWaterMark(NULL));
-            put_str(" of ");
-            put_u32(INFERENCE_STACK_WORDS);
-            put_str(" words never used\r\n");
-        }
     }
 }
 
@@ -438,7 +560,7 @@ static void inference_task(void *arg)
 
 int main(void)
 {
-    board_init(); /* clocks, caches, USART3, cycle counter, stack guard */
+    board_init(); /* NUCLEO: clocks, caches, USART3, cycle counter, stack guard; mps2-an500: UART0 */
     install_vectors();
 
     put_str("\r\ncolibri ");
@@ -447,14 +569,19 @@ int main(void)
     put_str(tskKERNEL_VERSION_NUMBER);
     put_str(", ");
     put_str(board_name());
-    put_str(", core at ");
-    put_u32(nh7_sysclk_hz() / 1000000u);
+    put_str(", core r");
+    put_u32((SCB_CPUID >> 20) & 15u); /* variant */
+    put_str("p");
+    put_u32(SCB_CPUID & 15u); /* revision: the GCC/ARM_CM7/r0p1 port is for r0p0/r0p1 (README.md) */
+    put_str(" at ");
+    put_u32((uint32_t)(configCPU_CLOCK_HZ / 1000000u));
     put_str(" MHz\r\n");
 
     reading_queue = xQueueCreateStatic(READING_QUEUE_LENGTH, sizeof(meter_reading), reading_queue_storage,
                                        &reading_queue_cb);
     const TaskHandle_t sensor = xTaskCreateStatic(sensor_task, "sensor", SENSOR_STACK_WORDS, NULL,
                                                   SENSOR_PRIORITY, sensor_stack, &sensor_tcb);
+    sensor_handle = sensor;
     const TaskHandle_t inference = xTaskCreateStatic(inference_task, "inference", INFERENCE_STACK_WORDS, NULL,
                                                      INFERENCE_PRIORITY, inference_stack, &inference_tcb);
     configASSERT(reading_queue != NULL);
