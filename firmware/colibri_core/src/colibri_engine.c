@@ -17,6 +17,8 @@ struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
     colibri_kernels k;       /* the kernels the forward pass calls (colibri_kernels.h) */
+    uint32_t last_producer;  /* the last LINEAR or MOE layer (it may write the caller's output), or
+                              * UINT32_MAX */
     colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
     colibri_plan_moe *moe;       /* [MoE layers] */
     colibri_plan_expert *expert; /* [routed + shared experts of all MoE layers] */
@@ -223,6 +225,7 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
     const colibri_header *hdr = &c->model.hdr;
     uint32_t n_moe = 0, n_expert = 0;
 
+    c->last_producer = UINT32_MAX;
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
         colibri_layer l;
         colibri_read_layer(image, hdr, i, &l);
@@ -234,6 +237,8 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
         p->in = l.in_features;
         p->eps = l.eps;
         p->moe = 0;
+        if (linear || moe)
+            c->last_producer = i;
         weight(&p->w, image, hdr, linear ? l.t0 : COLIBRI_NONE);
         p->t0 = linear || moe ? NULL : f32_tensor(image, hdr, l.t0);
         p->t1 = f32_tensor(image, hdr, l.t1);
@@ -338,6 +343,40 @@ static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16
     return (colibri_qrows){c->qrows, c->qscale};
 }
 
+/* GCC would turn the clearing loops below back into memset calls; the
+ * buffers they clear are small (a MoE layer's output rows, its ring
+ * counts), where newlib's memset costs more than the stores. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_MEMSET_LOOP __attribute__((optimize("no-tree-loop-distribute-patterns")))
+#else
+#define NO_MEMSET_LOOP
+#endif
+
+/* p[0 .. n-1] = +0.0f, 8 stores a step. */
+static NO_MEMSET_LOOP void clear_floats(float *p, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8u <= n; i += 8u) {
+        p[i] = 0.0f;
+        p[i + 1u] = 0.0f;
+        p[i + 2u] = 0.0f;
+        p[i + 3u] = 0.0f;
+        p[i + 4u] = 0.0f;
+        p[i + 5u] = 0.0f;
+        p[i + 6u] = 0.0f;
+        p[i + 7u] = 0.0f;
+    }
+    for (; i < n; i++)
+        p[i] = 0.0f;
+}
+
+/* p[0 .. n-1] = 0 (n: a MoE layer's routed experts). */
+static NO_MEMSET_LOOP void clear_counts(uint32_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = 0u;
+}
+
 /* y[rows[i]] += scale[i] · expert(x[rows[i]]) for i < n (rows NULL: tokens
  * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
  * index list; the hidden rows [n, H] are compact. With INT8_ACT the x rows
@@ -365,7 +404,7 @@ static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, c
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
-static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
+static NOINLINE void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
 {
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
 
@@ -374,7 +413,7 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
-    memset(c->ring_count, 0, n_experts * sizeof *c->ring_count);
+    clear_counts(c->ring_count, n_experts);
     for (size_t t = 0; t < batch; t++) {
         const size_t n = moe->route(c->scores + t * routes, &moe->routing, c->sel_weight, c->sel_slot);
         for (size_t j = 0; j < n; j++) {
@@ -392,7 +431,7 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
 
     /* 3. Each routed expert with tokens runs once over its ring,
      *    accumulating straight into the tokens' output rows. */
-    memset(y, 0, batch * d * sizeof *y);
+    clear_floats(y, batch * d);
     for (size_t s = 0; s < n_experts; s++)
         if (c->ring_count[s])
             expert_forward(c, &moe->expert[s], x, d, c->ring_token + s * batch,
@@ -413,11 +452,11 @@ static void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const
     }
 }
 
-static void swap(float **a, float **b)
+/* Whether [a, a + an) and [b, b + bn) (floats) share memory. */
+static int overlap(const float *a, size_t an, const float *b, size_t bn)
 {
-    float *t = *a;
-    *a = *b;
-    *b = t;
+    const uintptr_t pa = (uintptr_t)a, pb = (uintptr_t)b;
+    return pa < pb + bn * sizeof *b && pb < pa + an * sizeof *a;
 }
 
 colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
@@ -437,50 +476,69 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     if (input_count != batch * hdr->input_size || output_count != batch * hdr->output_size)
         return COLIBRI_E_BUFFER_SIZE;
 
-    /* x is the current activation [batch, width]; spare receives LINEAR
-     * outputs, moe_acc MoE outputs, and pointers swap instead of copying. */
-    float *x = ctx->act[0], *spare = ctx->act[1], *moe_acc = ctx->moe_acc;
+    /* x is the current activation [batch, width]. It starts as the caller's
+     * input, read in place until an op would change it in place (then it is
+     * copied into act[0] first); a LINEAR or MOE layer writes a buffer other
+     * than x: the caller's output for the last such layer (when output
+     * overlaps neither x nor the input), else act[0] or act[1] (LINEAR) or
+     * moe_acc (MOE). The arena's buffers all hold [max_batch, W]. */
+    const float *x = input;
+    float *const act0 = ctx->act[0], *const act1 = ctx->act[1];
     const size_t stack_slot = batch * ctx->model.width;
+    const uint32_t last = ctx->last_producer;
+    const int direct = !overlap(output, output_count, input, input_count);
     size_t depth = 0;
 
-    memcpy(x, input, input_count * sizeof *x);
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
         const colibri_plan_layer *l = &ctx->layer[i];
         const size_t in = l->in;
+        float *own = (float *)(uintptr_t)x; /* x, writable once it is not the input */
 
+        if (x == input && l->op != COLIBRI_OP_LINEAR && l->op != COLIBRI_OP_MOE && l->op != COLIBRI_OP_RESIDUAL_PUSH) {
+            memcpy(act0, input, input_count * sizeof *x);
+            x = own = act0;
+        }
         switch (l->op) {
         case COLIBRI_OP_LINEAR: {
+            float *y = x == act0 ? act1 : act0;
+            if (i == last && direct && !overlap(output, output_count, x, batch * in))
+                y = output;
             colibri_qrows q = {NULL, NULL};
             if (l->int8_act)
                 q = quantize(ctx, x, NULL, batch, in);
-            ctx->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, spare);
-            swap(&x, &spare);
+            ctx->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, y);
+            x = y;
             break;
         }
         case COLIBRI_OP_ACTIVATION:
-            ctx->k.activation(x, batch * in, l->act);
+            ctx->k.activation(own, batch * in, l->act);
             break;
         case COLIBRI_OP_LAYERNORM:
-            ctx->k.layernorm(x, batch, in, l->t0, l->t1, l->eps);
+            ctx->k.layernorm(own, batch, in, l->t0, l->t1, l->eps);
             break;
         case COLIBRI_OP_RMSNORM:
-            ctx->k.rmsnorm(x, batch, in, l->t0, l->eps);
+            ctx->k.rmsnorm(own, batch, in, l->t0, l->eps);
             break;
         case COLIBRI_OP_RESIDUAL_PUSH:
             memcpy(ctx->stack + depth++ * stack_slot, x, batch * in * sizeof *x);
             break;
         case COLIBRI_OP_RESIDUAL_ADD:
-            ctx->k.add(x, ctx->stack + --depth * stack_slot, batch * in);
+            ctx->k.add(own, ctx->stack + --depth * stack_slot, batch * in);
             break;
-        case COLIBRI_OP_MOE:
-            moe_forward(ctx, &ctx->moe[l->moe], x, moe_acc, batch);
-            swap(&x, &moe_acc);
+        case COLIBRI_OP_MOE: {
+            float *y = x == ctx->moe_acc ? act0 : ctx->moe_acc;
+            if (i == last && direct && !overlap(output, output_count, x, batch * in))
+                y = output;
+            moe_forward(ctx, &ctx->moe[l->moe], x, y, batch);
+            x = y;
             break;
+        }
         default: /* unreachable: ops are validated */
             break;
         }
     }
-    memcpy(output, x, output_count * sizeof *x);
+    if (x != output)
+        memcpy(output, x, output_count * sizeof *x);
     return COLIBRI_OK;
 }
 

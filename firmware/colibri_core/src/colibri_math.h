@@ -51,10 +51,18 @@ typedef float colibri_real;
 
 #define COLIBRI_MATH_COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
-/* Horner: c[0] + z·(c[1] + z·(... c[n-1])). */
+/* Horner: c[0] + z·(c[1] + z·(... c[n-1])). Unrolled where GCC can (n is
+ * a constant wherever it is inlined): the same operations in the same order,
+ * without a loop counter and a constant pointer per term. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define COLIBRI_MATH_UNROLL _Pragma("GCC unroll 16")
+#else
+#define COLIBRI_MATH_UNROLL
+#endif
 static inline colibri_real colibri_poly(const colibri_real *c, unsigned n, colibri_real z)
 {
     colibri_real p = c[n - 1];
+    COLIBRI_MATH_UNROLL
     for (unsigned i = n - 1; i-- > 0;)
         p = p * z + c[i];
     return p;

@@ -155,82 +155,87 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
 }
 
 /* Every 8-row block of a matrix whose rows are whole chunks (in % 8 == 0):
- * blocks × 8 rows from w, results into dst (or dst += *scale · v), the
- * accumulators starting from init, which steps 8 floats a block (bias) or
- * stays (zeros8). One asm loop over the blocks: its state lives in a small
- * frame of its own on the stack while the 8 row pointers, x and the counter
- * use the core registers; row r of the next block starts where row 7 of this
- * one ended, so only rows 1-7 are recomputed per block. */
-static __attribute__((noinline)) void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks,
-                                                  const float *init, size_t init_step, float *dst,
-                                                  const float *scale)
+ * blocks × 8 rows from w, results into dst (F32_STORE8) or dst += *scale · v
+ * (F32_ACC8), the accumulators starting from init, which steps 8 floats a
+ * block (bias) or stays (zeros8). One asm loop over the blocks; row r of the
+ * next block starts where row 7 of this one ended, so only rows 1-7 are
+ * recomputed per block. Registers: the 8 row pointers, x (back to its start
+ * after each block), the chunk counter n (also the end's scratch), in4,
+ * init, its step and dst; a frame of its own on the stack holds dst's end,
+ * the chunks per row and the scale. Two functions rather than a test per
+ * block. */
+#define F32_STORE8 "vstmia %[dst]!, {s24-s31}\n\t"
+#define F32_ACC8                                                                                                    \
+    "ldr %[n], [sp, #8]\n\t"                                                                                        \
+    "vldr s16, [%[n]]\n\t"                                                                                          \
+    "vldmia %[dst], {s0-s7}\n\t"                                                                                    \
+    "vfma.f32 s0, s24, s16\n\t"                                                                                     \
+    "vfma.f32 s1, s25, s16\n\t"                                                                                     \
+    "vfma.f32 s2, s26, s16\n\t"                                                                                     \
+    "vfma.f32 s3, s27, s16\n\t"                                                                                     \
+    "vfma.f32 s4, s28, s16\n\t"                                                                                     \
+    "vfma.f32 s5, s29, s16\n\t"                                                                                     \
+    "vfma.f32 s6, s30, s16\n\t"                                                                                     \
+    "vfma.f32 s7, s31, s16\n\t"                                                                                     \
+    "vstmia %[dst]!, {s0-s7}\n\t"
+
+#define F32_BLOCKS8(NAME, EMIT)                                                                                     \
+    static __attribute__((noinline)) void NAME(const float *w, size_t in, const float *x, size_t blocks,           \
+                                               const float *init, size_t init_step, float *dst,                    \
+                                               const float *scale)                                                 \
+    {                                                                                                               \
+        const float *p0 = w;                                                                                        \
+        uintptr_t p1 = (uintptr_t)(dst + blocks * 8u), p2 = in / 8u, p3 = (uintptr_t)scale, p4, p5, p6, p7, n;      \
+        const uintptr_t step = init_step * sizeof(float);                                                           \
+        const size_t in4 = in * sizeof(float);                                                                      \
+        __asm__ volatile("sub sp, sp, #16\n\t"                                                                      \
+                         "str %[p1], [sp]\n\t"                                                                      \
+                         "str %[p2], [sp, #4]\n\t"                                                                  \
+                         "str %[p3], [sp, #8]\n\t"                                                                  \
+                         "2:\n\t"                                                                                   \
+                         "vldmia %[init], {s24-s31}\n\t"                                                            \
+                         "add %[init], %[init], %[step]\n\t"                                                        \
+                         "add %[p1], %[p0], %[in4]\n\t"                                                             \
+                         "add %[p2], %[p1], %[in4]\n\t"                                                             \
+                         "add %[p3], %[p2], %[in4]\n\t"                                                             \
+                         "add %[p4], %[p3], %[in4]\n\t"                                                             \
+                         "add %[p5], %[p4], %[in4]\n\t"                                                             \
+                         "add %[p6], %[p5], %[in4]\n\t"                                                             \
+                         "add %[p7], %[p6], %[in4]\n\t"                                                             \
+                         "ldr %[n], [sp, #4]\n\t"                                                                   \
+                         "1:\n\t"                                                                                   \
+                         "vldmia %[x]!, {s16-s23}\n\t"                                                              \
+                         LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")                                           \
+                         LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")                                           \
+                         LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")                                           \
+                         LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")                                           \
+                         "subs %[n], %[n], #1\n\t"                                                                  \
+                         "bne 1b\n\t"                                                                               \
+                         "sub %[x], %[x], %[in4]\n\t"                                                               \
+                         EMIT                                                                                       \
+                         "mov %[p0], %[p7]\n\t"                                                                     \
+                         "ldr %[n], [sp]\n\t"                                                                       \
+                         "cmp %[dst], %[n]\n\t"                                                                     \
+                         "bne 2b\n\t"                                                                               \
+                         "add sp, sp, #16\n\t"                                                                      \
+                         : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "=&r"(p4),              \
+                           [p5] "=&r"(p5), [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "=&r"(n),               \
+                           [init] "+r"(init), [dst] "+r"(dst)                                                       \
+                         : [in4] "r"(in4), [step] "r"(step)                                                         \
+                         : S_ALL, "memory", "cc");                                                                  \
+    }
+
+F32_BLOCKS8(f32_blocks8_store, F32_STORE8)
+F32_BLOCKS8(f32_blocks8_acc, F32_ACC8)
+
+/* dst = or += *scale · (the blocks): the store or the accumulating loop. */
+static inline void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks, const float *init,
+                               size_t init_step, float *dst, const float *scale)
 {
-    const float *p0 = w;
-    uintptr_t p1 = (uintptr_t)init, p2 = init_step * sizeof(float), p3 = (uintptr_t)dst, p4 = blocks;
-    uintptr_t p5 = (uintptr_t)scale, p6, p7;
-    size_t n = in / 8u;
-    const size_t in4 = in * sizeof(float);
-    __asm__ volatile("sub sp, sp, #32\n\t"
-                     "str %[x], [sp]\n\t"
-                     "str %[n], [sp, #4]\n\t"
-                     "str %[p1], [sp, #8]\n\t"
-                     "str %[p2], [sp, #12]\n\t"
-                     "str %[p3], [sp, #16]\n\t"
-                     "str %[p4], [sp, #20]\n\t"
-                     "str %[p5], [sp, #24]\n\t"
-                     "2:\n\t"
-                     "ldr %[p1], [sp, #8]\n\t"
-                     "vldmia %[p1], {s24-s31}\n\t"
-                     "ldr %[p2], [sp, #12]\n\t"
-                     "add %[p1], %[p1], %[p2]\n\t"
-                     "str %[p1], [sp, #8]\n\t"
-                     "add %[p1], %[p0], %[in4]\n\t"
-                     "add %[p2], %[p1], %[in4]\n\t"
-                     "add %[p3], %[p2], %[in4]\n\t"
-                     "add %[p4], %[p3], %[in4]\n\t"
-                     "add %[p5], %[p4], %[in4]\n\t"
-                     "add %[p6], %[p5], %[in4]\n\t"
-                     "add %[p7], %[p6], %[in4]\n\t"
-                     "ldr %[x], [sp]\n\t"
-                     "ldr %[n], [sp, #4]\n\t"
-                     "1:\n\t"
-                     "vldmia %[x]!, {s16-s23}\n\t"
-                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
-                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
-                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
-                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
-                     "subs %[n], %[n], #1\n\t"
-                     "bne 1b\n\t"
-                     "ldr %[p1], [sp, #16]\n\t"
-                     "ldr %[p2], [sp, #24]\n\t"
-                     "cmp %[p2], #0\n\t"
-                     "beq 3f\n\t"
-                     "vldr s16, [%[p2]]\n\t"
-                     "vldmia %[p1], {s0-s7}\n\t"
-                     "vfma.f32 s0, s24, s16\n\t"
-                     "vfma.f32 s1, s25, s16\n\t"
-                     "vfma.f32 s2, s26, s16\n\t"
-                     "vfma.f32 s3, s27, s16\n\t"
-                     "vfma.f32 s4, s28, s16\n\t"
-                     "vfma.f32 s5, s29, s16\n\t"
-                     "vfma.f32 s6, s30, s16\n\t"
-                     "vfma.f32 s7, s31, s16\n\t"
-                     "vstmia %[p1]!, {s0-s7}\n\t"
-                     "b 4f\n\t"
-                     "3:\n\t"
-                     "vstmia %[p1]!, {s24-s31}\n\t"
-                     "4:\n\t"
-                     "str %[p1], [sp, #16]\n\t"
-                     "mov %[p0], %[p7]\n\t"
-                     "ldr %[p1], [sp, #20]\n\t"
-                     "subs %[p1], %[p1], #1\n\t"
-                     "str %[p1], [sp, #20]\n\t"
-                     "bne 2b\n\t"
-                     "add sp, sp, #32\n\t"
-                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
-                       [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "+r"(n)
-                     : [in4] "r"(in4)
-                     : S_ALL, "memory", "cc");
+    if (scale)
+        f32_blocks8_acc(w, in, x, blocks, init, init_step, dst, scale);
+    else
+        f32_blocks8_store(w, in, x, blocks, init, init_step, dst, NULL);
 }
 
 static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
@@ -258,6 +263,34 @@ static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const
                      "3:\n\t"
                      : [p0] "+l"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
                      : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
+                     : S_ALL, "memory", "cc");
+}
+
+/* Three rows (a small router's), stored: dst[r] = init[r] + Σ w[r·in + k] ·
+ * x[k], r < 3; rows 0 and 1 alternate as in FMA_PAIR, row 2 in s8-s15
+ * into s26. */
+static __attribute__((noinline)) void f32_rows3(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in;
+    __asm__ volatile("vldmia %[init], {s24-s26}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     "vldmia %[p2]!, {s8-s15}\n\t"
+                     "vfma.f32 s26, s8, s16\n\t"
+                     "vfma.f32 s26, s9, s17\n\t"
+                     "vfma.f32 s26, s10, s18\n\t"
+                     "vfma.f32 s26, s11, s19\n\t"
+                     "vfma.f32 s26, s12, s20\n\t"
+                     "vfma.f32 s26, s13, s21\n\t"
+                     "vfma.f32 s26, s14, s22\n\t"
+                     "vfma.f32 s26, s15, s23\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s24-s26}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
                      : S_ALL, "memory", "cc");
 }
 
@@ -450,6 +483,10 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
         if (o + 4u <= out) {
             f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
             o += 4u;
+        }
+        if (o + 3u == out && !acc) {
+            f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
+            return;
         }
         if (o + 2u <= out) {
             f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
@@ -862,7 +899,23 @@ static int f32_pairs(const colibri_matrix *w, size_t n)
 #endif
 }
 
-static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+/* F32 weights in whole 8 x 8 blocks (rows and columns multiples of 8): one
+ * token goes straight to f32_blocks8. */
+static int f32_whole_blocks(const colibri_matrix *w)
+{
+#if defined(CMSIS_F32)
+    return w->dtype == COLIBRI_DTYPE_F32 && w->cols != 0u && (w->cols | w->rows) % 8u == 0u && w->rows != 0u;
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
+#if defined(CMSIS_F32)
+static const float one = 1.0f;
+#endif
+
+static __attribute__((noinline)) void linear_tokens(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
                          const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
@@ -878,7 +931,7 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
                y + i * out);
 }
 
-static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+static __attribute__((noinline)) void linear_acc_tokens(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
                              const float *scale, const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
@@ -893,6 +946,44 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
     for (; i < n; i++)
         matvec(w, x + i * in, xq ? xq->q + i * in : NULL, xq ? xq->a[i] : 0.0f, b, 1, scale ? scale[i] : 1.0f,
                y + (rows ? rows[i] : i) * out);
+}
+
+/* The linear kernels: one token of a matrix in whole 8 x 8 F32 blocks goes
+ * straight to f32_blocks8 (the common case of a small model at batch 1,
+ * kept free of the general path's frame); everything else token by token
+ * (linear_tokens, linear_acc_tokens). */
+static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+                         const colibri_qrows *xq, float *restrict y)
+{
+#if defined(CMSIS_F32)
+    if (n == 1u && f32_whole_blocks(w)) {
+        const size_t in = w->cols;
+        f32_blocks8(w->data, in, x + (rows ? rows[0] : 0u) * in, w->rows / 8u, b ? b : zeros8, b ? 8u : 0u, y,
+                    NULL);
+        return;
+    }
+#endif
+#if defined(CMSIS_F32)
+    if (n == 1u && w->dtype == COLIBRI_DTYPE_F32) {
+        matvec_f32(w, x + (rows ? rows[0] : 0u) * w->cols, b, 0, 1.0f, y);
+        return;
+    }
+#endif
+    linear_tokens(x, rows, n, w, b, xq, y);
+}
+
+static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+                             const float *scale, const colibri_qrows *xq, float *restrict y)
+{
+#if defined(CMSIS_F32)
+    if (n == 1u && f32_whole_blocks(w)) {
+        const size_t out = w->rows;
+        f32_blocks8(w->data, w->cols, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y + (rows ? rows[0] : 0u) * out,
+                    scale ? scale : &one);
+        return;
+    }
+#endif
+    linear_acc_tokens(x, n, w, b, rows, scale, xq, y);
 }
 
 #if defined(CMSIS_FPV5)
