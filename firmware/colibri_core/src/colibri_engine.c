@@ -343,7 +343,7 @@ static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16
     return (colibri_qrows){c->qrows, c->qscale};
 }
 
-/* GCC would turn the clearing loops below back into memset calls; the
+/* GCC would turn moe_forward's clearing loops back into memset calls; the
  * buffers they clear are small (a MoE layer's output rows, its ring
  * counts), where newlib's memset costs more than the stores. */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -351,31 +351,6 @@ static colibri_qrows quantize(const colibri_ctx *c, const float *x, const uint16
 #else
 #define NO_MEMSET_LOOP
 #endif
-
-/* p[0 .. n-1] = +0.0f, 8 stores a step. */
-static NO_MEMSET_LOOP void clear_floats(float *p, size_t n)
-{
-    size_t i = 0;
-    for (; i + 8u <= n; i += 8u) {
-        p[i] = 0.0f;
-        p[i + 1u] = 0.0f;
-        p[i + 2u] = 0.0f;
-        p[i + 3u] = 0.0f;
-        p[i + 4u] = 0.0f;
-        p[i + 5u] = 0.0f;
-        p[i + 6u] = 0.0f;
-        p[i + 7u] = 0.0f;
-    }
-    for (; i < n; i++)
-        p[i] = 0.0f;
-}
-
-/* p[0 .. n-1] = 0 (n: a MoE layer's routed experts). */
-static NO_MEMSET_LOOP void clear_counts(uint32_t *p, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        p[i] = 0u;
-}
 
 /* y[rows[i]] += scale[i] · expert(x[rows[i]]) for i < n (rows NULL: tokens
  * 0 .. n-1; scale NULL: 1). The n input rows are read in place through the
@@ -404,7 +379,7 @@ static void expert_forward(const colibri_ctx *c, const colibri_plan_expert *e, c
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
-static NOINLINE void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
+static NOINLINE NO_MEMSET_LOOP void moe_forward(const colibri_ctx *c, const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
 {
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
 
@@ -413,7 +388,8 @@ static NOINLINE void moe_forward(const colibri_ctx *c, const colibri_plan_moe *m
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
-    clear_counts(c->ring_count, n_experts);
+    for (size_t s = 0; s < n_experts; s++)
+        c->ring_count[s] = 0u;
     for (size_t t = 0; t < batch; t++) {
         const size_t n = moe->route(c->scores + t * routes, &moe->routing, c->sel_weight, c->sel_slot);
         for (size_t j = 0; j < n; j++) {
@@ -431,7 +407,22 @@ static NOINLINE void moe_forward(const colibri_ctx *c, const colibri_plan_moe *m
 
     /* 3. Each routed expert with tokens runs once over its ring,
      *    accumulating straight into the tokens' output rows. */
-    clear_floats(y, batch * d);
+    {
+        const size_t n = batch * d;
+        size_t i = 0;
+        for (; i + 8u <= n; i += 8u) {
+            y[i] = 0.0f;
+            y[i + 1u] = 0.0f;
+            y[i + 2u] = 0.0f;
+            y[i + 3u] = 0.0f;
+            y[i + 4u] = 0.0f;
+            y[i + 5u] = 0.0f;
+            y[i + 6u] = 0.0f;
+            y[i + 7u] = 0.0f;
+        }
+        for (; i < n; i++)
+            y[i] = 0.0f;
+    }
     for (size_t s = 0; s < n_experts; s++)
         if (c->ring_count[s])
             expert_forward(c, &moe->expert[s], x, d, c->ring_token + s * batch,

@@ -179,13 +179,14 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
     "vfma.f32 s7, s31, s16\n\t"                                                                                     \
     "vstmia %[dst]!, {s0-s7}\n\t"
 
-#define F32_BLOCKS8(NAME, EMIT)                                                                                     \
+#define F32_BLOCKS8(NAME, STEPS, CHUNK, EMIT)                                                                       \
     static __attribute__((noinline)) void NAME(const float *w, size_t in, const float *x, size_t blocks,           \
                                                const float *init, size_t init_step, float *dst,                    \
                                                const float *scale)                                                 \
     {                                                                                                               \
         const float *p0 = w;                                                                                        \
-        uintptr_t p1 = (uintptr_t)(dst + blocks * 8u), p2 = in / 8u, p3 = (uintptr_t)scale, p4, p5, p6, p7, n;      \
+        uintptr_t p1 = (uintptr_t)(dst + blocks * 8u), p2 = in / (8u * STEPS), p3 = (uintptr_t)scale;               \
+        uintptr_t p4, p5, p6, p7, n;                                                                                \
         const uintptr_t step = init_step * sizeof(float);                                                           \
         const size_t in4 = in * sizeof(float);                                                                      \
         __asm__ volatile("sub sp, sp, #16\n\t"                                                                      \
@@ -203,12 +204,7 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
                          "add %[p6], %[p5], %[in4]\n\t"                                                             \
                          "add %[p7], %[p6], %[in4]\n\t"                                                             \
                          "ldr %[n], [sp, #4]\n\t"                                                                   \
-                         "1:\n\t"                                                                                   \
-                         "vldmia %[x]!, {s16-s23}\n\t"                                                              \
-                         LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")                                           \
-                         LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")                                           \
-                         LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")                                           \
-                         LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")                                           \
+                         "1:\n\t" CHUNK                                                                             \
                          "subs %[n], %[n], #1\n\t"                                                                  \
                          "bne 1b\n\t"                                                                               \
                          "sub %[x], %[x], %[in4]\n\t"                                                               \
@@ -225,17 +221,38 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
                          : S_ALL, "memory", "cc");                                                                  \
     }
 
-F32_BLOCKS8(f32_blocks8_store, F32_STORE8)
-F32_BLOCKS8(f32_blocks8_acc, F32_ACC8)
+/* One 8-column chunk of the 8 rows (F32_CHUNK8), or two a loop step
+ * (F32_CHUNK16, when the rows hold an even number of chunks: half the loop
+ * counting). */
+#define F32_CHUNK8                                                                                                  \
+    "vldmia %[x]!, {s16-s23}\n\t"                                                                                   \
+    LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")                                                                \
+    LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")                                                                \
+    LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")                                                                \
+    LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+#define F32_CHUNK16 F32_CHUNK8 F32_CHUNK8
 
-/* dst = or += *scale · (the blocks): the store or the accumulating loop. */
+F32_BLOCKS8(f32_blocks8_store, 1u, F32_CHUNK8, F32_STORE8)
+F32_BLOCKS8(f32_blocks8_acc, 1u, F32_CHUNK8, F32_ACC8)
+F32_BLOCKS8(f32_blocks16_store, 2u, F32_CHUNK16, F32_STORE8)
+F32_BLOCKS8(f32_blocks16_acc, 2u, F32_CHUNK16, F32_ACC8)
+
+/* dst = or += *scale · (the blocks): the store or the accumulating loop,
+ * two chunks a step when in % 16 == 0. */
 static inline void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks, const float *init,
                                size_t init_step, float *dst, const float *scale)
 {
-    if (scale)
-        f32_blocks8_acc(w, in, x, blocks, init, init_step, dst, scale);
-    else
-        f32_blocks8_store(w, in, x, blocks, init, init_step, dst, NULL);
+    if (in % 16u == 0u) {
+        if (scale)
+            f32_blocks16_acc(w, in, x, blocks, init, init_step, dst, scale);
+        else
+            f32_blocks16_store(w, in, x, blocks, init, init_step, dst, NULL);
+    } else {
+        if (scale)
+            f32_blocks8_acc(w, in, x, blocks, init, init_step, dst, scale);
+        else
+            f32_blocks8_store(w, in, x, blocks, init, init_step, dst, NULL);
+    }
 }
 
 static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
@@ -592,6 +609,21 @@ static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, 
         { const size_t I = 3; STMT; }                                                                               \
     } while (0)
 
+/* The end of a 4-row I8 block after the scale (v[4] local, its address
+ * never leaving the function, so it stays in registers): the compensation
+ * and companion bias, the layer's bias, then store or y += s · v. */
+#define Q8_EPILOGUE4()                                                                                              \
+    do {                                                                                                            \
+        if (with_e)                                                                                                 \
+            colibri_q8_compensate4(w, o, x, v);                                                                     \
+        if (b)                                                                                                      \
+            FOR4(i, v[i] += b[o + i]);                                                                              \
+        if (acc)                                                                                                    \
+            FOR4(i, y[o + i] += s * v[i]);                                                                          \
+        else                                                                                                        \
+            FOR4(i, y[o + i] = v[i]);                                                                               \
+    } while (0)
+
 /* Σ_k Q[k] · xq[k] of 4 rows (q0 .. q0 + 3·in) at once, 4 columns per step:
  * each weight word (4 int8) becomes two int16 pairs by SXTB16 and SXTB16 of
  * it rotated by 8, matched by x's pairs, two SMLAD per word. The int32 sums
@@ -696,19 +728,13 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
     const size_t in = w->cols, out = w->rows;
     const int with_e = colibri_q8_has_terms(w);
     int32_t sum[4];
-    float v[4];
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
+        float sc[4], v[4];
         dot4_i8(q + o * in, in, xq, sum);
-        FOR4(i, v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a));
-        if (with_e)
-            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
-        if (b)
-            FOR4(i, v[i] += b[o + i]);
-        if (acc)
-            FOR4(i, y[o + i] += s * v[i]);
-        else
-            FOR4(i, y[o + i] = v[i]);
+        colibri_q8_scale4(w, o, sc);
+        FOR4(i, v[i] = (float)sum[i] * (sc[i] * a));
+        Q8_EPILOGUE4();
     }
     for (; o < out; o++)
         colibri_emit(y, o,
@@ -772,21 +798,17 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
         const int8_t *q0 = q + o * in;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, v[4];
         if (words != 0u)
-            q8f_rows4(q0, in, x, words, v);
+            q8f_rows4(q0, in, x, words, d);
         for (size_t k = words * 4u; k < in; k++)
             for (size_t i = 0; i < 4; i++)
-                v[i] = __builtin_fmaf((float)q0[i * in + k], x[k], v[i]);
-        FOR4(i, v[i] *= colibri_q8_scale(w, o + i));
-        if (with_e)
-            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
-        if (b)
-            FOR4(i, v[i] += b[o + i]);
-        if (acc)
-            FOR4(i, y[o + i] += s * v[i]);
-        else
-            FOR4(i, y[o + i] = v[i]);
+                d[i] = __builtin_fmaf((float)q0[i * in + k], x[k], d[i]);
+        FOR4(i, v[i] = d[i]);
+        float sc[4];
+        colibri_q8_scale4(w, o, sc);
+        FOR4(i, v[i] *= sc[i]);
+        Q8_EPILOGUE4();
     }
     for (; o < out; o++) {
         const int8_t *qo = q + o * in;
@@ -992,6 +1014,10 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
  * (not GT) and stays, -0 is not above 0 and stays, as in the reference. 8
  * values per VLDM/VSTM. Other activations: the reference. */
 #define RELU1(R) "vcmp.f32 s8, " R "\n\tvmrs APSR_nzcv, fpscr\n\tvselgt.f32 " R ", s8, " R "\n\t"
+#define RELU8                                                                                                       \
+    "vldmia %[p], {s0-s7}\n\t"                                                                                      \
+    RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3") RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")                 \
+    "vstmia %[p]!, {s0-s7}\n\t"
 
 /* ---- SiLU and sigmoid: the reference's formulas, v · (1 / (1 + e^-v)) and
  * 1 / (1 + e^-v), with a single-precision e^x: n = round(x / ln 2) (VCVTA),
@@ -1024,7 +1050,7 @@ static inline float expf_fast(float v)
     return p * scale;
 }
 
-static void sigmoid_family(float *x, size_t n, uint32_t kind)
+static __attribute__((noinline)) void sigmoid_family(float *x, size_t n, uint32_t kind)
 {
     const int silu = kind == COLIBRI_ACT_SILU;
     for (size_t i = 0; i < n; i++) {
@@ -1040,28 +1066,31 @@ static void sigmoid_family(float *x, size_t n, uint32_t kind)
 
 static void activation_cmsis(float *x, size_t n, uint32_t kind)
 {
-    if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID) {
-        sigmoid_family(x, n, kind);
-        return;
-    }
     if (kind != COLIBRI_ACT_RELU) {
-        colibri_activation_ref(x, n, kind);
+        if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID)
+            sigmoid_family(x, n, kind);
+        else
+            colibri_activation_ref(x, n, kind);
         return;
     }
     size_t blocks = n / 8u;
     float *p = x;
     if (blocks != 0u) {
-        const float zero = 0.0f;
-        __asm__ volatile("vldr s8, [%[z]]\n\t"
+        /* Two blocks a loop step, after a lone first block when their
+         * count is odd. */
+        __asm__ volatile("vmov s8, %[z]\n\t"
+                         "lsrs %[n], %[n], #1\n\t"
+                         "bcc 1f\n\t"
+                         RELU8
+                         "cmp %[n], #0\n\t"
+                         "beq 2f\n\t"
                          "1:\n\t"
-                         "vldmia %[p], {s0-s7}\n\t"
-                         RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3")
-                         RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")
-                         "vstmia %[p]!, {s0-s7}\n\t"
+                         RELU8 RELU8
                          "subs %[n], %[n], #1\n\t"
                          "bne 1b\n\t"
+                         "2:\n\t"
                          : [p] "+r"(p), [n] "+r"(blocks)
-                         : [z] "r"(&zero)
+                         : [z] "r"(0u) /* +0.0f */
                          : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "memory", "cc");
     }
     for (size_t i = n / 8u * 8u; i < n; i++)
