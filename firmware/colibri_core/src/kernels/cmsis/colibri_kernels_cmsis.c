@@ -649,6 +649,33 @@ static inline int32_t smlad(uint32_t a, uint32_t b, int32_t acc)
     return __smlad((int16x2_t)a, (int16x2_t)b, acc);
 }
 
+/* One word (4 columns) of the 4 rows: x's 4 int8 as two int16 pairs (even
+ * and odd columns), then per row its weight word, its two pairs, two SMLAD. */
+#define DOT4_WORD                                                                                                   \
+    "ldr %[xo], [%[px]], #4\n\t"                                                                                    \
+    "sxtb16 %[xe], %[xo]\n\t"                                                                                       \
+    "sxtb16 %[xo], %[xo], ror #8\n\t"                                                                               \
+    "ldr %[wv], [%[pa], %[in]]\n\t"                                                                                 \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s1], %[t], %[xe], %[s1]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s1], %[t], %[xo], %[s1]\n\t"                                                                           \
+    "ldr %[wv], [%[pa]], #4\n\t"                                                                                    \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s0], %[t], %[xe], %[s0]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s0], %[t], %[xo], %[s0]\n\t"                                                                           \
+    "ldr %[wv], [%[pb], %[in]]\n\t"                                                                                 \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s3], %[t], %[xe], %[s3]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s3], %[t], %[xo], %[s3]\n\t"                                                                           \
+    "ldr %[wv], [%[pb]], #4\n\t"                                                                                    \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s2], %[t], %[xe], %[s2]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s2], %[t], %[xo], %[s2]\n\t"
+
 static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
 {
     /* Rows 0 and 2 by pointer, rows 1 and 3 at the same pointer + in. */
@@ -657,37 +684,28 @@ static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const
     size_t words = in / 4u;
     if (words > 0u) {
         uint32_t xe, xo, wv, t;
-        __asm__ volatile("1:\n\t"
-                         "ldr %[xo], [%[px]], #4\n\t"
-                         "sxtb16 %[xe], %[xo]\n\t"
-                         "sxtb16 %[xo], %[xo], ror #8\n\t"
-                         "ldr %[wv], [%[pa], %[in]]\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s1], %[t], %[xe], %[s1]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s1], %[t], %[xo], %[s1]\n\t"
-                         "ldr %[wv], [%[pa]], #4\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s0], %[t], %[xe], %[s0]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s0], %[t], %[xo], %[s0]\n\t"
-                         "ldr %[wv], [%[pb], %[in]]\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s3], %[t], %[xe], %[s3]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s3], %[t], %[xo], %[s3]\n\t"
-                         "ldr %[wv], [%[pb]], #4\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s2], %[t], %[xe], %[s2]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s2], %[t], %[xo], %[s2]\n\t"
-                         "subs %[n], %[n], #1\n\t"
-                         "bne 1b\n\t"
-                         : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
-                           [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
-                           [wv] "=&r"(wv), [t] "=&r"(t)
-                         : [in] "r"(in)
-                         : "memory", "cc");
+        /* Two words a loop step when their count is even (half the loop
+         * counting), else one. */
+        if (words % 2u == 0u) {
+            words /= 2u;
+            __asm__ volatile("1:\n\t" DOT4_WORD DOT4_WORD
+                             "subs %[n], %[n], #1\n\t"
+                             "bne 1b\n\t"
+                             : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                               [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                               [wv] "=&r"(wv), [t] "=&r"(t)
+                             : [in] "r"(in)
+                             : "memory", "cc");
+        } else {
+            __asm__ volatile("1:\n\t" DOT4_WORD
+                             "subs %[n], %[n], #1\n\t"
+                             "bne 1b\n\t"
+                             : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                               [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                               [wv] "=&r"(wv), [t] "=&r"(t)
+                             : [in] "r"(in)
+                             : "memory", "cc");
+        }
     }
     /* In uint32, like the reference, so a (theoretical) wrap is defined. */
     uint32_t u0 = (uint32_t)s0, u1 = (uint32_t)s1, u2 = (uint32_t)s2, u3 = (uint32_t)s3;
