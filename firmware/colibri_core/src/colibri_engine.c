@@ -15,10 +15,10 @@
 
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
+    uint32_t last_producer;  /* the last LINEAR or MOE layer (it may write the caller's output), or
+                              * UINT32_MAX; beside magic, in what was padding before the model */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
     colibri_kernels k;       /* the kernels the forward pass calls (colibri_kernels.h) */
-    uint32_t last_producer;  /* the last LINEAR or MOE layer (it may write the caller's output), or
-                              * UINT32_MAX */
     colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
     colibri_plan_moe *moe;       /* [MoE layers] */
     colibri_plan_expert *expert; /* [routed + shared experts of all MoE layers] */

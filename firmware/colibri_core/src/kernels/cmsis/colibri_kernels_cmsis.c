@@ -805,6 +805,40 @@ static __attribute__((noinline)) void q8f_rows4(const int8_t *q0, size_t in, con
                      : S_ALL, "memory", "cc");
 }
 
+/* One row (the last out % 4, e.g. a small router's): *v0 and *v1, the even
+ * and odd column pairs' sums, += Σ_{k < 4·words} (float)q[k] · x[k], fused,
+ * 4 columns a step (as Q8_ROW, two accumulators), words >= 1. */
+static __attribute__((noinline)) void q8f_row1(const int8_t *q, const float *x, size_t words, float *v0, float *v1)
+{
+    uint32_t wv, b0, b1, b2, b3;
+    float a0 = *v0, a1 = *v1;
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s19}\n\t"
+                     "ldr %[wv], [%[q]], #4\n\t"
+                     "sxtb %[b0], %[wv]\n\t"
+                     "sxtb %[b1], %[wv], ror #8\n\t"
+                     "sxtb %[b2], %[wv], ror #16\n\t"
+                     "sxtb %[b3], %[wv], ror #24\n\t"
+                     "vmov s0, s1, %[b0], %[b1]\n\t"
+                     "vmov s2, s3, %[b2], %[b3]\n\t"
+                     "vcvt.f32.s32 s0, s0\n\t"
+                     "vcvt.f32.s32 s1, s1\n\t"
+                     "vcvt.f32.s32 s2, s2\n\t"
+                     "vcvt.f32.s32 s3, s3\n\t"
+                     "vfma.f32 %[a0], s0, s16\n\t"
+                     "vfma.f32 %[a1], s1, s17\n\t"
+                     "vfma.f32 %[a0], s2, s18\n\t"
+                     "vfma.f32 %[a1], s3, s19\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [q] "+r"(q), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0), [b1] "=&r"(b1),
+                       [b2] "=&r"(b2), [b3] "=&r"(b3), [a0] "+t"(a0), [a1] "+t"(a1)
+                     :
+                     : "s0", "s1", "s2", "s3", "s16", "s17", "s18", "s19", "memory", "cc");
+    *v0 = a0;
+    *v1 = a1;
+}
+
 /* I8 weights, f32 activations: 4 rows at a time (q8f_rows4), each int8
  * weight widened exactly and fused-multiply-added; then the reference's
  * scale, E, bias and emit, in its order. */
@@ -832,6 +866,10 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
         const int8_t *qo = q + o * in;
         float v = 0.0f, v1 = 0.0f;
         size_t k = 0;
+        if (words != 0u) {
+            q8f_row1(qo, x, words, &v, &v1);
+            k = words * 4u;
+        }
         for (; k + 2 <= in; k += 2) {
             v = __builtin_fmaf((float)qo[k], x[k], v);
             v1 = __builtin_fmaf((float)qo[k + 1], x[k + 1], v1);
