@@ -5,26 +5,31 @@
  * f32 and f16 inner loops a few lines of inline assembly, because the compiler
  * never emits the multi-register loads (VLDM) they are built on.
  *
- *   f32 weights   8 output rows at a time (then 4, 2, 1): per 8 columns one
- *                 VLDM of x, one VLDM per weight row, 64 VFMA: ~1.2
- *                 instructions per multiply-accumulate. Each accumulator
- *                 starts from the bias (or 0) and the 8 results leave with
- *                 one VSTM. Summation order: bias, then 8-column chunks in
- *                 index order, fused (one rounding per product-add).
+ *   f32 weights   8 output rows at a time (then 4, 3, 2, 1): per 8 columns
+ *                 one VLDM of x, one VLDM per weight row, 64 VFMA: ~1.15
+ *                 instructions per multiply-accumulate (two chunks a loop
+ *                 step when in % 16 == 0; separate storing and accumulating
+ *                 loops). Each accumulator starts from the bias (or 0) and
+ *                 the 8 results leave with one VSTM. Summation order: bias,
+ *                 then 8-column chunks in index order, fused (one rounding
+ *                 per product-add). One token of a matrix in whole 8 x 8
+ *                 blocks goes straight to the block loop (batch 1).
  *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
  *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
  *                 i.e. in even; otherwise row by row).
  *   I8, int8 act. 4 rows at a time: 4 int8 per word, SXTB16 and SXTB16 of the
  *                 word rotated by 8 into int16 pairs, 2 SMLAD per 4
- *                 products, x's pairs shared by the rows. The int32 sum is
- *                 exact, and the float part follows the reference's order,
- *                 so the result is the reference's bit for bit.
- *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly: SXTB,
- *                 VCVT) and fused-multiply-added; the scale and E as the
- *                 reference.
+ *                 products, x's pairs shared by the rows (two words a loop
+ *                 step when the count is even). The int32 sum is exact, and
+ *                 the float part follows the reference's order, so the
+ *                 result is the reference's bit for bit. Scales, biases and
+ *                 E four rows at a time (colibri_q8_scale4/_compensate4).
+ *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
+ *                 weight widened (exactly: SXTB, VCVT) and
+ *                 fused-multiply-added; the scale and E as the reference.
  *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
- *   quantiser     the reference's bits (VMAXNM, VCVTA).
- *   ReLU          the reference's bits (VCMP, VSELGT).
+ *   quantiser     the reference's bits (VLDM, VMAXNM, VCVTA).
+ *   ReLU          the reference's bits (VCMP, VSELGT), 16 values a step.
  *   SiLU, sigmoid the reference's formulas with a single-precision e^x
  *                 (within 2^-20 relative of the reference).
  *
@@ -892,22 +897,34 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
 static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
                                 float *restrict a)
 {
+    const size_t steps = in / 4u; /* 4 values a step (VLDM), then the tail in C */
     for (size_t i = 0; i < n; i++, q += in) {
         const float *xi = x + (rows ? rows[i] : i) * in;
         float m0 = 0.0f, m1 = 0.0f, z0 = 0.0f, z1 = 0.0f;
-        size_t k = 0;
-        for (; k + 4 <= in; k += 4) {
-            const float v0 = fabsf(xi[k]), v1 = fabsf(xi[k + 1]), v2 = fabsf(xi[k + 2]), v3 = fabsf(xi[k + 3]);
-            m0 = fmaxf(m0, v0);
-            m1 = fmaxf(m1, v1);
-            z0 = __builtin_fmaf(v0, 0.0f, z0);
-            z1 = __builtin_fmaf(v1, 0.0f, z1);
-            m0 = fmaxf(m0, v2);
-            m1 = fmaxf(m1, v3);
-            z0 = __builtin_fmaf(v2, 0.0f, z0);
-            z1 = __builtin_fmaf(v3, 0.0f, z1);
+        if (steps != 0u) {
+            const float *p = xi;
+            size_t c = steps;
+            __asm__ volatile("1:\n\t"
+                             "vldmia %[p]!, {s0-s3}\n\t"
+                             "vabs.f32 s0, s0\n\t"
+                             "vabs.f32 s1, s1\n\t"
+                             "vabs.f32 s2, s2\n\t"
+                             "vabs.f32 s3, s3\n\t"
+                             "vmaxnm.f32 %[m0], %[m0], s0\n\t"
+                             "vmaxnm.f32 %[m1], %[m1], s1\n\t"
+                             "vfma.f32 %[z0], s0, %[zero]\n\t"
+                             "vfma.f32 %[z1], s1, %[zero]\n\t"
+                             "vmaxnm.f32 %[m0], %[m0], s2\n\t"
+                             "vmaxnm.f32 %[m1], %[m1], s3\n\t"
+                             "vfma.f32 %[z0], s2, %[zero]\n\t"
+                             "vfma.f32 %[z1], s3, %[zero]\n\t"
+                             "subs %[c], %[c], #1\n\t"
+                             "bne 1b\n\t"
+                             : [p] "+r"(p), [c] "+r"(c), [m0] "+t"(m0), [m1] "+t"(m1), [z0] "+t"(z0), [z1] "+t"(z1)
+                             : [zero] "t"(0.0f)
+                             : "s0", "s1", "s2", "s3", "memory", "cc");
         }
-        for (; k < in; k++) {
+        for (size_t k = steps * 4u; k < in; k++) {
             const float v = fabsf(xi[k]);
             m0 = fmaxf(m0, v);
             z0 = __builtin_fmaf(v, 0.0f, z0);
@@ -918,16 +935,35 @@ static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, 
             continue;
         }
         const float inv = 127.0f / m;
-        k = 0;
-        for (; k + 4 <= in; k += 4) {
-            const long r0 = lroundf(xi[k] * inv), r1 = lroundf(xi[k + 1] * inv);
-            const long r2 = lroundf(xi[k + 2] * inv), r3 = lroundf(xi[k + 3] * inv);
-            q[k] = (int8_t)r0;
-            q[k + 1] = (int8_t)r1;
-            q[k + 2] = (int8_t)r2;
-            q[k + 3] = (int8_t)r3;
+        if (steps != 0u) {
+            const float *p = xi;
+            int8_t *d = q;
+            size_t c = steps;
+            uint32_t r0, r1, r2, r3;
+            __asm__ volatile("1:\n\t"
+                             "vldmia %[p]!, {s0-s3}\n\t"
+                             "vmul.f32 s0, s0, %[inv]\n\t"
+                             "vmul.f32 s1, s1, %[inv]\n\t"
+                             "vmul.f32 s2, s2, %[inv]\n\t"
+                             "vmul.f32 s3, s3, %[inv]\n\t"
+                             "vcvta.s32.f32 s0, s0\n\t"
+                             "vcvta.s32.f32 s1, s1\n\t"
+                             "vcvta.s32.f32 s2, s2\n\t"
+                             "vcvta.s32.f32 s3, s3\n\t"
+                             "vmov %[r0], %[r1], s0, s1\n\t"
+                             "vmov %[r2], %[r3], s2, s3\n\t"
+                             "strb %[r0], [%[d]], #1\n\t"
+                             "strb %[r1], [%[d]], #1\n\t"
+                             "strb %[r2], [%[d]], #1\n\t"
+                             "strb %[r3], [%[d]], #1\n\t"
+                             "subs %[c], %[c], #1\n\t"
+                             "bne 1b\n\t"
+                             : [p] "+r"(p), [d] "+r"(d), [c] "+r"(c), [r0] "=&r"(r0), [r1] "=&r"(r1), [r2] "=&r"(r2),
+                               [r3] "=&r"(r3)
+                             : [inv] "t"(inv)
+                             : "s0", "s1", "s2", "s3", "memory", "cc");
         }
-        for (; k < in; k++)
+        for (size_t k = steps * 4u; k < in; k++)
             q[k] = (int8_t)lroundf(xi[k] * inv);
         a[i] = m / 127.0f;
     }
