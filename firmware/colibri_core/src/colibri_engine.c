@@ -528,8 +528,8 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
             break;
         }
     }
-    if (x != output)
-        memcpy(output, x, output_count * sizeof *x);
+    if (x != output) /* x may still be the input (no LINEAR or MOE), which output may overlap */
+        memmove(output, x, output_count * sizeof *x);
     return COLIBRI_OK;
 }
 
