@@ -528,8 +528,12 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
             break;
         }
     }
-    if (x != output) /* x may still be the input (no LINEAR or MOE), which output may overlap */
-        memmove(output, x, output_count * sizeof *x);
+    if (x == input) { /* no LINEAR or MOE: through act[0], as output may overlap the input */
+        memcpy(act0, input, input_count * sizeof *x);
+        x = act0;
+    }
+    if (x != output)
+        memcpy(output, x, output_count * sizeof *x);
     return COLIBRI_OK;
 }
 
