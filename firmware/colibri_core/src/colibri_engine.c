@@ -17,6 +17,8 @@
 struct colibri_ctx {
     uint32_t magic;          /* CTX_MAGIC while initialised, 0 once freed */
     uint32_t workers;        /* workers the arena has scratch for (colibri_forward_ex); in magic's padding */
+    uint32_t last_producer;  /* the last LINEAR or MOE layer (it may write the caller's output), or
+                              * UINT32_MAX; beside magic, in what was padding before the model */
     colibri_model model;     /* header and arena dimensions (B, W, H, R, K, N) */
     colibri_kernels k;       /* the kernels the forward pass calls (colibri_kernels.h) */
     colibri_plan_layer *layer;   /* [layer_count] the program, resolved */
@@ -291,6 +293,7 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
     const colibri_header *hdr = &c->model.hdr;
     uint32_t n_moe = 0, n_expert = 0;
 
+    c->last_producer = UINT32_MAX;
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
         colibri_layer l;
         colibri_read_layer(image, hdr, i, &l);
@@ -302,6 +305,8 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
         p->in = l.in_features;
         p->eps = l.eps;
         p->moe = 0;
+        if (linear || moe)
+            c->last_producer = i;
         weight(&p->w, image, hdr, linear ? l.t0 : COLIBRI_NONE);
         p->t0 = linear || moe ? NULL : f32_tensor(image, hdr, l.t0);
         p->t1 = f32_tensor(image, hdr, l.t1);
@@ -442,6 +447,15 @@ static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t wo
     return s;
 }
 
+/* GCC would turn moe_forward's clearing loops back into memset calls; the
+ * buffers they clear are small (a MoE layer's output rows, its ring
+ * counts), where newlib's memset costs more than the stores. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_MEMSET_LOOP __attribute__((optimize("no-tree-loop-distribute-patterns")))
+#else
+#define NO_MEMSET_LOOP
+#endif
+
 /* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
  * scratch's int8 rows; returns the view the linear kernels take. */
 static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, const float *x, const uint16_t *rows,
@@ -556,8 +570,9 @@ static void expert_task(void *arg, size_t t, size_t worker)
 
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
-static colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint32_t layer,
-                                  const colibri_plan_moe *moe, const float *x, float *y, size_t batch)
+static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint32_t layer,
+                                                          const colibri_plan_moe *moe, const float *x, float *y,
+                                                          size_t batch)
 {
     const size_t d = moe->d, routes = moe->routing.routes, n_experts = moe->n_experts;
     colibri_status st;
@@ -567,7 +582,8 @@ static colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint3
 
     /* 2. Dispatch: each token's chosen experts get (token, gate weight)
      *    appended to their ring [batch]. No activation row is copied. */
-    memset(c->ring_count, 0, n_experts * sizeof *c->ring_count);
+    for (size_t s = 0; s < n_experts; s++)
+        c->ring_count[s] = 0u;
     for (size_t t = 0; t < batch; t++) {
         const size_t n = moe->route(c->scores + t * routes, &moe->routing, c->sel_weight, c->sel_slot);
         for (size_t j = 0; j < n; j++) {
@@ -638,7 +654,22 @@ static colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint3
 
     /* 3. Each routed expert with tokens runs once over its ring,
      *    accumulating straight into the tokens' output rows. */
-    memset(y, 0, batch * d * sizeof *y);
+    {
+        const size_t n = batch * d;
+        size_t i = 0;
+        for (; i + 8u <= n; i += 8u) {
+            y[i] = 0.0f;
+            y[i + 1u] = 0.0f;
+            y[i + 2u] = 0.0f;
+            y[i + 3u] = 0.0f;
+            y[i + 4u] = 0.0f;
+            y[i + 5u] = 0.0f;
+            y[i + 6u] = 0.0f;
+            y[i + 7u] = 0.0f;
+        }
+        for (; i < n; i++)
+            y[i] = 0.0f;
+    }
     for (size_t s = 0; s < n_experts; s++)
         if (c->ring_count[s]) {
             const uint16_t *ring = c->ring_token + s * batch;
@@ -704,11 +735,11 @@ static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, cons
     return COLIBRI_OK;
 }
 
-static void swap(float **a, float **b)
+/* Whether [a, a + an) and [b, b + bn) (floats) share memory. */
+static int overlap(const float *a, size_t an, const float *b, size_t bn)
 {
-    float *t = *a;
-    *a = *b;
-    *b = t;
+    const uintptr_t pa = (uintptr_t)a, pb = (uintptr_t)b;
+    return pa < pb + bn * sizeof *b && pb < pa + an * sizeof *a;
 }
 
 /* The forward pass; o NULL: colibri_forward(). */
@@ -716,49 +747,75 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
                               const float *input, size_t input_count,
                               float *output, size_t output_count)
 {
-    /* x is the current activation [batch, width]; spare receives LINEAR
-     * outputs, moe_acc MoE outputs, and pointers swap instead of copying. */
-    float *x = ctx->act[0], *spare = ctx->act[1], *moe_acc = ctx->moe_acc;
+    const colibri_header *hdr = &ctx->model.hdr;
+
+    /* x is the current activation [batch, width]. It starts as the caller's
+     * input, read in place until an op would change it in place (then it is
+     * copied into act[0] first); a LINEAR or MOE layer writes a buffer other
+     * than x: the caller's output for the last such layer (when output
+     * overlaps neither x nor the input), else act[0] or act[1] (LINEAR) or
+     * moe_acc (MOE). The arena's buffers all hold [max_batch, W]. */
+    const float *x = input;
+    float *const act0 = ctx->act[0], *const act1 = ctx->act[1];
     const size_t stack_slot = batch * ctx->model.width;
+    const uint32_t last = ctx->last_producer;
+    const int direct = !overlap(output, output_count, input, input_count);
     size_t depth = 0;
     colibri_status st;
 
-    memcpy(x, input, input_count * sizeof *x);
-    for (uint32_t i = 0; i < ctx->model.hdr.layer_count; i++) {
+    for (uint32_t i = 0; i < hdr->layer_count; i++) {
         const colibri_plan_layer *l = &ctx->layer[i];
         const size_t in = l->in;
+        float *own = (float *)(uintptr_t)x; /* x, writable once it is not the input */
 
+        if (x == input && l->op != COLIBRI_OP_LINEAR && l->op != COLIBRI_OP_MOE && l->op != COLIBRI_OP_RESIDUAL_PUSH) {
+            memcpy(act0, input, input_count * sizeof *x);
+            x = own = act0;
+        }
         switch (l->op) {
-        case COLIBRI_OP_LINEAR:
-            if ((st = linear_layer(ctx, o, l, x, spare, batch)) < 0)
+        case COLIBRI_OP_LINEAR: {
+            float *y = x == act0 ? act1 : act0;
+            if (i == last && direct && !overlap(output, output_count, x, batch * in))
+                y = output;
+            if ((st = linear_layer(ctx, o, l, x, y, batch)) < 0)
                 return st;
-            swap(&x, &spare);
+            x = y;
             break;
+        }
         case COLIBRI_OP_ACTIVATION:
-            ctx->k.activation(x, batch * in, l->act);
+            ctx->k.activation(own, batch * in, l->act);
             break;
         case COLIBRI_OP_LAYERNORM:
-            ctx->k.layernorm(x, batch, in, l->t0, l->t1, l->eps);
+            ctx->k.layernorm(own, batch, in, l->t0, l->t1, l->eps);
             break;
         case COLIBRI_OP_RMSNORM:
-            ctx->k.rmsnorm(x, batch, in, l->t0, l->eps);
+            ctx->k.rmsnorm(own, batch, in, l->t0, l->eps);
             break;
         case COLIBRI_OP_RESIDUAL_PUSH:
             memcpy(ctx->stack + depth++ * stack_slot, x, batch * in * sizeof *x);
             break;
         case COLIBRI_OP_RESIDUAL_ADD:
-            ctx->k.add(x, ctx->stack + --depth * stack_slot, batch * in);
+            ctx->k.add(own, ctx->stack + --depth * stack_slot, batch * in);
             break;
-        case COLIBRI_OP_MOE:
-            if ((st = moe_forward(ctx, o, l->moe, &ctx->moe[l->moe], x, moe_acc, batch)) < 0)
+        case COLIBRI_OP_MOE: {
+            float *y = x == ctx->moe_acc ? act0 : ctx->moe_acc;
+            if (i == last && direct && !overlap(output, output_count, x, batch * in))
+                y = output;
+            if ((st = moe_forward(ctx, o, l->moe, &ctx->moe[l->moe], x, y, batch)) < 0)
                 return st;
-            swap(&x, &moe_acc);
+            x = y;
             break;
+        }
         default: /* unreachable: ops are validated */
             break;
         }
     }
-    memcpy(output, x, output_count * sizeof *x);
+    if (x == input) { /* no LINEAR or MOE: through act[0], as output may overlap the input */
+        memcpy(act0, input, input_count * sizeof *x);
+        x = act0;
+    }
+    if (x != output)
+        memcpy(output, x, output_count * sizeof *x);
     return COLIBRI_OK;
 }
 

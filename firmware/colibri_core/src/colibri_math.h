@@ -60,6 +60,24 @@ static inline colibri_real colibri_poly(const colibri_real *c, unsigned n, colib
     return p;
 }
 
+/* The same, unrolled where GCC can (n is a constant wherever it is
+ * inlined): the same operations in the same order, without a loop counter
+ * and a constant pointer per term. For the router's softmax; the element-wise
+ * functions keep the loop (code size). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define COLIBRI_MATH_UNROLL _Pragma("GCC unroll 16")
+#else
+#define COLIBRI_MATH_UNROLL
+#endif
+static inline colibri_real colibri_poly_unrolled(const colibri_real *c, unsigned n, colibri_real z)
+{
+    colibri_real p = c[n - 1];
+    COLIBRI_MATH_UNROLL
+    for (unsigned i = n - 1; i-- > 0;)
+        p = p * z + c[i];
+    return p;
+}
+
 /* 2^k, for k within the normal exponent range of colibri_real. */
 static inline colibri_real colibri_pow2(int k)
 {
@@ -92,15 +110,23 @@ static const colibri_real colibri_exp_taylor[] = {
     (colibri_real)(1.0 / 39916800),
 };
 
-/* e^x = 2^k · e^r: returns e^r (in [0.7, 1.42]) and k. |x| < 110. */
-static inline colibri_real colibri_exp_reduced(colibri_real x, int *k)
+/* e^x = 2^k · e^r: returns e^r (in [0.7, 1.42]) and k. |x| < 110.
+ * unrolled (a constant): the series by colibri_poly_unrolled, same bits. */
+static inline colibri_real colibri_exp_reduced_as(colibri_real x, int *k, int unrolled)
 {
     const colibri_real t = x * COLIBRI_INV_LN2;
     const int n = (int)(t < 0 ? t - (colibri_real)0.5 : t + (colibri_real)0.5);
     const colibri_real r = (x - (colibri_real)n * COLIBRI_LN2_HI) - (colibri_real)n * COLIBRI_LN2_LO;
     *k = n;
     /* 1 + r·(1 + r/2 + ...): the leading 1 added last, exactly once. */
-    return (colibri_real)1.0 + r * colibri_poly(colibri_exp_taylor, COLIBRI_MATH_COUNT(colibri_exp_taylor), r);
+    const unsigned terms = COLIBRI_MATH_COUNT(colibri_exp_taylor);
+    return (colibri_real)1.0 + r * (unrolled ? colibri_poly_unrolled(colibri_exp_taylor, terms, r)
+                                             : colibri_poly(colibri_exp_taylor, terms, r));
+}
+
+static inline colibri_real colibri_exp_reduced(colibri_real x, int *k)
+{
+    return colibri_exp_reduced_as(x, k, 0);
 }
 
 /* e^x for |x| <= 20 (tanh and erf use it): no overflow or underflow. */
@@ -115,7 +141,8 @@ static inline colibri_real colibri_exp_real(colibri_real x)
 #define COLIBRI_EXPF_MAX_FINITE 88.72283172607421875f
 #define COLIBRI_EXPF_MIN_NONZERO -103.972076416015625f
 
-static inline float colibri_expf(float x)
+/* expf; unrolled (a constant) as colibri_exp_reduced_as. */
+static inline float colibri_expf_as(float x, int unrolled)
 {
     if (x != x)
         return x + x; /* NaN */
@@ -124,7 +151,7 @@ static inline float colibri_expf(float x)
     if (x < COLIBRI_EXPF_MIN_NONZERO)
         return 0.0f;
     int k;
-    const colibri_real p = colibri_exp_reduced((colibri_real)x, &k);
+    const colibri_real p = colibri_exp_reduced_as((colibri_real)x, &k, unrolled);
 #if COLIBRI_REAL_IS_DOUBLE
     return (float)(p * colibri_pow2(k)); /* exact product; one rounding, subnormals included */
 #else
@@ -134,6 +161,11 @@ static inline float colibri_expf(float x)
         return (p * colibri_pow2(k + 24)) * 0x1p-24f;
     return p * colibri_pow2(k);
 #endif
+}
+
+static inline float colibri_expf(float x)
+{
+    return colibri_expf_as(x, 0);
 }
 
 /* ---- tanh ---- */

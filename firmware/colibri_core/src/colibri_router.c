@@ -45,11 +45,21 @@ static size_t select_top_k(const float *v, const colibri_routing *r, float *weig
     return n;
 }
 
-/* Switch: p = softmax(z); the largest p, weighted by p itself. */
+/* Switch: p = softmax(z); the largest p, weighted by p itself. top_k is 1
+ * (validated): select_top_k's choice without its insertion steps, the first
+ * kept output that no later one ranks above. */
 static size_t route_top1(float *z, const colibri_routing *r, float *weight, uint32_t *slot)
 {
     colibri_softmax_f32(z, r->routes);
-    return select_top_k(z, r, weight, slot); /* top_k is 1 (validated) */
+    size_t best = 0;
+    while (r->map[best] < 0) /* validated: some output is kept */
+        best++;
+    for (size_t i = best + 1; i < r->routes; i++)
+        if (r->map[i] >= 0 && above(z[i], z[best]))
+            best = i;
+    weight[0] = z[best];
+    slot[0] = (uint32_t)r->map[best];
+    return 1;
 }
 
 /* Mixtral: the k largest logits, weighted by the softmax of those k. */

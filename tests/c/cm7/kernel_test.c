@@ -126,6 +126,13 @@ static float scale_q8[MAX_OUT];
 static uint32_t row_ptr[MAX_OUT + 1];
 static uint16_t e_col[MAX_NNZ], e_val[MAX_NNZ];
 static float bias[MAX_OUT];
+/* The format v2 companion (docs/model-format.md "Quantised weights"): f16
+ * or f32 parameters (scales, then the bias when it holds one) at a 2-byte
+ * offset that breaks word alignment, u8 / u16 row pointers. */
+static uint32_t params_words[2 * MAX_OUT + 2];
+static uint8_t row_ptr8[MAX_OUT + 1];
+static uint16_t row_ptr16[MAX_OUT + 1];
+static float cbias[MAX_OUT]; /* the companion's bias as floats, 0 without one (the tolerance) */
 static float x[MAX_Y_ROWS * MAX_IN];
 static int8_t xq[MAX_N * MAX_IN + 4];
 static float xa[MAX_N];
@@ -225,6 +232,43 @@ static void make_matrix(colibri_matrix *w, int kind, size_t out, size_t in)
             w->col = e_col;
             w->val = e_val;
         }
+        for (size_t o = 0; o < out; o++)
+            cbias[o] = 0.0f;
+        if (rnd_below(2)) { /* format v2: compact metadata */
+            const int f16 = rnd_below(3) != 0;
+            w->q8_f16 = (uint8_t)f16;
+            w->q8_bias = (uint8_t)rnd_below(2);
+            for (size_t o = 0; o < out; o++)
+                cbias[o] = w->q8_bias && rnd_below(8) != 0 ? 0.25f + 0.5f * rnd_unit() : 0.0f; /* f16 normal or 0 */
+            if (f16) {
+                uint16_t *h = (uint16_t *)(void *)params_words + 1; /* 2 mod 4 */
+                for (size_t o = 0; o < out; o++) {
+                    h[o] = f16_bits(scale_q8[o]);
+                    scale_q8[o] = f16_value(h[o]);
+                    h[out + o] = f16_bits(cbias[o]);
+                    cbias[o] = f16_value(h[out + o]);
+                }
+                w->scale = h;
+            } else {
+                float *f = (float *)(void *)params_words;
+                for (size_t o = 0; o < out; o++) {
+                    f[o] = scale_q8[o];
+                    f[out + o] = cbias[o];
+                }
+                w->scale = f;
+            }
+            if (nnz && nnz <= 0xFFu && rnd_below(2)) {
+                for (size_t o = 0; o <= out; o++)
+                    row_ptr8[o] = (uint8_t)row_ptr[o];
+                w->q8_ptr = 1;
+                w->row_ptr = row_ptr8;
+            } else if (nnz) {
+                for (size_t o = 0; o <= out; o++)
+                    row_ptr16[o] = (uint16_t)row_ptr[o];
+                w->q8_ptr = 2;
+                w->row_ptr = row_ptr16;
+            }
+        }
         break;
     }
     }
@@ -271,9 +315,14 @@ static void report_failure(int kind, int acc, size_t out, size_t in, size_t n, s
 static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinite)
 {
     size_t in = 1u + rnd_below(MAX_IN);
-    const size_t out = 1u + rnd_below(21u), n = 1u + rnd_below(MAX_N);
+    size_t out = 1u + rnd_below(21u), n = 1u + rnd_below(MAX_N);
     if (rnd_below(3) == 0) /* whole 8-column chunks: the blocked paths without column tails */
         in = 8u * (1u + rnd_below(MAX_IN / 8u));
+    if (rnd_below(3) == 0) { /* one token: the F32 fast paths (whole 8 x 8 blocks, a 3-row router) */
+        static const size_t outs[] = {3u, 8u, 16u, 24u};
+        n = 1u;
+        out = outs[rnd_below(4)];
+    }
     colibri_matrix w;
     make_matrix(&w, kind, out, in);
     const int with_bias = rnd_below(2), with_rows = rnd_below(2), with_scale = rnd_below(2);
@@ -365,7 +414,7 @@ static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinit
                 report_failure(kind, acc, out, in, n, token, o, got, want, 0.0f);
                 continue;
             }
-            float m = bp ? fabsf(bp[o]) : 0.0f;
+            float m = (bp ? fabsf(bp[o]) : 0.0f) + (kind >= K_Q8 ? fabsf(cbias[o]) : 0.0f);
             for (size_t k = 0; k < in; k++)
                 m += fabsf(weight(&w, o, k) * xi[k]);
             float tol = (float)(in + 4u) * 0x1p-23f * m;

@@ -163,7 +163,10 @@ void colibri_softmax_f32(float *x, size_t n)
         if (x[i] > max)
             max = x[i];
     for (size_t i = 0; i < n; i++) {
-        x[i] = colibri_expf(x[i] - max);
+        /* e^0 = 1 exactly (colibri_expf's value too): the maximum's term, and
+         * every one equal to it, costs no exp. */
+        const float d = x[i] - max;
+        x[i] = d == 0.0f ? 1.0f : colibri_expf_as(d, 1);
         sum += x[i];
     }
     for (size_t i = 0; i < n; i++)

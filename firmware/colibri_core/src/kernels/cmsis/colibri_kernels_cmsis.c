@@ -5,26 +5,31 @@
  * f32 and f16 inner loops a few lines of inline assembly, because the compiler
  * never emits the multi-register loads (VLDM) they are built on.
  *
- *   f32 weights   8 output rows at a time (then 4, 2, 1): per 8 columns one
- *                 VLDM of x, one VLDM per weight row, 64 VFMA: ~1.2
- *                 instructions per multiply-accumulate. Each accumulator
- *                 starts from the bias (or 0) and the 8 results leave with
- *                 one VSTM. Summation order: bias, then 8-column chunks in
- *                 index order, fused (one rounding per product-add).
+ *   f32 weights   8 output rows at a time (then 4, 3, 2, 1): per 8 columns
+ *                 one VLDM of x, one VLDM per weight row, 64 VFMA: ~1.15
+ *                 instructions per multiply-accumulate (two chunks a loop
+ *                 step when in % 16 == 0; separate storing and accumulating
+ *                 loops). Each accumulator starts from the bias (or 0) and
+ *                 the 8 results leave with one VSTM. Summation order: bias,
+ *                 then 8-column chunks in index order, fused (one rounding
+ *                 per product-add). One token of a matrix in whole 8 x 8
+ *                 blocks goes straight to the block loop (batch 1).
  *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
  *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
  *                 i.e. in even; otherwise row by row).
  *   I8, int8 act. 4 rows at a time: 4 int8 per word, SXTB16 and SXTB16 of the
  *                 word rotated by 8 into int16 pairs, 2 SMLAD per 4
- *                 products, x's pairs shared by the rows. The int32 sum is
- *                 exact, and the float part follows the reference's order,
- *                 so the result is the reference's bit for bit.
- *   I8, f32 act.  4 rows at a time, each int8 weight widened (exactly: SXTB,
- *                 VCVT) and fused-multiply-added; the scale and E as the
- *                 reference.
+ *                 products, x's pairs shared by the rows (two words a loop
+ *                 step when the count is even). The int32 sum is exact, and
+ *                 the float part follows the reference's order, so the
+ *                 result is the reference's bit for bit. Scales, biases and
+ *                 E four rows at a time (colibri_q8_scale4/_compensate4).
+ *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
+ *                 weight widened (exactly: SXTB, VCVT) and
+ *                 fused-multiply-added; the scale and E as the reference.
  *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
- *   quantiser     the reference's bits (VMAXNM, VCVTA).
- *   ReLU          the reference's bits (VCMP, VSELGT).
+ *   quantiser     the reference's bits (VLDM, VMAXNM, VCVTA).
+ *   ReLU          the reference's bits (VCMP, VSELGT), 16 values a step.
  *   SiLU, sigmoid the reference's formulas with a single-precision e^x
  *                 (within 2^-20 relative of the reference).
  *
@@ -155,82 +160,104 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
 }
 
 /* Every 8-row block of a matrix whose rows are whole chunks (in % 8 == 0):
- * blocks × 8 rows from w, results into dst (or dst += *scale · v), the
- * accumulators starting from init, which steps 8 floats a block (bias) or
- * stays (zeros8). One asm loop over the blocks: its state lives in a small
- * frame of its own on the stack while the 8 row pointers, x and the counter
- * use the core registers; row r of the next block starts where row 7 of this
- * one ended, so only rows 1-7 are recomputed per block. */
-static __attribute__((noinline)) void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks,
-                                                  const float *init, size_t init_step, float *dst,
-                                                  const float *scale)
+ * blocks × 8 rows from w, results into dst (F32_STORE8) or dst += *scale · v
+ * (F32_ACC8), the accumulators starting from init, which steps 8 floats a
+ * block (bias) or stays (zeros8). One asm loop over the blocks; row r of the
+ * next block starts where row 7 of this one ended, so only rows 1-7 are
+ * recomputed per block. Registers: the 8 row pointers, x (back to its start
+ * after each block), the chunk counter n (also the end's scratch), in4,
+ * init, its step and dst; a frame of its own on the stack holds dst's end,
+ * the chunks per row and the scale. Two functions rather than a test per
+ * block. */
+#define F32_STORE8 "vstmia %[dst]!, {s24-s31}\n\t"
+#define F32_ACC8                                                                                                    \
+    "ldr %[n], [sp, #8]\n\t"                                                                                        \
+    "vldr s16, [%[n]]\n\t"                                                                                          \
+    "vldmia %[dst], {s0-s7}\n\t"                                                                                    \
+    "vfma.f32 s0, s24, s16\n\t"                                                                                     \
+    "vfma.f32 s1, s25, s16\n\t"                                                                                     \
+    "vfma.f32 s2, s26, s16\n\t"                                                                                     \
+    "vfma.f32 s3, s27, s16\n\t"                                                                                     \
+    "vfma.f32 s4, s28, s16\n\t"                                                                                     \
+    "vfma.f32 s5, s29, s16\n\t"                                                                                     \
+    "vfma.f32 s6, s30, s16\n\t"                                                                                     \
+    "vfma.f32 s7, s31, s16\n\t"                                                                                     \
+    "vstmia %[dst]!, {s0-s7}\n\t"
+
+#define F32_BLOCKS8(NAME, STEPS, CHUNK, EMIT)                                                                       \
+    static __attribute__((noinline)) void NAME(const float *w, size_t in, const float *x, size_t blocks,           \
+                                               const float *init, size_t init_step, float *dst,                    \
+                                               const float *scale)                                                 \
+    {                                                                                                               \
+        const float *p0 = w;                                                                                        \
+        uintptr_t p1 = (uintptr_t)(dst + blocks * 8u), p2 = in / (8u * STEPS), p3 = (uintptr_t)scale;               \
+        uintptr_t p4, p5, p6, p7, n;                                                                                \
+        const uintptr_t step = init_step * sizeof(float);                                                           \
+        const size_t in4 = in * sizeof(float);                                                                      \
+        __asm__ volatile("sub sp, sp, #16\n\t"                                                                      \
+                         "str %[p1], [sp]\n\t"                                                                      \
+                         "str %[p2], [sp, #4]\n\t"                                                                  \
+                         "str %[p3], [sp, #8]\n\t"                                                                  \
+                         "2:\n\t"                                                                                   \
+                         "vldmia %[init], {s24-s31}\n\t"                                                            \
+                         "add %[init], %[init], %[step]\n\t"                                                        \
+                         "add %[p1], %[p0], %[in4]\n\t"                                                             \
+                         "add %[p2], %[p1], %[in4]\n\t"                                                             \
+                         "add %[p3], %[p2], %[in4]\n\t"                                                             \
+                         "add %[p4], %[p3], %[in4]\n\t"                                                             \
+                         "add %[p5], %[p4], %[in4]\n\t"                                                             \
+                         "add %[p6], %[p5], %[in4]\n\t"                                                             \
+                         "add %[p7], %[p6], %[in4]\n\t"                                                             \
+                         "ldr %[n], [sp, #4]\n\t"                                                                   \
+                         "1:\n\t" CHUNK                                                                             \
+                         "subs %[n], %[n], #1\n\t"                                                                  \
+                         "bne 1b\n\t"                                                                               \
+                         "sub %[x], %[x], %[in4]\n\t"                                                               \
+                         EMIT                                                                                       \
+                         "mov %[p0], %[p7]\n\t"                                                                     \
+                         "ldr %[n], [sp]\n\t"                                                                       \
+                         "cmp %[dst], %[n]\n\t"                                                                     \
+                         "bne 2b\n\t"                                                                               \
+                         "add sp, sp, #16\n\t"                                                                      \
+                         : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "=&r"(p4),              \
+                           [p5] "=&r"(p5), [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "=&r"(n),               \
+                           [init] "+r"(init), [dst] "+r"(dst)                                                       \
+                         : [in4] "r"(in4), [step] "r"(step)                                                         \
+                         : S_ALL, "memory", "cc");                                                                  \
+    }
+
+/* One 8-column chunk of the 8 rows (F32_CHUNK8), or two a loop step
+ * (F32_CHUNK16, when the rows hold an even number of chunks: half the loop
+ * counting). */
+#define F32_CHUNK8                                                                                                  \
+    "vldmia %[x]!, {s16-s23}\n\t"                                                                                   \
+    LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")                                                                \
+    LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")                                                                \
+    LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")                                                                \
+    LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
+#define F32_CHUNK16 F32_CHUNK8 F32_CHUNK8
+
+F32_BLOCKS8(f32_blocks8_store, 1u, F32_CHUNK8, F32_STORE8)
+F32_BLOCKS8(f32_blocks8_acc, 1u, F32_CHUNK8, F32_ACC8)
+F32_BLOCKS8(f32_blocks16_store, 2u, F32_CHUNK16, F32_STORE8)
+F32_BLOCKS8(f32_blocks16_acc, 2u, F32_CHUNK16, F32_ACC8)
+
+/* dst = or += *scale · (the blocks): the store or the accumulating loop,
+ * two chunks a step when in % 16 == 0. */
+static inline void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks, const float *init,
+                               size_t init_step, float *dst, const float *scale)
 {
-    const float *p0 = w;
-    uintptr_t p1 = (uintptr_t)init, p2 = init_step * sizeof(float), p3 = (uintptr_t)dst, p4 = blocks;
-    uintptr_t p5 = (uintptr_t)scale, p6, p7;
-    size_t n = in / 8u;
-    const size_t in4 = in * sizeof(float);
-    __asm__ volatile("sub sp, sp, #32\n\t"
-                     "str %[x], [sp]\n\t"
-                     "str %[n], [sp, #4]\n\t"
-                     "str %[p1], [sp, #8]\n\t"
-                     "str %[p2], [sp, #12]\n\t"
-                     "str %[p3], [sp, #16]\n\t"
-                     "str %[p4], [sp, #20]\n\t"
-                     "str %[p5], [sp, #24]\n\t"
-                     "2:\n\t"
-                     "ldr %[p1], [sp, #8]\n\t"
-                     "vldmia %[p1], {s24-s31}\n\t"
-                     "ldr %[p2], [sp, #12]\n\t"
-                     "add %[p1], %[p1], %[p2]\n\t"
-                     "str %[p1], [sp, #8]\n\t"
-                     "add %[p1], %[p0], %[in4]\n\t"
-                     "add %[p2], %[p1], %[in4]\n\t"
-                     "add %[p3], %[p2], %[in4]\n\t"
-                     "add %[p4], %[p3], %[in4]\n\t"
-                     "add %[p5], %[p4], %[in4]\n\t"
-                     "add %[p6], %[p5], %[in4]\n\t"
-                     "add %[p7], %[p6], %[in4]\n\t"
-                     "ldr %[x], [sp]\n\t"
-                     "ldr %[n], [sp, #4]\n\t"
-                     "1:\n\t"
-                     "vldmia %[x]!, {s16-s23}\n\t"
-                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
-                     LOAD_PAIR_F32("p2", "p3") FMA_PAIR("s26", "s27")
-                     LOAD_PAIR_F32("p4", "p5") FMA_PAIR("s28", "s29")
-                     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
-                     "subs %[n], %[n], #1\n\t"
-                     "bne 1b\n\t"
-                     "ldr %[p1], [sp, #16]\n\t"
-                     "ldr %[p2], [sp, #24]\n\t"
-                     "cmp %[p2], #0\n\t"
-                     "beq 3f\n\t"
-                     "vldr s16, [%[p2]]\n\t"
-                     "vldmia %[p1], {s0-s7}\n\t"
-                     "vfma.f32 s0, s24, s16\n\t"
-                     "vfma.f32 s1, s25, s16\n\t"
-                     "vfma.f32 s2, s26, s16\n\t"
-                     "vfma.f32 s3, s27, s16\n\t"
-                     "vfma.f32 s4, s28, s16\n\t"
-                     "vfma.f32 s5, s29, s16\n\t"
-                     "vfma.f32 s6, s30, s16\n\t"
-                     "vfma.f32 s7, s31, s16\n\t"
-                     "vstmia %[p1]!, {s0-s7}\n\t"
-                     "b 4f\n\t"
-                     "3:\n\t"
-                     "vstmia %[p1]!, {s24-s31}\n\t"
-                     "4:\n\t"
-                     "str %[p1], [sp, #16]\n\t"
-                     "mov %[p0], %[p7]\n\t"
-                     "ldr %[p1], [sp, #20]\n\t"
-                     "subs %[p1], %[p1], #1\n\t"
-                     "str %[p1], [sp, #20]\n\t"
-                     "bne 2b\n\t"
-                     "add sp, sp, #32\n\t"
-                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "+r"(p4), [p5] "+r"(p5),
-                       [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "+r"(n)
-                     : [in4] "r"(in4)
-                     : S_ALL, "memory", "cc");
+    if (in % 16u == 0u) {
+        if (scale)
+            f32_blocks16_acc(w, in, x, blocks, init, init_step, dst, scale);
+        else
+            f32_blocks16_store(w, in, x, blocks, init, init_step, dst, NULL);
+    } else {
+        if (scale)
+            f32_blocks8_acc(w, in, x, blocks, init, init_step, dst, scale);
+        else
+            f32_blocks8_store(w, in, x, blocks, init, init_step, dst, NULL);
+    }
 }
 
 static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const float *x, size_t chunks,
@@ -258,6 +285,34 @@ static __attribute__((noinline)) void f32_rows4(const float *w, size_t in, const
                      "3:\n\t"
                      : [p0] "+l"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [x] "+r"(x), [n] "+r"(chunks)
                      : [init] "r"(init), [dst] "r"(dst), [s] "l"(scale)
+                     : S_ALL, "memory", "cc");
+}
+
+/* Three rows (a small router's), stored: dst[r] = init[r] + Σ w[r·in + k] ·
+ * x[k], r < 3; rows 0 and 1 alternate as in FMA_PAIR, row 2 in s8-s15
+ * into s26. */
+static __attribute__((noinline)) void f32_rows3(const float *w, size_t in, const float *x, size_t chunks,
+                                                const float *init, float *dst)
+{
+    const float *p0 = w, *p1 = p0 + in, *p2 = p1 + in;
+    __asm__ volatile("vldmia %[init], {s24-s26}\n\t"
+                     "1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     LOAD_PAIR_F32("p0", "p1") FMA_PAIR("s24", "s25")
+                     "vldmia %[p2]!, {s8-s15}\n\t"
+                     "vfma.f32 s26, s8, s16\n\t"
+                     "vfma.f32 s26, s9, s17\n\t"
+                     "vfma.f32 s26, s10, s18\n\t"
+                     "vfma.f32 s26, s11, s19\n\t"
+                     "vfma.f32 s26, s12, s20\n\t"
+                     "vfma.f32 s26, s13, s21\n\t"
+                     "vfma.f32 s26, s14, s22\n\t"
+                     "vfma.f32 s26, s15, s23\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     "vstmia %[dst], {s24-s26}\n\t"
+                     : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [x] "+r"(x), [n] "+r"(chunks)
+                     : [init] "r"(init), [dst] "r"(dst)
                      : S_ALL, "memory", "cc");
 }
 
@@ -451,6 +506,10 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
             f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
             o += 4u;
         }
+        if (o + 3u == out && !acc) {
+            f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
+            return;
+        }
         if (o + 2u <= out) {
             f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
             o += 2u;
@@ -555,6 +614,21 @@ static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, 
         { const size_t I = 3; STMT; }                                                                               \
     } while (0)
 
+/* The end of a 4-row I8 block after the scale (v[4] local, its address
+ * never leaving the function, so it stays in registers): the compensation
+ * and companion bias, the layer's bias, then store or y += s · v. */
+#define Q8_EPILOGUE4()                                                                                              \
+    do {                                                                                                            \
+        if (with_e)                                                                                                 \
+            colibri_q8_compensate4(w, o, x, v);                                                                     \
+        if (b)                                                                                                      \
+            FOR4(i, v[i] += b[o + i]);                                                                              \
+        if (acc)                                                                                                    \
+            FOR4(i, y[o + i] += s * v[i]);                                                                          \
+        else                                                                                                        \
+            FOR4(i, y[o + i] = v[i]);                                                                               \
+    } while (0)
+
 /* Σ_k Q[k] · xq[k] of 4 rows (q0 .. q0 + 3·in) at once, 4 columns per step:
  * each weight word (4 int8) becomes two int16 pairs by SXTB16 and SXTB16 of
  * it rotated by 8, matched by x's pairs, two SMLAD per word. The int32 sums
@@ -580,6 +654,33 @@ static inline int32_t smlad(uint32_t a, uint32_t b, int32_t acc)
     return __smlad((int16x2_t)a, (int16x2_t)b, acc);
 }
 
+/* One word (4 columns) of the 4 rows: x's 4 int8 as two int16 pairs (even
+ * and odd columns), then per row its weight word, its two pairs, two SMLAD. */
+#define DOT4_WORD                                                                                                   \
+    "ldr %[xo], [%[px]], #4\n\t"                                                                                    \
+    "sxtb16 %[xe], %[xo]\n\t"                                                                                       \
+    "sxtb16 %[xo], %[xo], ror #8\n\t"                                                                               \
+    "ldr %[wv], [%[pa], %[in]]\n\t"                                                                                 \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s1], %[t], %[xe], %[s1]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s1], %[t], %[xo], %[s1]\n\t"                                                                           \
+    "ldr %[wv], [%[pa]], #4\n\t"                                                                                    \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s0], %[t], %[xe], %[s0]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s0], %[t], %[xo], %[s0]\n\t"                                                                           \
+    "ldr %[wv], [%[pb], %[in]]\n\t"                                                                                 \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s3], %[t], %[xe], %[s3]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s3], %[t], %[xo], %[s3]\n\t"                                                                           \
+    "ldr %[wv], [%[pb]], #4\n\t"                                                                                    \
+    "sxtb16 %[t], %[wv]\n\t"                                                                                        \
+    "smlad %[s2], %[t], %[xe], %[s2]\n\t"                                                                           \
+    "sxtb16 %[t], %[wv], ror #8\n\t"                                                                                \
+    "smlad %[s2], %[t], %[xo], %[s2]\n\t"
+
 static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const int8_t *xq, int32_t sum[4])
 {
     /* Rows 0 and 2 by pointer, rows 1 and 3 at the same pointer + in. */
@@ -588,37 +689,28 @@ static __attribute__((noinline)) void dot4_i8(const int8_t *q0, size_t in, const
     size_t words = in / 4u;
     if (words > 0u) {
         uint32_t xe, xo, wv, t;
-        __asm__ volatile("1:\n\t"
-                         "ldr %[xo], [%[px]], #4\n\t"
-                         "sxtb16 %[xe], %[xo]\n\t"
-                         "sxtb16 %[xo], %[xo], ror #8\n\t"
-                         "ldr %[wv], [%[pa], %[in]]\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s1], %[t], %[xe], %[s1]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s1], %[t], %[xo], %[s1]\n\t"
-                         "ldr %[wv], [%[pa]], #4\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s0], %[t], %[xe], %[s0]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s0], %[t], %[xo], %[s0]\n\t"
-                         "ldr %[wv], [%[pb], %[in]]\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s3], %[t], %[xe], %[s3]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s3], %[t], %[xo], %[s3]\n\t"
-                         "ldr %[wv], [%[pb]], #4\n\t"
-                         "sxtb16 %[t], %[wv]\n\t"
-                         "smlad %[s2], %[t], %[xe], %[s2]\n\t"
-                         "sxtb16 %[t], %[wv], ror #8\n\t"
-                         "smlad %[s2], %[t], %[xo], %[s2]\n\t"
-                         "subs %[n], %[n], #1\n\t"
-                         "bne 1b\n\t"
-                         : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
-                           [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
-                           [wv] "=&r"(wv), [t] "=&r"(t)
-                         : [in] "r"(in)
-                         : "memory", "cc");
+        /* Two words a loop step when their count is even (half the loop
+         * counting), else one. */
+        if (words % 2u == 0u) {
+            words /= 2u;
+            __asm__ volatile("1:\n\t" DOT4_WORD DOT4_WORD
+                             "subs %[n], %[n], #1\n\t"
+                             "bne 1b\n\t"
+                             : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                               [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                               [wv] "=&r"(wv), [t] "=&r"(t)
+                             : [in] "r"(in)
+                             : "memory", "cc");
+        } else {
+            __asm__ volatile("1:\n\t" DOT4_WORD
+                             "subs %[n], %[n], #1\n\t"
+                             "bne 1b\n\t"
+                             : [pa] "+r"(pa), [pb] "+r"(pb), [px] "+r"(px), [n] "+r"(words), [s0] "+r"(s0),
+                               [s1] "+r"(s1), [s2] "+r"(s2), [s3] "+r"(s3), [xe] "=&r"(xe), [xo] "=&r"(xo),
+                               [wv] "=&r"(wv), [t] "=&r"(t)
+                             : [in] "r"(in)
+                             : "memory", "cc");
+        }
     }
     /* In uint32, like the reference, so a (theoretical) wrap is defined. */
     uint32_t u0 = (uint32_t)s0, u1 = (uint32_t)s1, u2 = (uint32_t)s2, u3 = (uint32_t)s3;
@@ -659,19 +751,13 @@ static void matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *x
     const size_t in = w->cols, out = w->rows;
     const int with_e = colibri_q8_has_terms(w);
     int32_t sum[4];
-    float v[4];
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
+        float sc[4], v[4];
         dot4_i8(q + o * in, in, xq, sum);
-        FOR4(i, v[i] = (float)sum[i] * (colibri_q8_scale(w, o + i) * a));
-        if (with_e)
-            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
-        if (b)
-            FOR4(i, v[i] += b[o + i]);
-        if (acc)
-            FOR4(i, y[o + i] += s * v[i]);
-        else
-            FOR4(i, y[o + i] = v[i]);
+        colibri_q8_scale4(w, o, sc);
+        FOR4(i, v[i] = (float)sum[i] * (sc[i] * a));
+        Q8_EPILOGUE4();
     }
     for (; o < out; o++)
         colibri_emit(y, o,
@@ -724,6 +810,40 @@ static __attribute__((noinline)) void q8f_rows4(const int8_t *q0, size_t in, con
                      : S_ALL, "memory", "cc");
 }
 
+/* One row (the last out % 4, e.g. a small router's): *v0 and *v1, the even
+ * and odd column pairs' sums, += Σ_{k < 4·words} (float)q[k] · x[k], fused,
+ * 4 columns a step (as Q8_ROW, two accumulators), words >= 1. */
+static __attribute__((noinline)) void q8f_row1(const int8_t *q, const float *x, size_t words, float *v0, float *v1)
+{
+    uint32_t wv, b0, b1, b2, b3;
+    float a0 = *v0, a1 = *v1;
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s19}\n\t"
+                     "ldr %[wv], [%[q]], #4\n\t"
+                     "sxtb %[b0], %[wv]\n\t"
+                     "sxtb %[b1], %[wv], ror #8\n\t"
+                     "sxtb %[b2], %[wv], ror #16\n\t"
+                     "sxtb %[b3], %[wv], ror #24\n\t"
+                     "vmov s0, s1, %[b0], %[b1]\n\t"
+                     "vmov s2, s3, %[b2], %[b3]\n\t"
+                     "vcvt.f32.s32 s0, s0\n\t"
+                     "vcvt.f32.s32 s1, s1\n\t"
+                     "vcvt.f32.s32 s2, s2\n\t"
+                     "vcvt.f32.s32 s3, s3\n\t"
+                     "vfma.f32 %[a0], s0, s16\n\t"
+                     "vfma.f32 %[a1], s1, s17\n\t"
+                     "vfma.f32 %[a0], s2, s18\n\t"
+                     "vfma.f32 %[a1], s3, s19\n\t"
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [q] "+r"(q), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0), [b1] "=&r"(b1),
+                       [b2] "=&r"(b2), [b3] "=&r"(b3), [a0] "+t"(a0), [a1] "+t"(a1)
+                     :
+                     : "s0", "s1", "s2", "s3", "s16", "s17", "s18", "s19", "memory", "cc");
+    *v0 = a0;
+    *v1 = a1;
+}
+
 /* I8 weights, f32 activations: 4 rows at a time (q8f_rows4), each int8
  * weight widened exactly and fused-multiply-added; then the reference's
  * scale, E, bias and emit, in its order. */
@@ -735,26 +855,26 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
     size_t o = 0;
     for (; o + 4 <= out; o += 4) {
         const int8_t *q0 = q + o * in;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, v[4];
         if (words != 0u)
-            q8f_rows4(q0, in, x, words, v);
+            q8f_rows4(q0, in, x, words, d);
         for (size_t k = words * 4u; k < in; k++)
             for (size_t i = 0; i < 4; i++)
-                v[i] = __builtin_fmaf((float)q0[i * in + k], x[k], v[i]);
-        FOR4(i, v[i] *= colibri_q8_scale(w, o + i));
-        if (with_e)
-            FOR4(i, v[i] = colibri_q8_compensate(w, o + i, x, v[i]));
-        if (b)
-            FOR4(i, v[i] += b[o + i]);
-        if (acc)
-            FOR4(i, y[o + i] += s * v[i]);
-        else
-            FOR4(i, y[o + i] = v[i]);
+                d[i] = __builtin_fmaf((float)q0[i * in + k], x[k], d[i]);
+        FOR4(i, v[i] = d[i]);
+        float sc[4];
+        colibri_q8_scale4(w, o, sc);
+        FOR4(i, v[i] *= sc[i]);
+        Q8_EPILOGUE4();
     }
     for (; o < out; o++) {
         const int8_t *qo = q + o * in;
         float v = 0.0f, v1 = 0.0f;
         size_t k = 0;
+        if (words != 0u) {
+            q8f_row1(qo, x, words, &v, &v1);
+            k = words * 4u;
+        }
         for (; k + 2 <= in; k += 2) {
             v = __builtin_fmaf((float)qo[k], x[k], v);
             v1 = __builtin_fmaf((float)qo[k + 1], x[k + 1], v1);
@@ -777,22 +897,34 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
 static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
                                 float *restrict a)
 {
+    const size_t steps = in / 4u; /* 4 values a step (VLDM), then the tail in C */
     for (size_t i = 0; i < n; i++, q += in) {
         const float *xi = x + (rows ? rows[i] : i) * in;
         float m0 = 0.0f, m1 = 0.0f, z0 = 0.0f, z1 = 0.0f;
-        size_t k = 0;
-        for (; k + 4 <= in; k += 4) {
-            const float v0 = fabsf(xi[k]), v1 = fabsf(xi[k + 1]), v2 = fabsf(xi[k + 2]), v3 = fabsf(xi[k + 3]);
-            m0 = fmaxf(m0, v0);
-            m1 = fmaxf(m1, v1);
-            z0 = __builtin_fmaf(v0, 0.0f, z0);
-            z1 = __builtin_fmaf(v1, 0.0f, z1);
-            m0 = fmaxf(m0, v2);
-            m1 = fmaxf(m1, v3);
-            z0 = __builtin_fmaf(v2, 0.0f, z0);
-            z1 = __builtin_fmaf(v3, 0.0f, z1);
+        if (steps != 0u) {
+            const float *p = xi;
+            size_t c = steps;
+            __asm__ volatile("1:\n\t"
+                             "vldmia %[p]!, {s0-s3}\n\t"
+                             "vabs.f32 s0, s0\n\t"
+                             "vabs.f32 s1, s1\n\t"
+                             "vabs.f32 s2, s2\n\t"
+                             "vabs.f32 s3, s3\n\t"
+                             "vmaxnm.f32 %[m0], %[m0], s0\n\t"
+                             "vmaxnm.f32 %[m1], %[m1], s1\n\t"
+                             "vfma.f32 %[z0], s0, %[zero]\n\t"
+                             "vfma.f32 %[z1], s1, %[zero]\n\t"
+                             "vmaxnm.f32 %[m0], %[m0], s2\n\t"
+                             "vmaxnm.f32 %[m1], %[m1], s3\n\t"
+                             "vfma.f32 %[z0], s2, %[zero]\n\t"
+                             "vfma.f32 %[z1], s3, %[zero]\n\t"
+                             "subs %[c], %[c], #1\n\t"
+                             "bne 1b\n\t"
+                             : [p] "+r"(p), [c] "+r"(c), [m0] "+t"(m0), [m1] "+t"(m1), [z0] "+t"(z0), [z1] "+t"(z1)
+                             : [zero] "t"(0.0f)
+                             : "s0", "s1", "s2", "s3", "memory", "cc");
         }
-        for (; k < in; k++) {
+        for (size_t k = steps * 4u; k < in; k++) {
             const float v = fabsf(xi[k]);
             m0 = fmaxf(m0, v);
             z0 = __builtin_fmaf(v, 0.0f, z0);
@@ -803,16 +935,35 @@ static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, 
             continue;
         }
         const float inv = 127.0f / m;
-        k = 0;
-        for (; k + 4 <= in; k += 4) {
-            const long r0 = lroundf(xi[k] * inv), r1 = lroundf(xi[k + 1] * inv);
-            const long r2 = lroundf(xi[k + 2] * inv), r3 = lroundf(xi[k + 3] * inv);
-            q[k] = (int8_t)r0;
-            q[k + 1] = (int8_t)r1;
-            q[k + 2] = (int8_t)r2;
-            q[k + 3] = (int8_t)r3;
+        if (steps != 0u) {
+            const float *p = xi;
+            int8_t *d = q;
+            size_t c = steps;
+            uint32_t r0, r1, r2, r3;
+            __asm__ volatile("1:\n\t"
+                             "vldmia %[p]!, {s0-s3}\n\t"
+                             "vmul.f32 s0, s0, %[inv]\n\t"
+                             "vmul.f32 s1, s1, %[inv]\n\t"
+                             "vmul.f32 s2, s2, %[inv]\n\t"
+                             "vmul.f32 s3, s3, %[inv]\n\t"
+                             "vcvta.s32.f32 s0, s0\n\t"
+                             "vcvta.s32.f32 s1, s1\n\t"
+                             "vcvta.s32.f32 s2, s2\n\t"
+                             "vcvta.s32.f32 s3, s3\n\t"
+                             "vmov %[r0], %[r1], s0, s1\n\t"
+                             "vmov %[r2], %[r3], s2, s3\n\t"
+                             "strb %[r0], [%[d]], #1\n\t"
+                             "strb %[r1], [%[d]], #1\n\t"
+                             "strb %[r2], [%[d]], #1\n\t"
+                             "strb %[r3], [%[d]], #1\n\t"
+                             "subs %[c], %[c], #1\n\t"
+                             "bne 1b\n\t"
+                             : [p] "+r"(p), [d] "+r"(d), [c] "+r"(c), [r0] "=&r"(r0), [r1] "=&r"(r1), [r2] "=&r"(r2),
+                               [r3] "=&r"(r3)
+                             : [inv] "t"(inv)
+                             : "s0", "s1", "s2", "s3", "memory", "cc");
         }
-        for (; k < in; k++)
+        for (size_t k = steps * 4u; k < in; k++)
             q[k] = (int8_t)lroundf(xi[k] * inv);
         a[i] = m / 127.0f;
     }
@@ -862,7 +1013,23 @@ static int f32_pairs(const colibri_matrix *w, size_t n)
 #endif
 }
 
-static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+/* F32 weights in whole 8 x 8 blocks (rows and columns multiples of 8): one
+ * token goes straight to f32_blocks8. */
+static int f32_whole_blocks(const colibri_matrix *w)
+{
+#if defined(CMSIS_F32)
+    return w->dtype == COLIBRI_DTYPE_F32 && w->cols != 0u && (w->cols | w->rows) % 8u == 0u && w->rows != 0u;
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
+#if defined(CMSIS_F32)
+static const float one = 1.0f;
+#endif
+
+static __attribute__((noinline)) void linear_tokens(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
                          const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
@@ -878,7 +1045,7 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
                y + i * out);
 }
 
-static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+static __attribute__((noinline)) void linear_acc_tokens(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
                              const float *scale, const colibri_qrows *xq, float *restrict y)
 {
     const size_t in = w->cols, out = w->rows;
@@ -895,12 +1062,54 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
                y + (rows ? rows[i] : i) * out);
 }
 
+/* The linear kernels: one token of a matrix in whole 8 x 8 F32 blocks goes
+ * straight to f32_blocks8 (the common case of a small model at batch 1,
+ * kept free of the general path's frame); everything else token by token
+ * (linear_tokens, linear_acc_tokens). */
+static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w, const float *b,
+                         const colibri_qrows *xq, float *restrict y)
+{
+#if defined(CMSIS_F32)
+    if (n == 1u && f32_whole_blocks(w)) {
+        const size_t in = w->cols;
+        f32_blocks8(w->data, in, x + (rows ? rows[0] : 0u) * in, w->rows / 8u, b ? b : zeros8, b ? 8u : 0u, y,
+                    NULL);
+        return;
+    }
+#endif
+#if defined(CMSIS_F32)
+    if (n == 1u && w->dtype == COLIBRI_DTYPE_F32) {
+        matvec_f32(w, x + (rows ? rows[0] : 0u) * w->cols, b, 0, 1.0f, y);
+        return;
+    }
+#endif
+    linear_tokens(x, rows, n, w, b, xq, y);
+}
+
+static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, const float *b, const uint16_t *rows,
+                             const float *scale, const colibri_qrows *xq, float *restrict y)
+{
+#if defined(CMSIS_F32)
+    if (n == 1u && f32_whole_blocks(w)) {
+        const size_t out = w->rows;
+        f32_blocks8(w->data, w->cols, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y + (rows ? rows[0] : 0u) * out,
+                    scale ? scale : &one);
+        return;
+    }
+#endif
+    linear_acc_tokens(x, n, w, b, rows, scale, xq, y);
+}
+
 #if defined(CMSIS_FPV5)
 /* ---- ReLU: exactly the reference's v < 0 ? 0 : v ----
  * VCMP of 0 with v, then VSELGT picks 0 where 0 > v: NaN compares unordered
  * (not GT) and stays, -0 is not above 0 and stays, as in the reference. 8
  * values per VLDM/VSTM. Other activations: the reference. */
 #define RELU1(R) "vcmp.f32 s8, " R "\n\tvmrs APSR_nzcv, fpscr\n\tvselgt.f32 " R ", s8, " R "\n\t"
+#define RELU8                                                                                                       \
+    "vldmia %[p], {s0-s7}\n\t"                                                                                      \
+    RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3") RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")                 \
+    "vstmia %[p]!, {s0-s7}\n\t"
 
 /* ---- SiLU and sigmoid: the reference's formulas, v · (1 / (1 + e^-v)) and
  * 1 / (1 + e^-v), with a single-precision e^x: n = round(x / ln 2) (VCVTA),
@@ -933,7 +1142,7 @@ static inline float expf_fast(float v)
     return p * scale;
 }
 
-static void sigmoid_family(float *x, size_t n, uint32_t kind)
+static __attribute__((noinline)) void sigmoid_family(float *x, size_t n, uint32_t kind)
 {
     const int silu = kind == COLIBRI_ACT_SILU;
     for (size_t i = 0; i < n; i++) {
@@ -949,28 +1158,31 @@ static void sigmoid_family(float *x, size_t n, uint32_t kind)
 
 static void activation_cmsis(float *x, size_t n, uint32_t kind)
 {
-    if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID) {
-        sigmoid_family(x, n, kind);
-        return;
-    }
     if (kind != COLIBRI_ACT_RELU) {
-        colibri_activation_ref(x, n, kind);
+        if (kind == COLIBRI_ACT_SILU || kind == COLIBRI_ACT_SIGMOID)
+            sigmoid_family(x, n, kind);
+        else
+            colibri_activation_ref(x, n, kind);
         return;
     }
     size_t blocks = n / 8u;
     float *p = x;
     if (blocks != 0u) {
-        const float zero = 0.0f;
-        __asm__ volatile("vldr s8, [%[z]]\n\t"
+        /* Two blocks a loop step, after a lone first block when their
+         * count is odd. */
+        __asm__ volatile("vmov s8, %[z]\n\t"
+                         "lsrs %[n], %[n], #1\n\t"
+                         "bcc 1f\n\t"
+                         RELU8
+                         "cmp %[n], #0\n\t"
+                         "beq 2f\n\t"
                          "1:\n\t"
-                         "vldmia %[p], {s0-s7}\n\t"
-                         RELU1("s0") RELU1("s1") RELU1("s2") RELU1("s3")
-                         RELU1("s4") RELU1("s5") RELU1("s6") RELU1("s7")
-                         "vstmia %[p]!, {s0-s7}\n\t"
+                         RELU8 RELU8
                          "subs %[n], %[n], #1\n\t"
                          "bne 1b\n\t"
+                         "2:\n\t"
                          : [p] "+r"(p), [n] "+r"(blocks)
-                         : [z] "r"(&zero)
+                         : [z] "r"(0u) /* +0.0f */
                          : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "memory", "cc");
     }
     for (size_t i = n / 8u * 8u; i < n; i++)
