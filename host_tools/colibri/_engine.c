@@ -385,57 +385,6 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* forward(input, output, batch): input/output are C-contiguous float32 buffers. */
-static PyObject *Context_forward(ContextObject *self, PyObject *args) {
-    PyObject *in_obj, *out_obj;
-    Py_ssize_t batch;
-    if (!PyArg_ParseTuple(args, "OOn", &in_obj, &out_obj, &batch)) {
-        return NULL;
-    }
-    if (self->ctx == NULL) {
-        return raise_status(COLIBRI_E_BAD_CONTEXT);
-    }
-    if (batch < 0) {
-        return raise_status(COLIBRI_E_BAD_BATCH);
-    }
-    Py_buffer in, out;
-    if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&in);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (in.itemsize != 4 || out.itemsize != 4 || in.format == NULL || out.format == NULL ||
-        strcmp(in.format, "f") != 0 || strcmp(out.format, "f") != 0) {
-        PyErr_SetString(PyExc_TypeError, "input and output must be float32 buffers");
-    } else {
-        int st;
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        /* A mapped file truncated in place would SIGBUS the forward pass: refuse instead. */
-        st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
-        if (st == COLIBRI_OK && self->file != NULL && self->advise) {
-            /* The routed experts' pages advised in (and verified on first use) before they run. */
-            colibri_exec exec = COLIBRI_EXEC_INIT;
-            exec.on_route = colibri_file_on_route;
-            exec.on_route_user = self->file->file;
-            st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
-                                    (float *)out.buf, (size_t)(out.len / 4));
-        } else if (st == COLIBRI_OK) {
-            st = colibri_forward(self->ctx, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
-                                 (float *)out.buf, (size_t)(out.len / 4));
-        }
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
-        result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
-    }
-    PyBuffer_Release(&in);
-    PyBuffer_Release(&out);
-    return result;
-}
-
 /* colibri_exec.on_route into a Python callable: on_route(layer, experts, tokens) with the
  * expert records about to run (routed ones with tokens, then the shared ones) and each one's
  * token count. Runs with the GIL taken back; an exception stops the pass and is re-raised. */
@@ -477,16 +426,12 @@ static colibri_status py_on_route(void *user, const colibri_route *r) {
 }
 
 /* forward_ex(input, output, batch, on_route): colibri_forward_ex with a Python on_route. */
-static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
-    PyObject *in_obj, *out_obj, *fn;
-    Py_ssize_t batch;
-    if (!PyArg_ParseTuple(args, "OOnO", &in_obj, &out_obj, &batch, &fn)) {
-        return NULL;
-    }
-    if (!PyCallable_Check(fn)) {
-        PyErr_SetString(PyExc_TypeError, "on_route must be callable");
-        return NULL;
-    }
+/* One forward pass into Python: input/output are C-contiguous float32 buffers; fn, when not
+ * NULL, is on_route(layer, experts, tokens). A mapped model checks its file first (truncated
+ * in place it would SIGBUS the pass) and, unless advise is off, has the routed experts' pages
+ * advised in and verified on first use before they run. */
+static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject *out_obj, Py_ssize_t batch,
+                                 PyObject *fn) {
     if (self->ctx == NULL) {
         return raise_status(COLIBRI_E_BAD_CONTEXT);
     }
@@ -509,14 +454,22 @@ static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
         int st;
         route_call rc = {fn, 0, self->file != NULL && self->advise ? self->file->file : NULL};
         colibri_exec exec = COLIBRI_EXEC_INIT;
-        exec.on_route = py_on_route;
-        exec.on_route_user = &rc;
+        if (fn != NULL) {
+            exec.on_route = py_on_route;
+            exec.on_route_user = &rc;
+        } else if (rc.file != NULL) {
+            exec.on_route = colibri_file_on_route;
+            exec.on_route_user = rc.file;
+        }
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
-        if (st == COLIBRI_OK)
+        if (st == COLIBRI_OK && exec.on_route != NULL)
             st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
                                     (float *)out.buf, (size_t)(out.len / 4));
+        else if (st == COLIBRI_OK)
+            st = colibri_forward(self->ctx, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
+                                 (float *)out.buf, (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         if (rc.raised)
@@ -527,6 +480,30 @@ static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
     PyBuffer_Release(&in);
     PyBuffer_Release(&out);
     return result;
+}
+
+/* forward(input, output, batch) */
+static PyObject *Context_forward(ContextObject *self, PyObject *args) {
+    PyObject *in_obj, *out_obj;
+    Py_ssize_t batch;
+    if (!PyArg_ParseTuple(args, "OOn", &in_obj, &out_obj, &batch)) {
+        return NULL;
+    }
+    return context_forward(self, in_obj, out_obj, batch, NULL);
+}
+
+/* forward_ex(input, output, batch, on_route) */
+static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
+    PyObject *in_obj, *out_obj, *fn;
+    Py_ssize_t batch;
+    if (!PyArg_ParseTuple(args, "OOnO", &in_obj, &out_obj, &batch, &fn)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "on_route must be callable");
+        return NULL;
+    }
+    return context_forward(self, in_obj, out_obj, batch, fn);
 }
 
 static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
