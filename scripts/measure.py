@@ -482,6 +482,7 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"\| `make test` \| about[^\n]*", "timing row: make test's wall clock"),
     (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
     (r"\| host speed, [^\n]*", "timing rows: make bench (bench/bench.py), wall clock on a shared machine, not pinned"),
+    (r"\| parallel experts, [^\n]*", "timing row: make bench-exec (bench/exec_bench.py), wall clock, not pinned"),
 ]
 
 
