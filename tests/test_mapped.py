@@ -469,3 +469,19 @@ def test_cli_info_reads_the_tables_not_the_weights(paged: bytes, tmp_path: Path)
     out = subprocess.run([*cli, "info", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "routed experts 12" in out.stdout, out.stderr
     assert f.resident() <= len(paged) - len(expert_pages) * PAGE
+
+
+def test_edge_jitter_bench_runs_small(tmp_path: Path) -> None:
+    """bench/edge_jitter.py (make bench-edge-jitter) does not rot: a tiny model, p50/p99 with and without
+    mlock printed, and the memory-pressure runs either made in a cgroup or skipped with the reason."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "edge_jitter.py"), "--layers", "1", "--experts", "8",
+                          "--d", "64", "--hidden", "64", "--tokens", "6", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "pinned: the 2 most used experts" in out.stdout
+    for run in ("no pressure, no lock: p50 ", "no pressure, mlock'd: p50 "):
+        assert run in out.stdout, out.stdout
+    assert ("under memory pressure: SKIPPED: " in out.stdout) != ("in the cgroup, mlock'd: p50 " in out.stdout)
+    assert "ONNX Runtime peak RSS: " in out.stdout
+    assert list(tmp_path.iterdir()) == []
