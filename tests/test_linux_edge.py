@@ -2,7 +2,9 @@
 line requests on stdin and a Unix socket. Its answers equal the Python engine's; garbage gets the engine's
 status and text, never a crash; SIGHUP after a rename serves the new model, a corrupt or missing replacement
 leaves the old one serving with the status logged, and requests streaming across a reload each get the old
-or the new model's answer, in order. The aarch64 build answers under qemu-aarch64."""
+or the new model's answer, in order. -V full refuses a file with a corrupted expert at start, -V on-use
+serves it and answers the requests that reach the expert with -24. The aarch64 build answers under
+qemu-aarch64."""
 from __future__ import annotations
 
 import os
@@ -20,8 +22,8 @@ import pytest
 import torch
 
 import colibri
+from colibri import engine, image
 from colibri import format as F
-from colibri import image
 from colibri import nn as cnn
 from colibri.exporter import export, write_atomically
 
@@ -303,3 +305,29 @@ def test_aarch64_build_answers_over_stdin_under_qemu(images, tmp_path: Path) -> 
     for line, x in zip(out, xs):
         np.testing.assert_allclose(parse(line), expected(images[0], x), rtol=1e-4, atol=1e-5)
     _check_error(out[2], F.Status.BUFFER_SIZE, "row 1 has 2 values, the model takes 6")
+
+
+def test_verify_modes_full_refuses_a_corrupt_expert_on_use_answers_its_status(images, tmp_path: Path) -> None:
+    """-V full (default) checks every payload before serving; -V on-use opens without reading weights and
+    answers a request routed to a corrupted expert with -24, then goes on serving."""
+    b = build("host")
+    model = tmp_path / "model.clb"
+    write_atomically(model, images[0])
+    f = engine.open_file(model, verify="none")
+    ranges = [f.expert_range(0, e) for e in range(f.experts()[0])]
+    del f
+    bad = bytearray(images[0])
+    for offset, _ in ranges:  # every expert of the first MoE layer: any token routes to one
+        bad[offset] ^= 0x40
+    write_atomically(model, bytes(bad))
+    cmd = [str(b / "colibri_edge"), str(b / "libcolibri.so.0"), str(model)]
+    r = subprocess.run(cmd, input=request(x_of(1)), capture_output=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == b"", r
+    assert re.search(rb"model\.clb: status -24 \(a tensor payload's CRC-32", r.stderr), r.stderr
+    r = subprocess.run([cmd[0], "-V", "on-use", *cmd[1:]], input=request(x_of(1)) * 2, capture_output=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.splitlines():
+        _check_error(line, F.Status.BAD_PAYLOAD_CRC, "")
+    assert len(r.stdout.splitlines()) == 2
+
