@@ -507,27 +507,9 @@ int main(int argc, char **argv)
     }
     s.path = argv[optind + 1];
 
-    void *lib = dlopen(argv[optind], RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        logf_("%s", dlerror());
-        return 1;
-    }
-    if (!load_api(lib, &s.a))
-        return 1;
-    colibri_status st;
-    char why[160];
-    if (s.workers > 1 && (st = s.a.pool_create(&s.pool, s.workers)) != COLIBRI_OK) {
-        logf_("thread pool of %zu: status %d (%s)", s.workers, (int)st, s.a.strerror(st));
-        return 1;
-    }
-    if ((st = load(&s, &s.m, why, sizeof why)) != COLIBRI_OK) {
-        logf_("%s: status %d (%s)%s%s", s.path, (int)st, s.a.strerror(st), why[0] ? ", " : "", why);
-        return 1;
-    }
-    s.m.generation = 1;
-
     /* Handlers only set flags. The signals stay blocked except inside ppoll,
-     * so one arriving between the flag check and the wait still wakes it. */
+     * so one arriving between the flag check and the wait still wakes it (and
+     * a SIGHUP during the first load is a reload right after it, not death). */
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sigemptyset(&sa.sa_mask);
@@ -547,6 +529,25 @@ int main(int argc, char **argv)
     sigdelset(&during_wait, SIGHUP);
     sigdelset(&during_wait, SIGTERM);
     sigdelset(&during_wait, SIGINT);
+
+    void *lib = dlopen(argv[optind], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        logf_("%s", dlerror());
+        return 1;
+    }
+    if (!load_api(lib, &s.a))
+        return 1;
+    colibri_status st;
+    char why[160];
+    if (s.workers > 1 && (st = s.a.pool_create(&s.pool, s.workers)) != COLIBRI_OK) {
+        logf_("thread pool of %zu: status %d (%s)", s.workers, (int)st, s.a.strerror(st));
+        return 1;
+    }
+    if ((st = load(&s, &s.m, why, sizeof why)) != COLIBRI_OK) {
+        logf_("%s: status %d (%s)%s%s", s.path, (int)st, s.a.strerror(st), why[0] ? ", " : "", why);
+        return 1;
+    }
+    s.m.generation = 1;
 
     int listen_fd = -1;
     if (sock_path && (listen_fd = listen_unix(sock_path)) < 0)
