@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full upstream-check
+        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check
 
 setup:
 	./scripts/setup.sh
@@ -82,6 +82,12 @@ bench-edge-mmap: setup
 
 bench-edge-mmap-full: setup
 	$(PY) bench/edge_mmap.py --layers 4 --experts 128
+
+# Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
+# memory pressure (a cgroup v2 whose memory.max is below the model size; skipped, saying why, where
+# there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one). ~50 MB model.
+bench-edge-jitter: setup
+	$(PY) bench/edge_jitter.py
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -3,6 +3,7 @@
 mapping instead of copying, page-aligned experts, hot model swap by rename and the truncation case."""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shlex
@@ -436,3 +437,51 @@ def test_open_reads_no_expert_page(paged: bytes, tmp_path: Path) -> None:
     assert m.file.resident() <= len(paged) - expert_pages + PAGE + 4 * max(s for _, s in ranges) + 4 * PAGE
     m.file.verify()
     assert m.file.resident() >= len(paged) - PAGE
+
+
+def test_cli_info_reads_the_tables_not_the_weights(paged: bytes, tmp_path: Path) -> None:
+    """`colibri info` maps the file and checks its structure: a corrupted payload still gets `info`
+    (and fails `verify`), and from a cold page cache `info` leaves every expert page unread."""
+    path = tmp_path / "m.clb"
+    cli = [str(Path(sys.executable).parent / "colibri")]
+    bad = bytearray(paged)
+    bad[max(_tensors(paged), key=lambda t: t[1])[0]] ^= 1  # a weight of the largest tensor: an expert's
+    path.write_bytes(bad)
+    out = subprocess.run([*cli, "info", "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    described = json.loads(out.stdout)
+    assert described["image_bytes"] == len(paged) and described["routed_experts"] == 12
+    out = subprocess.run([*cli, "verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "CRC" in out.stderr
+
+    path.write_bytes(paged)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    f = engine.open_file(path, verify="none")
+    ranges = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    expert_pages = {p for off, size in ranges for p in range(off // PAGE, (off + size + PAGE - 1) // PAGE)}
+    if f.resident() > len(paged) - len(expert_pages) * PAGE:
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    out = subprocess.run([*cli, "info", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "routed experts 12" in out.stdout, out.stderr
+    assert f.resident() <= len(paged) - len(expert_pages) * PAGE
+
+
+def test_edge_jitter_bench_runs_small(tmp_path: Path) -> None:
+    """bench/edge_jitter.py (make bench-edge-jitter) does not rot: a tiny model, p50/p99 with and without
+    mlock printed, and the memory-pressure runs either made in a cgroup or skipped with the reason."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "edge_jitter.py"), "--layers", "1", "--experts", "8",
+                          "--d", "64", "--hidden", "64", "--tokens", "6", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "pinned: the 2 most used experts" in out.stdout
+    for run in ("no pressure, no lock: p50 ", "no pressure, mlock'd: p50 "):
+        assert run in out.stdout, out.stdout
+    assert ("under memory pressure: SKIPPED: " in out.stdout) != ("in the cgroup, mlock'd: p50 " in out.stdout)
+    assert "ONNX Runtime peak RSS: " in out.stdout
+    assert list(tmp_path.iterdir()) == []
