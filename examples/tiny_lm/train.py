@@ -95,7 +95,8 @@ def held_out_nll(model: Qwen3MoeForCausalLM, text: bytes, context: int = CONTEXT
     for start in range(0, n_windows, 16):
         batch = windows[start : start + 16]
         logits = model(input_ids=batch).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1), reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                reduction="sum")
         total += nll.item()
         count += batch[:, 1:].numel()
     return total / count, count
@@ -126,8 +127,9 @@ def train(steps: int, seed: int, threads: int, progress: bool = True) -> tuple[Q
     train_ids = torch.tensor(list(data.train), dtype=torch.long)
     model = Qwen3MoeForCausalLM(config())
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    # Matrices decay; norm gains do not (decaying them would pull them towards zero, not one).
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
         lr=PEAK_LR, betas=(0.9, 0.95),
@@ -148,7 +150,8 @@ def train(steps: int, seed: int, threads: int, progress: bool = True) -> tuple[Q
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{out.loss.item():.3f}", bpb=f"{(out.loss.item() - 0.01 * out.aux_loss.item()) / math.log(2):.2f}")
+            lm_loss = out.loss.item() - model.config.router_aux_loss_coef * out.aux_loss.item()
+            bar.set_postfix(loss=f"{out.loss.item():.3f}", bpb=f"{lm_loss / math.log(2):.2f}")
     return model, time.perf_counter() - t0
 
 
