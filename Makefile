@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check
+        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm
 
 setup:
 	./scripts/setup.sh
@@ -48,6 +48,12 @@ measure: setup firmware
 # runner in QEMU, put the model on the board, forecast on target.
 demo: setup firmware
 	$(PY) examples/smart_meter/demo.py
+
+# The tiny King James MoE language model (examples/tiny_lm): retrains it from scratch and
+# overwrites the committed weights and metrics.json (tens of minutes on 1 core; CI never runs it,
+# tests/test_tiny_lm.py checks the committed model).
+train-tiny-lm: setup
+	$(PY) examples/tiny_lm/train.py --steps 1500 --seed 0
 
 test: setup c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2
