@@ -487,6 +487,36 @@ DOT_TAIL(dot_tail_f32, float, ELEM_F32)
 DOT_TAIL(dot_tail_f16, uint16_t, ELEM_F16)
 #endif
 
+/* One token of an F32 matrix whose rows are whole chunks (in % 8 == 0,
+ * in >= 8): y[o] = v_o, or y[o] += *scale · v_o (scale not NULL), v_o =
+ * (row o of W) · x + b_o; 8-row blocks, then 4, 3 (stored only), 2 and 1
+ * rows. A function of its own with few live values: a small matrix (a
+ * router's few rows) pays no frame for matvec_f32's column tails. */
+static __attribute__((noinline)) void f32_whole_rows(const float *wd, size_t in, size_t out, const float *x,
+                                                     const float *b, const float *scale, float *y)
+{
+    const size_t chunks = in / 8u;
+    size_t o = 0;
+    if (out >= 8u) {
+        f32_blocks8(wd, in, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y, scale);
+        o = out / 8u * 8u;
+    }
+    if (o + 4u <= out) {
+        f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        o += 4u;
+    }
+    if (o + 3u == out && !scale) {
+        f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
+        return;
+    }
+    if (o + 2u <= out) {
+        f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        o += 2u;
+    }
+    if (o < out)
+        colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, scale != NULL, scale ? *scale : 1.0f);
+}
+
 /* One token of an F32 or F16 matrix: y[o] = v_o, or y[o] += s · v_o (acc),
  * v_o = (row o of W) · x + b_o, as colibri_matvec_f32 / _f16 within the
  * tolerance. */
@@ -497,25 +527,7 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
     size_t o = 0;
     if (chunks != 0u && done == in) {
         /* Whole chunks: the blocks store (or accumulate into) y themselves. */
-        const float *scale = acc ? &s : NULL;
-        if (out >= 8u) {
-            f32_blocks8(wd, in, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y, scale);
-            o = out / 8u * 8u;
-        }
-        if (o + 4u <= out) {
-            f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
-            o += 4u;
-        }
-        if (o + 3u == out && !acc) {
-            f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
-            return;
-        }
-        if (o + 2u <= out) {
-            f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
-            o += 2u;
-        }
-        if (o < out)
-            colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, acc, s);
+        f32_whole_rows(wd, in, out, x, b, acc ? &s : NULL, y);
         return;
     }
     /* Column tails (in % 8 != 0): blocks into tmp, tails added, then emitted. */
@@ -1079,7 +1091,11 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
 #endif
 #if defined(CMSIS_F32)
     if (n == 1u && w->dtype == COLIBRI_DTYPE_F32) {
-        matvec_f32(w, x + (rows ? rows[0] : 0u) * w->cols, b, 0, 1.0f, y);
+        const size_t in = w->cols;
+        if (in != 0u && in % 8u == 0u)
+            f32_whole_rows(w->data, in, w->rows, x + (rows ? rows[0] : 0u) * in, b, NULL, y);
+        else
+            matvec_f32(w, x + (rows ? rows[0] : 0u) * in, b, 0, 1.0f, y);
         return;
     }
 #endif
