@@ -5,9 +5,10 @@
 
 Runs the mps2-an500 runner in QEMU twice with bench/qemu_pc_profile.c (an instruction-counting
 plugin): once loading the model and forwarding one input, once forwarding it a second time as well.
-Everything else is identical, so the difference of the two per-instruction counts is exactly what
-the second forward executed: colibri_forward and the runner's request handling around it (the
-firmware's work counter covers colibri_forward alone; the table marks what lies outside it).
+Everything else is identical, so the difference of the two per-instruction counts is what the second
+forward executed: colibri_forward and the runner's request handling around it (the firmware's work
+counter covers colibri_forward alone). The runner's UART polling (board_uart_getc) waits on the host
+and differs run to run; every function colibri_forward runs is deterministic.
 Instructions, not cycles. --annotate prints the disassembly of a function with each instruction's
 count.
 """
@@ -102,9 +103,9 @@ def main() -> None:
         i = bisect.bisect_right(starts, pc) - 1 if pc != "elsewhere" else -1
         name = funcs[i][0] if i >= 0 and pc < starts[i] + max(funcs[i][1], 2) else f"?{pc}"
         per_func[name] += n
-    total = sum(per_func.values())
     print(f"{args.model} {args.dtype}{' (reference kernels)' if args.reference_kernels else ''}: "
-          f"{total} instructions for the second forward request, {work} inside colibri_forward (work counter)")
+          f"{work} instructions inside colibri_forward (the runner's work counter); by function, the second "
+          f"forward request (the runner's UART polling varies run to run):")
     for name, n in per_func.most_common():
         print(f"{n:8d}  {name}")
 
