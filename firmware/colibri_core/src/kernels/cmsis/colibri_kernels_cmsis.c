@@ -8,12 +8,14 @@
  *   f32 weights   8 output rows at a time (then 4, 3, 2, 1): per 8 columns
  *                 one VLDM of x, one VLDM per weight row, 64 VFMA: ~1.15
  *                 instructions per multiply-accumulate (two chunks a loop
- *                 step when in % 16 == 0; separate storing and accumulating
- *                 loops). Each accumulator starts from the bias (or 0) and
- *                 the 8 results leave with one VSTM. Summation order: bias,
- *                 then 8-column chunks in index order, fused (one rounding
- *                 per product-add). One token of a matrix in whole 8 x 8
- *                 blocks goes straight to the block loop (batch 1).
+ *                 step when in % 16 == 0; separate loops for storing or
+ *                 accumulating, with a bias or without: 13 instructions of
+ *                 bookkeeping per 8-row block). Each accumulator starts from
+ *                 the bias (or 0) and the 8 results leave with one VSTM.
+ *                 Summation order: bias, then 8-column chunks in index
+ *                 order, fused (one rounding per product-add). One token of
+ *                 a matrix in whole 8 x 8 blocks goes straight to the block
+ *                 loop (batch 1), one of whole chunks to f32_whole_rows.
  *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
  *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
  *                 i.e. in even; otherwise row by row).
