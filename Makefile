@@ -84,8 +84,9 @@ bench-edge-mmap-full: setup
 	$(PY) bench/edge_mmap.py --layers 4 --experts 128
 
 # Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
-# memory pressure (a cgroup v2 whose memory.max is below the model size; skipped, saying why, where
-# there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one). ~50 MB model.
+# memory pressure (a cgroup v2, else v1, whose memory limit is below the model size; skipped, saying why,
+# where there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one), with and without
+# MADV_WILLNEED. ~50 MB model.
 bench-edge-jitter: setup
 	$(PY) bench/edge_jitter.py
 
