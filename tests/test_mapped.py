@@ -388,6 +388,11 @@ def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "time to first output, cold cache" in out.stdout and out.stdout.count("major faults/token") == 3
+    # ONNX Runtime on the same weights (the bench extra): both engines' memory, and the same outputs.
+    if "ONNX Runtime peak RSS: NOT MEASURED: " not in out.stdout:
+        for engine in ("Colibri (mapped, verify on use)", "ONNX Runtime (external data)"):
+            assert f"4 tokens, {engine}: peak RSS " in out.stdout, out.stdout
+        assert "mapped from the weights file" in out.stdout and "(outputs agree to " in out.stdout
     assert list(tmp_path.iterdir()) == []  # the model file is removed
 
 
