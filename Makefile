@@ -76,7 +76,8 @@ bench-exec:
 	$(PY) bench/exec_bench.py
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
-# resident bytes and major faults per token with and without MADV_WILLNEED. ~400 MB; -full ~1.6 GB.
+# resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX
+# Runtime on the same weights (external-data ONNX; needs the bench extra). ~400 MB; -full ~1.6 GB.
 bench-edge-mmap: setup
 	$(PY) bench/edge_mmap.py
 
