@@ -87,9 +87,11 @@ bench-edge-mmap-full: setup
 # Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
 # memory pressure (a cgroup v2, else v1, whose memory limit is below the model size; skipped, saying why,
 # where there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one), with and without
-# MADV_WILLNEED. ~50 MB model.
+# MADV_WILLNEED. ~50 MB model: the random router's near-uniform routing, then a Zipf-like one (--skew 0.3,
+# the hottest quarter of the experts taking most calls) where pinning them has something to win.
 bench-edge-jitter: setup
 	$(PY) bench/edge_jitter.py
+	$(PY) bench/edge_jitter.py --skew 0.3
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -1,6 +1,6 @@
 """Latency jitter of a mapped model under memory pressure, with and without mlock (issue 11): printed, not asserted.
 
-    .venv/bin/python bench/edge_jitter.py [--layers 2 --experts 32 --d 256 --hidden 512] [--tokens 200]
+    .venv/bin/python bench/edge_jitter.py [--layers 2 --experts 32 --d 256 --hidden 512] [--tokens 200] [--skew 0]
         [--memory-max-fraction 0.5] [--headroom 4] [--lock-fraction 0.25] [--cgroup DIR]
     make bench-edge-jitter
 
@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="router bias -skew*log(1+expert): a Zipf-like expert popularity (0: the random router's)")
     ap.add_argument("--lock-fraction", type=float, default=0.25, help="share of the experts to pin, most used first")
     ap.add_argument("--memory-max-fraction", type=float, default=0.5,
                     help="the cgroup's limit leaves this share of the model size for its pages (pinned ones included)")
@@ -258,13 +260,13 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="colibri-jitter-", dir=args.dir))
     path = folder / "edge.clb"
-    data = image.write(build(args.layers, args.experts, args.d, args.hidden), page_aligned=True)
+    data = image.write(build(args.layers, args.experts, args.d, args.hidden, skew=args.skew), page_aligned=True)
     path.write_bytes(data)
     size = len(data)
     del data
     expert_bytes = 3 * args.hidden * args.d * 2
     print(f"model: {args.layers} MoE layers x {args.experts} GLU f16 experts ({mib(expert_bytes)} each), top-2, "
-          f"page-aligned format v3: {mib(size)}; {args.tokens} tokens, one at a time")
+          f"page-aligned format v3: {mib(size)}; router skew {args.skew:g}; {args.tokens} tokens, one at a time")
     group = None
     try:
         # Calibration on other inputs than the measured ones: how often routing picks each expert.

@@ -1,6 +1,6 @@
 """Mapped model files on Linux (issue 11): what mapping instead of copying buys, printed, not asserted.
 
-    .venv/bin/python bench/edge_mmap.py [--layers 2 --experts 64 --d 512 --hidden 1024] [--tokens 32] [--keep]
+    .venv/bin/python bench/edge_mmap.py [--layers 2 --experts 64 --d 512 --hidden 1024] [--tokens 32] [--skew 0] [--keep]
     make bench-edge-mmap         (about 400 MB: 2 MoE layers x 64 GLU f16 experts of 3 MiB)
     make bench-edge-mmap-full    (about 1.6 GB: 4 x 128)
 
@@ -50,7 +50,10 @@ from colibri.format import Act, ExpertKind, Routing
 from colibri.ir import Expert, F16Weight, Graph, Linear, MoE
 
 
-def build(layers: int, experts: int, d: int, hidden: int, seed: int = 0) -> Graph:
+def build(layers: int, experts: int, d: int, hidden: int, seed: int = 0, skew: float = 0.0) -> Graph:
+    """`skew` > 0 gives the router a bias of -skew * log(1 + expert): expert e is then picked about
+    (1 + e) ** -skew as often as expert 0 (a Zipf-like popularity, as trained routers show), so the most
+    used experts carry most of the calls; 0 leaves the random router's near-uniform choice."""
     rng = np.random.default_rng(seed)
 
     def f16(rows: int, cols: int, scale: float) -> F16Weight:
@@ -62,6 +65,7 @@ def build(layers: int, experts: int, d: int, hidden: int, seed: int = 0) -> Grap
             routing=Routing.TOPK_SOFTMAX, top_k=2,
             router_weight=rng.standard_normal((experts, d), dtype=np.float32) * 0.05,
             expert_map=np.arange(experts, dtype=np.int32),
+            router_bias=(-skew * np.log1p(np.arange(experts))).astype(np.float32) if skew else None,
             experts=[Expert(ExpertKind.GLU, Act.SILU, w1=f16(hidden, d, d ** -0.5), w2=f16(d, hidden, hidden ** -0.5),
                             w3=f16(hidden, d, d ** -0.5)) for _ in range(experts)],
         ))
@@ -143,8 +147,10 @@ def ort_export(graph: Graph, onnx_path: Path, x: np.ndarray) -> None:
         with torch.device("meta"):
             moe = cnn.MoE(d, n, layer.experts[0].hidden, top_k=layer.top_k, routing="topk_softmax",
                           activation="silu", gated=True, expert_bias=False)
-        moe.router = nn.Linear(d, n, bias=False)
+        moe.router = nn.Linear(d, n, bias=layer.router_bias is not None)
         moe.router.weight.data = torch.from_numpy(layer.router_weight)
+        if layer.router_bias is not None:
+            moe.router.bias.data = torch.from_numpy(layer.router_bias)
         for mine, theirs in zip(moe.experts, layer.experts):
             for name in ("w1", "w2", "w3"):
                 getattr(mine, name).weight = nn.Parameter(torch.from_numpy(getattr(theirs, name).data), requires_grad=False)
@@ -230,6 +236,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="router bias -skew*log(1+expert): a Zipf-like expert popularity (0: the random router's)")
     ap.add_argument("--dir", type=Path, default=None, help="where the model file goes (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the model file")
     ap.add_argument("--no-onnx", action="store_true", help="skip the ONNX Runtime comparison")
@@ -243,7 +251,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="colibri-edge-", dir=args.dir))
     path = folder / "edge.clb"
     t0 = time.perf_counter()
-    graph = build(args.layers, args.experts, args.d, args.hidden)
+    graph = build(args.layers, args.experts, args.d, args.hidden, skew=args.skew)
     data = image.write(graph, page_aligned=True)
     with open(path, "wb") as fh:
         fh.write(data)

@@ -384,7 +384,7 @@ def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
     """bench/edge_mmap.py (make bench-edge-mmap) does not rot: a tiny model, figures printed."""
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "bench" / "edge_mmap.py"), "--layers", "1", "--experts", "4",
-                          "--d", "64", "--hidden", "64", "--tokens", "4", "--dir", str(tmp_path)],
+                          "--d", "64", "--hidden", "64", "--tokens", "4", "--skew", "0.5", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "time to first output, cold cache" in out.stdout and out.stdout.count("major faults/token") == 3
@@ -563,3 +563,26 @@ def test_jitter_checks_which_group_the_child_joined(tmp_path: Path) -> None:
     (v1 / "cgroup.procs").write_text("")
     group, why = bench.cgroup_for_pressure(v1)
     assert group is not None and group.version == 1 and group.limit_file == "memory.limit_in_bytes"
+
+
+def test_bench_router_skew_concentrates_the_routing() -> None:
+    """bench/edge_mmap.py's build(skew=...): the router bias makes the low-numbered experts the most
+    used (what makes pinning the hottest pay off in bench/edge_jitter.py); skew 0 has no bias."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import edge_mmap
+    finally:
+        sys.path.pop(0)
+    assert edge_mmap.build(1, 8, 32, 32).layers[1].router_bias is None
+    x = np.random.default_rng(5).standard_normal((400, 16)).astype(np.float32)
+    shares = []
+    for skew in (0.0, 2.0):
+        counts = np.zeros(8, np.int64)
+
+        def count(layer: int, experts: list[int], tokens: list[int]) -> None:
+            for e, n in zip(experts, tokens):
+                counts[e] += n
+
+        colibri.Model(image.write(edge_mmap.build(1, 8, 32, 32, skew=skew))).forward(x, on_route=count)
+        shares.append(counts[:2].sum() / counts.sum())
+    assert shares[0] < 0.5 and shares[1] > 0.8, shares
