@@ -12,9 +12,10 @@ cache, one token at a time, it prints the per-token latency p50 / p99 / max and 
 - without memory pressure: no lock, and the selected experts mlock'd (Model(path, lock=[...]));
 - under memory pressure: four runs inside a memory cgroup whose limit is below the model size (the
   interpreter's own anonymous memory as the unpressured run measured it, plus --headroom MiB for the
-  kernel's, plus --memory-max-fraction of the model, which the pinned experts must fit in), so the kernel must evict the file's
-  pages while the tokens run: no lock and mlock'd, each with the route callback's MADV_WILLNEED and
-  without advice (advise=False). Pinned experts cannot be evicted and never fault again. After each
+  kernel's, plus --memory-max-fraction of the model, which the pinned experts must fit in), so the
+  kernel must evict the file's pages while the tokens run: no lock and mlock'd, each with the route
+  callback's MADV_WILLNEED and without advice (advise=False). --skew gives the router a Zipf-like
+  expert popularity (trained routers are uneven; the random one is near uniform). Pinned experts cannot be evicted and never fault again. After each
   run, the group's peak usage and how often it hit its limit show that the pressure was real.
 
 The cgroup: --cgroup DIR (an existing, writable memory cgroup: v2 with memory.max or v1 with
