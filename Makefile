@@ -82,7 +82,8 @@ bench-exec:
 	$(PY) bench/exec_bench.py
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
-# resident bytes and major faults per token with and without MADV_WILLNEED. ~400 MB; -full ~1.6 GB.
+# resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX
+# Runtime on the same weights (external-data ONNX; needs the bench extra). ~400 MB; -full ~1.6 GB.
 bench-edge-mmap: setup
 	$(PY) bench/edge_mmap.py
 
@@ -90,10 +91,13 @@ bench-edge-mmap-full: setup
 	$(PY) bench/edge_mmap.py --layers 4 --experts 128
 
 # Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
-# memory pressure (a cgroup v2 whose memory.max is below the model size; skipped, saying why, where
-# there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one). ~50 MB model.
+# memory pressure (a cgroup v2, else v1, whose memory limit is below the model size; skipped, saying why,
+# where there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one), with and without
+# MADV_WILLNEED. ~50 MB model: the random router's near-uniform routing, then a Zipf-like one (--skew 0.3,
+# the hottest quarter of the experts taking most calls) where pinning them has something to win.
 bench-edge-jitter: setup
 	$(PY) bench/edge_jitter.py
+	$(PY) bench/edge_jitter.py --skew 0.3
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
