@@ -66,7 +66,7 @@ class ExportCheckError(ExportError):
 _IMAGE = {
     Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.UNSUPPORTED_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
     Status.TABLE_BOUNDS, Status.TENSOR_BOUNDS, Status.BAD_TENSOR, Status.BAD_REF,
-    Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN, Status.BAD_PAYLOAD_CRC,
+    Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN, Status.BAD_PAYLOAD_CRC, Status.BAD_ATTENTION,
 }
 _FILE = {Status.FILE_NOT_FOUND, Status.FILE_OPEN, Status.MMAP_FAILED, Status.MLOCK_FAILED, Status.FILE_CHANGED}
 
@@ -78,7 +78,8 @@ def error_for(status: int, detail: str | None = None) -> ColibriError:
         cls: type[ColibriError] = ImageError
     elif st in (Status.ARENA_TOO_SMALL, Status.ARENA_ALIGN):
         cls = ArenaError
-    elif st in (Status.BAD_BATCH, Status.BUFFER_SIZE):
+    elif st in (Status.BAD_BATCH, Status.BUFFER_SIZE, Status.BAD_TOKEN, Status.CACHE_FULL, Status.BAD_SAMPLER,
+                Status.NAN_LOGITS, Status.MODEL_KIND):
         cls = InputError
     elif st == Status.UNSUPPORTED:
         cls = UnsupportedError

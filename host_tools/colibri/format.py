@@ -40,6 +40,14 @@ HEADER_CRC_OFFSET = 8
 CRC_START = 12  # the CRC covers [CRC_START, image_size) (v1, v2) or [CRC_START, meta_size) (v3)
 V3_FIELDS = struct.Struct("<II")  # v3: meta_size, crc_table_offset at header offset 64; bytes 72..80 reserved
 V3_FIELDS_OFFSET = 64
+# Version 4 (issue 12, docs/lm.md): token models. A v3 image plus an attention table; written only
+# when a graph has EMBED/ATTENTION layers, so feature models stay v2/v3 and older engines read them.
+LM_VERSION = 4
+V4_FIELDS = struct.Struct("<II")  # v4: attention_count, attention_table_offset at header offset 72
+V4_FIELDS_OFFSET = 72
+# One self-attention block: d_model, n_heads, n_kv_heads, head_dim; tensor refs q_w, q_b, k_w, k_b,
+# v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype; reserved.
+ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIB15x")
 
 
 class Flag(enum.IntFlag):
@@ -115,6 +123,8 @@ class Op(enum.IntEnum):
     RESIDUAL_PUSH = 5
     RESIDUAL_ADD = 6
     MOE = 7
+    EMBED = 8  # token ids -> rows of a [vocab, d_model] table (layer 0 of a token model only)
+    ATTENTION = 9  # causal self-attention with RoPE and a KV cache; t0 = attention record index
 
 
 class Act(enum.IntEnum):
@@ -177,6 +187,13 @@ class Status(enum.IntEnum):
     MLOCK_FAILED = -28
     FILE_CHANGED = -29
     NO_SUCH_EXPERT = -30
+    # Issue 12: token models (docs/lm.md).
+    BAD_ATTENTION = -31
+    CACHE_FULL = -32
+    BAD_TOKEN = -33
+    MODEL_KIND = -34
+    BAD_SAMPLER = -35
+    NAN_LOGITS = -36
 
 
 STATUS_TEXT = {
@@ -211,9 +228,16 @@ STATUS_TEXT = {
     Status.MLOCK_FAILED: "mlock refused (see RLIMIT_MEMLOCK)",
     Status.FILE_CHANGED: "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)",
     Status.NO_SUCH_EXPERT: "no such MoE layer or expert in this model",
+    Status.BAD_ATTENTION: "invalid attention record (heads, head_dim, norms, rope_theta, max_seq_len or KV dtype)",
+    Status.CACHE_FULL: "the KV cache is full: the sequence would pass max_seq_len (reset it)",
+    Status.BAD_TOKEN: "a token id is outside the model's vocabulary",
+    Status.MODEL_KIND: "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model",
+    Status.BAD_SAMPLER: "invalid sampler settings (struct_size, temperature, top_k or top_p)",
+    Status.NAN_LOGITS: "the logits contain NaN (or Inf when sampling): no token can be drawn",
 }
 
-_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT}
+_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT,
+            "ATTENTION": ATTENTION}
 
 
 def c_header() -> str:
@@ -237,6 +261,7 @@ def c_header() -> str:
         f"#define COLIBRI_HEADER_CRC_OFFSET {HEADER_CRC_OFFSET}u",
         f"#define COLIBRI_CRC_START {CRC_START}u",
         f"#define COLIBRI_TENSOR_CRC_VERSION {TENSOR_CRC_VERSION}u",
+        f"#define COLIBRI_LM_VERSION {LM_VERSION}u",
         f"#define COLIBRI_Q8_PARAMS_HEADER {Q8_PARAMS_HEADER}u",
         f"#define COLIBRI_Q8_FLAG_BIAS {int(Q8Flag.BIAS)}u",
         "",

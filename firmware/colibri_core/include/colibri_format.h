@@ -16,6 +16,7 @@
 #define COLIBRI_HEADER_CRC_OFFSET 8u
 #define COLIBRI_CRC_START 12u
 #define COLIBRI_TENSOR_CRC_VERSION 3u
+#define COLIBRI_LM_VERSION 4u
 #define COLIBRI_Q8_PARAMS_HEADER 8u
 #define COLIBRI_Q8_FLAG_BIAS 1u
 
@@ -24,6 +25,7 @@
 #define COLIBRI_LAYER_SIZE 32u
 #define COLIBRI_MOE_SIZE 48u
 #define COLIBRI_EXPERT_SIZE 32u
+#define COLIBRI_ATTENTION_SIZE 80u
 
 #define COLIBRI_FLAG_PAGE_ALIGNED 1u
 
@@ -44,6 +46,8 @@
 #define COLIBRI_OP_RESIDUAL_PUSH 5u
 #define COLIBRI_OP_RESIDUAL_ADD 6u
 #define COLIBRI_OP_MOE 7u
+#define COLIBRI_OP_EMBED 8u
+#define COLIBRI_OP_ATTENTION 9u
 
 #define COLIBRI_ACT_RELU 1u
 #define COLIBRI_ACT_GELU_ERF 2u
@@ -94,6 +98,12 @@ typedef enum colibri_status {
     COLIBRI_E_MLOCK_FAILED = -28, /* mlock refused (see RLIMIT_MEMLOCK) */
     COLIBRI_E_FILE_CHANGED = -29, /* the model file changed size under its mapping (truncated or rewritten in place; replace it by rename) */
     COLIBRI_E_NO_SUCH_EXPERT = -30, /* no such MoE layer or expert in this model */
+    COLIBRI_E_BAD_ATTENTION = -31, /* invalid attention record (heads, head_dim, norms, rope_theta, max_seq_len or KV dtype) */
+    COLIBRI_E_CACHE_FULL = -32, /* the KV cache is full: the sequence would pass max_seq_len (reset it) */
+    COLIBRI_E_BAD_TOKEN = -33, /* a token id is outside the model's vocabulary */
+    COLIBRI_E_MODEL_KIND = -34, /* wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model */
+    COLIBRI_E_BAD_SAMPLER = -35, /* invalid sampler settings (struct_size, temperature, top_k or top_p) */
+    COLIBRI_E_NAN_LOGITS = -36, /* the logits contain NaN (or Inf when sampling): no token can be drawn */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -129,6 +139,12 @@ typedef enum colibri_status {
     X(-28, "mlock refused (see RLIMIT_MEMLOCK)") \
     X(-29, "the model file changed size under its mapping (truncated or rewritten in place; replace it by rename)") \
     X(-30, "no such MoE layer or expert in this model") \
+    X(-31, "invalid attention record (heads, head_dim, norms, rope_theta, max_seq_len or KV dtype)") \
+    X(-32, "the KV cache is full: the sequence would pass max_seq_len (reset it)") \
+    X(-33, "a token id is outside the model's vocabulary") \
+    X(-34, "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model") \
+    X(-35, "invalid sampler settings (struct_size, temperature, top_k or top_p)") \
+    X(-36, "the logits contain NaN (or Inf when sampling): no token can be drawn") \
 
 
 #endif /* COLIBRI_FORMAT_H */
