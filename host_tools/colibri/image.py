@@ -258,10 +258,10 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         buf[off : off + len(data)] = data
     if tensor_crc:
         F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, meta_size, crc_off)
-    if token_model:
-        F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(attention_recs), attention_off)
         for i, (off, data) in enumerate(placed):
             struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(data) & 0xFFFFFFFF)
+    if token_model:
+        F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(attention_recs), attention_off)
     set_crc(buf)
     return bytes(buf)
 
