@@ -518,7 +518,13 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.
     j = np.arange(head_dim // 2, dtype=np.float64)
     inv_freq = np.power(np.float64(f32(theta)), -(2.0 * j) / head_dim)
     angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angle).astype(f32), np.sin(angle).astype(f32)
+    # the C library's double cos and sin, as the engine calls them (numpy's vectorised ones may differ
+    # in the last bit of the double, which can move the f32 rounding)
+    return _cos64(angle).astype(f32), _sin64(angle).astype(f32)
+
+
+_cos64 = np.frompyfunc(math.cos, 1, 1)
+_sin64 = np.frompyfunc(math.sin, 1, 1)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
