@@ -578,6 +578,39 @@ static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
     return result;
 }
 
+/* lm_sample(logits float32, temperature, top_k, top_p, rng_state) -> (token, rng_state):
+ * colibri_lm_sample on one row, the SplitMix64 state passed in and out (tests hold it to
+ * reference.sample bit for bit). */
+static PyObject *Context_lm_sample(ContextObject *self, PyObject *args) {
+    PyObject *obj;
+    float temperature, top_p;
+    unsigned int top_k;
+    unsigned long long state;
+    if (!PyArg_ParseTuple(args, "OfIfK", &obj, &temperature, &top_k, &top_p, &state)) {
+        return NULL;
+    }
+    Py_buffer row;
+    if (PyObject_GetBuffer(obj, &row, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (row.itemsize != 4 || row.format == NULL || strcmp(row.format, "f") != 0) {
+        PyErr_SetString(PyExc_TypeError, "logits must be a float32 buffer");
+    } else {
+        const colibri_sampler sampler = {(uint32_t)sizeof(colibri_sampler), temperature, top_k, top_p};
+        colibri_rng rng = {(uint64_t)state};
+        int32_t token = -1;
+        int st;
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        st = colibri_lm_sample(self->ctx, &sampler, (const float *)row.buf, (size_t)(row.len / 4), &rng, &token);
+        PyThread_release_lock(self->lock);
+        result = st == COLIBRI_OK ? Py_BuildValue("(lK)", (long)token, (unsigned long long)rng.state)
+                                  : raise_status(st);
+    }
+    PyBuffer_Release(&row);
+    return result;
+}
+
 /* lm_generate(prompt, max_new, temperature, top_k, top_p, seed) -> list of new ids: reset, the
  * prompt in chunks of max_batch, then one token at a time, each drawn by colibri_lm_sample from
  * the last row's logits with a SplitMix64 seeded once. The whole loop runs in C without the GIL. */
@@ -672,6 +705,8 @@ static PyMethodDef Context_methods[] = {
     {"lm_position", (PyCFunction)Context_lm_position, METH_NOARGS, "colibri_lm_position: positions cached"},
     {"lm_forward", (PyCFunction)Context_lm_forward, METH_VARARGS,
      "lm_forward(tokens int32, logits float32 [n * vocab], n): colibri_lm_forward"},
+    {"lm_sample", (PyCFunction)Context_lm_sample, METH_VARARGS,
+     "lm_sample(logits float32 [vocab], temperature, top_k, top_p, rng_state) -> (token, rng_state)"},
     {"lm_generate", (PyCFunction)Context_lm_generate, METH_VARARGS,
      "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed) -> list of new token ids"},
     {NULL, NULL, 0, NULL},

@@ -238,7 +238,7 @@ class LM:
         return np.ascontiguousarray(arr, dtype=np.int32)
 
     def _room(self, needed: int) -> None:
-        if self.max_seq_len and self.position + needed > self.max_seq_len:
+        if self.position + needed > self.max_seq_len:
             raise error_for(Status.CACHE_FULL, f"{self.position} positions cached + {needed} > max_seq_len "
                                                f"{self.max_seq_len} (reset() starts a new sequence)")
 
@@ -255,16 +255,24 @@ class LM:
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> list[int]:
-        """Resets, feeds the prompt, then draws max_new_tokens tokens, each fed back but the last."""
+        """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
+        last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
+        is its twin: the same checks in the same order, the same draws)."""
+        from .reference import check_sampler
+
+        check_sampler(temperature, top_k, top_p)
         prompt = self._ids(prompt_ids, "prompt_ids")
         if len(prompt) == 0:
-            raise ValueError("prompt_ids must hold at least one token")
+            raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 0 <= top_k < 2**32:
-            raise error_for(Status.BAD_SAMPLER, f"top_k must be 0 (no limit) or a count, got {top_k}")
+        if len(prompt) + max(max_new_tokens - 1, 0) > self.max_seq_len:
+            raise error_for(Status.CACHE_FULL, f"{len(prompt)} prompt tokens + {max_new_tokens} new ones need "
+                                               f"{len(prompt) + max_new_tokens - 1} positions, max_seq_len is "
+                                               f"{self.max_seq_len}")
         self.reset()
-        self._room(len(prompt) + max(max_new_tokens - 1, 0))
+        if max_new_tokens == 0:
+            return []
         return _call(self._ctx.lm_generate, prompt, int(max_new_tokens), float(temperature), int(top_k),
                      float(top_p), int(seed) % 2**64)
 

@@ -1090,16 +1090,15 @@ colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint3
     if (!tokens || !logits)
         return COLIBRI_E_NULL_ARG;
     const colibri_model *m = &ctx->model;
+    /* docs/lm.md's order, reference.LMState.check's. */
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->vocab)
+            return COLIBRI_E_BAD_TOKEN;
     if (n == 0 || n > m->hdr.max_batch)
         return COLIBRI_E_BAD_BATCH;
     if (logits_len != (size_t)n * m->hdr.output_size)
         return COLIBRI_E_BUFFER_SIZE;
-    for (uint32_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->vocab)
-            return COLIBRI_E_BAD_TOKEN;
-    /* Without attention there is no cache, only the position's u32. */
-    const uint64_t limit = m->attn_layers ? m->max_seq_len : UINT32_MAX;
-    if ((uint64_t)ctx->position + n > limit)
+    if ((uint64_t)ctx->position + n > m->max_seq_len)
         return COLIBRI_E_CACHE_FULL;
     st = forward(ctx, NULL, n, tokens, NULL, 0, logits, logits_len);
     if (st == COLIBRI_OK)
@@ -1123,22 +1122,22 @@ static uint64_t rng_next(colibri_rng *rng)
     return z ^ (z >> 31);
 }
 
-/* Whether index a ranks before b: larger z first, the lower index on a tie. */
-static int ranks_before(const float *logits, float temperature, uint32_t a, uint32_t b)
+/* Whether index a ranks before b: the larger logit first, the lower index on
+ * a tie (the logits are finite here). */
+static int ranks_before(const float *logits, uint32_t a, uint32_t b)
 {
-    const float za = logits[a] / temperature, zb = logits[b] / temperature;
-    return za > zb || (za == zb && a < b);
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
 }
 
 /* Restores the heap below node i of heap [0, n): every parent ranks before its children. */
-static void sift_down(uint32_t *heap, size_t i, size_t n, const float *logits, float temperature)
+static void sift_down(uint32_t *heap, size_t i, size_t n, const float *logits)
 {
     for (;;) {
         size_t best = i;
         const size_t l = 2u * i + 1u, r = l + 1u;
-        if (l < n && ranks_before(logits, temperature, heap[l], heap[best]))
+        if (l < n && ranks_before(logits, heap[l], heap[best]))
             best = l;
-        if (r < n && ranks_before(logits, temperature, heap[r], heap[best]))
+        if (r < n && ranks_before(logits, heap[r], heap[best]))
             best = r;
         if (best == i)
             return;
@@ -1187,27 +1186,30 @@ colibri_status colibri_lm_sample(colibri_ctx *ctx, const colibri_sampler *sample
     for (size_t i = 0; i < vocab; i++)
         order[i] = (uint32_t)i;
     for (size_t i = vocab / 2; i-- > 0;)
-        sift_down(order, i, vocab, logits, temperature);
+        sift_down(order, i, vocab, logits);
     const size_t kept = sampler->top_k && sampler->top_k < vocab ? sampler->top_k : vocab;
     for (size_t r = 0; r < kept; r++) {
         const size_t last = vocab - 1u - r;
         const uint32_t t = order[0];
         order[0] = order[last];
         order[last] = t;
-        sift_down(order, 0, last, logits, temperature);
+        sift_down(order, 0, last, logits);
     }
 #define RANKED(r) order[vocab - 1u - (r)]
-    const float z_max = logits[RANKED(0)] / temperature;
+    /* e_r = exp((l_r - l_0) / T): subtracting first keeps the quotient <= 0
+     * (the logits divided first could overflow to inf). */
+    const float top = logits[RANKED(0)];
+#define WEIGHT(r) colibri_expf((logits[RANKED(r)] - top) / temperature)
     float total = 0.0f;
     for (size_t r = 0; r < kept; r++)
-        total += colibri_expf(logits[RANKED(r)] / temperature - z_max);
+        total += WEIGHT(r);
     size_t n = kept;
     float mass = total;
     if (top_p < 1.0f) { /* the smallest prefix whose mass reaches top_p of the total */
         const float need = top_p * total;
         float run = 0.0f;
         for (size_t r = 0; r < kept; r++) {
-            run += colibri_expf(logits[RANKED(r)] / temperature - z_max);
+            run += WEIGHT(r);
             if (run >= need) {
                 n = r + 1u;
                 break;
@@ -1219,13 +1221,14 @@ colibri_status colibri_lm_sample(colibri_ctx *ctx, const colibri_sampler *sample
     const float target = u * mass;
     float run = 0.0f;
     for (size_t r = 0; r < n; r++) {
-        run += colibri_expf(logits[RANKED(r)] / temperature - z_max);
+        run += WEIGHT(r);
         if (run > target) {
             *token = (int32_t)RANKED(r);
             return COLIBRI_OK;
         }
     }
     *token = (int32_t)RANKED(n - 1u); /* rounding left u · mass at or above the sum */
+#undef WEIGHT
 #undef RANKED
     return COLIBRI_OK;
 }

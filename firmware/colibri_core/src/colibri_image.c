@@ -241,6 +241,9 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
         h->input_size == 0 || h->output_size == 0 ||
         h->max_batch == 0 || h->max_batch > COLIBRI_MAX_BATCH_LIMIT || h->layer_count == 0)
         return COLIBRI_E_BAD_HEADER;
+    /* A token model (v4): token ids in, one logit per vocabulary entry out. */
+    if (h->version >= COLIBRI_LM_VERSION && h->input_size != h->output_size)
+        return COLIBRI_E_BAD_HEADER;
     return COLIBRI_OK;
 }
 
@@ -784,7 +787,8 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
     if (a.reserved_set || a.d_model != width || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 ||
         hd == 0 || hd % 2u != 0 || (uint64_t)heads * hd > UINT32_MAX ||
         !(isfinite(a.rope_theta) && a.rope_theta > 0.0f) ||
-        (normed && !(isfinite(a.qk_norm_eps) && a.qk_norm_eps > 0.0f)) || a.max_seq_len == 0 ||
+        (normed ? !(isfinite(a.qk_norm_eps) && a.qk_norm_eps > 0.0f) : a.qk_norm_eps != 0.0f) ||
+        a.max_seq_len == 0 ||
         (m->attn_layers && a.max_seq_len != m->max_seq_len) ||
         (a.kv_dtype != COLIBRI_DTYPE_F32 && a.kv_dtype != COLIBRI_DTYPE_F16))
         return COLIBRI_E_BAD_ATTENTION;
@@ -870,9 +874,8 @@ static colibri_status check_program(checker *c)
         colibri_read_layer(c->image, h, i, &l);
         if ((st = check_layer_fields(&l, width, h->version)) != COLIBRI_OK)
             return st;
-        /* A token model's program starts with its EMBED layer, its only one;
-         * attention needs the positions only a token model has. */
-        if ((l.op == COLIBRI_OP_EMBED && i != 0) || (l.op == COLIBRI_OP_ATTENTION && m->vocab == 0))
+        /* A token model (v4) starts with its EMBED layer, its only one. */
+        if (h->version >= COLIBRI_LM_VERSION && (i == 0) != (l.op == COLIBRI_OP_EMBED))
             return COLIBRI_E_BAD_LAYER;
 
         const uint32_t in = l.in_features, out = l.out_features;
@@ -936,8 +939,8 @@ static colibri_status check_program(checker *c)
         if (width > m->width)
             m->width = width;
     }
-    /* A token model ends in its logits, one per vocabulary entry. */
-    if (depth != 0 || width != h->output_size || (m->vocab && h->output_size != m->vocab))
+    /* A token model attends: without ATTENTION it has no sequence to run over. */
+    if (depth != 0 || (h->version >= COLIBRI_LM_VERSION && m->attn_layers == 0) || width != h->output_size)
         return COLIBRI_E_BAD_LAYER;
     return COLIBRI_OK;
 }
