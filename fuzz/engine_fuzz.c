@@ -60,7 +60,7 @@ static void fix_crc(uint8_t *image, size_t len)
     if (len < COLIBRI_HEADER_SIZE)
         return;
     uint32_t size = rd32(image + 12);
-    if (image[4] == COLIBRI_TENSOR_CRC_VERSION && image[5] == 0) {
+    if (image[4] >= COLIBRI_TENSOR_CRC_VERSION && image[4] <= COLIBRI_FORMAT_VERSION_MAX && image[5] == 0) {
         size = rd32(image + 64); /* meta_size: the header CRC covers the metadata */
         if (size >= COLIBRI_CRC_START && size <= len)
             fix_tensor_crcs(image, len, size);
@@ -70,8 +70,43 @@ static void fix_crc(uint8_t *image, size_t len)
     wr32(image + 8, crc32_update(0u, image + COLIBRI_CRC_START, size - COLIBRI_CRC_START));
 }
 
+/* A token model (docs/lm.md): batch token ids from position 0 (capped at
+ * max_seq_len), then a greedy and a sampled draw from the last row. */
+static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
+{
+    if (batch > info->max_seq_len)
+        batch = info->max_seq_len;
+    const size_t n_out = batch * info->output_size;
+    int32_t *tok = malloc(batch * sizeof *tok + 1);
+    float *out = malloc(n_out * sizeof *out + 1);
+    if (!tok || !out)
+        abort();
+    for (size_t i = 0; i < batch; i++)
+        tok[i] = (int32_t)((7u * i + 3u) % info->vocab_size);
+    if (colibri_lm_reset(ctx) != COLIBRI_OK ||
+        colibri_lm_forward(ctx, tok, (uint32_t)batch, out, n_out) != COLIBRI_OK)
+        abort(); /* a validated token model with ids below vocab must run */
+    const colibri_sampler greedy = {sizeof greedy, 0.0f, 0u, 1.0f}, sampled = {sizeof sampled, 0.8f, 5u, 0.9f};
+    colibri_rng rng;
+    colibri_rng_seed(&rng, 1u);
+    int32_t t = -1;
+    const float *last = out + (batch - 1) * info->output_size;
+    colibri_status st = colibri_lm_sample(ctx, &greedy, last, info->output_size, &rng, &t);
+    if (st != COLIBRI_OK && st != COLIBRI_E_NAN_LOGITS)
+        abort();
+    st = colibri_lm_sample(ctx, &sampled, last, info->output_size, &rng, &t);
+    if ((st != COLIBRI_OK && st != COLIBRI_E_NAN_LOGITS) || (st == COLIBRI_OK && (uint32_t)t >= info->vocab_size))
+        abort();
+    free(tok);
+    free(out);
+}
+
 static void forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
 {
+    if (info->vocab_size) {
+        lm_forward(ctx, info, batch);
+        return;
+    }
     const size_t n_in = batch * info->input_size, n_out = batch * info->output_size;
     float *in = malloc(n_in * sizeof *in + 1), *out = malloc(n_out * sizeof *out + 1);
     if (!in || !out)

@@ -56,7 +56,8 @@ def test_only_the_public_api_is_exported(variant: str) -> None:
     out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     api = public_api()
-    assert len(api) >= 18 and "colibri_forward_ex" in api and "colibri_pool_create" in api
+    assert len(api) >= 24 and "colibri_forward_ex" in api and "colibri_pool_create" in api
+    assert {"colibri_lm_reset", "colibri_lm_position", "colibri_lm_forward", "colibri_lm_sample", "colibri_rng_seed"} <= api
     assert exported == api, f"extra: {sorted(exported - api)}, missing: {sorted(api - exported)}"
     print(f"{variant}: {len(exported)} exported symbols")
 

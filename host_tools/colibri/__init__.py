@@ -9,22 +9,28 @@
 from __future__ import annotations
 
 from . import format, image, ir, reference
-from .engine import Model, arena_size, validate, version
+from .engine import LM, Model, arena_size, validate, version
 from .errors import ArenaError, ColibriError, ExportError, ImageError, InputError, ModelFileError, UnsupportedError
 from .format import Status
 
 __version__ = "0.1.0"
 
 
-def export(*args, **kwargs):
-    """Export a PyTorch model to a model image: see colibri.exporter.export (imports torch on first use)."""
-    from .exporter import export as _export
+def export(model, *args, **kwargs):
+    """Export a PyTorch model to a model image (imports torch on first use): a Hugging Face MoE
+    causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as a token model, see colibri.hf_lm.export_lm
+    (`max_seq_len=` required); anything else see colibri.exporter.export."""
     from . import hf  # noqa: F401  registers the Hugging Face block converters
+    from . import hf_lm
 
-    return _export(*args, **kwargs)
+    if hf_lm.is_hf_lm(model):
+        return hf_lm.export_lm(model, *args, **kwargs)
+    from .exporter import export as _export
+
+    return _export(model, *args, **kwargs)
 
 
 __all__ = [
-    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "Model", "ModelFileError", "Status",
+    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "LM", "Model", "ModelFileError", "Status",
     "UnsupportedError", "arena_size", "export", "format", "image", "ir", "reference", "validate", "version",
 ]

@@ -509,11 +509,186 @@ static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
 static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
     const colibri_model_info *i = &self->info;
     return Py_BuildValue(
-        "{sIsIsIsIsIsIsIsIsIsIsIsKsn}", "format_version", i->format_version, "image_size", i->image_size,
+        "{sIsIsIsIsIsIsIsIsIsIsIsKsnsIsIsn}", "format_version", i->format_version, "image_size", i->image_size,
         "flags", i->flags, "input_size", i->input_size, "output_size", i->output_size, "max_batch",
         i->max_batch, "num_layers", i->num_layers, "num_tensors", i->num_tensors, "num_moe_layers",
         i->num_moe_layers, "num_experts", i->num_experts, "num_shared_experts", i->num_shared_experts,
-        "num_parameters", (unsigned long long)i->num_parameters, "arena_size", (Py_ssize_t)i->arena_size);
+        "num_parameters", (unsigned long long)i->num_parameters, "arena_size", (Py_ssize_t)i->arena_size,
+        "vocab_size", i->vocab_size, "max_seq_len", i->max_seq_len, "kv_cache_bytes",
+        (Py_ssize_t)i->kv_cache_bytes);
+}
+
+/* ---- Token models (docs/lm.md) ---- */
+
+static PyObject *Context_lm_reset(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
+    int st = colibri_lm_reset(self->ctx);
+    if (st != COLIBRI_OK) {
+        return raise_status(st);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Context_lm_position(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
+    uint32_t pos = 0;
+    int st = colibri_lm_position(self->ctx, &pos);
+    if (st != COLIBRI_OK) {
+        return raise_status(st);
+    }
+    return PyLong_FromUnsignedLong(pos);
+}
+
+/* lm_forward(tokens, logits, n): tokens a C-contiguous int32 buffer of n ids, logits a
+ * writable float32 buffer of n * vocab; colibri_lm_forward with the GIL released. */
+static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
+    PyObject *tok_obj, *out_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &tok_obj, &out_obj, &n)) {
+        return NULL;
+    }
+    if (n < 0 || n > (Py_ssize_t)UINT32_MAX) {
+        return raise_status(COLIBRI_E_BAD_BATCH);
+    }
+    Py_buffer tok, out;
+    if (PyObject_GetBuffer(tok_obj, &tok, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&tok);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (tok.itemsize != 4 || out.itemsize != 4 || tok.format == NULL || out.format == NULL ||
+        (strcmp(tok.format, "i") != 0 && strcmp(tok.format, "=i") != 0 && strcmp(tok.format, "<i") != 0) ||
+        strcmp(out.format, "f") != 0) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be an int32 buffer and logits a float32 buffer");
+    } else if (tok.len / 4 < n) {
+        PyErr_SetString(PyExc_ValueError, "fewer tokens than n");
+    } else {
+        int st;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        st = colibri_lm_forward(self->ctx, (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
+                                (size_t)(out.len / 4));
+        PyThread_release_lock(self->lock);
+        Py_END_ALLOW_THREADS
+        result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+    }
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* lm_sample(logits float32, temperature, top_k, top_p, rng_state) -> (token, rng_state):
+ * colibri_lm_sample on one row, the SplitMix64 state passed in and out (tests hold it to
+ * reference.sample bit for bit). */
+static PyObject *Context_lm_sample(ContextObject *self, PyObject *args) {
+    PyObject *obj;
+    float temperature, top_p;
+    unsigned int top_k;
+    unsigned long long state;
+    if (!PyArg_ParseTuple(args, "OfIfK", &obj, &temperature, &top_k, &top_p, &state)) {
+        return NULL;
+    }
+    Py_buffer row;
+    if (PyObject_GetBuffer(obj, &row, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (row.itemsize != 4 || row.format == NULL || strcmp(row.format, "f") != 0) {
+        PyErr_SetString(PyExc_TypeError, "logits must be a float32 buffer");
+    } else {
+        const colibri_sampler sampler = {(uint32_t)sizeof(colibri_sampler), temperature, top_k, top_p};
+        colibri_rng rng = {(uint64_t)state};
+        int32_t token = -1;
+        int st;
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        st = colibri_lm_sample(self->ctx, &sampler, (const float *)row.buf, (size_t)(row.len / 4), &rng, &token);
+        PyThread_release_lock(self->lock);
+        result = st == COLIBRI_OK ? Py_BuildValue("(lK)", (long)token, (unsigned long long)rng.state)
+                                  : raise_status(st);
+    }
+    PyBuffer_Release(&row);
+    return result;
+}
+
+/* lm_generate(prompt, max_new, temperature, top_k, top_p, seed) -> list of new ids: reset, the
+ * prompt in chunks of max_batch, then one token at a time, each drawn by colibri_lm_sample from
+ * the last row's logits with a SplitMix64 seeded once. The whole loop runs in C without the GIL. */
+static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
+    PyObject *prompt_obj;
+    Py_ssize_t max_new;
+    float temperature, top_p;
+    unsigned int top_k;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OnfIfK", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed)) {
+        return NULL;
+    }
+    if (max_new < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_new_tokens must be >= 0");
+        return NULL;
+    }
+    Py_buffer prompt;
+    if (PyObject_GetBuffer(prompt_obj, &prompt, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    const size_t vocab = self->info.output_size, chunk = self->info.max_batch;
+    const size_t n_prompt = (size_t)prompt.len / 4;
+    int32_t *ids = PyMem_RawMalloc(((size_t)max_new + 1) * sizeof *ids);
+    float *logits = PyMem_RawMalloc(chunk * (vocab ? vocab : 1) * sizeof *logits);
+    PyObject *result = NULL;
+    if (prompt.itemsize != 4 || prompt.format == NULL ||
+        (strcmp(prompt.format, "i") != 0 && strcmp(prompt.format, "=i") != 0 && strcmp(prompt.format, "<i") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "the prompt must be an int32 buffer");
+    } else if (n_prompt == 0) {
+        PyErr_SetString(PyExc_ValueError, "the prompt must hold at least one token");
+    } else if (ids == NULL || logits == NULL) {
+        PyErr_NoMemory();
+    } else {
+        int st = COLIBRI_OK;
+        size_t made = 0;
+        const int32_t *p = prompt.buf;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        colibri_rng rng;
+        colibri_rng_seed(&rng, (uint64_t)seed);
+        const colibri_sampler sampler = {(uint32_t)sizeof(colibri_sampler), temperature, top_k, top_p};
+        st = colibri_lm_reset(self->ctx);
+        size_t last = 0; /* the row of the latest token's logits */
+        for (size_t at = 0; st == COLIBRI_OK && at < n_prompt; at += chunk) {
+            const size_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
+            st = colibri_lm_forward(self->ctx, p + at, (uint32_t)n, logits, n * vocab);
+            last = n - 1;
+        }
+        while (st == COLIBRI_OK && made < (size_t)max_new) {
+            st = colibri_lm_sample(self->ctx, &sampler, logits + last * vocab, vocab, &rng, &ids[made]);
+            if (st != COLIBRI_OK)
+                break;
+            /* The last new token needs no forward: nothing reads its logits. */
+            if (++made < (size_t)max_new) {
+                st = colibri_lm_forward(self->ctx, &ids[made - 1], 1, logits, vocab);
+                last = 0;
+            }
+        }
+        PyThread_release_lock(self->lock);
+        Py_END_ALLOW_THREADS
+        if (st != COLIBRI_OK) {
+            raise_status(st);
+        } else {
+            result = PyList_New((Py_ssize_t)made);
+            for (size_t i = 0; result != NULL && i < made; i++) {
+                PyObject *v = PyLong_FromLong(ids[i]);
+                if (v == NULL) {
+                    Py_CLEAR(result);
+                } else {
+                    PyList_SET_ITEM(result, (Py_ssize_t)i, v);
+                }
+            }
+        }
+    }
+    PyMem_RawFree(ids);
+    PyMem_RawFree(logits);
+    PyBuffer_Release(&prompt);
+    return result;
 }
 
 static PyObject *Context_kernels(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -526,6 +701,14 @@ static PyMethodDef Context_methods[] = {
     {"forward_ex", (PyCFunction)Context_forward_ex, METH_VARARGS,
      "forward_ex(input, output, batch, on_route): colibri_forward_ex with on_route(layer, experts, tokens)"},
     {"info", (PyCFunction)Context_info, METH_NOARGS, "model info as a dict"},
+    {"lm_reset", (PyCFunction)Context_lm_reset, METH_NOARGS, "colibri_lm_reset: empty the KV cache"},
+    {"lm_position", (PyCFunction)Context_lm_position, METH_NOARGS, "colibri_lm_position: positions cached"},
+    {"lm_forward", (PyCFunction)Context_lm_forward, METH_VARARGS,
+     "lm_forward(tokens int32, logits float32 [n * vocab], n): colibri_lm_forward"},
+    {"lm_sample", (PyCFunction)Context_lm_sample, METH_VARARGS,
+     "lm_sample(logits float32 [vocab], temperature, top_k, top_p, rng_state) -> (token, rng_state)"},
+    {"lm_generate", (PyCFunction)Context_lm_generate, METH_VARARGS,
+     "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed) -> list of new token ids"},
     {NULL, NULL, 0, NULL},
 };
 

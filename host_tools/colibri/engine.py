@@ -147,6 +147,8 @@ class Model:
             self._ctx = _call(_engine.Context, self.image, reference_kernels)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
+        if info["vocab_size"]:
+            raise error_for(Status.MODEL_KIND, "a token model (token ids in, logits out): open it with colibri.LM")
         self.info: dict[str, int] = info
         self.input_size: int = info["input_size"]
         self.output_size: int = info["output_size"]
@@ -185,6 +187,98 @@ class Model:
             f"colibri.Model(in={self.input_size}, out={self.output_size}, experts={self.num_experts}, "
             f"max_batch={self.max_batch}, image={self.image_size} B, arena={self.arena_size} B)"
         )
+
+
+class LM:
+    """A token model (MoE language model, docs/lm.md) run by the C engine.
+
+    `LM(path_or_bytes)` validates the image and allocates the arena, its KV cache of
+    `max_seq_len` positions included. `forward_tokens(ids)` appends the ids to the sequence
+    and returns their logits `[len(ids), vocab]` (float32), in chunks of `max_batch`;
+    `reset()` starts a new sequence; `position` is the number of positions cached.
+    `generate(prompt_ids, max_new_tokens, ...)` starts a new sequence with the prompt and
+    returns the new token ids, sampled in C (greedy at temperature 0, else temperature,
+    top-k and top-p with a SplitMix64 seeded by `seed`): `reference.LMState` draws the same.
+    `reference_kernels=True` runs the reference kernels, as `Model`.
+    """
+
+    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview, reference_kernels: bool = False):
+        if isinstance(source, (str, os.PathLike)):
+            source = Path(source).read_bytes()
+        self.image = bytes(source)
+        self._ctx = _call(_engine.Context, self.image, reference_kernels)
+        self.kernels: str = self._ctx.kernels()
+        info = self._ctx.info()
+        if not info["vocab_size"]:
+            raise error_for(Status.MODEL_KIND, "a feature model (float rows in): open it with colibri.Model")
+        self.info: dict[str, int] = info
+        self.vocab_size: int = info["vocab_size"]
+        self.max_seq_len: int = info["max_seq_len"]
+        self.max_batch: int = info["max_batch"]
+        self.arena_size: int = info["arena_size"]
+        self.kv_cache_bytes: int = info["kv_cache_bytes"]
+
+    @property
+    def position(self) -> int:
+        """Positions in the KV cache: the next token's position."""
+        return _call(self._ctx.lm_position)
+
+    def reset(self) -> None:
+        """Empties the KV cache: the next token is at position 0."""
+        _call(self._ctx.lm_reset)
+
+    def _ids(self, ids, what: str) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(f"{what} must be a 1-D sequence of integer token ids, got {arr.dtype} of shape {arr.shape}")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise error_for(Status.BAD_TOKEN, f"{what}[{i}] = {int(arr[i])} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _room(self, needed: int) -> None:
+        if self.position + needed > self.max_seq_len:
+            raise error_for(Status.CACHE_FULL, f"{self.position} positions cached + {needed} > max_seq_len "
+                                               f"{self.max_seq_len} (reset() starts a new sequence)")
+
+    def forward_tokens(self, ids) -> np.ndarray:
+        """Appends ids to the sequence; returns their logits, float32 [len(ids), vocab]. Nothing is
+        appended if any id is outside the vocabulary or the cache cannot hold them all."""
+        tokens = self._ids(ids, "ids")
+        self._room(len(tokens))
+        out = np.empty((len(tokens), self.vocab_size), dtype=np.float32)
+        for start in range(0, len(tokens), self.max_batch):
+            chunk = tokens[start : start + self.max_batch]
+            _call(self._ctx.lm_forward, chunk, out[start : start + len(chunk)], len(chunk))
+        return out
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
+        last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
+        is its twin: the same checks in the same order, the same draws)."""
+        from .reference import check_sampler
+
+        check_sampler(temperature, top_k, top_p)
+        prompt = self._ids(prompt_ids, "prompt_ids")
+        if len(prompt) == 0:
+            raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if len(prompt) + max(max_new_tokens - 1, 0) > self.max_seq_len:
+            raise error_for(Status.CACHE_FULL, f"{len(prompt)} prompt tokens + {max_new_tokens} new ones need "
+                                               f"{len(prompt) + max_new_tokens - 1} positions, max_seq_len is "
+                                               f"{self.max_seq_len}")
+        self.reset()
+        if max_new_tokens == 0:
+            return []
+        return _call(self._ctx.lm_generate, prompt, int(max_new_tokens), float(temperature), int(top_k),
+                     float(top_p), int(seed) % 2**64)
+
+    def __repr__(self) -> str:
+        return (f"colibri.LM(vocab={self.vocab_size}, max_seq_len={self.max_seq_len}, max_batch={self.max_batch}, "
+                f"arena={self.arena_size} B, kv_cache={self.kv_cache_bytes} B, position={self.position})")
 
 
 def validate(image: bytes | bytearray | memoryview, *, check: str = "full") -> None:

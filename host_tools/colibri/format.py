@@ -14,7 +14,7 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 3
+MAX_READ_VERSION = 4  # 4: token models (docs/lm.md)
 # Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
 # tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
 # reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").

@@ -260,6 +260,10 @@ def convert_switch(block: nn.Module, path: str) -> list[Layer]:
 HF_CONVERTERS: dict[str, Callable[[nn.Module, str], list[Layer]]] = {
     "MixtralSparseMoeBlock": convert_mixtral,
     "Qwen2MoeSparseMoeBlock": convert_qwen2_moe,
+    # Qwen3-MoE and OLMoE: Qwen2-MoE's router (softmax, top-k, renormalised iff norm_topk_prob) and
+    # fused experts, without a shared expert.
+    "Qwen3MoeSparseMoeBlock": convert_qwen2_moe,
+    "OlmoeSparseMoeBlock": convert_qwen2_moe,
     "SwitchTransformersSparseMLP": convert_switch,
 }
 CONVERTERS.update(HF_CONVERTERS)

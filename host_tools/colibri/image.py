@@ -17,7 +17,8 @@ from . import format as F
 from .errors import ColibriError, error_for
 from .format import Act, DType, ExpertKind, Op, Routing, Status
 from .ir import (
-    Activation, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd, ResidualPush, RMSNorm, Weight,
+    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd,
+    ResidualPush, RMSNorm, Weight,
 )
 
 NONE = F.NONE
@@ -127,18 +128,29 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     expert's payloads are pages of their own (one madvise / mlock range)."""
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
+    token_model = any(isinstance(layer, (Embedding, Attention)) for layer in graph.layers)
+    if token_model:  # docs/lm.md: token models are version 4, which always has per-tensor CRCs
+        if version not in (None, F.LM_VERSION):
+            raise ValueError(f"a token model (EMBED/ATTENTION layers) is format version {F.LM_VERSION}, not {version}")
+        if tensor_crc is False:
+            raise ValueError(f"format version {F.LM_VERSION} (token models) always has per-tensor CRCs")
+        version, tensor_crc = F.LM_VERSION, True
+    elif version == F.LM_VERSION:
+        raise ValueError(f"format version {F.LM_VERSION} holds token models only (layer 0 an Embedding)")
     if tensor_crc is None:
         tensor_crc = page_aligned or version == F.TENSOR_CRC_VERSION
     if version is None:
         version = F.TENSOR_CRC_VERSION if tensor_crc else needed_version(graph)
     if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
         raise ValueError(f"format version must be {F.MIN_READ_VERSION}..{F.MAX_READ_VERSION}, got {version}")
-    if tensor_crc != (version == F.TENSOR_CRC_VERSION):
-        raise ValueError(f"per-tensor CRCs are format version {F.TENSOR_CRC_VERSION}, not {version}")
+    if tensor_crc != (version >= F.TENSOR_CRC_VERSION):
+        raise ValueError(f"per-tensor CRCs are format version {F.TENSOR_CRC_VERSION} and later, not {version}")
     tensors = _Tensors(version)
     layer_recs: list[bytes] = []
     moe_recs: list[bytes] = []
     expert_recs: list[bytes] = []
+    attention_recs: list[bytes] = []
+    table_ref = NONE  # the embedding table's tensor, which a tied head names again
     width = graph.input_size
 
     def expert_record(e: Expert) -> bytes:
@@ -160,9 +172,19 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         if isinstance(layer, Linear):
             op = Op.LINEAR
             flags = F.LayerFlag.INT8_ACT if layer.int8_act else 0
-            t0 = tensors.add(layer.weight)
+            tied = token_model and layer.weight is graph.layers[0].table
+            t0 = table_ref if tied else tensors.add(layer.weight)
             t1 = tensors.add(layer.bias)
             in_f, width = layer.in_features, layer.out_features
+        elif isinstance(layer, Embedding):
+            op = Op.EMBED
+            t0 = table_ref = tensors.add(layer.table)
+            in_f, width = layer.vocab_size, layer.d_model
+        elif isinstance(layer, Attention):
+            op = Op.ATTENTION
+            in_f = width = layer.d_model
+            t0 = len(attention_recs)
+            attention_recs.append(_attention_record(layer, tensors))
         elif isinstance(layer, Activation):
             op, kind = Op.ACTIVATION, int(layer.act)
         elif isinstance(layer, LayerNorm):
@@ -205,7 +227,8 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     layer_off = tensor_off + n_t * F.TENSOR.size
     moe_off = layer_off + len(layer_recs) * F.LAYER.size
     expert_off = moe_off + len(moe_recs) * F.MOE.size
-    pos = expert_off + len(expert_recs) * F.EXPERT.size
+    attention_off = expert_off + len(expert_recs) * F.EXPERT.size
+    pos = attention_off + len(attention_recs) * F.ATTENTION.size
     crc_off = meta_size = 0
     if tensor_crc:  # v3: the CRC table ends the metadata, which the header CRC covers
         crc_off = pos
@@ -227,7 +250,8 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         graph.input_size, graph.output_size, graph.max_batch,
         n_t, tensor_off, len(layer_recs), layer_off, len(moe_recs), moe_off, len(expert_recs), expert_off,
     )
-    for off, recs in ((tensor_off, tensor_recs), (layer_off, layer_recs), (moe_off, moe_recs), (expert_off, expert_recs)):
+    for off, recs in ((tensor_off, tensor_recs), (layer_off, layer_recs), (moe_off, moe_recs), (expert_off, expert_recs),
+                      (attention_off, attention_recs)):
         blob = b"".join(recs)
         buf[off : off + len(blob)] = blob
     for off, data in placed:
@@ -236,14 +260,22 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, meta_size, crc_off)
         for i, (off, data) in enumerate(placed):
             struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(data) & 0xFFFFFFFF)
+    if token_model:
+        F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(attention_recs), attention_off)
     set_crc(buf)
     return bytes(buf)
+
+
+def _attention_record(a: Attention, tensors: _Tensors) -> bytes:
+    refs = [tensors.add(w) for w in (a.q_w, a.q_b, a.k_w, a.k_b, a.v_w, a.v_b, a.o_w, a.o_b, a.q_norm, a.k_norm)]
+    return F.ATTENTION.pack(a.d_model, a.n_heads, a.n_kv_heads, a.head_dim, *refs, a.rope_theta, a.qk_norm_eps,
+                            a.max_seq_len, int(a.kv_dtype))
 
 
 def set_tensor_crcs(buf: bytearray) -> None:
     """Recompute a version-3 image's CRC table from its payloads and then the header CRC, in place
     (after editing a payload); for versions 1 and 2 the header CRC only."""
-    if int.from_bytes(bytes(buf[4:6]), "little") == F.TENSOR_CRC_VERSION:
+    if int.from_bytes(bytes(buf[4:6]), "little") >= F.TENSOR_CRC_VERSION:
         n_t, t_off = struct.unpack_from("<II", buf, 32)
         _, crc_off = F.V3_FIELDS.unpack_from(buf, F.V3_FIELDS_OFFSET)
         for i in range(n_t):
@@ -253,8 +285,8 @@ def set_tensor_crcs(buf: bytearray) -> None:
 
 
 def crc_end(image: bytes | bytearray | memoryview) -> int:
-    """Where the header CRC's range ends: image_size, or meta_size in a version-3 image."""
-    if int.from_bytes(bytes(image[4:6]), "little") == F.TENSOR_CRC_VERSION:
+    """Where the header CRC's range ends: image_size, or meta_size in a version-3 or later image."""
+    if int.from_bytes(bytes(image[4:6]), "little") >= F.TENSOR_CRC_VERSION:
         return F.V3_FIELDS.unpack_from(bytes(image[F.V3_FIELDS_OFFSET : F.V3_FIELDS_OFFSET + 8]))[0]
     return int.from_bytes(bytes(image[12:16]), "little")
 
@@ -330,14 +362,16 @@ class _Reader:
             _fail(Status.BAD_HEADER, f"image_size {size}")
         if size > self.n:
             _fail(Status.TRUNCATED, f"image_size {size} but only {self.n} bytes")
-        v3 = version == F.TENSOR_CRC_VERSION
+        v3 = version >= F.TENSOR_CRC_VERSION  # v4 keeps v3's metadata CRC and CRC table
+        self.version = version
         if v3:
             self.meta, self.crc_off = F.V3_FIELDS.unpack_from(self.buf, F.V3_FIELDS_OFFSET)
             if self.meta % 4 or not F.HEADER_SIZE <= self.meta <= size:
                 _fail(Status.BAD_HEADER, f"meta_size {self.meta} (4-aligned, {F.HEADER_SIZE}..image_size {size})")
         if crc != crc_of(self.buf):
             _fail(Status.BAD_CRC, f"stored 0x{crc:08x}, computed 0x{crc_of(self.buf):08x}")
-        if any(self.buf[72 if v3 else 64 : 80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
+        reserved_from = {1: 64, 2: 64, 3: 72}.get(version, 80)  # v4: 72..80 hold the attention table's place
+        if any(self.buf[reserved_from : 80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
             _fail(Status.BAD_HEADER, "reserved bits set")
         if n_in == 0 or n_out == 0:
             _fail(Status.BAD_HEADER, "input_size and output_size must be >= 1")
@@ -345,6 +379,9 @@ class _Reader:
             _fail(Status.BAD_HEADER, f"max_batch {max_batch}")
         if h[11] == 0:
             _fail(Status.BAD_HEADER, "no layers")
+        if version == F.LM_VERSION and n_in != n_out:
+            _fail(Status.BAD_HEADER, f"a token model's input_size and output_size are both vocab_size, got {n_in} "
+                                     f"and {n_out}")
         self.size = size
         return h
 
@@ -362,7 +399,7 @@ class _Owners:
     """The next MOE layer must name a MoE record, experts and an expert map
     that no earlier MOE layer owns: indices from these on."""
 
-    moe = expert = emap = 0
+    moe = expert = emap = attention = 0
 
 
 def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> int:
@@ -391,6 +428,13 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
     l_recs = r.table(n_l, l_off, F.LAYER)
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
+    token_model = h[1] == F.LM_VERSION
+    a_recs: list[tuple] = []
+    if token_model:
+        n_a, a_off = F.V4_FIELDS.unpack_from(r.buf, F.V4_FIELDS_OFFSET)
+        a_recs = r.table(n_a, a_off, F.ATTENTION)
+        a_reserved = [bytes(r.buf[a_off + i * F.ATTENTION.size + 65 : a_off + (i + 1) * F.ATTENTION.size])
+                      for i in range(n_a)]
     if r.meta:  # the CRC table: bounds as the other tables', entries read as each payload is checked
         if r.crc_off % 4 or r.crc_off < F.HEADER_SIZE or r.crc_off + 4 * n_t > r.meta:
             _fail(Status.TABLE_BOUNDS, f"CRC table at {r.crc_off} x {n_t} exceeds the metadata of {r.meta} bytes")
@@ -448,6 +492,64 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 weights")
         return e
 
+    seq_len: list[int] = []  # max_seq_len of the first attention record read: every other must match
+
+    def attention(j: int, width: int, where: str) -> Attention:
+        """Attention record j, every field checked (docs/lm.md "Attention record"): BAD_ATTENTION."""
+        d, heads, kv_heads, hd, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_n, k_n, theta, eps, msl, kv = a_recs[j]
+        work.visits += 1
+
+        def bad(why: str) -> None:
+            _fail(Status.BAD_ATTENTION, f"{where} (attention record {j}): {why}")
+
+        if any(a_reserved[j]):
+            bad("reserved bytes set")
+        if kv not in (DType.F32, DType.F16):
+            bad(f"kv_dtype {kv} (F32 or F16)")
+        if d != width:
+            bad(f"d_model {d}, the layer's width is {width}")
+        if heads == 0 or kv_heads == 0 or heads % kv_heads:
+            bad(f"{heads} heads over {kv_heads} kv heads (kv heads must divide heads, both >= 1)")
+        if hd == 0 or hd % 2:
+            bad(f"head_dim {hd} (even, >= 2: RoPE rotates pairs)")
+        if not (math.isfinite(theta) and theta > 0):
+            bad(f"rope_theta {theta}")
+        if msl == 0 or (seq_len and msl != seq_len[0]):
+            bad(f"max_seq_len {msl}" + (f", an earlier record has {seq_len[0]}" if seq_len else ""))
+        has_norm = q_n != NONE or k_n != NONE
+        if (has_norm and not (math.isfinite(eps) and eps > 0)) or (not has_norm and eps != 0):
+            bad(f"qk_norm_eps {eps} (finite and > 0 with a q/k norm, 0 without)")
+        seq_len[:1] = [msl]
+
+        def matrix(ref: int, shape: tuple[int, int], what: str) -> Weight:
+            obj = objs[ref] if ref < n_t else None
+            work.visits += ref < n_t
+            is_f32 = isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4")
+            if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape or t_recs[ref][5] != 2:
+                bad(f"{what}: expected a weight {shape}, got {_describe(obj, ref, n_t)}")
+            return obj
+
+        def vector(ref: int, sizes: tuple[int, ...], what: str) -> np.ndarray | None:
+            if ref == NONE:
+                return None
+            obj = objs[ref] if ref < n_t else None
+            work.visits += ref < n_t
+            if not (isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4") and obj.ndim == 1
+                    and obj.shape[0] in sizes):
+                bad(f"{what}: expected an f32 vector of {' or '.join(map(str, sizes))}, got {_describe(obj, ref, n_t)}")
+            return obj
+
+        q_out, kv_out = heads * hd, kv_heads * hd
+        return Attention(
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=hd,
+            q_w=matrix(q_w, (q_out, d), "q_w"), q_b=vector(q_b, (q_out,), "q_b"),
+            k_w=matrix(k_w, (kv_out, d), "k_w"), k_b=vector(k_b, (kv_out,), "k_b"),
+            v_w=matrix(v_w, (kv_out, d), "v_w"), v_b=vector(v_b, (kv_out,), "v_b"),
+            o_w=matrix(o_w, (d, q_out), "o_w"), o_b=vector(o_b, (d,), "o_b"),
+            q_norm=vector(q_n, (hd, q_out), "q_norm"), k_norm=vector(k_n, (hd, kv_out), "k_norm"),
+            rope_theta=theta, qk_norm_eps=eps, max_seq_len=msl, kv_dtype=DType(kv),
+        )
+
     page = bool(flags & F.Flag.PAGE_ALIGNED)
     layers = []
     width = n_in
@@ -459,22 +561,39 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         bad_flags = l_flags & ~int(F.LayerFlag.INT8_ACT)
         if op not in iter(Op) or bad_flags or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
             _fail(Status.BAD_LAYER, f"{where}: op {op} kind {kind}")
+        if op in (Op.EMBED, Op.ATTENTION) and not token_model:
+            _fail(Status.BAD_LAYER, f"{where}: {Op(op).name} in a version {h[1]} image (token models are version "
+                                    f"{F.LM_VERSION})")
+        if token_model and (i == 0) != (op == Op.EMBED):
+            _fail(Status.BAD_LAYER, f"{where}: a token model's layer 0 is EMBED, and no other layer is")
         if l_flags and op != Op.LINEAR:
             _fail(Status.BAD_LAYER, f"{where}: INT8_ACT on a {Op(op).name} layer (LINEAR only)")
         if in_f != width:
             _fail(Status.BAD_LAYER, f"{where}: in_features {in_f}, current width {width}")
-        if op != Op.LINEAR and out_f != in_f:
+        if op not in (Op.LINEAR, Op.EMBED) and out_f != in_f:
             _fail(Status.BAD_LAYER, f"{where}: out_features {out_f} != in_features {in_f}")
         is_norm = op in (Op.LAYERNORM, Op.RMSNORM)
         if (is_norm and not (math.isfinite(eps) and eps > 0)) or (not is_norm and eps != 0):
             _fail(Status.BAD_LAYER, f"{where}: eps {eps}")
-        takes = {Op.LINEAR: 2, Op.LAYERNORM: 2, Op.RMSNORM: 1, Op.MOE: 1}.get(Op(op), 0)
+        takes = {Op.LINEAR: 2, Op.LAYERNORM: 2, Op.RMSNORM: 1, Op.MOE: 1, Op.EMBED: 1, Op.ATTENTION: 1}.get(Op(op), 0)
         if (takes < 1 and t0 != NONE) or (takes < 2 and t1 != NONE):
             _fail(Status.BAD_LAYER, f"{where}: unexpected tensor reference")
         if op == Op.LINEAR:
             w = weight(t0, (out_f, in_f), f"{where} weight")
             b = tensor(t1, (out_f,), f"{where} bias", optional=True)
             layers.append(Linear(w, b, int8_act=bool(l_flags & F.LayerFlag.INT8_ACT)))
+        elif op == Op.EMBED:
+            table = weight(t0, (in_f, out_f), f"{where} table")
+            if isinstance(table, Q8Weight) and table.bias is not None:
+                _fail(Status.BAD_REF, f"{where} table: an int8 table whose Q8_PARAMS holds a bias (rows have none)")
+            layers.append(Embedding(table))
+        elif op == Op.ATTENTION:
+            if t0 >= len(a_recs):
+                _fail(Status.BAD_REF, f"{where}: attention record {t0} of {len(a_recs)}")
+            if t0 < owners.attention:
+                _fail(Status.BAD_REF, f"{where}: attention record {t0} belongs to an earlier ATTENTION layer")
+            layers.append(attention(t0, in_f, where))
+            owners.attention = t0 + 1
         elif op == Op.ACTIVATION:
             if kind not in iter(Act):
                 _fail(Status.BAD_LAYER, f"{where}: activation {kind}")
@@ -507,6 +626,8 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         width = out_f
     if depth_widths:
         _fail(Status.BAD_LAYER, "residual push without add at end of program")
+    if token_model and owners.attention == 0:
+        _fail(Status.BAD_LAYER, "a token model without an ATTENTION layer")
     if width != n_out:
         _fail(Status.BAD_LAYER, f"program ends at width {width}, output_size is {n_out}")
     return Graph(layers=layers, input_size=n_in, output_size=n_out, max_batch=max_batch)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .format import Act, ExpertKind, Routing
+from .format import Act, DType, ExpertKind, Routing
 
 
 @dataclass
@@ -155,7 +155,58 @@ class MoE:
         return int(self.router_weight.shape[0])
 
 
-Layer = Linear | Activation | LayerNorm | RMSNorm | ResidualPush | ResidualAdd | MoE
+@dataclass
+class Embedding:
+    """Token ids -> rows of `table [vocab, d_model]` (layer 0 of a token model, docs/lm.md).
+
+    A tied LM head is the final Linear whose `weight` is this very `table` object."""
+
+    table: Weight  # [vocab, d_model]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def d_model(self) -> int:
+        return int(self.table.shape[1])
+
+
+@dataclass
+class Attention:
+    """Causal self-attention with rotary positions and a KV cache (docs/lm.md "Attention record").
+
+    Projections are `[out, in]` like Linear weights; `q_norm` / `k_norm` are RMSNorm weights over
+    each head (`[head_dim]`) or over the whole projection (`[n_heads·head_dim]`, `[n_kv_heads·head_dim]`)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    q_w: Weight  # [H·hd, d]
+    k_w: Weight  # [KVH·hd, d]
+    v_w: Weight  # [KVH·hd, d]
+    o_w: Weight  # [d, H·hd]
+    rope_theta: float
+    max_seq_len: int
+    q_b: np.ndarray | None = None
+    k_b: np.ndarray | None = None
+    v_b: np.ndarray | None = None
+    o_b: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    qk_norm_eps: float = 0.0  # > 0 with a norm, 0 without
+    kv_dtype: DType = DType.F32
+
+    @property
+    def d_model(self) -> int:
+        return int(self.o_w.shape[0])
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+Layer = Linear | Activation | LayerNorm | RMSNorm | ResidualPush | ResidualAdd | MoE | Embedding | Attention
 
 
 @dataclass
@@ -176,3 +227,21 @@ class Graph:
 
     def moe_layers(self) -> list[MoE]:
         return [layer for layer in self.layers if isinstance(layer, MoE)]
+
+    @property
+    def is_token_model(self) -> bool:
+        """Token ids in, logits out: layer 0 is an Embedding (docs/lm.md)."""
+        return bool(self.layers) and isinstance(self.layers[0], Embedding)
+
+    @property
+    def vocab_size(self) -> int:
+        """The embedding table's rows; 0 for a feature model."""
+        return self.layers[0].vocab_size if self.is_token_model else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions the KV cache holds (every attention layer has the same); 0 without attention."""
+        return max((layer.max_seq_len for layer in self.layers if isinstance(layer, Attention)), default=0)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer for layer in self.layers if isinstance(layer, Attention)]

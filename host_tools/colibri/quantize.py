@@ -18,7 +18,7 @@ import numpy as np
 from rich.progress import track
 
 from .errors import ExportError
-from .ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, Weight
+from .ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q8Weight, Weight
 
 DTYPES = ("f32", "f16", "q8")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
@@ -133,6 +133,11 @@ def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
     for i, layer in enumerate(graph.layers):
         if isinstance(layer, Linear):
             yield f"layers.{i}", layer, "weight"
+        elif isinstance(layer, Embedding):
+            yield f"layers.{i}", layer, "table"
+        elif isinstance(layer, Attention):
+            for attr in ("q_w", "k_w", "v_w", "o_w"):
+                yield f"layers.{i}.{attr[0]}", layer, attr
         elif isinstance(layer, MoE):
             yield f"layers.{i}.router", layer, "router_weight"
             if layer.shared_gate is not None:
@@ -145,7 +150,8 @@ def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
 
 
 # The bias that goes with each weight matrix (compact q8 moves it into the weight's Q8_PARAMS).
-_BIAS_OF = {"weight": "bias", "router_weight": "router_bias", "w1": "b1", "w2": "b2", "w3": "b3"}
+_BIAS_OF = {"weight": "bias", "router_weight": "router_bias", "w1": "b1", "w2": "b2", "w3": "b3",
+            "q_w": "q_b", "k_w": "k_b", "v_w": "v_b", "o_w": "o_b"}  # an embedding table has none
 
 
 def weight_names(graph: Graph) -> list[str]:
@@ -203,10 +209,18 @@ def quantize(
         if not any(_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
     if dtype != "f32":
+        # A tied head names the embedding table itself: it is quantised (or kept) with the table, whose
+        # slot comes first, and stays the same object (one tensor in the image); its own bias, if any,
+        # stays a separate tensor.
+        done: dict[int, Weight] = {}
         for name, owner, attr in track(slots, description=f"quantising to {dtype}", disable=not progress):
-            if _matches(name, keep):
-                continue
             w = getattr(owner, attr)
+            if id(w) in done:
+                setattr(owner, attr, done[id(w)])
+                continue
+            if _matches(name, keep):
+                done[id(w)] = w  # kept in f32: a tied head stays f32 with it
+                continue
             try:
                 if dtype == "q8":
                     b_attr = _BIAS_OF.get(attr)
@@ -216,6 +230,7 @@ def quantize(
                         setattr(owner, b_attr, None)
                 else:
                     setattr(owner, attr, quantize_f16(w))
+                done[id(w)] = getattr(owner, attr)
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None

@@ -12,9 +12,11 @@ from collections.abc import Callable
 import numpy as np
 
 from . import image as image_mod
-from .format import Act, ExpertKind, Routing
+from .errors import error_for
+from .format import Act, DType, ExpertKind, Routing, Status
 from .ir import (
-    Activation, Expert, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd, ResidualPush, RMSNorm, Weight, dense,
+    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd,
+    ResidualPush, RMSNorm, Weight, dense,
 )
 
 f32 = np.float32
@@ -242,33 +244,321 @@ def _run(graph: Graph, x: np.ndarray, on_route, on_layer) -> np.ndarray:
         x = x[None, :]
     if x.ndim != 2 or x.shape[1] != graph.input_size:
         raise ValueError(f"input must be [batch, {graph.input_size}], got {x.shape}")
+    if graph.is_token_model:
+        raise error_for(Status.MODEL_KIND, "a token model takes token ids: use reference.LMState")
     stack: list[np.ndarray] = []
     for index, layer in enumerate(graph.layers):
-        if isinstance(layer, Linear):
-            x = _linear(x, layer.weight, layer.bias, layer.int8_act)
-        elif isinstance(layer, Activation):
-            x = activation(layer.act, x)
-        elif isinstance(layer, LayerNorm):
-            mu = x.mean(axis=1, keepdims=True)
-            var = ((x - mu) ** 2).mean(axis=1, keepdims=True)
-            # Statistics beyond f32 make the row NaN, not x / inf = 0 (docs/model-format.md).
-            den = np.where(var <= np.finfo(f32).max, np.sqrt(var + f32(layer.eps)), f32(np.nan))
-            x = ((x - mu) / den).astype(f32)
-            if layer.weight is not None:
-                x = x * layer.weight
-            if layer.bias is not None:
-                x = x + layer.bias
-        elif isinstance(layer, RMSNorm):
-            x = (x / np.sqrt((x * x).mean(axis=1, keepdims=True) + f32(layer.eps))).astype(f32)
-            if layer.weight is not None:
-                x = x * layer.weight
-        elif isinstance(layer, ResidualPush):
-            stack.append(x.copy())
-        elif isinstance(layer, ResidualAdd):
-            x = x + stack.pop()
-        elif isinstance(layer, MoE):
-            x = moe_forward(layer, x, on_route)
-        x = x.astype(f32, copy=False)
+        x = _apply(layer, x, stack, on_route).astype(f32, copy=False)
         if on_layer is not None:
             on_layer(index, layer, x)
     return x
+
+
+def _apply(layer, x: np.ndarray, stack: list[np.ndarray], on_route) -> np.ndarray:
+    """One layer of the feature program on rows x (residual pushes and adds use `stack`)."""
+    if isinstance(layer, Linear):
+        return _linear(x, layer.weight, layer.bias, layer.int8_act)
+    if isinstance(layer, Activation):
+        return activation(layer.act, x)
+    if isinstance(layer, LayerNorm):
+        mu = x.mean(axis=1, keepdims=True)
+        var = ((x - mu) ** 2).mean(axis=1, keepdims=True)
+        # Statistics beyond f32 make the row NaN, not x / inf = 0 (docs/model-format.md).
+        den = np.where(var <= np.finfo(f32).max, np.sqrt(var + f32(layer.eps)), f32(np.nan))
+        x = ((x - mu) / den).astype(f32)
+        if layer.weight is not None:
+            x = x * layer.weight
+        if layer.bias is not None:
+            x = x + layer.bias
+        return x
+    if isinstance(layer, RMSNorm):
+        x = (x / np.sqrt((x * x).mean(axis=1, keepdims=True) + f32(layer.eps))).astype(f32)
+        if layer.weight is not None:
+            x = x * layer.weight
+        return x
+    if isinstance(layer, ResidualPush):
+        stack.append(x.copy())
+        return x
+    if isinstance(layer, ResidualAdd):
+        return x + stack.pop()
+    if isinstance(layer, MoE):
+        return moe_forward(layer, x, on_route)
+    raise TypeError(f"{type(layer).__name__} is not a feature-model layer")
+
+
+# ---------------------------------------------------------------------------
+# Token models (docs/lm.md)
+
+# The engine's exp (firmware/colibri_core/src/colibri_math.h, the double-precision build): the
+# sampler's probabilities must be the same bits in C and here, so this is its operations in the
+# same order, each an IEEE double operation as in C with -ffp-contract=off.
+_LN2_HI = 0.693145751953125
+_LN2_LO = 1.42860682030941723212e-6
+_INV_LN2 = 1.44269504088896340736
+_EXP_TAYLOR = [1.0 / math.factorial(n) for n in range(1, 12)]  # 1/n!, n = 1..11
+_EXPF_MAX_FINITE = f32(88.72283172607421875)
+_EXPF_MIN_NONZERO = f32(-103.972076416015625)
+
+
+def engine_expf(x: np.ndarray) -> np.ndarray:
+    """colibri_expf on a float32 array, bit for bit."""
+    x = np.asarray(x, dtype=f32)
+    xd = x.astype(np.float64)
+    t = xd * _INV_LN2
+    n = np.trunc(np.where(t < 0, t - 0.5, t + 0.5))
+    n = np.where(np.isfinite(n) & (np.abs(xd) < 200), n, 0.0)  # lanes outside the clamps are replaced below
+    r = (xd - n * _LN2_HI) - n * _LN2_LO
+    p = np.full_like(r, _EXP_TAYLOR[-1])
+    for c in reversed(_EXP_TAYLOR[:-1]):
+        p = p * r + c
+    p = 1.0 + r * p
+    with np.errstate(all="ignore"):
+        out = (p * np.exp2(n)).astype(f32)  # 2^n exactly: n is a small integer
+    out = np.where(x > _EXPF_MAX_FINITE, f32(np.inf), out)
+    out = np.where(x < _EXPF_MIN_NONZERO, f32(0), out)
+    return np.where(np.isnan(x), x, out).astype(f32)
+
+
+class Rng:
+    """SplitMix64, the sampler's random source (colibri_rng): `Rng(seed)` is colibri_rng_seed."""
+
+    _GAMMA = 0x9E3779B97F4A7C15
+    _MASK = (1 << 64) - 1
+
+    def __init__(self, seed: int = 0) -> None:
+        self.state = int(seed) & self._MASK
+
+    def next(self) -> int:
+        self.state = (self.state + self._GAMMA) & self._MASK
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._MASK
+        return z ^ (z >> 31)
+
+    def uniform(self) -> np.float32:
+        """u in [0, 1): the top 24 bits, exact in f32."""
+        return f32((self.next() >> 40) * 2.0 ** -24)
+
+
+def check_sampler(temperature: float, top_k: int, top_p: float) -> None:
+    """BAD_SAMPLER for settings colibri_lm_sample refuses."""
+    t, p = f32(temperature), f32(top_p)
+    if not (np.isfinite(t) and t >= 0):
+        raise error_for(Status.BAD_SAMPLER, f"temperature {temperature} (0 for greedy, or finite > 0)")
+    if not 0 <= int(top_k) <= 0xFFFFFFFF:
+        raise error_for(Status.BAD_SAMPLER, f"top_k {top_k} (0 for no limit, or up to 2^32-1)")
+    if not (p > 0 and p <= 1):
+        raise error_for(Status.BAD_SAMPLER, f"top_p {top_p} (in (0, 1])")
+
+
+def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           rng: Rng | None = None) -> int:
+    """One token from one row of logits, exactly as colibri_lm_sample (docs/lm.md "Sampling")."""
+    check_sampler(temperature, top_k, top_p)
+    z = np.asarray(logits, dtype=f32).reshape(-1)
+    if z.size == 0:
+        raise ValueError("no logits to sample from")
+    if f32(temperature) == 0:
+        if np.isnan(z).any():
+            raise error_for(Status.NAN_LOGITS, "greedy sampling over logits holding NaN")
+        return int(np.argmax(z))  # the first of the largest
+    if not np.isfinite(z).all():
+        raise error_for(Status.NAN_LOGITS, "sampling over logits holding NaN or Inf")
+    if rng is None:
+        raise ValueError("sampling with temperature > 0 needs an Rng")
+    order = np.lexsort((np.arange(z.size), -z))  # logits descending, the lower index first among equals
+    if 0 < top_k < z.size:
+        order = order[:top_k]
+    with np.errstate(over="ignore"):
+        d = ((z[order] - z[order[0]]).astype(f32) / f32(temperature)).astype(f32)  # <= 0; -inf at worst
+    e = engine_expf(d)
+    run = np.cumsum(e, dtype=f32)  # in sorted order, one f32 addition at a time
+    kept = run.size
+    if f32(top_p) < 1:
+        need = f32(f32(top_p) * run[-1])
+        kept = int(np.argmax(run >= need)) + 1  # run[-1] >= need always: some index qualifies
+    target = f32(rng.uniform() * run[kept - 1])
+    above = np.flatnonzero(run[:kept] > target)
+    return int(order[above[0] if above.size else kept - 1])
+
+
+class LMState:
+    """A token model and its sequence: the numpy twin of a colibri_ctx running colibri_lm_*.
+
+    `forward_tokens(ids)` runs ids at the next positions and returns their logits, appending their
+    keys and values to the cache; `reset()` empties it. Like the engine, it checks a call completely
+    before it changes anything."""
+
+    def __init__(self, model: Graph | bytes | bytearray | memoryview) -> None:
+        self.graph = model if isinstance(model, Graph) else image_mod.read(model)
+        if not self.graph.is_token_model:
+            raise error_for(Status.MODEL_KIND, "not a token model (no EMBED layer): use reference.run")
+        self.attention = [layer for layer in self.graph.layers if isinstance(layer, Attention)]
+        self.max_seq_len = self.graph.max_seq_len
+        self.vocab_size = self.graph.vocab_size
+        self._cache = [
+            (np.zeros((self.max_seq_len, a.kv_width), dtype=_KV_NP[a.kv_dtype]),
+             np.zeros((self.max_seq_len, a.kv_width), dtype=_KV_NP[a.kv_dtype]))
+            for a in self.attention
+        ]
+        self.position = 0
+
+    def reset(self) -> None:
+        """Position 0, an empty cache (stale rows are never read: attention reads positions < position)."""
+        self.position = 0
+
+    def check(self, ids) -> np.ndarray:
+        """The token ids as int64, or the status colibri_lm_forward would return for them."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"token ids must be integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise error_for(Status.BAD_TOKEN, f"token {int(ids[bad[0]])} at {int(bad[0])} is outside [0, {self.vocab_size})")
+        if not 1 <= ids.size <= self.graph.max_batch:
+            raise error_for(Status.BAD_BATCH, f"{ids.size} tokens in one call, the model takes 1..{self.graph.max_batch}")
+        if self.position + ids.size > self.max_seq_len:
+            raise error_for(Status.CACHE_FULL, f"position {self.position} + {ids.size} tokens > max_seq_len "
+                                               f"{self.max_seq_len}")
+        return ids
+
+    def forward_tokens(self, ids, *, on_route=None, on_layer=None) -> np.ndarray:
+        """float32 [len(ids), vocab]: the logits of each token given everything before it."""
+        ids = self.check(ids)
+        with np.errstate(all="ignore"):
+            x = self._run(ids, on_route, on_layer)
+        self.position += ids.size
+        return x
+
+    def _run(self, ids: np.ndarray, on_route, on_layer) -> np.ndarray:
+        stack: list[np.ndarray] = []
+        x = np.zeros(0, dtype=f32)
+        attention_index = 0
+        for index, layer in enumerate(self.graph.layers):
+            if isinstance(layer, Embedding):
+                x = embedding_rows(layer.table, ids)
+            elif isinstance(layer, Attention):
+                x = attention_forward(layer, x, self.position, *self._cache[attention_index])
+                attention_index += 1
+            else:
+                x = _apply(layer, x, stack, on_route)
+            x = x.astype(f32, copy=False)
+            if on_layer is not None:
+                on_layer(index, layer, x)
+        return x
+
+    def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """New token ids after `prompt_ids`, from a fresh sequence (the cache is reset first).
+
+        The prompt runs in chunks of max_batch tokens; each drawn token is fed back one at a time
+        (the last one is not fed). One Rng(seed) draws every sampled token."""
+        check_sampler(temperature, top_k, top_p)
+        prompt = np.asarray(prompt_ids).reshape(-1)
+        if prompt.size == 0:
+            raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if prompt.size + max(max_new_tokens - 1, 0) > self.max_seq_len:
+            raise error_for(Status.CACHE_FULL, f"{prompt.size} prompt tokens + {max_new_tokens} new ones need "
+                                               f"{prompt.size + max_new_tokens - 1} positions, max_seq_len is "
+                                               f"{self.max_seq_len}")
+        self.reset()
+        rng = Rng(seed)
+        out: list[int] = []
+        if max_new_tokens == 0:
+            return out
+        step = self.graph.max_batch
+        for start in range(0, prompt.size, step):
+            logits = self.forward_tokens(prompt[start:start + step])
+        while True:
+            out.append(sample(logits[-1], temperature, top_k, top_p, rng))
+            if len(out) == max_new_tokens:
+                return out
+            logits = self.forward_tokens([out[-1]])
+
+
+_KV_NP = {DType.F32: np.float32, DType.F16: np.float16}
+
+
+def embedding_rows(table: Weight, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of an f32, f16 or int8 (q·scale + E, per row) table, as float32 [n, d]."""
+    if isinstance(table, Q8Weight):
+        rows = (table.q[ids].astype(f32) * table.scale.astype(f32)[ids, None]).astype(f32)
+        if table.nnz:
+            ptr = table.row_ptr.astype(np.int64)
+            for i, r in enumerate(ids):
+                for j in range(ptr[r], ptr[r + 1]):
+                    c = int(table.col[j])
+                    rows[i, c] = f32(rows[i, c] + f32(table.val[j]))
+        return rows
+    if isinstance(table, F16Weight):
+        return table.data[ids].astype(f32)
+    return np.asarray(table, dtype=f32)[ids].copy()
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis, as the RMSNORM op computes it."""
+    y = (x / np.sqrt((x * x).mean(axis=-1, keepdims=True, dtype=f32) + f32(eps))).astype(f32)
+    return (y * weight).astype(f32)
+
+
+def _qk_norm(x: np.ndarray, weight: np.ndarray | None, heads: int, hd: int, eps: float) -> np.ndarray:
+    """[n, heads·hd] normed per head (weight [hd]) or as a whole (weight [heads·hd])."""
+    if weight is None:
+        return x
+    if weight.shape[0] == hd and heads > 1:
+        return _rms(x.reshape(-1, heads, hd), weight, eps).reshape(x.shape)
+    return _rms(x, weight, eps)
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n, hd/2] in f32: inv_freq and the angle in f64, each rounded to f32 once at the end."""
+    j = np.arange(head_dim // 2, dtype=np.float64)
+    inv_freq = np.power(np.float64(f32(theta)), -(2.0 * j) / head_dim)
+    angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    # the C library's double cos and sin, as the engine calls them (numpy's vectorised ones may differ
+    # in the last bit of the double, which can move the f32 rounding)
+    return _cos64(angle).astype(f32), _sin64(angle).astype(f32)
+
+
+_cos64 = np.frompyfunc(math.cos, 1, 1)
+_sin64 = np.frompyfunc(math.sin, 1, 1)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Hugging Face rotate_half on [n, heads, hd]: pairs (j, j + hd/2), each product rounded to f32."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    first = ((a * c).astype(f32) - (b * s).astype(f32)).astype(f32)
+    second = ((b * c).astype(f32) + (a * s).astype(f32)).astype(f32)
+    return np.concatenate([first, second], axis=-1)
+
+
+def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.ndarray,
+                      v_cache: np.ndarray) -> np.ndarray:
+    """Rows x [n, d] at positions position.. : writes their k, v into the caches, returns [n, d]."""
+    n, hd, heads, kv_heads = x.shape[0], a.head_dim, a.n_heads, a.n_kv_heads
+    q = _qk_norm(_linear(x, a.q_w, a.q_b), a.q_norm, heads, hd, a.qk_norm_eps)
+    k = _qk_norm(_linear(x, a.k_w, a.k_b), a.k_norm, kv_heads, hd, a.qk_norm_eps)
+    v = _linear(x, a.v_w, a.v_b)
+    pos = np.arange(position, position + n)
+    cos, sin = rope_tables(pos, hd, a.rope_theta)
+    q = apply_rope(q.reshape(n, heads, hd), cos, sin)
+    k = apply_rope(k.reshape(n, kv_heads, hd), cos, sin).reshape(n, kv_heads * hd)
+    k_cache[position:position + n] = k
+    v_cache[position:position + n] = v
+    keys = k_cache[: position + n].astype(f32).reshape(-1, kv_heads, hd)
+    values = v_cache[: position + n].astype(f32).reshape(-1, kv_heads, hd)
+    scale = f32(1.0 / math.sqrt(hd))
+    group = heads // kv_heads
+    out = np.empty((n, heads, hd), dtype=f32)
+    for h in range(heads):
+        g = h // group
+        scores = ((q[:, h, :] @ keys[:, g, :].T).astype(f32) * scale).astype(f32)  # [n, t]
+        future = pos[:, None] < np.arange(position + n)[None, :]
+        scores = np.where(future, f32(-np.inf), scores)
+        out[:, h, :] = (_softmax(scores) @ values[:, g, :]).astype(f32)
+    return _linear(out.reshape(n, heads * hd), a.o_w, a.o_b)

@@ -12,7 +12,11 @@
  * size: colibri_model_size; short: colibri_init with one byte less than that;
  * init: colibri_init with exactly that; fwd1 / fwdN: forward with batch 1
  * and batch max_batch on input[i] = sinf(0.37f * i); sum: the sum of every
- * output of both forwards (%.9g, "nan" if NaN). Exit status 0; 2 on bad
+ * output of both forwards (%.9g, "nan" if NaN). A token model (docs/lm.md)
+ * runs colibri_lm_forward instead, from position 0 each time, on tokens
+ * (7 i + 3) mod vocab, batch max_batch capped at max_seq_len, and draws a
+ * token from the last row's logits, greedy and at temperature 0.8 with
+ * top-k 5 and top-p 0.9 (a failed draw is the forward's status). Exit status 0; 2 on bad
  * input, 3 if colibri_get_info() disagrees with colibri_model_size().
  */
 #include <math.h>
@@ -30,9 +34,48 @@ static int read_exact(void *buf, size_t n)
     return fread(buf, 1, n, stdin) == n;
 }
 
+/* A token model's forward: batch tokens from position 0, then two draws. */
+static colibri_status lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch, double *sum)
+{
+    if (info->max_seq_len && batch > info->max_seq_len)
+        batch = info->max_seq_len;
+    const size_t n_out = batch * info->output_size;
+    int32_t *tok = malloc(batch * sizeof *tok);
+    float *out = malloc(n_out * sizeof *out);
+    if (!tok || !out) {
+        fprintf(stderr, "colibri_check: out of memory\n");
+        exit(2);
+    }
+    for (size_t i = 0; i < batch; i++)
+        tok[i] = (int32_t)((7u * i + 3u) % info->vocab_size);
+    colibri_status st = colibri_lm_reset(ctx);
+    if (st == COLIBRI_OK)
+        st = colibri_lm_forward(ctx, tok, (uint32_t)batch, out, n_out);
+    if (st == COLIBRI_OK)
+        for (size_t i = 0; i < n_out; i++)
+            *sum += out[i];
+    const colibri_sampler greedy = {sizeof greedy, 0.0f, 0u, 1.0f}, sampled = {sizeof sampled, 0.8f, 5u, 0.9f};
+    colibri_rng rng;
+    colibri_rng_seed(&rng, 7u);
+    int32_t drawn = -1;
+    const float *last = out + (batch - 1) * info->output_size;
+    /* NaN or inf logits are a valid outcome of a valid model: not a failure here. */
+    if (st == COLIBRI_OK && (st = colibri_lm_sample(ctx, &greedy, last, info->output_size, &rng, &drawn)) ==
+                                COLIBRI_E_NAN_LOGITS)
+        st = COLIBRI_OK;
+    if (st == COLIBRI_OK && (st = colibri_lm_sample(ctx, &sampled, last, info->output_size, &rng, &drawn)) ==
+                                COLIBRI_E_NAN_LOGITS)
+        st = COLIBRI_OK;
+    free(tok);
+    free(out);
+    return st;
+}
+
 /* Runs one forward of `batch` tokens; adds its outputs to *sum. */
 static colibri_status forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch, double *sum)
 {
+    if (info->vocab_size)
+        return lm_forward(ctx, info, batch, sum);
     const size_t n_in = batch * info->input_size, n_out = batch * info->output_size;
     float *in = malloc(n_in * sizeof *in), *out = malloc(n_out * sizeof *out);
     if (!in || !out) {

@@ -68,6 +68,10 @@ typedef struct colibri_model_info {
     uint32_t num_shared_experts;
     uint64_t num_parameters;   /* elements of all F32, F16 and I8 tensors (not Q8_PARAMS, not I32) */
     size_t arena_size;         /* bytes, as colibri_model_size() */
+    /* Token models (docs/lm.md); 0 for a feature model. */
+    uint32_t vocab_size;       /* token ids are below it; logits rows are output_size (= vocab_size) */
+    uint32_t max_seq_len;      /* positions the KV cache holds (0: no attention layer, no cache) */
+    size_t kv_cache_bytes;     /* the KV cache's share of arena_size */
 } colibri_model_info;
 
 /* Full validation: header, CRC, every table, tensor and reference. Reads the
@@ -249,6 +253,56 @@ COLIBRI_API const char *colibri_kernels_name(const colibri_ctx *ctx);
 
 /* Invalidates the context; the arena may then be reused. */
 COLIBRI_API colibri_status colibri_free(colibri_ctx *ctx);
+
+/* ---- Token models: MoE language models (docs/lm.md) ----
+ *
+ * A token model's image (format version 4) starts with an EMBED layer: its
+ * input is token ids, its output one row of logits per token, and its
+ * arena holds a KV cache of max_seq_len positions. colibri_forward() on it
+ * is COLIBRI_E_MODEL_KIND, as every colibri_lm_* call on a feature model.
+ *
+ *   colibri_lm_reset(ctx);
+ *   colibri_lm_forward(ctx, prompt, n, logits, n * vocab);      // prefill
+ *   colibri_rng rng; colibri_rng_seed(&rng, 42);
+ *   colibri_sampler s = {sizeof s, 0.8f, 40, 0.95f};
+ *   colibri_lm_sample(ctx, &s, logits + (n - 1) * vocab, vocab, &rng, &tok);
+ *   colibri_lm_forward(ctx, &tok, 1, logits, vocab);              // one decode step
+ */
+
+/* Empties the KV cache: the next token is at position 0. */
+COLIBRI_API colibri_status colibri_lm_reset(colibri_ctx *ctx);
+
+/* The positions the cache holds: the next token's position. */
+COLIBRI_API colibri_status colibri_lm_position(const colibri_ctx *ctx, uint32_t *position);
+
+/* Runs n tokens (1 .. max_batch) at the next n positions, appending them to
+ * the cache, and writes their logits [n, vocab] (logits_len = n · vocab).
+ * Everything is checked before anything changes: BAD_BATCH, BUFFER_SIZE, a
+ * token outside [0, vocab) BAD_TOKEN, a cache that would pass max_seq_len
+ * CACHE_FULL (the cache is never overwritten: reset it). */
+COLIBRI_API colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint32_t n, float *logits,
+                                              size_t logits_len);
+
+/* The sampler's random numbers: SplitMix64, seeded by the caller. */
+typedef struct colibri_rng {
+    uint64_t state;
+} colibri_rng;
+
+COLIBRI_API void colibri_rng_seed(colibri_rng *rng, uint64_t seed);
+
+typedef struct colibri_sampler {
+    uint32_t struct_size;     /* sizeof(colibri_sampler) */
+    float temperature;        /* 0: greedy; else > 0 and finite */
+    uint32_t top_k;           /* 0: no limit */
+    float top_p;              /* in (0, 1]; 1: no limit */
+} colibri_sampler;
+
+/* Draws one token from one row of logits [vocab] (docs/lm.md "Sampling"),
+ * with scratch in the context's arena: greedy (temperature 0, no draw from
+ * the rng), or temperature, top-k and top-p. BAD_SAMPLER for bad settings,
+ * NAN_LOGITS for a NaN (sampling: or ±inf) logit. */
+COLIBRI_API colibri_status colibri_lm_sample(colibri_ctx *ctx, const colibri_sampler *sampler, const float *logits,
+                                             size_t logits_len, colibri_rng *rng, int32_t *token);
 
 /* Routed experts kept in the image, summed over MoE layers. */
 COLIBRI_API colibri_status colibri_get_num_experts(const void *image, size_t image_len, uint32_t *num_experts);

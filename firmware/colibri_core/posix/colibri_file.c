@@ -96,7 +96,7 @@ static unsigned expert_tensors(const colibri_file *f, uint32_t record, uint32_t 
 static colibri_status verify_tensor(const colibri_file *f, uint32_t index)
 {
     const colibri_header *h = &f->model.hdr;
-    if (index == COLIBRI_NONE || h->version != COLIBRI_TENSOR_CRC_VERSION)
+    if (index == COLIBRI_NONE || h->version < COLIBRI_TENSOR_CRC_VERSION)
         return COLIBRI_OK;
     colibri_tensor t;
     colibri_read_tensor(f->base, h, index, &t);

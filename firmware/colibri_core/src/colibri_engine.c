@@ -10,6 +10,7 @@
  */
 #include "colibri_internal.h"
 #include "colibri_kernels.h"
+#include "colibri_math.h"
 
 #define CTX_MAGIC 0x58424C43u /* "CLBX" */
 #define COLIBRI_MAX_WORKERS 65535u
@@ -36,11 +37,19 @@ struct colibri_ctx {
     float *stack;            /* [depth, B, W] residual stack */
     int8_t *qrows;           /* [B, Q] int8 activation rows (INT8_ACT only) */
     float *qscale;           /* [B] and their dequantisation scales */
+    /* Token models (docs/lm.md); unused (NULL, 0) by a feature model. */
+    colibri_plan_attention *attention; /* [ATTENTION layers] */
+    float *att_q;            /* [B, H·hd] queries, then each head's output in place */
+    float *att_k, *att_v;    /* [B, KVH·hd] the new keys and values */
+    float *att_scores;       /* [max_seq_len] one head's scores */
+    float *rope;             /* [B, hd] cos (first hd/2) and sin of each row's position */
+    uint32_t *sample_order;  /* [vocab] the sampler's ranking */
+    uint32_t position;       /* positions in the KV cache */
 };
 
 _Static_assert(_Alignof(struct colibri_ctx) <= COLIBRI_ARENA_ALIGN, "context alignment exceeds the arena's");
 _Static_assert(_Alignof(colibri_plan_layer) <= 8 && _Alignof(colibri_plan_moe) <= 8 &&
-                   _Alignof(colibri_plan_expert) <= 8,
+                   _Alignof(colibri_plan_expert) <= 8 && _Alignof(colibri_plan_attention) <= 8,
                "plan alignment exceeds the arena pieces' 8 bytes");
 
 /* ---- Arena ---- */
@@ -48,7 +57,9 @@ _Static_assert(_Alignof(colibri_plan_layer) <= 8 && _Alignof(colibri_plan_moe) <
 /* Arena pieces, in address order (docs/model-format.md "Arena"). */
 enum {
     P_CTX, P_PLAN_LAYERS, P_PLAN_MOES, P_PLAN_EXPERTS, P_ACT0, P_ACT1, P_MOE_ACC, P_HIDDEN0, P_HIDDEN1, P_SCORES, P_SELECT,
-    P_RING_TOKEN, P_RING_WEIGHT, P_RING_COUNT, P_STACK, P_QROWS, P_QSCALE, P_COUNT
+    P_RING_TOKEN, P_RING_WEIGHT, P_RING_COUNT, P_STACK, P_QROWS, P_QSCALE,
+    /* Token models only (0 bytes otherwise): docs/lm.md "Memory". */
+    P_PLAN_ATTENTION, P_KV_CACHE, P_ATT_Q, P_ATT_K, P_ATT_V, P_ATT_SCORES, P_ROPE, P_SAMPLE, P_COUNT
 };
 
 /* Byte offset of every piece, each rounded up to 8 bytes; off[P_COUNT] is
@@ -81,6 +92,14 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
      * LINEAR's in_features or an expert's d_model and hidden. */
     size[P_QROWS] = B * Q * sizeof(int8_t);
     size[P_QSCALE] = Q ? B * f32 : 0;
+    size[P_PLAN_ATTENTION] = (uint64_t)m->attn_layers * sizeof(colibri_plan_attention);
+    size[P_KV_CACHE] = m->kv_bytes;
+    size[P_ATT_Q] = B * m->q_width * f32;
+    size[P_ATT_K] = B * m->kv_width * f32;
+    size[P_ATT_V] = B * m->kv_width * f32;
+    size[P_ATT_SCORES] = (m->attn_layers ? (uint64_t)m->max_seq_len : 0u) * f32;
+    size[P_ROPE] = B * m->head_dim * f32;
+    size[P_SAMPLE] = m->vocab ? (uint64_t)m->hdr.output_size * sizeof(uint32_t) : 0u;
 
     off[0] = 0;
     for (int i = 0; i < P_COUNT; i++)
@@ -283,15 +302,61 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
         plan_expert(&expert[j], image, hdr, r.first_expert + j);
 }
 
+/* ATTENTION layer record `index`: its entry, its K and V caches from
+ * *cache on (advanced past them). */
+static void plan_attention(colibri_plan_attention *p, uint8_t **cache, const uint8_t *image,
+                           const colibri_header *hdr, uint32_t index)
+{
+    colibri_attention a;
+    colibri_read_attention(image, hdr, index, &a);
+    weight(&p->q, image, hdr, a.q_w);
+    weight(&p->k, image, hdr, a.k_w);
+    weight(&p->v, image, hdr, a.v_w);
+    weight(&p->o, image, hdr, a.o_w);
+    p->q_bias = f32_tensor(image, hdr, a.q_b);
+    p->k_bias = f32_tensor(image, hdr, a.k_b);
+    p->v_bias = f32_tensor(image, hdr, a.v_b);
+    p->o_bias = f32_tensor(image, hdr, a.o_b);
+    p->q_norm = f32_tensor(image, hdr, a.q_norm);
+    p->k_norm = f32_tensor(image, hdr, a.k_norm);
+    p->heads = a.n_heads;
+    p->kv_heads = a.n_kv_heads;
+    p->head_dim = a.head_dim;
+    /* A norm weight is [hd] or [heads · hd] (validated); heads = 1 makes both the same. */
+    p->q_norm_per_head = 0;
+    p->k_norm_per_head = 0;
+    if (a.q_norm != COLIBRI_NONE) {
+        colibri_tensor t;
+        colibri_read_tensor(image, hdr, a.q_norm, &t);
+        p->q_norm_per_head = t.rows == a.head_dim;
+    }
+    if (a.k_norm != COLIBRI_NONE) {
+        colibri_tensor t;
+        colibri_read_tensor(image, hdr, a.k_norm, &t);
+        p->k_norm_per_head = t.rows == a.head_dim;
+    }
+    p->rope_theta = a.rope_theta;
+    /* hd^-0.5 in double, rounded once to float: numpy's and PyTorch's
+     * (a Python float scalar) scaling. */
+    p->scale = (float)(1.0 / __builtin_sqrt((double)a.head_dim));
+    p->eps = a.qk_norm_eps;
+    p->kv_f16 = a.kv_dtype == COLIBRI_DTYPE_F16;
+    const size_t rows = (size_t)a.max_seq_len * a.n_kv_heads * a.head_dim * (p->kv_f16 ? 2u : 4u);
+    p->k_cache = *cache;
+    p->v_cache = *cache + rows;
+    *cache += 2u * rows;
+}
+
 /* Resolves the validated program of c->model into the plan arrays the
  * context points at, which arena_layout sized from the same counts. Kept
  * out of colibri_init: inlined, its record buffers would sit in the same
  * frame as init's model summary and offsets, and raise the stack
  * high-water mark a device reserves for init. */
-static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
+static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image, uint8_t *kv_cache)
 {
     const colibri_header *hdr = &c->model.hdr;
-    uint32_t n_moe = 0, n_expert = 0;
+    uint32_t n_moe = 0, n_expert = 0, n_attention = 0;
+    uint8_t *cache = kv_cache;
 
     c->last_producer = UINT32_MAX;
     for (uint32_t i = 0; i < hdr->layer_count; i++) {
@@ -299,21 +364,26 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image)
         colibri_read_layer(image, hdr, i, &l);
         colibri_plan_layer *p = &c->layer[i];
         const int linear = l.op == COLIBRI_OP_LINEAR, moe = l.op == COLIBRI_OP_MOE;
+        const int embed = l.op == COLIBRI_OP_EMBED, attention = l.op == COLIBRI_OP_ATTENTION;
         p->op = l.op;
         p->act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0;
         p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0;
         p->in = l.in_features;
         p->eps = l.eps;
-        p->moe = 0;
+        p->entry = 0;
         if (linear || moe)
             c->last_producer = i;
-        weight(&p->w, image, hdr, linear ? l.t0 : COLIBRI_NONE);
-        p->t0 = linear || moe ? NULL : f32_tensor(image, hdr, l.t0);
+        weight(&p->w, image, hdr, linear || embed ? l.t0 : COLIBRI_NONE);
+        p->t0 = linear || moe || embed || attention ? NULL : f32_tensor(image, hdr, l.t0);
         p->t1 = f32_tensor(image, hdr, l.t1);
         if (moe) {
-            p->moe = n_moe;
+            p->entry = n_moe;
             plan_moe(&c->moe[n_moe++], &c->expert[n_expert], image, hdr, l.t0);
-            n_expert += c->moe[p->moe].n_experts + c->moe[p->moe].shared_count;
+            n_expert += c->moe[p->entry].n_experts + c->moe[p->entry].shared_count;
+        }
+        if (attention) {
+            p->entry = n_attention;
+            plan_attention(&c->attention[n_attention++], &cache, image, hdr, l.t0);
         }
     }
 }
@@ -368,8 +438,16 @@ colibri_status colibri_init_ex(colibri_ctx **out, void *arena, size_t arena_size
     c->stack = (float *)(void *)(base + off[P_STACK]);
     c->qrows = (int8_t *)(void *)(base + off[P_QROWS]);
     c->qscale = (float *)(void *)(base + off[P_QSCALE]);
+    c->attention = (colibri_plan_attention *)(void *)(base + off[P_PLAN_ATTENTION]);
+    c->att_q = (float *)(void *)(base + off[P_ATT_Q]);
+    c->att_k = (float *)(void *)(base + off[P_ATT_K]);
+    c->att_v = (float *)(void *)(base + off[P_ATT_V]);
+    c->att_scores = (float *)(void *)(base + off[P_ATT_SCORES]);
+    c->rope = (float *)(void *)(base + off[P_ROPE]);
+    c->sample_order = (uint32_t *)(void *)(base + off[P_SAMPLE]);
+    c->position = 0;
     c->workers = arena_workers(&m, off[P_COUNT], arena_size);
-    build_plan(c, image);
+    build_plan(c, image, base + off[P_KV_CACHE]);
     colibri_kernels_optimised(&c->k);
     c->magic = CTX_MAGIC;
     *out = c;
@@ -735,6 +813,80 @@ static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, cons
     return COLIBRI_OK;
 }
 
+/* ---- Attention (token models, docs/lm.md "Semantics") ---- */
+
+/* cos and sin of RoPE's angles for the n rows at positions pos .. pos+n-1:
+ * row i of rope [n, hd] holds cos (hd/2) then sin (hd/2) of (pos + i) ·
+ * theta^(-2j/hd), the angle in double, each value rounded once to float. */
+static void rope_table(float *rope, size_t n, uint32_t pos, float theta, size_t hd)
+{
+    const size_t half = hd / 2;
+    const double ln_theta = colibri_log_d((double)theta);
+    for (size_t j = 0; j < half; j++) {
+        const double inv_freq = colibri_exp_d(-(double)(2u * j) / (double)hd * ln_theta);
+        for (size_t i = 0; i < n; i++) {
+            double c, s;
+            colibri_cos_sin_d((double)(pos + i) * inv_freq, &c, &s);
+            rope[i * hd + j] = (float)c;
+            rope[i * hd + half + j] = (float)s;
+        }
+    }
+}
+
+/* y [n, d] = one ATTENTION layer over x [n, d], rows at positions pos ..
+ * pos+n-1: their keys and values join the cache, each row attends to every
+ * cached position up to its own. *rope_for is the (theta, hd) the context's
+ * rope table holds for this call's rows, so layers alike share it. */
+static void attention_forward(colibri_ctx *c, const colibri_plan_attention *a, const float *x, float *y, size_t n,
+                              uint32_t pos, float rope_for[2])
+{
+    const size_t heads = a->heads, kv_heads = a->kv_heads, hd = a->head_dim;
+    const size_t qw = heads * hd, kvw = kv_heads * hd, group = heads / kv_heads;
+    float *q = c->att_q, *k = c->att_k, *v = c->att_v;
+
+    c->k.linear(x, NULL, n, &a->q, a->q_bias, NULL, q);
+    c->k.linear(x, NULL, n, &a->k, a->k_bias, NULL, k);
+    c->k.linear(x, NULL, n, &a->v, a->v_bias, NULL, v);
+    /* q/k norms: over each head's hd values, or over the whole projection. */
+    if (a->q_norm)
+        c->k.rmsnorm(q, a->q_norm_per_head ? n * heads : n, a->q_norm_per_head ? hd : qw, a->q_norm, a->eps);
+    if (a->k_norm)
+        c->k.rmsnorm(k, a->k_norm_per_head ? n * kv_heads : n, a->k_norm_per_head ? hd : kvw, a->k_norm, a->eps);
+    if (rope_for[0] != a->rope_theta || rope_for[1] != (float)hd) {
+        rope_table(c->rope, n, pos, a->rope_theta, hd);
+        rope_for[0] = a->rope_theta;
+        rope_for[1] = (float)hd;
+    }
+    const size_t elem = a->kv_f16 ? 2u : 4u;
+    for (size_t i = 0; i < n; i++) {
+        const float *cos = c->rope + i * hd, *sin = cos + hd / 2;
+        c->k.rope(q + i * qw, heads, hd, cos, sin);
+        c->k.rope(k + i * kvw, kv_heads, hd, cos, sin);
+        /* The row's key and value join the cache at its position. */
+        uint8_t *kc = (uint8_t *)a->k_cache + (pos + i) * kvw * elem, *vc = (uint8_t *)a->v_cache + (pos + i) * kvw * elem;
+        if (a->kv_f16) {
+            uint16_t *kh = (uint16_t *)(void *)kc, *vh = (uint16_t *)(void *)vc;
+            for (size_t j = 0; j < kvw; j++) {
+                kh[j] = colibri_f32_to_f16(k[i * kvw + j]);
+                vh[j] = colibri_f32_to_f16(v[i * kvw + j]);
+            }
+        } else {
+            memcpy(kc, k + i * kvw, kvw * sizeof(float));
+            memcpy(vc, v + i * kvw, kvw * sizeof(float));
+        }
+    }
+    /* Each head of each row over positions 0 .. its own (causal); query
+     * head h reads kv head h / group. Its output replaces its query. */
+    for (size_t i = 0; i < n; i++)
+        for (size_t h = 0; h < heads; h++) {
+            const size_t g = (h / group) * hd * elem;
+            float *qh = q + i * qw + h * hd;
+            c->k.attend(qh, (const uint8_t *)a->k_cache + g, (const uint8_t *)a->v_cache + g, kvw, pos + i + 1u, hd,
+                        a->kv_f16, a->scale, c->att_scores, qh);
+        }
+    c->k.linear(q, NULL, n, &a->o, a->o_bias, NULL, y);
+}
+
 /* Whether [a, a + an) and [b, b + bn) (floats) share memory. */
 static int overlap(const float *a, size_t an, const float *b, size_t bn)
 {
@@ -742,11 +894,13 @@ static int overlap(const float *a, size_t an, const float *b, size_t bn)
     return pa < pb + bn * sizeof *b && pb < pa + an * sizeof *a;
 }
 
-/* The forward pass; o NULL: colibri_forward(). */
-static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
+/* The forward pass; o NULL: colibri_forward(). A token model's input is
+ * tokens [batch] at cache positions ctx->position on (input NULL). */
+static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch, const int32_t *tokens,
                               const float *input, size_t input_count,
                               float *output, size_t output_count)
 {
+    float rope_for[2] = {-1.0f, 0.0f}; /* (theta, hd) of the rope table: none yet */
     const colibri_header *hdr = &ctx->model.hdr;
 
     /* x is the current activation [batch, width]. It starts as the caller's
@@ -768,7 +922,8 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
         const size_t in = l->in;
         float *own = (float *)(uintptr_t)x; /* x, writable once it is not the input */
 
-        if (x == input && l->op != COLIBRI_OP_LINEAR && l->op != COLIBRI_OP_MOE && l->op != COLIBRI_OP_RESIDUAL_PUSH) {
+        if (x == input && l->op != COLIBRI_OP_LINEAR && l->op != COLIBRI_OP_MOE && l->op != COLIBRI_OP_RESIDUAL_PUSH &&
+            l->op != COLIBRI_OP_EMBED) {
             memcpy(act0, input, input_count * sizeof *x);
             x = own = act0;
         }
@@ -801,8 +956,18 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
             float *y = x == ctx->moe_acc ? act0 : ctx->moe_acc;
             if (i == last && direct && !overlap(output, output_count, x, batch * in))
                 y = output;
-            if ((st = moe_forward(ctx, o, l->moe, &ctx->moe[l->moe], x, y, batch)) < 0)
+            if ((st = moe_forward(ctx, o, l->entry, &ctx->moe[l->entry], x, y, batch)) < 0)
                 return st;
+            x = y;
+            break;
+        }
+        case COLIBRI_OP_EMBED: /* layer 0 of a token model: x starts as the tokens' rows */
+            ctx->k.embed(&l->w, tokens, batch, act0);
+            x = act0;
+            break;
+        case COLIBRI_OP_ATTENTION: {
+            float *y = x == act0 ? act1 : act0;
+            attention_forward(ctx, &ctx->attention[l->entry], x, y, batch, ctx->position, rope_for);
             x = y;
             break;
         }
@@ -830,6 +995,8 @@ static colibri_status check_call(const colibri_ctx *ctx, size_t batch, const flo
     if (!input || !output)
         return COLIBRI_E_NULL_ARG;
     const colibri_header *hdr = &ctx->model.hdr;
+    if (ctx->model.vocab)
+        return COLIBRI_E_MODEL_KIND; /* token ids in: colibri_lm_forward() */
     if (batch == 0 || batch > hdr->max_batch)
         return COLIBRI_E_BAD_BATCH;
     /* No overflow: batch * width fits, the arena holds max_batch * W floats. */
@@ -845,7 +1012,7 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     colibri_status st = check_call(ctx, batch, input, input_count, output, output_count);
     if (st != COLIBRI_OK)
         return st;
-    return forward(ctx, NULL, batch, input, input_count, output, output_count);
+    return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
 }
 
 colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
@@ -856,7 +1023,7 @@ colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, si
     if (st != COLIBRI_OK)
         return st;
     if (!exec)
-        return forward(ctx, NULL, batch, input, input_count, output, output_count);
+        return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
 
     /* The caller's struct, as far as both sides know it (colibri.h: versioning). */
     run_opts o;
@@ -877,7 +1044,193 @@ colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, si
         exec_layout(&ctx->model, &o.fixed, &o.per);
         o.region = (uint8_t *)ctx + off[P_COUNT];
     }
-    return forward(ctx, &o, batch, input, input_count, output, output_count);
+    return forward(ctx, &o, batch, NULL, input, input_count, output, output_count);
+}
+
+/* ---- Token models: the sequence, the forward pass, sampling (docs/lm.md) ---- */
+
+/* A valid context of a token model. */
+static colibri_status lm_context(const colibri_ctx *ctx)
+{
+    if (!ctx)
+        return COLIBRI_E_NULL_ARG;
+    if (ctx->magic != CTX_MAGIC)
+        return COLIBRI_E_BAD_CONTEXT;
+    return ctx->model.vocab ? COLIBRI_OK : COLIBRI_E_MODEL_KIND;
+}
+
+colibri_status colibri_lm_reset(colibri_ctx *ctx)
+{
+    colibri_status st = lm_context(ctx);
+    if (st != COLIBRI_OK)
+        return st;
+    /* Positions from here on are written before they are read: nothing of
+     * the cache needs clearing. */
+    ctx->position = 0;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_lm_position(const colibri_ctx *ctx, uint32_t *position)
+{
+    colibri_status st = lm_context(ctx);
+    if (st != COLIBRI_OK)
+        return st;
+    if (!position)
+        return COLIBRI_E_NULL_ARG;
+    *position = ctx->position;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint32_t n, float *logits,
+                                  size_t logits_len)
+{
+    colibri_status st = lm_context(ctx);
+    if (st != COLIBRI_OK)
+        return st;
+    if (!tokens || !logits)
+        return COLIBRI_E_NULL_ARG;
+    const colibri_model *m = &ctx->model;
+    /* docs/lm.md's order, reference.LMState.check's. */
+    for (uint32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->vocab)
+            return COLIBRI_E_BAD_TOKEN;
+    if (n == 0 || n > m->hdr.max_batch)
+        return COLIBRI_E_BAD_BATCH;
+    if (logits_len != (size_t)n * m->hdr.output_size)
+        return COLIBRI_E_BUFFER_SIZE;
+    if ((uint64_t)ctx->position + n > m->max_seq_len)
+        return COLIBRI_E_CACHE_FULL;
+    st = forward(ctx, NULL, n, tokens, NULL, 0, logits, logits_len);
+    if (st == COLIBRI_OK)
+        ctx->position += n;
+    return st;
+}
+
+void colibri_rng_seed(colibri_rng *rng, uint64_t seed)
+{
+    if (rng)
+        rng->state = seed;
+}
+
+/* SplitMix64 (Steele, Lea, Flood 2014): one step of the state, then the
+ * output mix. */
+static uint64_t rng_next(colibri_rng *rng)
+{
+    uint64_t z = (rng->state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Whether index a ranks before b: the larger logit first, the lower index on
+ * a tie (the logits are finite here). */
+static int ranks_before(const float *logits, uint32_t a, uint32_t b)
+{
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+}
+
+/* Restores the heap below node i of heap [0, n): every parent ranks before its children. */
+static void sift_down(uint32_t *heap, size_t i, size_t n, const float *logits)
+{
+    for (;;) {
+        size_t best = i;
+        const size_t l = 2u * i + 1u, r = l + 1u;
+        if (l < n && ranks_before(logits, heap[l], heap[best]))
+            best = l;
+        if (r < n && ranks_before(logits, heap[r], heap[best]))
+            best = r;
+        if (best == i)
+            return;
+        const uint32_t t = heap[i];
+        heap[i] = heap[best];
+        heap[best] = t;
+        i = best;
+    }
+}
+
+colibri_status colibri_lm_sample(colibri_ctx *ctx, const colibri_sampler *sampler, const float *logits,
+                                 size_t logits_len, colibri_rng *rng, int32_t *token)
+{
+    colibri_status st = lm_context(ctx);
+    if (st != COLIBRI_OK)
+        return st;
+    if (!sampler || !logits || !rng || !token)
+        return COLIBRI_E_NULL_ARG;
+    const float temperature = sampler->temperature, top_p = sampler->top_p;
+    if (sampler->struct_size != sizeof(colibri_sampler) || !(temperature >= 0.0f) || temperature > 3.40282347e+38f ||
+        !(top_p > 0.0f && top_p <= 1.0f))
+        return COLIBRI_E_BAD_SAMPLER;
+    const size_t vocab = ctx->model.hdr.output_size;
+    if (logits_len != vocab)
+        return COLIBRI_E_BUFFER_SIZE;
+
+    if (temperature == 0.0f) { /* greedy: the lowest index among the largest */
+        size_t best = 0;
+        for (size_t i = 0; i < vocab; i++) {
+            if (logits[i] != logits[i])
+                return COLIBRI_E_NAN_LOGITS;
+            if (logits[i] > logits[best])
+                best = i;
+        }
+        *token = (int32_t)best;
+        return COLIBRI_OK;
+    }
+    for (size_t i = 0; i < vocab; i++)
+        if (!(logits[i] - logits[i] == 0.0f)) /* NaN or ±inf */
+            return COLIBRI_E_NAN_LOGITS;
+
+    /* Rank the vocabulary: a heap with the best on top; each pop moves the
+     * best left to the end, so order[vocab - 1 - r] is rank r. Only the
+     * top_k ranks are popped. */
+    uint32_t *order = ctx->sample_order;
+    for (size_t i = 0; i < vocab; i++)
+        order[i] = (uint32_t)i;
+    for (size_t i = vocab / 2; i-- > 0;)
+        sift_down(order, i, vocab, logits);
+    const size_t kept = sampler->top_k && sampler->top_k < vocab ? sampler->top_k : vocab;
+    for (size_t r = 0; r < kept; r++) {
+        const size_t last = vocab - 1u - r;
+        const uint32_t t = order[0];
+        order[0] = order[last];
+        order[last] = t;
+        sift_down(order, 0, last, logits);
+    }
+#define RANKED(r) order[vocab - 1u - (r)]
+    /* e_r = exp((l_r - l_0) / T): subtracting first keeps the quotient <= 0
+     * (the logits divided first could overflow to inf). */
+    const float top = logits[RANKED(0)];
+#define WEIGHT(r) colibri_expf((logits[RANKED(r)] - top) / temperature)
+    float total = 0.0f;
+    for (size_t r = 0; r < kept; r++)
+        total += WEIGHT(r);
+    size_t n = kept;
+    float mass = total;
+    if (top_p < 1.0f) { /* the smallest prefix whose mass reaches top_p of the total */
+        const float need = top_p * total;
+        float run = 0.0f;
+        for (size_t r = 0; r < kept; r++) {
+            run += WEIGHT(r);
+            if (run >= need) {
+                n = r + 1u;
+                break;
+            }
+        }
+        mass = run;
+    }
+    const float u = (float)(rng_next(rng) >> 40) * 0x1p-24f;
+    const float target = u * mass;
+    float run = 0.0f;
+    for (size_t r = 0; r < n; r++) {
+        run += WEIGHT(r);
+        if (run > target) {
+            *token = (int32_t)RANKED(r);
+            return COLIBRI_OK;
+        }
+    }
+    *token = (int32_t)RANKED(n - 1u); /* rounding left u · mass at or above the sum */
+#undef WEIGHT
+#undef RANKED
+    return COLIBRI_OK;
 }
 
 /* ---- Model information ---- */
@@ -917,6 +1270,9 @@ colibri_status colibri_get_info(const void *image, size_t image_len, colibri_mod
     info->num_shared_experts = m.shared_experts;
     info->num_parameters = m.parameters;
     info->arena_size = (size_t)off[P_COUNT];
+    info->vocab_size = m.vocab;
+    info->max_seq_len = m.max_seq_len;
+    info->kv_cache_bytes = (size_t)m.kv_bytes;
     return COLIBRI_OK;
 }
 

@@ -88,7 +88,14 @@ void colibri_read_header(const uint8_t *p, colibri_header *h)
     h->moe_offset = colibri_rd_u32(p + 52);
     h->expert_count = colibri_rd_u32(p + 56);
     h->expert_offset = colibri_rd_u32(p + 60);
-    if (h->version == COLIBRI_TENSOR_CRC_VERSION) {
+    h->attention_count = h->attention_offset = 0;
+    if (h->version >= COLIBRI_LM_VERSION) { /* v4: v3's fields, then the attention table */
+        h->meta_size = colibri_rd_u32(p + 64);
+        h->crc_offset = colibri_rd_u32(p + 68);
+        h->attention_count = colibri_rd_u32(p + 72);
+        h->attention_offset = colibri_rd_u32(p + 76);
+        h->reserved_set = 0;
+    } else if (h->version == COLIBRI_TENSOR_CRC_VERSION) {
         h->meta_size = colibri_rd_u32(p + 64);
         h->crc_offset = colibri_rd_u32(p + 68);
         h->reserved_set = any_set(p + 72, 8);
@@ -158,6 +165,30 @@ void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t
     e->b3 = colibri_rd_u32(p + 28);
 }
 
+void colibri_read_attention(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_attention *a)
+{
+    const uint8_t *p = image + h->attention_offset + (size_t)index * COLIBRI_ATTENTION_SIZE;
+    a->d_model = colibri_rd_u32(p + 0);
+    a->n_heads = colibri_rd_u16(p + 4);
+    a->n_kv_heads = colibri_rd_u16(p + 6);
+    a->head_dim = colibri_rd_u32(p + 8);
+    a->q_w = colibri_rd_u32(p + 12);
+    a->q_b = colibri_rd_u32(p + 16);
+    a->k_w = colibri_rd_u32(p + 20);
+    a->k_b = colibri_rd_u32(p + 24);
+    a->v_w = colibri_rd_u32(p + 28);
+    a->v_b = colibri_rd_u32(p + 32);
+    a->o_w = colibri_rd_u32(p + 36);
+    a->o_b = colibri_rd_u32(p + 40);
+    a->q_norm = colibri_rd_u32(p + 44);
+    a->k_norm = colibri_rd_u32(p + 48);
+    a->rope_theta = colibri_rd_f32(p + 52);
+    a->qk_norm_eps = colibri_rd_f32(p + 56);
+    a->max_seq_len = colibri_rd_u32(p + 60);
+    a->kv_dtype = p[64];
+    a->reserved_set = any_set(p + 65, COLIBRI_ATTENTION_SIZE - 65u);
+}
+
 /* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32), a nibble at a time ---- */
 
 uint32_t colibri_crc32(const uint8_t *p, size_t n)
@@ -200,15 +231,18 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
         return COLIBRI_E_TRUNCATED;
     /* v3: the CRC covers the metadata [12, meta_size) (header and tables);
      * the payloads have their own CRCs (the CRC table). */
-    if (h->version == COLIBRI_TENSOR_CRC_VERSION &&
+    if (h->version >= COLIBRI_TENSOR_CRC_VERSION &&
         (h->meta_size % 4u != 0 || h->meta_size < h->header_size || h->meta_size > h->image_size))
         return COLIBRI_E_BAD_HEADER;
-    const uint32_t covered = h->version == COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
+    const uint32_t covered = h->version >= COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
     if (colibri_crc32(image + COLIBRI_CRC_START, covered - COLIBRI_CRC_START) != h->crc32)
         return COLIBRI_E_BAD_CRC;
     if (h->reserved_set || (h->flags & ~COLIBRI_FLAG_PAGE_ALIGNED) ||
         h->input_size == 0 || h->output_size == 0 ||
         h->max_batch == 0 || h->max_batch > COLIBRI_MAX_BATCH_LIMIT || h->layer_count == 0)
+        return COLIBRI_E_BAD_HEADER;
+    /* A token model (v4): token ids in, one logit per vocabulary entry out. */
+    if (h->version >= COLIBRI_LM_VERSION && h->input_size != h->output_size)
         return COLIBRI_E_BAD_HEADER;
     return COLIBRI_OK;
 }
@@ -217,7 +251,7 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
  * metadata the header CRC covers). */
 static uint32_t meta_end(const colibri_header *h)
 {
-    return h->version == COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
+    return h->version >= COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
 }
 
 /* A table of count records of record_size bytes at offset: 4-aligned, after
@@ -245,6 +279,8 @@ typedef struct checker {
      * record from next_moe on, experts from next_expert on, and an expert
      * map tensor from next_map on. */
     uint32_t next_moe, next_expert, next_map;
+    /* Likewise each attention record belongs to one ATTENTION layer. */
+    uint32_t next_attention;
 } checker;
 
 static void read_tensor(checker *c, uint32_t index, colibri_tensor *t)
@@ -348,7 +384,7 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
         return COLIBRI_E_TENSOR_BOUNDS;
     /* v3, full check: the payload against its CRC table entry, before
      * anything in it is interpreted. */
-    if (h->version == COLIBRI_TENSOR_CRC_VERSION && level == COLIBRI_CHECK_FULL &&
+    if (h->version >= COLIBRI_TENSOR_CRC_VERSION && level == COLIBRI_CHECK_FULL &&
         colibri_crc32(image + t->offset, t->nbytes) != colibri_rd_u32(image + h->crc_offset + 4u * (size_t)index))
         return COLIBRI_E_BAD_PAYLOAD_CRC;
 
@@ -548,6 +584,16 @@ static int is_i8(checker *c, uint32_t index)
     return t.dtype == COLIBRI_DTYPE_I8;
 }
 
+/* Does I8 tensor `index` (checked, its companion too) carry a bias in its
+ * Q8_PARAMS companion (v2 BIAS flag)? */
+static int has_q8_bias(checker *c, uint32_t index)
+{
+    colibri_tensor t;
+    read_tensor(c, index, &t);
+    read_tensor(c, t.aux, &t);
+    return c->h->version >= 2u && (c->image[t.offset + 5u] & COLIBRI_Q8_FLAG_BIAS) != 0;
+}
+
 static void widen(uint32_t *dim, uint32_t v)
 {
     if (v > *dim)
@@ -716,10 +762,66 @@ static colibri_status check_moe(checker *c, uint32_t index, uint32_t width)
     return COLIBRI_OK;
 }
 
+/* ---- Attention records (token models, docs/lm.md) ---- */
+
+/* A q or k norm weight: NONE, or F32 [hd] (each head's hd values, as
+ * Qwen3-MoE) or [heads · hd] (the whole projection, as OLMoE). */
+static colibri_status check_qk_norm(checker *c, uint32_t index, uint32_t hd, uint32_t heads)
+{
+    if (index == COLIBRI_NONE || check_vector(c, index, REQUIRED, hd) == COLIBRI_OK)
+        return COLIBRI_OK;
+    return check_vector(c, index, REQUIRED, heads * hd); /* heads · hd <= UINT32_MAX: checked */
+}
+
+/* Attention record `index` used by an ATTENTION layer of this width: its
+ * fields, then its tensors, in record order; every failure is
+ * BAD_ATTENTION (docs/lm.md), a bad tensor reference included. */
+static colibri_status check_attention(checker *c, uint32_t index, uint32_t width)
+{
+    colibri_model *m = c->m;
+    colibri_attention a;
+    c->work++;
+    colibri_read_attention(c->image, c->h, index, &a);
+    const uint32_t heads = a.n_heads, kv_heads = a.n_kv_heads, hd = a.head_dim;
+    const int normed = a.q_norm != COLIBRI_NONE || a.k_norm != COLIBRI_NONE;
+    if (a.reserved_set || a.d_model != width || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 ||
+        hd == 0 || hd % 2u != 0 || (uint64_t)heads * hd > UINT32_MAX ||
+        !(isfinite(a.rope_theta) && a.rope_theta > 0.0f) ||
+        (normed ? !(isfinite(a.qk_norm_eps) && a.qk_norm_eps > 0.0f) : a.qk_norm_eps != 0.0f) ||
+        a.max_seq_len == 0 ||
+        (m->attn_layers && a.max_seq_len != m->max_seq_len) ||
+        (a.kv_dtype != COLIBRI_DTYPE_F32 && a.kv_dtype != COLIBRI_DTYPE_F16))
+        return COLIBRI_E_BAD_ATTENTION;
+
+    const uint32_t d = a.d_model, qw = heads * hd, kvw = kv_heads * hd;
+    colibri_status st;
+    if ((st = check_matrix(c, a.q_w, REQUIRED, qw, d)) != COLIBRI_OK ||
+        (st = check_vector(c, a.q_b, OPTIONAL, qw)) != COLIBRI_OK ||
+        (st = check_matrix(c, a.k_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
+        (st = check_vector(c, a.k_b, OPTIONAL, kvw)) != COLIBRI_OK ||
+        (st = check_matrix(c, a.v_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
+        (st = check_vector(c, a.v_b, OPTIONAL, kvw)) != COLIBRI_OK ||
+        (st = check_matrix(c, a.o_w, REQUIRED, d, qw)) != COLIBRI_OK ||
+        (st = check_vector(c, a.o_b, OPTIONAL, d)) != COLIBRI_OK ||
+        (st = check_qk_norm(c, a.q_norm, hd, heads)) != COLIBRI_OK ||
+        (st = check_qk_norm(c, a.k_norm, hd, kv_heads)) != COLIBRI_OK)
+        return COLIBRI_E_BAD_ATTENTION;
+
+    c->next_attention = index + 1u; /* index < attention_count, so no wrap */
+    m->attn_layers++;
+    m->max_seq_len = a.max_seq_len;
+    widen(&m->q_width, qw);
+    widen(&m->kv_width, kvw);
+    widen(&m->head_dim, hd);
+    /* K and V, max_seq_len rows of KVH · hd each (< 2^32 · 2^32 · 8: no wrap). */
+    m->kv_bytes += 2u * (uint64_t)a.max_seq_len * kvw * (a.kv_dtype == COLIBRI_DTYPE_F16 ? 2u : 4u);
+    return COLIBRI_OK;
+}
+
 /* ---- The layer program ---- */
 
 /* What each op takes (index: op code; a zero entry is an unknown op). */
-enum { KNOWN = 1, TAKES_T0 = 2, TAKES_T1 = 4, IS_NORM = 8 };
+enum { KNOWN = 1, TAKES_T0 = 2, TAKES_T1 = 4, IS_NORM = 8, TOKEN_OP = 16 };
 static const uint8_t op_rules[] = {
     [COLIBRI_OP_LINEAR] = KNOWN | TAKES_T0 | TAKES_T1,
     [COLIBRI_OP_ACTIVATION] = KNOWN,
@@ -728,20 +830,26 @@ static const uint8_t op_rules[] = {
     [COLIBRI_OP_RESIDUAL_PUSH] = KNOWN,
     [COLIBRI_OP_RESIDUAL_ADD] = KNOWN,
     [COLIBRI_OP_MOE] = KNOWN | TAKES_T0,
+    [COLIBRI_OP_EMBED] = KNOWN | TAKES_T0 | TOKEN_OP,
+    [COLIBRI_OP_ATTENTION] = KNOWN | TAKES_T0 | TOKEN_OP,
 };
 
-/* A layer's own fields, against the current width. */
-static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width)
+/* A layer's own fields, against the current width. The token-model ops
+ * exist from format version 4 on: in an older image they are unknown. */
+static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width, uint16_t version)
 {
-    const unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
+    unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
+    if ((rules & TOKEN_OP) && version < COLIBRI_LM_VERSION)
+        rules = 0;
     if (!(rules & KNOWN) || l->reserved_set || (l->flags & ~COLIBRI_LAYER_FLAG_INT8_ACT) ||
         ((l->flags & COLIBRI_LAYER_FLAG_INT8_ACT) && l->op != COLIBRI_OP_LINEAR) ||
         (l->op == COLIBRI_OP_ACTIVATION ? !is_activation(l->kind) : l->kind != 0))
         return COLIBRI_E_BAD_LAYER;
     if (l->in_features != width)
         return COLIBRI_E_BAD_LAYER;
-    /* Only LINEAR changes the width; its out_features is checked by W's shape. */
-    if (l->op != COLIBRI_OP_LINEAR && l->out_features != l->in_features)
+    /* Only LINEAR and EMBED change the width; their out_features is checked
+     * by the weight's shape. */
+    if (l->op != COLIBRI_OP_LINEAR && l->op != COLIBRI_OP_EMBED && l->out_features != l->in_features)
         return COLIBRI_E_BAD_LAYER;
     if ((rules & IS_NORM) ? !(isfinite(l->eps) && l->eps > 0.0f) : l->eps != 0.0f)
         return COLIBRI_E_BAD_LAYER;
@@ -764,8 +872,11 @@ static colibri_status check_program(checker *c)
         colibri_layer l;
         c->work++;
         colibri_read_layer(c->image, h, i, &l);
-        if ((st = check_layer_fields(&l, width)) != COLIBRI_OK)
+        if ((st = check_layer_fields(&l, width, h->version)) != COLIBRI_OK)
             return st;
+        /* A token model (v4) starts with its EMBED layer, its only one. */
+        if (h->version >= COLIBRI_LM_VERSION && (i == 0) != (l.op == COLIBRI_OP_EMBED))
+            return COLIBRI_E_BAD_LAYER;
 
         const uint32_t in = l.in_features, out = l.out_features;
         switch (l.op) {
@@ -797,6 +908,22 @@ static colibri_status check_program(checker *c)
                 return COLIBRI_E_BAD_LAYER;
             depth--;
             break;
+        case COLIBRI_OP_EMBED: /* the table [vocab, d_model], read in place */
+            if ((st = check_matrix(c, l.t0, REQUIRED, in, out)) != COLIBRI_OK)
+                return st;
+            /* An int8 table's rows are Q·s + E: a companion bias (one per
+             * row, a LINEAR's output bias) has no meaning for a row lookup. */
+            if (is_i8(c, l.t0) && has_q8_bias(c, l.t0))
+                return COLIBRI_E_BAD_REF;
+            m->vocab = in;
+            break;
+        case COLIBRI_OP_ATTENTION:
+            /* An attention record belongs to one ATTENTION layer, as MoE records. */
+            if (l.t0 >= h->attention_count || l.t0 < c->next_attention)
+                return COLIBRI_E_BAD_REF;
+            if ((st = check_attention(c, l.t0, in)) != COLIBRI_OK)
+                return st;
+            break;
         case COLIBRI_OP_MOE:
             /* A MoE record belongs to one MOE layer: the layers name records
              * in increasing order. */
@@ -812,7 +939,8 @@ static colibri_status check_program(checker *c)
         if (width > m->width)
             m->width = width;
     }
-    if (depth != 0 || width != h->output_size)
+    /* A token model attends: without ATTENTION it has no sequence to run over. */
+    if (depth != 0 || (h->version >= COLIBRI_LM_VERSION && m->attn_layers == 0) || width != h->output_size)
         return COLIBRI_E_BAD_LAYER;
     return COLIBRI_OK;
 }
@@ -840,7 +968,9 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         !table_ok(h, h->layer_offset, h->layer_count, COLIBRI_LAYER_SIZE) ||
         !table_ok(h, h->moe_offset, h->moe_count, COLIBRI_MOE_SIZE) ||
         !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE) ||
-        (h->version == COLIBRI_TENSOR_CRC_VERSION && !table_ok(h, h->crc_offset, h->tensor_count, 4u)))
+        (h->version >= COLIBRI_TENSOR_CRC_VERSION && !table_ok(h, h->crc_offset, h->tensor_count, 4u)) ||
+        (h->version >= COLIBRI_LM_VERSION &&
+         !table_ok(h, h->attention_offset, h->attention_count, COLIBRI_ATTENTION_SIZE)))
         return COLIBRI_E_TABLE_BOUNDS;
 
     /* Pass 1: every tensor record on its own, payloads in table order. */

@@ -47,6 +47,9 @@ typedef struct colibri_header {
     /* Version 3: the metadata the header CRC covers ends at meta_size; the
      * CRC table (one u32 per tensor) is at crc_offset. Both 0 before v3. */
     uint32_t meta_size, crc_offset;
+    /* Version 4 (token models, docs/lm.md): the attention table. Both 0
+     * before v4. */
+    uint32_t attention_count, attention_offset;
     int reserved_set;   /* nonzero if any reserved byte is nonzero */
 } colibri_header;
 
@@ -81,6 +84,18 @@ typedef struct colibri_expert {
     uint32_t w1, b1, w2, b2, w3, b3;
 } colibri_expert;
 
+/* An attention record (docs/lm.md "Attention record"). */
+typedef struct colibri_attention {
+    uint32_t d_model;
+    uint16_t n_heads, n_kv_heads;
+    uint32_t head_dim;
+    uint32_t q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm;
+    float rope_theta, qk_norm_eps;
+    uint32_t max_seq_len;
+    uint8_t kv_dtype;   /* COLIBRI_DTYPE_F32 or _F16 */
+    int reserved_set;   /* the 15 trailing reserved bytes */
+} colibri_attention;
+
 /* Record readers. The table they read must have passed its bounds check
  * (colibri_check) first. */
 void colibri_read_header(const uint8_t *image, colibri_header *h);
@@ -88,6 +103,7 @@ void colibri_read_tensor(const uint8_t *image, const colibri_header *h, uint32_t
 void colibri_read_layer(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_layer *l);
 void colibri_read_moe(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_moe *m);
 void colibri_read_expert(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_expert *e);
+void colibri_read_attention(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_attention *a);
 
 /* Payload of tensor `index` of a validated, 4-byte aligned image; NULL for
  * COLIBRI_NONE. Payloads are 32-byte aligned within the image, so every dtype
@@ -117,6 +133,14 @@ typedef struct colibri_model {
     uint32_t routed_experts;
     uint32_t shared_experts;
     uint64_t parameters;     /* elements of all F32, F16 and I8 tensors */
+    /* Token models (docs/lm.md), all 0 for a feature model. */
+    uint32_t vocab;          /* the EMBED layer's rows: token ids are below it */
+    uint32_t max_seq_len;    /* positions the KV cache holds (every attention record's) */
+    uint32_t attn_layers;    /* ATTENTION layers of the program */
+    uint32_t q_width;        /* widest H·hd: q rows, and the attention output rows */
+    uint32_t kv_width;       /* widest KVH·hd: k and v rows */
+    uint32_t head_dim;       /* largest hd: one position's cos and sin */
+    uint64_t kv_bytes;       /* the KV cache, every attention layer's K and V */
 } colibri_model;
 
 /* Full validation (colibri_validate); fills *m on success. Reads the image
@@ -200,6 +224,21 @@ typedef struct colibri_plan_moe {
     uint16_t shared_count;         /* <= COLIBRI_MAX_SHARED */
 } colibri_plan_moe;
 
+/* One ATTENTION layer (docs/lm.md): projections, norms, RoPE and its
+ * KV cache in the arena. */
+typedef struct colibri_plan_attention {
+    colibri_matrix q, k, v, o;     /* [H·hd, d], [KVH·hd, d], [KVH·hd, d], [d, H·hd] */
+    const float *q_bias, *k_bias, *v_bias, *o_bias; /* each or NULL */
+    const float *q_norm, *k_norm;  /* [hd] (per head) or [heads·hd], or NULL */
+    void *k_cache, *v_cache;       /* [max_seq_len, KVH·hd], f32 or f16 bits */
+    float rope_theta;
+    float scale;                   /* hd^-0.5, as the reference rounds it */
+    float eps;                     /* the q/k norms' */
+    uint32_t heads, kv_heads, head_dim;
+    uint8_t q_norm_per_head, k_norm_per_head; /* the norm's weight is [hd] */
+    uint8_t kv_f16;                /* the cache holds f16 */
+} colibri_plan_attention;
+
 /* One layer of the program. */
 typedef struct colibri_plan_layer {
     uint8_t op;               /* COLIBRI_OP_* */
@@ -207,8 +246,8 @@ typedef struct colibri_plan_layer {
     uint8_t int8_act;         /* LINEAR: COLIBRI_LAYER_FLAG_INT8_ACT */
     uint32_t in;              /* in_features (the activation width) */
     float eps;                /* LAYERNORM, RMSNORM */
-    uint32_t moe;             /* MOE: index into the plan's MoE layers */
-    colibri_matrix w;         /* LINEAR [out, in] */
+    uint32_t entry;           /* MOE: index into the plan's MoE layers; ATTENTION: into its attention layers */
+    colibri_matrix w;         /* LINEAR [out, in]; EMBED the table [vocab, d] */
     const float *t0, *t1;     /* LINEAR bias [out], -; LAYERNORM gamma, beta [in]; RMSNORM gamma [in] */
 } colibri_plan_layer;
 

@@ -113,6 +113,26 @@ typedef void (*colibri_layernorm_fn)(float *x, size_t rows, size_t n,
 /* Each of the rows of x [rows, n]: x / sqrt(mean(x²) + eps) · gamma; gamma [n] or NULL. */
 typedef void (*colibri_rmsnorm_fn)(float *x, size_t rows, size_t n, const float *gamma, float eps);
 
+/* ---- Token models (docs/lm.md) ---- */
+
+/* y[i, :] = row tokens[i] of the table [vocab, d] (F32, F16 or I8 with its
+ * Q8_PARAMS: Q·s + E, read in place) for i < n; the ids are validated < vocab. */
+typedef void (*colibri_embed_fn)(const colibri_matrix *table, const int32_t *tokens, size_t n, float *restrict y);
+
+/* RoPE, Hugging Face's rotate_half layout, on the heads [heads, hd] of one
+ * row at one position: for j < hd/2, (x_j, x_{j+hd/2}) becomes
+ * (x_j·cos_j - x_{j+hd/2}·sin_j, x_{j+hd/2}·cos_j + x_j·sin_j). */
+typedef void (*colibri_rope_fn)(float *x, size_t heads, size_t hd, const float *cos, const float *sin);
+
+/* One head of one query row over len cached positions: scores
+ * s_t = (q · k_t) · scale for t < len, softmax (the maximum subtracted, the
+ * engine's exp), then out = Σ_t softmax_t · v_t, summed in t order. k_t and
+ * v_t are rows [hd] at k + t·stride, v + t·stride, f32 or (f16 set) f16
+ * bits. scores [len] is scratch. out may be q itself: q is read only
+ * before out is written. */
+typedef void (*colibri_attend_fn)(const float *q, const void *k, const void *v, size_t stride, size_t len,
+                                  size_t hd, int f16, float scale, float *scores, float *out);
+
 typedef struct colibri_kernels {
     const char *name;                 /* "reference", or the backend and CPU level chosen */
     colibri_linear_fn linear;
@@ -122,6 +142,9 @@ typedef struct colibri_kernels {
     colibri_binary_fn mul, add;
     colibri_layernorm_fn layernorm;
     colibri_rmsnorm_fn rmsnorm;
+    colibri_embed_fn embed;
+    colibri_rope_fn rope;
+    colibri_attend_fn attend;
 } colibri_kernels;
 
 /* Fills *k with the reference kernels (kernels/colibri_kernels_*.c). */
@@ -148,6 +171,11 @@ void colibri_mul_ref(float *x, const float *y, size_t n);
 void colibri_add_ref(float *x, const float *y, size_t n);
 void colibri_layernorm_ref(float *x, size_t rows, size_t n, const float *gamma, const float *beta, float eps);
 void colibri_rmsnorm_ref(float *x, size_t rows, size_t n, const float *gamma, float eps);
+
+void colibri_embed_ref(const colibri_matrix *table, const int32_t *tokens, size_t n, float *restrict y);
+void colibri_rope_ref(float *x, size_t heads, size_t hd, const float *cos, const float *sin);
+void colibri_attend_ref(const float *q, const void *k, const void *v, size_t stride, size_t len, size_t hd,
+                        int f16, float scale, float *scores, float *out);
 
 /* x [n] = softmax(x), n >= 1, stable (the maximum is subtracted first). The
  * router's (colibri_router.c), reference only: it runs over R <= a few
@@ -229,6 +257,38 @@ static inline float colibri_f16_to_f32(uint16_t h)
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* f32 -> IEEE binary16 bits, rounded to nearest even as numpy's astype
+ * (float16): beyond the largest half (65504) is ±inf once past the rounding
+ * boundary 65520, below 2^-14 a subnormal or ±0, NaN stays NaN (quiet, its
+ * top payload bits kept). The KV cache's f16 rows (docs/lm.md). */
+static inline uint16_t colibri_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) /* NaN */
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u) /* >= 65520 (inf included): ±inf */
+        return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) { /* a normal half: rebias 127 -> 15, round the 13 dropped bits */
+        uint32_t h = (ax >> 13) - (112u << 10);
+        const uint32_t rem = ax & 0x1FFFu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u)))
+            h++; /* a carry into the exponent is still the right number */
+        return (uint16_t)(sign | h);
+    }
+    if (ax < 0x33000000u) /* below 2^-25: rounds to ±0 */
+        return sign;
+    /* A subnormal half: the significand shifted to units of 2^-24. */
+    const uint32_t m = (ax & 0x7FFFFFu) | 0x800000u, shift = 126u - (ax >> 23);
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
 }
 
 /* ---- I8 metadata, read through colibri_q8_scale(), colibri_q8_compensate()

@@ -262,4 +262,133 @@ static inline float colibri_erff(float x)
     return __builtin_copysignf((float)((colibri_real)1.0 - erfc), x);
 }
 
+
+/* ---- Rotary position embedding: log, exp, cos and sin in double ----
+ *
+ * RoPE's angles are pos · theta^(-2j/hd), computed in double and rounded to
+ * float only as cos and sin (docs/lm.md "Semantics"), as the float64 numpy
+ * reference computes them. These are always double (emulated on a
+ * single-precision FPU: a few per position and frequency, never an inner
+ * loop), within an ulp or two of double, so the floats they round to are
+ * numpy's unless the exact value lies within about 2^-50 (relative) of a
+ * float rounding boundary. */
+
+/* 2^k as a double, k within the normal range. */
+static inline double colibri_pow2_d(int k)
+{
+    const uint64_t bits = (uint64_t)(k + 1023) << 52;
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+/* ln 2 in two parts: the high one has 32 significant bits, so k times it is
+ * exact for |k| < 2^21. */
+#define COLIBRI_LN2_HI_D 6.93147180369123816490e-01
+#define COLIBRI_LN2_LO_D 1.90821492927058770002e-10
+
+/* 1/(2n+1), n = 1..12: 2 atanh(s) = 2s + 2s·Σ z^n/(2n+1), z = s². */
+static const double colibri_atanh_c[] = {
+    1.0 / 3, 1.0 / 5, 1.0 / 7, 1.0 / 9, 1.0 / 11, 1.0 / 13, 1.0 / 15, 1.0 / 17, 1.0 / 19, 1.0 / 21, 1.0 / 23, 1.0 / 25,
+};
+
+/* ln x for a finite, normal x > 0: x = 2^k · m with m in [√½, √2), and
+ * ln m = 2 atanh(s), s = (m - 1)/(m + 1), |s| < 0.172 (the series' remainder
+ * is below 1e-19). */
+static inline double colibri_log_d(double x)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int k = (int)((bits >> 52) & 0x7FFu) - 1023;
+    bits = (bits & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull; /* m in [1, 2) */
+    double m;
+    memcpy(&m, &bits, sizeof m);
+    if (m > 1.41421356237309504880) {
+        m *= 0.5;
+        k++;
+    }
+    const double s = (m - 1.0) / (m + 1.0), z = s * s;
+    double p = colibri_atanh_c[COLIBRI_MATH_COUNT(colibri_atanh_c) - 1];
+    for (unsigned i = COLIBRI_MATH_COUNT(colibri_atanh_c) - 1; i-- > 0;)
+        p = p * z + colibri_atanh_c[i];
+    const double ln_m = 2.0 * s + 2.0 * s * (z * p);
+    return (double)k * COLIBRI_LN2_HI_D + ((double)k * COLIBRI_LN2_LO_D + ln_m);
+}
+
+/* 1/n!, n = 2..14: e^r = 1 + r + r²·Σ, remainder below 1e-17 for |r| <= 0.35. */
+static const double colibri_exp_d_c[] = {
+    1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
+    1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0, 1.0 / 87178291200.0,
+};
+
+/* e^x for |x| < 700: x = k·ln2 + r, |r| <= ln2/2. */
+static inline double colibri_exp_d(double x)
+{
+    const double t = x * 1.44269504088896340736;
+    const int k = (int)(t < 0 ? t - 0.5 : t + 0.5);
+    const double r = (x - (double)k * COLIBRI_LN2_HI_D) - (double)k * COLIBRI_LN2_LO_D;
+    double p = colibri_exp_d_c[COLIBRI_MATH_COUNT(colibri_exp_d_c) - 1];
+    for (unsigned i = COLIBRI_MATH_COUNT(colibri_exp_d_c) - 1; i-- > 0;)
+        p = p * r + colibri_exp_d_c[i];
+    return (1.0 + (r + r * (r * p))) * colibri_pow2_d(k);
+}
+
+/* sin r = r + r·z·Σ, z = r²: -1/3!, 1/5!, ... (remainder < 1e-18 for |r| <= π/4). */
+static const double colibri_sin_d_c[] = {
+    -1.0 / 6, 1.0 / 120, -1.0 / 5040, 1.0 / 362880, -1.0 / 39916800, 1.0 / 6227020800.0,
+    -1.0 / 1307674368000.0, 1.0 / 355687428096000.0,
+};
+
+/* cos r = 1 - z/2 + z²·Σ: 1/4!, -1/6!, ... */
+static const double colibri_cos_d_c[] = {
+    1.0 / 24, -1.0 / 720, 1.0 / 40320, -1.0 / 3628800, 1.0 / 479001600, -1.0 / 87178291200.0,
+    1.0 / 20922789888000.0, -1.0 / 6402373705728000.0,
+};
+
+/* cos x and sin x for a finite x with |x| < 2^20 · π/2 (beyond, the
+ * reduction loses bits): x = n·π/2 + r, π/2 in three parts, the first two of
+ * 33 bits so that n times them is exact, |r| <= π/4. */
+/* x rounded to the nearest integer (ties to even), |x| < 2^51, by adding and
+ * subtracting 1.5 · 2^52: no conversion to a 64-bit integer, which a 32-bit
+ * target would take from libgcc (a MicroPython native module has none). */
+static inline double colibri_round_d(double x)
+{
+    /* Without -ffast-math the compiler keeps both roundings (no reassociation). */
+    return (x + 0x1.8p52) - 0x1.8p52;
+}
+
+static inline void colibri_cos_sin_d(double x, double *c, double *s)
+{
+    const double dn = colibri_round_d(x * 0.636619772367581382433);
+    /* The quadrant, n mod 4, from n - 4 · round(n / 4) in -2 .. 2: a small int. */
+    const int n = (int)(dn - 4.0 * colibri_round_d(dn * 0.25));
+    const double r = ((x - dn * 1.57079632673412561417e+00) - dn * 6.07710050630396597660e-11) -
+                     dn * 2.02226624879595063154e-21;
+    const double z = r * r;
+    double ps = colibri_sin_d_c[COLIBRI_MATH_COUNT(colibri_sin_d_c) - 1];
+    for (unsigned i = COLIBRI_MATH_COUNT(colibri_sin_d_c) - 1; i-- > 0;)
+        ps = ps * z + colibri_sin_d_c[i];
+    double pc = colibri_cos_d_c[COLIBRI_MATH_COUNT(colibri_cos_d_c) - 1];
+    for (unsigned i = COLIBRI_MATH_COUNT(colibri_cos_d_c) - 1; i-- > 0;)
+        pc = pc * z + colibri_cos_d_c[i];
+    const double sin_r = r + r * (z * ps);
+    /* 1 - z/2 with its rounding error recovered (as fdlibm's __kernel_cos). */
+    const double hz = 0.5 * z, w = 1.0 - hz;
+    const double cos_r = w + (((1.0 - w) - hz) + z * (z * pc));
+    switch ((unsigned)(n + 4) & 3u) {
+    case 0:
+        *c = cos_r, *s = sin_r;
+        break;
+    case 1:
+        *c = -sin_r, *s = cos_r;
+        break;
+    case 2:
+        *c = -cos_r, *s = -sin_r;
+        break;
+    default:
+        *c = sin_r, *s = -cos_r;
+        break;
+    }
+}
+
 #endif /* COLIBRI_MATH_H */

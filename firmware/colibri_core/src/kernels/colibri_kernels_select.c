@@ -16,6 +16,9 @@ void colibri_kernels_reference(colibri_kernels *k)
     k->add = colibri_add_ref;
     k->layernorm = colibri_layernorm_ref;
     k->rmsnorm = colibri_rmsnorm_ref;
+    k->embed = colibri_embed_ref;
+    k->rope = colibri_rope_ref;
+    k->attend = colibri_attend_ref;
 }
 
 void colibri_kernels_optimised(colibri_kernels *k)

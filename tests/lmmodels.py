@@ -1,0 +1,62 @@
+"""Small random token models (docs/lm.md) as Colibri graphs, for the LM format and reference tests."""
+from __future__ import annotations
+
+import numpy as np
+
+from colibri.format import Act, DType, ExpertKind, Routing
+from colibri.ir import Attention, Embedding, Expert, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+
+
+def _w(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+
+def _v(rng: np.random.Generator, n: int, scale: float = 0.1) -> np.ndarray:
+    return (rng.standard_normal(n) * scale).astype(np.float32)
+
+
+def attention(rng: np.random.Generator, d: int, heads: int, kv_heads: int, hd: int, max_seq_len: int, *,
+              bias: bool = False, qk_norm: str | None = None, kv_dtype: DType = DType.F32,
+              theta: float = 10000.0) -> Attention:
+    """qk_norm: None, "head" (weights [hd], Qwen3-MoE) or "all" (weights [H·hd], OLMoE)."""
+    q_norm = k_norm = None
+    if qk_norm == "head":
+        q_norm, k_norm = 1 + _v(rng, hd), 1 + _v(rng, hd)
+    elif qk_norm == "all":
+        q_norm, k_norm = 1 + _v(rng, heads * hd), 1 + _v(rng, kv_heads * hd)
+    return Attention(
+        n_heads=heads, n_kv_heads=kv_heads, head_dim=hd,
+        q_w=_w(rng, heads * hd, d), k_w=_w(rng, kv_heads * hd, d), v_w=_w(rng, kv_heads * hd, d),
+        o_w=_w(rng, d, heads * hd),
+        q_b=_v(rng, heads * hd) if bias else None, k_b=_v(rng, kv_heads * hd) if bias else None,
+        v_b=_v(rng, kv_heads * hd) if bias else None, o_b=_v(rng, d) if bias else None,
+        q_norm=q_norm, k_norm=k_norm, qk_norm_eps=1e-6 if qk_norm else 0.0,
+        rope_theta=theta, max_seq_len=max_seq_len, kv_dtype=kv_dtype,
+    )
+
+
+def glu(rng: np.random.Generator, d: int, hidden: int) -> Expert:
+    return Expert(kind=ExpertKind.GLU, act=Act.SILU, w1=_w(rng, hidden, d), w3=_w(rng, hidden, d),
+                  w2=_w(rng, d, hidden))
+
+
+def token_model(seed: int = 0, *, vocab: int = 40, d: int = 16, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                hd: int = 6, max_seq_len: int = 24, max_batch: int = 8, tied: bool = False, bias: bool = False,
+                qk_norm: str | None = None, kv_dtype: DType = DType.F32, experts: int = 4, top_k: int = 2) -> Graph:
+    """EMBED, (attention block, MoE block) x layers, RMSNORM, head; the second layer's FFN is dense."""
+    rng = np.random.default_rng(seed)
+    table = (rng.standard_normal((vocab, d))).astype(np.float32)
+    out: list = [Embedding(table)]
+    for i in range(layers):
+        if i % 2:
+            ffn = MoE(routing=Routing.TOP1, top_k=1, router_weight=np.zeros((1, d), np.float32),
+                      experts=[glu(rng, d, 12)], expert_map=np.zeros(1, np.int32))
+        else:
+            ffn = MoE(routing=Routing.SOFTMAX_TOPK, top_k=top_k, router_weight=_w(rng, experts, d),
+                      experts=[glu(rng, d, 8) for _ in range(experts)], expert_map=np.arange(experts, dtype=np.int32),
+                      renormalize=True, shared=[glu(rng, d, 8)], shared_gate=_w(rng, 1, d))
+        out += [ResidualPush(), RMSNorm(d, 1e-5, 1 + _v(rng, d)),
+                attention(rng, d, heads, kv_heads, hd, max_seq_len, bias=bias, qk_norm=qk_norm, kv_dtype=kv_dtype),
+                ResidualAdd(), ResidualPush(), RMSNorm(d, 1e-5, 1 + _v(rng, d)), ffn, ResidualAdd()]
+    out += [RMSNorm(d, 1e-5, 1 + _v(rng, d)), Linear(table if tied else _w(rng, vocab, d))]
+    return Graph(layers=out, input_size=vocab, output_size=vocab, max_batch=max_batch)

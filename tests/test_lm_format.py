@@ -1,0 +1,211 @@
+"""Format version 4, token models (docs/lm.md): the writer's layout, the reader's round trip, and
+every status the reader gives a broken attention table, EMBED layer or header."""
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from colibri import format as F
+from colibri import image, quantize, reference
+from colibri.errors import ImageError
+from colibri.format import DType, Op, Status
+from colibri.ir import Attention, Embedding, Graph, Linear, Q8Weight
+
+import lmmodels
+
+
+def _arrays_equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, Q8Weight):
+        return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("q", "scale", "row_ptr", "col", "val"))
+    if hasattr(a, "data") and not isinstance(a, np.ndarray):
+        return np.array_equal(a.data, b.data)
+    return np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip(dtype: str, tied: bool) -> None:
+    g = quantize.quantize(lmmodels.token_model(4, tied=tied, bias=True, qk_norm="head", kv_dtype=DType.F16), dtype)
+    data = image.write(g)
+    assert struct.unpack_from("<H", data, 4)[0] == F.LM_VERSION
+    back = image.read(data)
+    assert back.is_token_model and back.vocab_size == 40 and back.max_seq_len == 24 and back.max_batch == 8
+    assert (back.layers[-1].weight is back.layers[0].table) == tied
+    for want, got in zip(g.attention_layers(), back.attention_layers()):
+        for f in ("n_heads", "n_kv_heads", "head_dim", "rope_theta", "max_seq_len", "kv_dtype", "qk_norm_eps"):
+            assert getattr(want, f) == pytest.approx(getattr(got, f)), f
+        for f in ("q_w", "k_w", "v_w", "o_w", "q_b", "k_b", "v_b", "o_b", "q_norm", "k_norm"):
+            assert _arrays_equal(getattr(want, f), getattr(got, f)), f
+    assert _arrays_equal(g.layers[0].table, back.layers[0].table)
+    assert image.write(back) == data  # a read graph writes the same bytes
+    ids = [3, 1, 4, 1, 5]
+    np.testing.assert_array_equal(reference.LMState(g).forward_tokens(ids), reference.LMState(back).forward_tokens(ids))
+
+
+def test_tied_head_stores_the_table_once() -> None:
+    untied = image.write(lmmodels.token_model(4, tied=False))
+    tied = image.write(lmmodels.token_model(4, tied=True))
+    n_untied, n_tied = struct.unpack_from("<I", untied, 32)[0], struct.unpack_from("<I", tied, 32)[0]
+    assert n_tied == n_untied - 1
+    layers = _layer_records(tied)
+    assert layers[0][0] == Op.EMBED and layers[-1][0] == Op.LINEAR and layers[-1][5] == layers[0][5]
+
+
+def test_version_rules() -> None:
+    g = lmmodels.token_model(1)
+    with pytest.raises(ValueError, match="token model"):
+        image.write(g, version=3)
+    with pytest.raises(ValueError, match="per-tensor CRCs"):
+        image.write(g, tensor_crc=False)
+    feature = Graph(layers=[Linear(np.eye(3, dtype=np.float32))], input_size=3, output_size=3)
+    with pytest.raises(ValueError, match="token models only"):
+        image.write(feature, version=F.LM_VERSION)
+    assert image.write(feature)[4] < F.LM_VERSION  # feature models stay readable by older engines
+    n_a, a_off = F.V4_FIELDS.unpack_from(image.write(g), F.V4_FIELDS_OFFSET)
+    assert n_a == 2 and a_off % 4 == 0
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def _header(data: bytes) -> tuple:
+    return F.HEADER.unpack_from(data, 0)
+
+
+def _layer_records(data: bytes) -> list[tuple]:
+    h = _header(data)
+    return [F.LAYER.unpack_from(data, h[12] + i * F.LAYER.size) for i in range(h[11])]
+
+
+def _attention_offset(data: bytes, j: int = 0) -> int:
+    return F.V4_FIELDS.unpack_from(data, F.V4_FIELDS_OFFSET)[1] + j * F.ATTENTION.size
+
+
+def _patched(data: bytes, offset: int, fmt: str, *values) -> bytes:
+    buf = bytearray(data)
+    struct.pack_into(fmt, buf, offset, *values)
+    image.set_crc(buf)  # metadata only: the payload CRCs still hold
+    return bytes(buf)
+
+
+def _status(data: bytes) -> Status:
+    with pytest.raises(ImageError) as exc:
+        image.read(data)
+    return exc.value.status
+
+
+@pytest.fixture(scope="module")
+def lm_image() -> bytes:
+    return image.write(lmmodels.token_model(6, qk_norm="head", bias=True))
+
+
+def _layer_field(data: bytes, index: int, field: int) -> int:
+    """Byte offset of field `field` of layer record `index` (LAYER = <BBHIIIIfII)."""
+    at = [0, 1, 2, 4, 8, 12, 16, 20, 24, 28][field]
+    return _header(data)[12] + index * F.LAYER.size + at
+
+
+# (what, offset within the attention record, struct format, value)
+BAD_RECORDS = [
+    ("d_model", 0, "<I", 15),
+    ("no heads", 4, "<H", 0),
+    ("no kv heads", 6, "<H", 0),
+    ("kv heads do not divide heads", 6, "<H", 3),
+    ("odd head_dim", 8, "<I", 5),
+    ("zero head_dim", 8, "<I", 0),
+    ("q_w missing", 12, "<I", F.NONE),
+    ("q_w out of range", 12, "<I", 10**6),
+    ("q_w names a bias", 12, "<I", 1),
+    ("k_w names q_w (wrong shape)", 20, "<I", 0),
+    ("o_b names a matrix", 40, "<I", 0),
+    ("q_norm of the wrong size", 44, "<I", 1),
+    ("rope_theta zero", 52, "<f", 0.0),
+    ("rope_theta negative", 52, "<f", -1.0),
+    ("rope_theta inf", 52, "<f", math.inf),
+    ("rope_theta NaN", 52, "<f", math.nan),
+    ("qk_norm_eps zero with norms", 56, "<f", 0.0),
+    ("qk_norm_eps NaN", 56, "<f", math.nan),
+    ("max_seq_len zero", 60, "<I", 0),
+    ("kv_dtype I8", 64, "<B", int(DType.I8)),
+    ("kv_dtype zero", 64, "<B", 0),
+    ("reserved byte", 79, "<B", 1),
+]
+
+
+@pytest.mark.parametrize("what,at,fmt,value", BAD_RECORDS, ids=[b[0] for b in BAD_RECORDS])
+def test_bad_attention_fields(lm_image: bytes, what: str, at: int, fmt: str, value) -> None:
+    assert _status(_patched(lm_image, _attention_offset(lm_image) + at, fmt, value)) == Status.BAD_ATTENTION
+
+
+def test_max_seq_len_differs_between_records(lm_image: bytes) -> None:
+    assert _status(_patched(lm_image, _attention_offset(lm_image, 1) + 60, "<I", 25)) == Status.BAD_ATTENTION
+
+
+def test_eps_without_norms() -> None:
+    data = image.write(lmmodels.token_model(6))
+    assert _status(_patched(data, _attention_offset(data) + 56, "<f", 1e-6)) == Status.BAD_ATTENTION
+
+
+def test_attention_table_bounds(lm_image: bytes) -> None:
+    meta = F.V3_FIELDS.unpack_from(lm_image, F.V3_FIELDS_OFFSET)[0]
+    assert _status(_patched(lm_image, 76, "<I", _attention_offset(lm_image) + 2)) == Status.TABLE_BOUNDS
+    assert _status(_patched(lm_image, 76, "<I", meta - F.ATTENTION.size + 4)) == Status.TABLE_BOUNDS
+    assert _status(_patched(lm_image, 72, "<I", 10**6)) == Status.TABLE_BOUNDS
+
+
+def test_attention_layer_references(lm_image: bytes) -> None:
+    attention_layers = [i for i, rec in enumerate(_layer_records(lm_image)) if rec[0] == Op.ATTENTION]
+    second = attention_layers[1]
+    assert _status(_patched(lm_image, _layer_field(lm_image, second, 5), "<I", 2)) == Status.BAD_REF
+    assert _status(_patched(lm_image, _layer_field(lm_image, second, 5), "<I", 0)) == Status.BAD_REF  # record reused
+    assert _status(_patched(lm_image, _layer_field(lm_image, second, 6), "<I", 0)) == Status.BAD_LAYER  # t1 set
+    assert _status(_patched(lm_image, _layer_field(lm_image, second, 7), "<f", 1e-5)) == Status.BAD_LAYER  # eps set
+    assert _status(_patched(lm_image, _layer_field(lm_image, second, 4), "<I", 17)) == Status.BAD_LAYER  # out != in
+
+
+def test_embed_layer_rules(lm_image: bytes) -> None:
+    # EMBED only as layer 0, and layer 0 always EMBED
+    assert _status(_patched(lm_image, _layer_field(lm_image, 1, 0), "<B", int(Op.EMBED))) == Status.BAD_LAYER
+    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 0), "<B", int(Op.LINEAR))) == Status.BAD_LAYER
+    # the table's shape is [vocab, d_model]
+    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 4), "<I", 15)) in (Status.BAD_REF, Status.BAD_LAYER)
+    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 5), "<I", 1)) == Status.BAD_REF
+    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 6), "<I", 0)) == Status.BAD_LAYER  # t1
+    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 2), "<H", 1)) == Status.BAD_LAYER  # INT8_ACT
+
+
+def test_embed_table_q8_without_bias() -> None:
+    g = quantize.quantize(lmmodels.token_model(6), "q8")
+    g.layers[0].table.bias = np.zeros(g.vocab_size, dtype=g.layers[0].table.scale.dtype)
+    assert _status(image.write(g)) == Status.BAD_REF
+
+
+def test_token_model_header(lm_image: bytes) -> None:
+    assert _status(_patched(lm_image, 24, "<I", 41)) == Status.BAD_HEADER  # output_size != input_size
+    # a newer format than this reader: UNSUPPORTED_VERSION, the next version being 5
+    assert _status(_patched(lm_image, 4, "<H", F.LM_VERSION + 1)) == Status.UNSUPPORTED_VERSION
+
+
+def test_token_ops_need_version_4() -> None:
+    feature = image.write(Graph(layers=[Linear(np.eye(3, dtype=np.float32)), Linear(np.eye(3, dtype=np.float32))],
+                                input_size=3, output_size=3), version=3)
+    for op in (Op.EMBED, Op.ATTENTION):
+        assert _status(_patched(feature, _layer_field(feature, 1, 0), "<B", int(op))) == Status.BAD_LAYER
+
+
+def test_token_model_needs_attention() -> None:
+    table = np.ones((8, 4), np.float32)
+    g = Graph(layers=[Embedding(table), Linear(table)], input_size=8, output_size=8)
+    assert _status(image.write(g)) == Status.BAD_LAYER
+
+
+def test_statuses_match_image_status(lm_image: bytes) -> None:
+    assert image.status(lm_image) == 0
+    bad = _patched(lm_image, _attention_offset(lm_image) + 52, "<f", 0.0)
+    assert image.status(bad) == int(Status.BAD_ATTENTION)
