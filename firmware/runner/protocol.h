@@ -1,5 +1,5 @@
 /*
- * The runner wire protocol, version 3 (docs/protocol.md): packet layout,
+ * The runner wire protocol, version 4 (docs/protocol.md): packet layout,
  * request types and STATUS codes.
  */
 #ifndef RUNNER_PROTOCOL_H
