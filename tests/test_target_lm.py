@@ -235,3 +235,30 @@ def test_generation_work_is_deterministic(lm_dut) -> None:
     if works[0].kind == P.WorkKind.QEMU_INSTRUCTIONS:
         print(f"decode step (d_model {D_MODEL}, vocab {VOCAB}, 2 layers, optimised kernels): "
               f"{works[0].per_decode_step:,.0f} instructions")
+
+
+def test_large_vocabulary_rows_and_logits_buffer(dut: Device) -> None:
+    """A vocabulary whose max_batch rows do not fit a response frame: rows=all of 2 tokens is TOO_LARGE with
+    nothing appended, rows=last serves any call; a model whose max_batch x vocab logits pass the runner's
+    buffer is answered TOO_LARGE by every LM request, and loads regardless (FORWARD_TOKENS is its only limit)."""
+    vocab = 600  # one row is 2,400 bytes: one row per frame
+    data = lm_image(2, vocab=vocab, d=16, hd=4)
+    dut.load(data)
+    dut.kernels(reference=True)
+    host = colibri.LM(data, reference_kernels=True)
+    ids = list(range(100, 100 + MAX_BATCH))
+    payload = P.FORWARD_TOKENS_REQUEST.pack(2, P.ROWS_ALL) + np.array(ids[:2], "<i4").tobytes()
+    assert _code(lambda: dut.request(P.Type.FORWARD_TOKENS, payload)) == P.ProtocolStatus.TOO_LARGE
+    last, _ = dut.forward_tokens(ids, last_only=True)
+    assert_bits_equal(last, host.forward_tokens(ids)[-1:], "last row of a 600-token vocabulary")
+    # Every row: the host sends one token per call, which agrees with max_batch calls within tolerance.
+    rows, _ = dut.forward_tokens([5, 6, 7])
+    want = host.forward_tokens([5, 6, 7])
+    assert rows.shape == (3, vocab)
+    np.testing.assert_allclose(rows, want, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
+    huge = lm_image(3, vocab=2100, d=16, hd=4)  # 8 x 2,100 logits > the 16,384-float buffer of mps2-an500
+    dut.load(huge)
+    hello = dut.hello()
+    if hello.board.startswith("mps2-an500"):
+        for call in (dut.lm_reset, lambda: dut.forward_tokens([1], last_only=True), lambda: dut.generate([1], 2)):
+            assert _code(call) == P.ProtocolStatus.TOO_LARGE
