@@ -407,6 +407,38 @@ def group_m7() -> list[Figure]:
     for name in ("q8", "q8i8"):
         v = next(f.value for f in figures if f.key == f"m7.meter.{name}")
         figures.append(fig(f"m7.meter.{name}.vs_f32", v / f32, f"meter {name} instructions / f32's", "{:.2f}"))
+    return figures + lm_on_qemu()
+
+
+def lm_on_qemu() -> list[Figure]:
+    """Token models (docs/lm.md; tests/lmmodels.py's random decoder: vocab 64, 2 layers, 4 heads over 2 KV
+    heads, max_seq_len 64, f32) generating on the emulated Cortex-M7 with the runner's GENERATE: a 4-token
+    prompt, 32 new tokens at temperature 0.8, top-k 20. Instructions (QEMU -icount, not cycles) of one
+    decode step's colibri_lm_forward, averaged over positions 4..34, and of one colibri_lm_sample draw."""
+    from colibri import image
+    from colibri.device import Device
+    from colibri.qemu import Qemu
+
+    import lmmodels  # tests/ is on sys.path
+
+    figures = []
+    for d, hd in ((32, 8), (64, 16)):
+        data = image.write(lmmodels.token_model(0, vocab=64, d=d, heads=4, kv_heads=2, hd=hd, max_seq_len=64,
+                                                max_batch=8))
+        for kernels, reference in (("", False), (".ref", True)):
+            with Qemu(runner_elf("mps2_an500")) as q, Device(q.url) as dev:
+                if reference:
+                    dev.kernels(reference=True)
+                info = dev.load(data)
+                dev.generate([1, 2, 3, 4], 32, temperature=0.8, top_k=20, seed=1)
+                w = dev.last_generation
+            what = "cmsis kernels" if not reference else "reference kernels"
+            figures += [fig(f"m7.lm.d{d}.decode{kernels}", round(w.decode / w.decode_steps),
+                            f"token model d_model {d}: instructions per decode step (one-token forward), {what}"),
+                        fig(f"m7.lm.d{d}.sample{kernels}", round(w.sample / (w.decode_steps + 1)),
+                            f"token model d_model {d}: instructions per draw (T 0.8, top-k 20), {what}")]
+        figures += [fig(f"m7.lm.d{d}.arena", info.arena_size, f"token model d_model {d}: arena bytes on the Cortex-M7"),
+                    fig(f"m7.lm.d{d}.kv_cache", info.kv_cache_bytes, f"token model d_model {d}: KV cache bytes")]
     return figures
 
 

@@ -24,6 +24,12 @@ def test_constants_agree_with_the_firmware() -> None:
         assert c[t.name] == t, t.name
     for s in P.ProtocolStatus:
         assert c[s.name] == s, s.name
+    # Token-model requests (protocol 4): the fixed parts of their payloads.
+    assert c["FORWARD_TOKENS_REQUEST_HEADER"] == P.FORWARD_TOKENS_REQUEST.size
+    assert c["FORWARD_TOKENS_HEADER"] == P.FORWARD_TOKENS_RESPONSE.size
+    assert c["GENERATE_REQUEST_HEADER"] == P.GENERATE_REQUEST.size
+    assert c["GENERATE_HEADER"] == P.GENERATE_RESPONSE.size
+    assert (c["ROWS_ALL"], c["ROWS_LAST"]) == (P.ROWS_ALL, P.ROWS_LAST)
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00", b"\x00" * 300, bytes(range(256)) * 16])

@@ -14,4 +14,5 @@ BOARD_CFLAGS := -mcpu=cortex-m7 -mthumb -mfpu=fpv5-d16 -mfloat-abi=hard
 # BOARD_HAS_POWER_CUT: the emulated flash's debug power cut and the runner's
 # POWER_CUT_AFTER request (QEMU only; never on a real board).
 BOARD_DEFS := -DRUNNER_MODEL_CAPACITY=2097152 -DRUNNER_ARENA_CAPACITY=1048576 \
+              -DRUNNER_LOGITS_CAPACITY=16384 \
               -DCOLIBRI_QEMU_ICOUNT_SHIFT=7 -DBOARD_HAS_POWER_CUT

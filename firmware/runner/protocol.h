@@ -1,11 +1,12 @@
 /*
- * The runner wire protocol, version 3 (docs/protocol.md): packet layout,
+ * The runner wire protocol, version 4 (docs/protocol.md): packet layout,
  * request types and STATUS codes.
  */
 #ifndef RUNNER_PROTOCOL_H
 #define RUNNER_PROTOCOL_H
 
-#define PROTO_VERSION 3u /* 2: HELLO reports the model image format versions read; 3: KERNELS */
+#define PROTO_VERSION 4u /* 2: HELLO reports the model image format versions read; 3: KERNELS;
+                            4: token models (LM_RESET, FORWARD_TOKENS, GENERATE; INFO grows) */
 #define PROTO_MAX_PAYLOAD 4096u
 #define PROTO_HEADER_SIZE 8u  /* u8 type, u8 flags, u16 seq, u32 length */
 #define PROTO_CRC_SIZE 4u     /* CRC-32 (zlib) of header + payload */
@@ -22,6 +23,9 @@
 #define PROTO_INFO 0x20u
 #define PROTO_KERNELS 0x21u
 #define PROTO_FORWARD 0x30u
+#define PROTO_LM_RESET 0x31u
+#define PROTO_FORWARD_TOKENS 0x32u
+#define PROTO_GENERATE 0x33u
 #define PROTO_STATS 0x40u
 #define PROTO_RESET 0x50u
 #define PROTO_SLOT_INFO 0x60u
@@ -52,6 +56,20 @@
 
 /* FORWARD response header: u32 batch, u32 work_kind, u64 work. */
 #define PROTO_FORWARD_HEADER 16u
+
+/* FORWARD_TOKENS request: u32 n, u32 rows (PROTO_ROWS_*), then n i32 token ids.
+ * Response header: u32 n, u32 rows sent, u32 position (after the call),
+ * u32 work_kind, u64 work; then rows x vocab f32. */
+#define PROTO_FORWARD_TOKENS_REQUEST_HEADER 8u
+#define PROTO_FORWARD_TOKENS_HEADER 24u
+#define PROTO_ROWS_ALL 0u  /* every row's logits [n, vocab] */
+#define PROTO_ROWS_LAST 1u /* the last row's only [1, vocab]: what decoding needs */
+/* GENERATE request: u32 max_new_tokens, f32 temperature, u32 top_k, f32 top_p,
+ * u64 seed, u32 n_prompt, then n_prompt i32 token ids. Response header:
+ * u32 count, u32 work_kind, u64 prefill_work, u64 decode_work, u64 sample_work;
+ * then count i32 token ids. */
+#define PROTO_GENERATE_REQUEST_HEADER 28u
+#define PROTO_GENERATE_HEADER 32u
 
 /* SLOT_INFO: which slot runs (a slot index, or these). */
 #define PROTO_RUNNING_BUILTIN 0xFDu /* the model linked into the firmware (MODEL_C=) */

@@ -37,6 +37,12 @@
 #ifndef RUNNER_ARENA_CAPACITY
 #error "RUNNER_ARENA_CAPACITY (bytes) must come from the board's board.mk"
 #endif
+/* Logits of one token-model call, [max_batch, vocab] f32: colibri_lm_forward
+ * writes every row of a call, so a token model runs here only if
+ * max_batch x vocab fits (the board may set it larger). */
+#ifndef RUNNER_LOGITS_CAPACITY
+#define RUNNER_LOGITS_CAPACITY 4096u /* floats */
+#endif
 #ifndef RUNNER_BUILD_FLAGS
 #define RUNNER_BUILD_FLAGS ""
 #endif
@@ -85,6 +91,9 @@ static uint8_t runner_model[RUNNER_MODEL_CAPACITY] __attribute__((aligned(8)));
 static uint8_t runner_arena[RUNNER_ARENA_CAPACITY] __attribute__((aligned(8)));
 static float input_buf[PROTO_MAX_PAYLOAD / sizeof(float)] __attribute__((aligned(8)));
 static float output_buf[PROTO_MAX_PAYLOAD / sizeof(float)] __attribute__((aligned(8)));
+static float lm_logits[RUNNER_LOGITS_CAPACITY] __attribute__((aligned(8)));
+static int32_t lm_tokens[PROTO_MAX_PAYLOAD / sizeof(int32_t)]; /* a request's ids, copied out aligned */
+static int32_t lm_new[PROTO_MAX_PAYLOAD / sizeof(int32_t)];    /* GENERATE's drawn ids */
 
 static struct {
     colibri_ctx *ctx; /* NULL: no model */
@@ -92,6 +101,7 @@ static struct {
     uint8_t running;      /* slot index, PROTO_RUNNING_RAM or PROTO_RUNNING_NONE */
     uint32_t image_size;
     uint32_t input_size, output_size, max_batch;
+    uint32_t vocab_size, max_seq_len, kv_cache_bytes; /* 0: a feature model */
     uint32_t arena_used;
     uint32_t kernels; /* PROTO_KERNELS_*: applied to every model started */
 
@@ -287,6 +297,9 @@ static colibri_status start_model(const uint8_t *image, uint32_t size, uint8_t r
     state.input_size = info.input_size;
     state.output_size = info.output_size;
     state.max_batch = info.max_batch;
+    state.vocab_size = info.vocab_size;
+    state.max_seq_len = info.max_seq_len;
+    state.kv_cache_bytes = (uint32_t)info.kv_cache_bytes;
     state.arena_used = (uint32_t)info.arena_size;
     if (state.kernels == PROTO_KERNELS_REFERENCE) {
         (void)colibri_set_kernels(ctx, COLIBRI_KERNELS_REFERENCE);
@@ -460,6 +473,9 @@ static void handle_info(uint16_t seq, uint32_t len)
     p = put_u32(p, info.num_experts);
     p = put_u32(p, info.image_size);
     p = put_u32(p, (uint32_t)info.arena_size);
+    p = put_u32(p, info.vocab_size);
+    p = put_u32(p, info.max_seq_len);
+    p = put_u32(p, (uint32_t)info.kv_cache_bytes);
     send_response(PROTO_INFO, seq, p);
 }
 
@@ -555,6 +571,263 @@ static void handle_forward(uint16_t seq, const uint8_t *payload, uint32_t len)
     memcpy(p, output_buf, (size_t)out_count * sizeof(float)); /* little-endian target */
     p += out_count * sizeof(float);
     send_response(PROTO_FORWARD, seq, p);
+}
+
+
+/* -- token models (docs/lm.md) ------------------------------------------------ */
+
+/* The checks every LM request shares after its payload size: a model runs, it
+ * is a token model, and one call's logits fit lm_logits. */
+static bool lm_ready(uint16_t seq)
+{
+    if (state.ctx == NULL) {
+        send_status(seq, PROTO_NO_MODEL, "no model loaded");
+        return false;
+    }
+    if (state.vocab_size == 0u) {
+        send_status(seq, (int32_t)COLIBRI_E_MODEL_KIND,
+                    "a feature model: LM requests need a token model (use FORWARD)");
+        return false;
+    }
+    if ((uint64_t)state.max_batch * state.vocab_size > RUNNER_LOGITS_CAPACITY) {
+        message m = {.len = 0};
+        msg_str(&m, "max_batch x vocab = ");
+        msg_u32(&m, state.max_batch * state.vocab_size);
+        msg_str(&m, " logits exceed the runner's buffer of ");
+        msg_u32(&m, (uint32_t)RUNNER_LOGITS_CAPACITY);
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return false;
+    }
+    return true;
+}
+
+/* Copies n ids out of the payload (any alignment) into lm_tokens and checks
+ * them all before anything runs, as colibri.LM does: BAD_TOKEN names the first. */
+static bool lm_take_tokens(uint16_t seq, const uint8_t *ids, uint32_t n)
+{
+    memcpy(lm_tokens, ids, (size_t)n * sizeof(int32_t));
+    for (uint32_t i = 0; i < n; i++) {
+        if (lm_tokens[i] < 0 || (uint32_t)lm_tokens[i] >= state.vocab_size) {
+            message m = {.len = 0};
+            msg_str(&m, "token ");
+            msg_u32(&m, i);
+            msg_str(&m, " is outside the vocabulary 0..");
+            msg_u32(&m, state.vocab_size - 1u);
+            send_status_msg(seq, (int32_t)COLIBRI_E_BAD_TOKEN, &m);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void send_cache_full(uint16_t seq, uint32_t position, uint32_t needed)
+{
+    message m = {.len = 0};
+    msg_u32(&m, position);
+    msg_str(&m, " positions cached + ");
+    msg_u32(&m, needed);
+    msg_str(&m, " > max_seq_len ");
+    msg_u32(&m, state.max_seq_len);
+    send_status_msg(seq, (int32_t)COLIBRI_E_CACHE_FULL, &m);
+}
+
+static void handle_lm_reset(uint16_t seq, uint32_t len)
+{
+    if (len != 0u) {
+        send_bad_payload(seq, len, 0u);
+        return;
+    }
+    if (!lm_ready(seq)) {
+        return;
+    }
+    const colibri_status st = colibri_lm_reset(state.ctx);
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    send_ok(seq);
+}
+
+static __attribute__((noipa, noinline)) colibri_status timed_lm_forward(const int32_t *tokens, uint32_t n,
+                                                                        uint64_t *work)
+{
+    board_work_start();
+    const colibri_status st =
+        colibri_lm_forward(state.ctx, tokens, n, lm_logits, (size_t)n * state.vocab_size);
+    *work += board_work_stop();
+    return st;
+}
+
+static __attribute__((noipa, noinline)) colibri_status timed_lm_sample(const colibri_sampler *sampler,
+                                                                       const float *logits, colibri_rng *rng,
+                                                                       int32_t *token, uint64_t *work)
+{
+    board_work_start();
+    const colibri_status st = colibri_lm_sample(state.ctx, sampler, logits, state.vocab_size, rng, token);
+    *work += board_work_stop();
+    return st;
+}
+
+/* FORWARD_TOKENS(n, rows, ids): one colibri_lm_forward call of n <= max_batch
+ * tokens at the cache's position. Everything is checked before the cache
+ * changes, in colibri_lm_forward's order: payload, model, ids (BAD_TOKEN), n
+ * (BAD_BATCH), the response's size (TOO_LARGE), room in the cache (CACHE_FULL). */
+static void handle_forward_tokens(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < PROTO_FORWARD_TOKENS_REQUEST_HEADER) {
+        send_bad_payload(seq, len, PROTO_FORWARD_TOKENS_REQUEST_HEADER);
+        return;
+    }
+    const uint32_t n = get_u32(payload);
+    const uint32_t rows_mode = get_u32(payload + 4);
+    const uint64_t want = PROTO_FORWARD_TOKENS_REQUEST_HEADER + (uint64_t)n * sizeof(int32_t);
+    if (want != len) {
+        send_bad_payload(seq, len, want > UINT32_MAX ? UINT32_MAX : (uint32_t)want);
+        return;
+    }
+    if (rows_mode != PROTO_ROWS_ALL && rows_mode != PROTO_ROWS_LAST) {
+        send_status(seq, PROTO_BAD_PAYLOAD, "rows must be 0 (all) or 1 (the last row only)");
+        return;
+    }
+    if (!lm_ready(seq)) {
+        return;
+    }
+    if (!lm_take_tokens(seq, payload + PROTO_FORWARD_TOKENS_REQUEST_HEADER, n)) {
+        return;
+    }
+    if (n == 0u || n > state.max_batch) {
+        message m = {.len = 0};
+        msg_u32(&m, n);
+        msg_str(&m, " tokens in one call; max_batch is ");
+        msg_u32(&m, state.max_batch);
+        send_status_msg(seq, (int32_t)COLIBRI_E_BAD_BATCH, &m);
+        return;
+    }
+    const uint32_t rows = rows_mode == PROTO_ROWS_ALL ? n : 1u;
+    const uint64_t out_bytes = (uint64_t)rows * state.vocab_size * sizeof(float);
+    if (PROTO_FORWARD_TOKENS_HEADER + out_bytes > PROTO_MAX_PAYLOAD) {
+        message m = {.len = 0};
+        msg_str(&m, "logits of ");
+        msg_u32(&m, (uint32_t)out_bytes);
+        msg_str(&m, " bytes do not fit a response; fewer tokens or rows=last");
+        send_status_msg(seq, PROTO_TOO_LARGE, &m);
+        return;
+    }
+    uint32_t position = 0u;
+    (void)colibri_lm_position(state.ctx, &position);
+    if ((uint64_t)position + n > state.max_seq_len) {
+        send_cache_full(seq, position, n);
+        return;
+    }
+    uint64_t work = 0u;
+    colibri_status st = timed_lm_forward(lm_tokens, n, &work);
+    if (st == COLIBRI_OK) {
+        st = colibri_lm_position(state.ctx, &position);
+    }
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u32(p, n);
+    p = put_u32(p, rows);
+    p = put_u32(p, position);
+    p = put_u32(p, (uint32_t)board_work_kind());
+    p = put_u64(p, work);
+    memcpy(p, lm_logits + (size_t)(n - rows) * state.vocab_size, (size_t)out_bytes); /* little-endian target */
+    p += out_bytes;
+    send_response(PROTO_FORWARD_TOKENS, seq, p);
+}
+
+/* GENERATE: colibri.LM.generate on the target (engine.py, _engine.c): the same
+ * checks in the same order, then reset, the prompt in chunks of max_batch, and
+ * max_new_tokens draws by colibri_lm_sample with the caller's seed, each token
+ * fed back but the last. */
+static void handle_generate(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < PROTO_GENERATE_REQUEST_HEADER) {
+        send_bad_payload(seq, len, PROTO_GENERATE_REQUEST_HEADER);
+        return;
+    }
+    const uint32_t max_new = get_u32(payload);
+    colibri_sampler sampler = {.struct_size = (uint32_t)sizeof(colibri_sampler)};
+    const uint32_t temperature_bits = get_u32(payload + 4);
+    const uint32_t top_p_bits = get_u32(payload + 12);
+    memcpy(&sampler.temperature, &temperature_bits, sizeof(float));
+    sampler.top_k = get_u32(payload + 8);
+    memcpy(&sampler.top_p, &top_p_bits, sizeof(float));
+    const uint64_t seed = (uint64_t)get_u32(payload + 16) | (uint64_t)get_u32(payload + 20) << 32;
+    const uint32_t n_prompt = get_u32(payload + 24);
+    const uint64_t want = PROTO_GENERATE_REQUEST_HEADER + (uint64_t)n_prompt * sizeof(int32_t);
+    if (want != len) {
+        send_bad_payload(seq, len, want > UINT32_MAX ? UINT32_MAX : (uint32_t)want);
+        return;
+    }
+    if (!lm_ready(seq)) {
+        return;
+    }
+    /* The sampler's rules (docs/lm.md), checked before anything runs; the
+     * comparisons are false for NaN, so NaN is refused too. */
+    const float t = sampler.temperature;
+    if (!(t >= 0.0f && t <= 3.402823466e38f) || !(sampler.top_p > 0.0f && sampler.top_p <= 1.0f)) {
+        send_status(seq, (int32_t)COLIBRI_E_BAD_SAMPLER,
+                    "temperature must be finite and >= 0, top_p in (0, 1]");
+        return;
+    }
+    if (!lm_take_tokens(seq, payload + PROTO_GENERATE_REQUEST_HEADER, n_prompt)) {
+        return;
+    }
+    if (n_prompt == 0u) {
+        send_status(seq, (int32_t)COLIBRI_E_BAD_BATCH, "an empty prompt: give at least one token");
+        return;
+    }
+    const uint64_t positions = (uint64_t)n_prompt + (max_new > 0u ? max_new - 1u : 0u);
+    if (positions > state.max_seq_len) {
+        send_cache_full(seq, 0u, (uint32_t)(positions > UINT32_MAX ? UINT32_MAX : positions));
+        return;
+    }
+    if (PROTO_GENERATE_HEADER + (uint64_t)max_new * sizeof(int32_t) > PROTO_MAX_PAYLOAD) {
+        send_status(seq, PROTO_TOO_LARGE, "max_new_tokens ids do not fit a response");
+        return;
+    }
+    colibri_status st = colibri_lm_reset(state.ctx);
+    uint64_t prefill = 0u, decode = 0u, sample = 0u;
+    uint32_t made = 0u;
+    if (max_new > 0u) {
+        colibri_rng rng;
+        colibri_rng_seed(&rng, seed);
+        uint32_t last = 0u; /* the row of the latest token's logits */
+        for (uint32_t at = 0u; st == COLIBRI_OK && at < n_prompt; at += state.max_batch) {
+            const uint32_t n = n_prompt - at < state.max_batch ? n_prompt - at : state.max_batch;
+            st = timed_lm_forward(lm_tokens + at, n, &prefill);
+            last = n - 1u;
+        }
+        while (st == COLIBRI_OK && made < max_new) {
+            st = timed_lm_sample(&sampler, lm_logits + (size_t)last * state.vocab_size, &rng, &lm_new[made],
+                                 &sample);
+            if (st != COLIBRI_OK) {
+                break;
+            }
+            /* The last new token needs no forward: nothing reads its logits. */
+            if (++made < max_new) {
+                st = timed_lm_forward(&lm_new[made - 1u], 1u, &decode);
+                last = 0u;
+            }
+        }
+    }
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    uint8_t *p = payload_out();
+    p = put_u32(p, made);
+    p = put_u32(p, (uint32_t)board_work_kind());
+    p = put_u64(p, prefill);
+    p = put_u64(p, decode);
+    p = put_u64(p, sample);
+    memcpy(p, lm_new, (size_t)made * sizeof(int32_t)); /* little-endian target */
+    p += made * sizeof(int32_t);
+    send_response(PROTO_GENERATE, seq, p);
 }
 
 static void handle_stats(uint16_t seq, uint32_t len)
@@ -934,6 +1207,15 @@ static void handle_frame(size_t encoded_len)
         break;
     case PROTO_FORWARD:
         handle_forward(seq, payload, len);
+        break;
+    case PROTO_LM_RESET:
+        handle_lm_reset(seq, len);
+        break;
+    case PROTO_FORWARD_TOKENS:
+        handle_forward_tokens(seq, payload, len);
+        break;
+    case PROTO_GENERATE:
+        handle_generate(seq, payload, len);
         break;
     case PROTO_STATS:
         handle_stats(seq, len);

@@ -6,6 +6,8 @@
         dut.load(image_bytes)          # into RAM, gone at reset
         dut.update(image_bytes)        # into the inactive flash slot, runs from there, survives reset
         y, work = dut.forward(x)
+        logits, work = dut.forward_tokens([1, 2, 3])   # a token model: appends to its KV cache
+        new_ids = dut.generate([1, 2, 3], 10, temperature=0.8, top_k=20, seed=7)  # sampled on the device
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import serial
 
 from . import protocol as P
 from .errors import ColibriError
+from .format import Status
 
 CHUNK = P.MAX_PAYLOAD - 4  # LOAD_CHUNK and UPDATE_CHUNK carry a u32 offset
 # UPDATE_BEGIN erases the target slot before it answers: on an STM32H743 a
@@ -56,6 +59,28 @@ class DeviceInfo:
     num_experts: int
     image_size: int
     arena_size: int
+    vocab_size: int = 0  # a token model's (protocol 4); 0: a feature model
+    max_seq_len: int = 0
+    kv_cache_bytes: int = 0
+
+
+@dataclass
+class GenerationWork:
+    """What GENERATE measured on the device: colibri_lm_forward over the prompt (prefill), over the
+    fed-back tokens (decode, `decode_steps` one-token calls) and colibri_lm_sample over every draw."""
+
+    kind: P.WorkKind
+    prefill: int
+    decode: int
+    sample: int
+    decode_steps: int
+
+    @property
+    def per_decode_step(self) -> float:
+        """Work of one decode step: a one-token forward and a draw (the sampler runs once per token)."""
+        if not self.decode_steps:
+            return 0.0
+        return self.decode / self.decode_steps + self.sample / (self.decode_steps + 1)
 
 
 @dataclass
@@ -117,6 +142,7 @@ class Device:
         self._seq = 0
         self._rx = bytearray()
         self.info: DeviceInfo | None = None
+        self.last_generation: GenerationWork | None = None  # set by generate()
 
     def close(self) -> None:
         sock = getattr(self.port, "_socket", None)
@@ -227,7 +253,8 @@ class Device:
         return self.info
 
     def model_info(self) -> DeviceInfo:
-        return DeviceInfo(*struct.unpack_from("<7I", self.request(P.Type.INFO)))
+        p = self.request(P.Type.INFO)
+        return DeviceInfo(*struct.unpack_from(f"<{min(len(p) // 4, 10)}I", p))  # 7 fields before protocol 4
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Work]:
         """Runs one batch on the device: x [batch, input_size] -> (y [batch, output_size], work)."""
@@ -239,6 +266,75 @@ class Device:
         batch, kind, count = struct.unpack_from("<IIQ", payload)
         y = np.frombuffer(payload, dtype="<f4", offset=16).reshape(batch, info.output_size)
         return y.astype(np.float32), Work(P.WorkKind(kind), count)
+
+    # -- token models (docs/lm.md) ---------------------------------------------
+
+    def _token_model(self) -> DeviceInfo:
+        info = self.info or self.model_info()
+        if not info.vocab_size:
+            raise DeviceError(f"MODEL_KIND ({int(Status.MODEL_KIND)}): the device runs a feature model",
+                              int(Status.MODEL_KIND))
+        return info
+
+    @staticmethod
+    def _ids(ids) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+        if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+            raise ValueError("token ids must fit int32")
+        return arr.astype("<i4")
+
+    def lm_reset(self) -> None:
+        """Empties the device's KV cache: the next token is at position 0."""
+        self.request(P.Type.LM_RESET)
+
+    def forward_tokens(self, ids, *, last_only: bool = False) -> tuple[np.ndarray, Work]:
+        """Appends ids to the device's sequence; returns (logits float32 [len(ids), vocab], or [1, vocab] with
+        last_only, and the work of the forward calls summed). The ids go in calls of max_batch tokens, as
+        colibri.LM.forward_tokens splits them, so the logits are the host engine's; when max_batch rows of
+        logits do not fit a response frame (vocab x max_batch x 4 + 24 > MAX_PAYLOAD), every row needs calls
+        of fewer tokens, which agree with the host within its tolerance but not bit for bit."""
+        info = self._token_model()
+        tokens = self._ids(ids)
+        if not len(tokens):
+            raise ValueError("forward_tokens needs at least one token id")
+        chunk = info.max_batch
+        if not last_only:
+            fit = (P.MAX_PAYLOAD - P.FORWARD_TOKENS_RESPONSE.size) // (4 * info.vocab_size)
+            if fit == 0:
+                raise ValueError(f"one row of {info.vocab_size} logits does not fit a response frame; "
+                                 "use last_only=True")
+            chunk = min(chunk, fit)
+        rows, total, kind = [], 0, P.WorkKind.NONE
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start : start + chunk]
+            mode = P.ROWS_LAST if last_only else P.ROWS_ALL
+            payload = self.request(P.Type.FORWARD_TOKENS, P.FORWARD_TOKENS_REQUEST.pack(len(part), mode) + part.tobytes())
+            n, nrows, _position, kind, count = P.FORWARD_TOKENS_RESPONSE.unpack_from(payload)
+            rows.append(np.frombuffer(payload, "<f4", offset=P.FORWARD_TOKENS_RESPONSE.size)
+                        .reshape(nrows, info.vocab_size))
+            total += count
+        logits = rows[-1] if last_only else np.concatenate(rows)
+        return logits.astype(np.float32), Work(P.WorkKind(kind), total)
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """colibri.LM.generate on the device: it resets its sequence, runs the prompt and draws
+        max_new_tokens tokens with colibri_lm_sample and a SplitMix64 seeded with `seed`, all on the
+        target; the same ids as colibri.LM.generate with the same arguments. The work it measured is
+        in `self.last_generation`."""
+        self._token_model()
+        prompt = self._ids(prompt_ids)
+        if not 0 <= max_new_tokens < 2**32:
+            raise ValueError(f"max_new_tokens must be in 0..2^32-1, got {max_new_tokens}")
+        if not 0 <= top_k < 2**32:
+            raise ValueError(f"top_k must be in 0..2^32-1, got {top_k}")
+        payload = self.request(P.Type.GENERATE, P.GENERATE_REQUEST.pack(
+            max_new_tokens, temperature, top_k, top_p, int(seed) % 2**64, len(prompt)) + prompt.tobytes())
+        count, kind, prefill, decode, sample = P.GENERATE_RESPONSE.unpack_from(payload)
+        self.last_generation = GenerationWork(P.WorkKind(kind), prefill, decode, sample, max(count - 1, 0))
+        return [int(t) for t in np.frombuffer(payload, "<i4", count, offset=P.GENERATE_RESPONSE.size)]
 
     def kernels(self, reference: bool | None = None) -> tuple[bool, str]:
         """Selects the device's kernels (reference=True: the reference kernels, the specification, which

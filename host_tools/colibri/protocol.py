@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from cobs import cobs
 
-VERSION = 3  # 2: HELLO reports the model image format versions the engine reads; 3: KERNELS
+VERSION = 4  # 2: HELLO reports the model image format versions the engine reads; 3: KERNELS;
+# 4: token models: LM_RESET, FORWARD_TOKENS, GENERATE, and INFO adds vocab_size, max_seq_len, kv_cache_bytes
 MAX_PAYLOAD = 4096
 HEADER = struct.Struct("<BBHI")  # type, flags, seq, length
 CRC = struct.Struct("<I")
@@ -28,6 +29,9 @@ class Type(enum.IntEnum):
     INFO = 0x20
     KERNELS = 0x21  # which kernels the engine runs: optimised (0) or reference (1)
     FORWARD = 0x30
+    LM_RESET = 0x31  # token models (docs/lm.md): empty the KV cache
+    FORWARD_TOKENS = 0x32  # token ids in, logits out
+    GENERATE = 0x33  # prompt in, sampled on the target, new ids out
     STATS = 0x40
     RESET = 0x50
     SLOT_INFO = 0x60
@@ -41,6 +45,14 @@ class Type(enum.IntEnum):
 
 KERNELS_OPTIMISED = 0  # KERNELS: the build's optimised kernels (the default at reset)
 KERNELS_REFERENCE = 1  # KERNELS: the reference kernels, the specification (bit for bit with the host's)
+
+
+FORWARD_TOKENS_REQUEST = struct.Struct("<II")  # n, rows; then n i32 ids
+FORWARD_TOKENS_RESPONSE = struct.Struct("<IIIIQ")  # n, rows, position, work_kind, work; then rows x vocab f32
+ROWS_ALL = 0  # FORWARD_TOKENS: every row's logits
+ROWS_LAST = 1  # FORWARD_TOKENS: the last row's only
+GENERATE_REQUEST = struct.Struct("<IfIfQI")  # max_new_tokens, temperature, top_k, top_p, seed, n_prompt; then ids
+GENERATE_RESPONSE = struct.Struct("<IIQQQ")  # count, work_kind, prefill, decode, sample work; then count i32 ids
 
 
 class ProtocolStatus(enum.IntEnum):
