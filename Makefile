@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full upstream-check
+        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm
 
 setup:
 	./scripts/setup.sh
@@ -49,6 +49,12 @@ measure: setup firmware
 demo: setup firmware
 	$(PY) examples/smart_meter/demo.py
 
+# The tiny King James MoE language model (examples/tiny_lm): retrains it from scratch and
+# overwrites the committed weights and metrics.json (tens of minutes on 1 core; CI never runs it,
+# tests/test_tiny_lm.py checks the committed model).
+train-tiny-lm: setup
+	$(PY) examples/tiny_lm/train.py --steps 1500 --seed 0
+
 test: setup c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2
 
@@ -76,12 +82,22 @@ bench-exec:
 	$(PY) bench/exec_bench.py
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
-# resident bytes and major faults per token with and without MADV_WILLNEED. ~400 MB; -full ~1.6 GB.
+# resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX
+# Runtime on the same weights (external-data ONNX; needs the bench extra). ~400 MB; -full ~1.6 GB.
 bench-edge-mmap: setup
 	$(PY) bench/edge_mmap.py
 
 bench-edge-mmap-full: setup
 	$(PY) bench/edge_mmap.py --layers 4 --experts 128
+
+# Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
+# memory pressure (a cgroup v2, else v1, whose memory limit is below the model size; skipped, saying why,
+# where there is none: bench/edge_jitter.py --cgroup DIR takes a delegated one), with and without
+# MADV_WILLNEED. ~50 MB model: the random router's near-uniform routing, then a Zipf-like one (--skew 0.3,
+# the hottest quarter of the experts taking most calls) where pinning them has something to win.
+bench-edge-jitter: setup
+	$(PY) bench/edge_jitter.py
+	$(PY) bench/edge_jitter.py --skew 0.3
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

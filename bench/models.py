@@ -111,7 +111,10 @@ class GatherMoE(nn.Module):
 
         def pick(p: torch.Tensor) -> torch.Tensor:
             # index_select, not p[idx]: indexing lowers negative-index wrapping (SELECT) that TFLM lacks.
-            return torch.index_select(p, 0, flat).reshape(t, k, *p.shape[1:])
+            chosen = torch.index_select(p, 0, flat).reshape(t, k, *p.shape[1:])
+            # Experts stored in f16 (bench/edge_mmap.py's model, as Colibri's image holds them) are
+            # widened after the gather: only the chosen experts' weights are read and converted.
+            return chosen if chosen.dtype == x.dtype else chosen.to(x.dtype)
 
         xc = x[:, None, :, None]  # [T, 1, D, 1]
         h = torch.matmul(pick(self.w1), xc).squeeze(-1) + pick(self.b1)  # [T, k, H]

@@ -316,6 +316,31 @@ def group_smart_meter() -> list[Figure]:
     ]
 
 
+def group_tiny_lm() -> list[Figure]:
+    """The committed tiny King James language model (examples/tiny_lm/model), re-scored on all the
+    held-out text in f32 PyTorch; its training is recorded in model/metrics.json."""
+    import math
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
+    import corpus
+    import generate_torch
+    import train
+
+    torch.set_num_threads(1)
+    model = generate_torch.load()
+    nll, scored = train.held_out_nll(model, corpus.load().held_out)
+    return [
+        fig("tiny_lm.params", train.n_parameters(model), "tiny LM parameters"),
+        fig("tiny_lm.held_out_bytes", scored, "tiny LM held-out bytes scored"),
+        fig("tiny_lm.bpb", nll / math.log(2), "tiny LM held-out bits per byte (f32, PyTorch)", "{:.3f}"),
+        fig("tiny_lm.ppl", math.exp(nll), "tiny LM held-out perplexity per byte (f32, PyTorch)", "{:.2f}"),
+        fig("tiny_lm.weights", (train.MODEL_DIR / "model.safetensors").stat().st_size,
+            "tiny LM model.safetensors bytes (f32)"),
+    ]
+
+
 def active_macs(module) -> int:
     """Multiply-accumulates of one token through a bench model (bench/models.py): every nn.Linear, and in
     a MoE layer the router plus top_k experts (each expert's linears) and any shared experts."""
@@ -421,13 +446,14 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "random_q8": group_random_q8,
     "smart_meter": group_smart_meter,
     "m7": group_m7,
+    "tiny_lm": group_tiny_lm,
 }
 
 # Which group measures a key: the longest matching prefix.
 KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
-    "m7.": "m7",
+    "m7.": "m7", "tiny_lm.": "tiny_lm",
 }
 
 
@@ -483,6 +509,9 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
     (r"\| host speed, [^\n]*", "timing rows: make bench (bench/bench.py), wall clock on a shared machine, not pinned"),
     (r"\| parallel experts, [^\n]*", "timing row: make bench-exec (bench/exec_bench.py), wall clock, not pinned"),
+    (r"after 32 tokens of a 1,537 MiB model[^:]*:", "one run of make bench-edge-mmap-full (bench/edge_mmap.py): resident memory, not pinned"),
+    (r"took p50/p99 from [^;]*;[^;]*?p99 of [\d.]+ ms", "one run of make bench-edge-jitter (bench/edge_jitter.py): wall-clock latency, not pinned"),
+    (r"does not help \([^)]*\)", "one run of make bench-edge-jitter (bench/edge_jitter.py): wall-clock latency, not pinned"),
 ]
 
 

@@ -3,6 +3,7 @@
 mapping instead of copying, page-aligned experts, hot model swap by rename and the truncation case."""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shlex
@@ -383,10 +384,15 @@ def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
     """bench/edge_mmap.py (make bench-edge-mmap) does not rot: a tiny model, figures printed."""
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "bench" / "edge_mmap.py"), "--layers", "1", "--experts", "4",
-                          "--d", "64", "--hidden", "64", "--tokens", "4", "--dir", str(tmp_path)],
+                          "--d", "64", "--hidden", "64", "--tokens", "4", "--skew", "0.5", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "time to first output, cold cache" in out.stdout and out.stdout.count("major faults/token") == 3
+    # ONNX Runtime on the same weights (the bench extra): both engines' memory, and the same outputs.
+    if "ONNX Runtime peak RSS: NOT MEASURED: " not in out.stdout:
+        for engine in ("Colibri (mapped, verify on use)", "ONNX Runtime (external data)"):
+            assert f"4 tokens, {engine}: peak RSS " in out.stdout, out.stdout
+        assert "mapped from the weights file" in out.stdout and "(outputs agree to " in out.stdout
     assert list(tmp_path.iterdir()) == []  # the model file is removed
 
 
@@ -436,3 +442,147 @@ def test_open_reads_no_expert_page(paged: bytes, tmp_path: Path) -> None:
     assert m.file.resident() <= len(paged) - expert_pages + PAGE + 4 * max(s for _, s in ranges) + 4 * PAGE
     m.file.verify()
     assert m.file.resident() >= len(paged) - PAGE
+
+
+def test_cli_info_reads_the_tables_not_the_weights(paged: bytes, tmp_path: Path) -> None:
+    """`colibri info` maps the file and checks its structure: a corrupted payload still gets `info`
+    (and fails `verify`), and from a cold page cache `info` leaves every expert page unread."""
+    path = tmp_path / "m.clb"
+    cli = [str(Path(sys.executable).parent / "colibri")]
+    bad = bytearray(paged)
+    bad[max(_tensors(paged), key=lambda t: t[1])[0]] ^= 1  # a weight of the largest tensor: an expert's
+    path.write_bytes(bad)
+    out = subprocess.run([*cli, "info", "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    described = json.loads(out.stdout)
+    assert described["image_bytes"] == len(paged) and described["routed_experts"] == 12
+    out = subprocess.run([*cli, "verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "CRC" in out.stderr
+
+    path.write_bytes(paged)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    f = engine.open_file(path, verify="none")
+    ranges = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    expert_pages = {p for off, size in ranges for p in range(off // PAGE, (off + size + PAGE - 1) // PAGE)}
+    if f.resident() > len(paged) - len(expert_pages) * PAGE:
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    out = subprocess.run([*cli, "info", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "routed experts 12" in out.stdout, out.stderr
+    assert f.resident() <= len(paged) - len(expert_pages) * PAGE
+
+
+def test_edge_jitter_bench_runs_small(tmp_path: Path) -> None:
+    """bench/edge_jitter.py (make bench-edge-jitter) does not rot: a tiny model, p50/p99 with and without
+    mlock printed, and the memory-pressure runs either made in a cgroup (v2 or v1, named) or skipped
+    with the reason."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "edge_jitter.py"), "--layers", "1", "--experts", "8",
+                          "--d", "64", "--hidden", "64", "--tokens", "6", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "pinned: the 2 most used experts" in out.stdout
+    for run in ("no pressure, no lock: p50 ", "no pressure, mlock'd: p50 "):
+        assert run in out.stdout, out.stdout
+    pressured = [line for line in out.stdout.splitlines() if line.startswith("  in the cgroup, ")]
+    if "under memory pressure: SKIPPED: " in out.stdout:
+        assert pressured == []
+    else:
+        assert "under memory pressure: cgroup v" in out.stdout, out.stdout
+        assert [line.split(":")[0] for line in pressured] == [
+            f"  in the cgroup, {run}" for run in ("no lock, WILLNEED", "no lock, no advice",
+                                                  "mlock'd, WILLNEED", "mlock'd, no advice")]
+        assert all(" p50 " in line and " p99 " in line and "group peak usage" in line for line in pressured)
+        # The group is removed: the cgroup line names it.
+        group = Path(out.stdout.split("under memory pressure: cgroup v")[1].split()[1].rstrip(","))
+        assert group.name.startswith("colibri-jitter-") and not group.exists()
+    assert "ONNX Runtime peak RSS: " in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _jitter_bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import edge_jitter
+    finally:
+        sys.path.pop(0)
+    return edge_jitter
+
+
+# A hybrid hierarchy as this machine has it: the memory controller on cgroup v1, v2 mounted without it.
+HYBRID_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+35 31 0:32 / {memory} rw,relatime - cgroup cgroup rw,memory
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / {unified} rw,relatime - cgroup2 cgroup2 rw
+"""
+HYBRID_CGROUP = "9:name=systemd:/\n4:memory:/jobs/abc\n1:cpu:/\n0::/\n"
+
+
+def test_jitter_finds_the_v1_memory_group_when_v2_lacks_the_controller(tmp_path: Path) -> None:
+    bench = _jitter_bench()
+    unified, memory = tmp_path / "unified", tmp_path / "memory"
+    (memory / "jobs" / "abc").mkdir(parents=True)
+    unified.mkdir()
+    (unified / "cgroup.controllers").write_text("cpu io\n")
+    mountinfo = HYBRID_MOUNTINFO.format(memory=memory, unified=unified)
+    found, why = bench.locate_v2(mountinfo, HYBRID_CGROUP)
+    assert found is None and "memory controller is not available" in why and "cgroup v1" in why
+    parents, why = bench.locate_v1(mountinfo, HYBRID_CGROUP)
+    # Under this process's own memory group first, the hierarchy's root second.
+    assert parents == [memory / "jobs" / "abc", memory] and why == ""
+    # A cgroup namespace mounts the hierarchy at the process's own group: it is the root there.
+    nested = mountinfo.replace(" / " + str(memory), " /jobs/abc " + str(memory))
+    assert bench.locate_v1(nested, HYBRID_CGROUP) == ([memory], "")
+    assert bench.locate_v1(mountinfo.replace("rw,memory", "rw,pids"), HYBRID_CGROUP)[0] == []
+    assert "no memory group" in bench.locate_v1(mountinfo, "0::/\n")[1]
+
+
+def test_jitter_checks_which_group_the_child_joined(tmp_path: Path) -> None:
+    bench = _jitter_bench()
+    v1 = tmp_path / "memory" / "jobs" / "colibri-jitter-1"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert bench.joined(v1, "4:memory:/jobs/colibri-jitter-1\n0::/\n")
+    assert not bench.joined(v1, "4:memory:/jobs\n0::/\n")  # still in the parent
+    assert not bench.joined(v1, "4:pids:/jobs/colibri-jitter-1\n0::/\n")  # another controller's group
+    v2 = tmp_path / "unified" / "colibri-jitter-2"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    assert bench.joined(v2, "0::/colibri-jitter-2\n")
+    assert not bench.joined(v2, "0::/\n")
+    group, why = bench.cgroup_for_pressure(tmp_path)
+    assert group is None and "neither memory.max (v2) nor memory.limit_in_bytes (v1)" in why
+    group, why = bench.cgroup_for_pressure(v1)
+    assert group is None and "cgroup.procs is not writable" in why
+    (v1 / "cgroup.procs").write_text("")
+    group, why = bench.cgroup_for_pressure(v1)
+    assert group is not None and group.version == 1 and group.limit_file == "memory.limit_in_bytes"
+
+
+def test_bench_router_skew_concentrates_the_routing() -> None:
+    """bench/edge_mmap.py's build(skew=...): the router bias makes the low-numbered experts the most
+    used (what makes pinning the hottest pay off in bench/edge_jitter.py); skew 0 has no bias."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import edge_mmap
+    finally:
+        sys.path.pop(0)
+    assert edge_mmap.build(1, 8, 32, 32).layers[1].router_bias is None
+    x = np.random.default_rng(5).standard_normal((400, 16)).astype(np.float32)
+    shares = []
+    for skew in (0.0, 2.0):
+        counts = np.zeros(8, np.int64)
+
+        def count(layer: int, experts: list[int], tokens: list[int]) -> None:
+            for e, n in zip(experts, tokens):
+                counts[e] += n
+
+        colibri.Model(image.write(edge_mmap.build(1, 8, 32, 32, skew=skew))).forward(x, on_route=count)
+        shares.append(counts[:2].sum() / counts.sum())
+    assert shares[0] < 0.5 and shares[1] > 0.8, shares

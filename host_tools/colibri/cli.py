@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import mmap
 import os
 import re
 import subprocess
@@ -346,15 +347,17 @@ def _storage(weights: list) -> str:
     return "/".join(sorted(kinds))
 
 
-def describe(data: bytes) -> dict:
-    """Everything `colibri info` shows, as plain data."""
+def describe(data: bytes | memoryview | mmap.mmap) -> dict:
+    """Everything `colibri info` shows, as plain data. Checks the image's structure only (as
+    COLIBRI_CHECK_STRUCTURE: header, metadata CRC, tables, offsets, int8 companions), not the
+    payload CRCs of a version-3 image: it reads no weight (`colibri verify` reads them all)."""
     from . import engine, image
     from .ir import Activation, LayerNorm, Linear, MoE, RMSNorm
 
     def numel(*tensors) -> int:
         return sum(int(np.prod(t.shape)) for t in tensors if t is not None)
 
-    graph = image.read(data)
+    graph = image.read(data, check="structure")
     layers = []
     params = 0
     for layer in graph.layers:
@@ -398,15 +401,31 @@ def describe(data: bytes) -> dict:
     }
 
 
+def _map_model(path: Path) -> mmap.mmap:
+    """The file mapped read-only, with no readahead around the pages that are touched (MADV_RANDOM),
+    so reading the tables pages in the tables and not the weights beside them. Left to the garbage
+    collector to unmap: the graph read from it holds views into it (and an error's traceback may)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise error_for(F.Status.TRUNCATED, f"{path} is empty")
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):  # Linux, macOS
+        mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
+
+
 @main.command()
 @click.argument("image_path", metavar="IMAGE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def info(image_path: Path, as_json: bool) -> None:
-    """Show the layers, experts, routing, parameters and memory of a model image."""
+    """Show the layers, experts, routing, parameters and memory of a model image.
+
+    Reads its tables, not its weights: the file is mapped and its structure checked; `colibri verify`
+    checks the payloads."""
     from rich.console import Console
     from rich.table import Table
 
-    d = describe(image_path.read_bytes())
+    d = describe(_map_model(image_path))
     if as_json:
         click.echo(json.dumps(d, indent=2))
         return
@@ -678,8 +697,6 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
 def verify(image_path: Path) -> None:
     """Verify every byte of a model image: header, tables, every tensor payload against its CRC
     (format v3: one per tensor; v1, v2: the image CRC), by the C engine and the Python reader."""
-    import mmap
-
     from . import engine, image
 
     with open(image_path, "rb") as fh:

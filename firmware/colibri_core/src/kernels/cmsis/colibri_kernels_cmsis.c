@@ -8,12 +8,14 @@
  *   f32 weights   8 output rows at a time (then 4, 3, 2, 1): per 8 columns
  *                 one VLDM of x, one VLDM per weight row, 64 VFMA: ~1.15
  *                 instructions per multiply-accumulate (two chunks a loop
- *                 step when in % 16 == 0; separate storing and accumulating
- *                 loops). Each accumulator starts from the bias (or 0) and
- *                 the 8 results leave with one VSTM. Summation order: bias,
- *                 then 8-column chunks in index order, fused (one rounding
- *                 per product-add). One token of a matrix in whole 8 x 8
- *                 blocks goes straight to the block loop (batch 1).
+ *                 step when in % 16 == 0; separate loops for storing or
+ *                 accumulating, with a bias or without: 13 instructions of
+ *                 bookkeeping per 8-row block). Each accumulator starts from
+ *                 the bias (or 0) and the 8 results leave with one VSTM.
+ *                 Summation order: bias, then 8-column chunks in index
+ *                 order, fused (one rounding per product-add). One token of
+ *                 a matrix in whole 8 x 8 blocks goes straight to the block
+ *                 loop (batch 1), one of whole chunks to f32_whole_rows.
  *   f16 weights   2 rows at a time, 8 halves per VLDM of 4 words, widened
  *                 exactly by VCVTB/VCVTT, then as f32 (rows 4-byte aligned,
  *                 i.e. in even; otherwise row by row).
@@ -160,19 +162,32 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
 }
 
 /* Every 8-row block of a matrix whose rows are whole chunks (in % 8 == 0):
- * blocks × 8 rows from w, results into dst (F32_STORE8) or dst += *scale · v
- * (F32_ACC8), the accumulators starting from init, which steps 8 floats a
- * block (bias) or stays (zeros8). One asm loop over the blocks; row r of the
- * next block starts where row 7 of this one ended, so only rows 1-7 are
- * recomputed per block. Registers: the 8 row pointers, x (back to its start
- * after each block), the chunk counter n (also the end's scratch), in4,
- * init, its step and dst; a frame of its own on the stack holds dst's end,
- * the chunks per row and the scale. Two functions rather than a test per
- * block. */
+ * blocks × 8 rows from w, results into dst (F32_STORE8) or dst += scale · v
+ * (F32_ACC8), the accumulators starting from the bias, which steps 8 floats
+ * a block (BIAS), or from zeros8 (ZERO). One asm loop over the
+ * blocks; row r of the next block starts where row 7 of this one ended, so
+ * only rows 1-7 are recomputed per block. Registers: the 8 row pointers, x
+ * and its end (the chunk loop runs until x reaches it, then x steps back),
+ * in4, init, dst and dst's end. The accumulating loop keeps its scale in
+ * an 8-byte frame of its own (no core register is left for a pointer to
+ * it). Per block: the 8 accumulators loaded, 7 row pointers, the chunk
+ * loop, x back, the 8 results out, the loop's end: 13 instructions
+ * besides the chunks when storing. A function per combination (bias or
+ * not, storing or accumulating, one or two chunks a loop step) rather than
+ * a test per block. */
+#define F32_INIT_BIAS "vldmia %[init]!, {s24-s31}\n\t"
+#define F32_INIT_ZERO "vldmia %[init], {s24-s31}\n\t"
+#define F32_INIT_PTR_BIAS b
+#define F32_INIT_PTR_ZERO ((void)b, zeros8)
+#define F32_STORE8_ENTER ""
 #define F32_STORE8 "vstmia %[dst]!, {s24-s31}\n\t"
+#define F32_STORE8_LEAVE ""
+#define F32_ACC8_ENTER                                                                                              \
+    "vldr s16, [%[p1]]\n\t"                                                                                         \
+    "sub sp, sp, #8\n\t"                                                                                            \
+    "vstr s16, [sp]\n\t"
 #define F32_ACC8                                                                                                    \
-    "ldr %[n], [sp, #8]\n\t"                                                                                        \
-    "vldr s16, [%[n]]\n\t"                                                                                          \
+    "vldr s16, [sp]\n\t"                                                                                            \
     "vldmia %[dst], {s0-s7}\n\t"                                                                                    \
     "vfma.f32 s0, s24, s16\n\t"                                                                                     \
     "vfma.f32 s1, s25, s16\n\t"                                                                                     \
@@ -183,24 +198,22 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
     "vfma.f32 s6, s30, s16\n\t"                                                                                     \
     "vfma.f32 s7, s31, s16\n\t"                                                                                     \
     "vstmia %[dst]!, {s0-s7}\n\t"
+#define F32_ACC8_LEAVE "add sp, sp, #8\n\t"
 
-#define F32_BLOCKS8(NAME, STEPS, CHUNK, EMIT)                                                                       \
+/* NAME(w, in, x, blocks, b, dst, scale): b is the bias (INIT BIAS) or unused
+ * (INIT ZERO); scale is read by the accumulating loop alone. */
+#define F32_BLOCKS8(NAME, CHUNK, INIT, EMIT)                                                                        \
     static __attribute__((noinline)) void NAME(const float *w, size_t in, const float *x, size_t blocks,           \
-                                               const float *init, size_t init_step, float *dst,                    \
-                                               const float *scale)                                                 \
+                                               const float *b, float *dst, const float *scale)                     \
     {                                                                                                               \
-        const float *p0 = w;                                                                                        \
-        uintptr_t p1 = (uintptr_t)(dst + blocks * 8u), p2 = in / (8u * STEPS), p3 = (uintptr_t)scale;               \
-        uintptr_t p4, p5, p6, p7, n;                                                                                \
-        const uintptr_t step = init_step * sizeof(float);                                                           \
+        const float *p0 = w, *init = F32_INIT_PTR_##INIT;                                                   \
+        uintptr_t p1 = (uintptr_t)scale, p2, p3, p4, p5, p6, p7;                                                    \
+        const float *const x_end = x + in;                                                                          \
+        float *const dst_end = dst + blocks * 8u;                                                                   \
         const size_t in4 = in * sizeof(float);                                                                      \
-        __asm__ volatile("sub sp, sp, #16\n\t"                                                                      \
-                         "str %[p1], [sp]\n\t"                                                                      \
-                         "str %[p2], [sp, #4]\n\t"                                                                  \
-                         "str %[p3], [sp, #8]\n\t"                                                                  \
+        __asm__ volatile(EMIT##_ENTER                                                                               \
                          "2:\n\t"                                                                                   \
-                         "vldmia %[init], {s24-s31}\n\t"                                                            \
-                         "add %[init], %[init], %[step]\n\t"                                                        \
+                         F32_INIT_##INIT                                                                            \
                          "add %[p1], %[p0], %[in4]\n\t"                                                             \
                          "add %[p2], %[p1], %[in4]\n\t"                                                             \
                          "add %[p3], %[p2], %[in4]\n\t"                                                             \
@@ -208,21 +221,19 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
                          "add %[p5], %[p4], %[in4]\n\t"                                                             \
                          "add %[p6], %[p5], %[in4]\n\t"                                                             \
                          "add %[p7], %[p6], %[in4]\n\t"                                                             \
-                         "ldr %[n], [sp, #4]\n\t"                                                                   \
                          "1:\n\t" CHUNK                                                                             \
-                         "subs %[n], %[n], #1\n\t"                                                                  \
+                         "cmp %[x], %[x_end]\n\t"                                                                   \
                          "bne 1b\n\t"                                                                               \
                          "sub %[x], %[x], %[in4]\n\t"                                                               \
                          EMIT                                                                                       \
                          "mov %[p0], %[p7]\n\t"                                                                     \
-                         "ldr %[n], [sp]\n\t"                                                                       \
-                         "cmp %[dst], %[n]\n\t"                                                                     \
+                         "cmp %[dst], %[dst_end]\n\t"                                                               \
                          "bne 2b\n\t"                                                                               \
-                         "add sp, sp, #16\n\t"                                                                      \
-                         : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "+r"(p2), [p3] "+r"(p3), [p4] "=&r"(p4),              \
-                           [p5] "=&r"(p5), [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [n] "=&r"(n),               \
-                           [init] "+r"(init), [dst] "+r"(dst)                                                       \
-                         : [in4] "r"(in4), [step] "r"(step)                                                         \
+                         EMIT##_LEAVE                                                                               \
+                         : [p0] "+r"(p0), [p1] "+r"(p1), [p2] "=&r"(p2), [p3] "=&r"(p3), [p4] "=&r"(p4),            \
+                           [p5] "=&r"(p5), [p6] "=&r"(p6), [p7] "=&r"(p7), [x] "+r"(x), [init] "+r"(init),          \
+                           [dst] "+r"(dst)                                                                          \
+                         : [in4] "r"(in4), [x_end] "r"(x_end), [dst_end] "r"(dst_end)                               \
                          : S_ALL, "memory", "cc");                                                                  \
     }
 
@@ -237,26 +248,30 @@ static __attribute__((noinline)) void f32_rows8(const float *w, size_t in, const
     LOAD_PAIR_F32("p6", "p7") FMA_PAIR("s30", "s31")
 #define F32_CHUNK16 F32_CHUNK8 F32_CHUNK8
 
-F32_BLOCKS8(f32_blocks8_store, 1u, F32_CHUNK8, F32_STORE8)
-F32_BLOCKS8(f32_blocks8_acc, 1u, F32_CHUNK8, F32_ACC8)
-F32_BLOCKS8(f32_blocks16_store, 2u, F32_CHUNK16, F32_STORE8)
-F32_BLOCKS8(f32_blocks16_acc, 2u, F32_CHUNK16, F32_ACC8)
+F32_BLOCKS8(f32_blocks8_bias_store, F32_CHUNK8, BIAS, F32_STORE8)
+F32_BLOCKS8(f32_blocks8_bias_acc, F32_CHUNK8, BIAS, F32_ACC8)
+F32_BLOCKS8(f32_blocks8_zero_store, F32_CHUNK8, ZERO, F32_STORE8)
+F32_BLOCKS8(f32_blocks8_zero_acc, F32_CHUNK8, ZERO, F32_ACC8)
+F32_BLOCKS8(f32_blocks16_bias_store, F32_CHUNK16, BIAS, F32_STORE8)
+F32_BLOCKS8(f32_blocks16_bias_acc, F32_CHUNK16, BIAS, F32_ACC8)
+F32_BLOCKS8(f32_blocks16_zero_store, F32_CHUNK16, ZERO, F32_STORE8)
+F32_BLOCKS8(f32_blocks16_zero_acc, F32_CHUNK16, ZERO, F32_ACC8)
 
-/* dst = or += *scale · (the blocks): the store or the accumulating loop,
- * two chunks a step when in % 16 == 0. */
-static inline void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks, const float *init,
-                               size_t init_step, float *dst, const float *scale)
+/* dst = (or += *scale ·) the blocks, each from its bias b (NULL: 0): the
+ * loop for this bias, emit and chunks per step (two when in % 16 == 0). */
+static inline void f32_blocks8(const float *w, size_t in, const float *x, size_t blocks, const float *b, float *dst,
+                               const float *scale)
 {
     if (in % 16u == 0u) {
-        if (scale)
-            f32_blocks16_acc(w, in, x, blocks, init, init_step, dst, scale);
+        if (b)
+            (scale ? f32_blocks16_bias_acc : f32_blocks16_bias_store)(w, in, x, blocks, b, dst, scale);
         else
-            f32_blocks16_store(w, in, x, blocks, init, init_step, dst, NULL);
+            (scale ? f32_blocks16_zero_acc : f32_blocks16_zero_store)(w, in, x, blocks, b, dst, scale);
     } else {
-        if (scale)
-            f32_blocks8_acc(w, in, x, blocks, init, init_step, dst, scale);
+        if (b)
+            (scale ? f32_blocks8_bias_acc : f32_blocks8_bias_store)(w, in, x, blocks, b, dst, scale);
         else
-            f32_blocks8_store(w, in, x, blocks, init, init_step, dst, NULL);
+            (scale ? f32_blocks8_zero_acc : f32_blocks8_zero_store)(w, in, x, blocks, b, dst, scale);
     }
 }
 
@@ -487,6 +502,36 @@ DOT_TAIL(dot_tail_f32, float, ELEM_F32)
 DOT_TAIL(dot_tail_f16, uint16_t, ELEM_F16)
 #endif
 
+/* One token of an F32 matrix whose rows are whole chunks (in % 8 == 0,
+ * in >= 8): y[o] = v_o, or y[o] += *scale · v_o (scale not NULL), v_o =
+ * (row o of W) · x + b_o; 8-row blocks, then 4, 3 (stored only), 2 and 1
+ * rows. A function of its own with few live values: a small matrix (a
+ * router's few rows) pays no frame for matvec_f32's column tails. */
+static __attribute__((noinline)) void f32_whole_rows(const float *wd, size_t in, size_t out, const float *x,
+                                                     const float *b, const float *scale, float *y)
+{
+    const size_t chunks = in / 8u;
+    size_t o = 0;
+    if (out >= 8u) {
+        f32_blocks8(wd, in, x, out / 8u, b, y, scale);
+        o = out / 8u * 8u;
+    }
+    if (o + 4u <= out) {
+        f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        o += 4u;
+    }
+    if (o + 3u == out && !scale) {
+        f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
+        return;
+    }
+    if (o + 2u <= out) {
+        f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
+        o += 2u;
+    }
+    if (o < out)
+        colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, scale != NULL, scale ? *scale : 1.0f);
+}
+
 /* One token of an F32 or F16 matrix: y[o] = v_o, or y[o] += s · v_o (acc),
  * v_o = (row o of W) · x + b_o, as colibri_matvec_f32 / _f16 within the
  * tolerance. */
@@ -497,25 +542,7 @@ static void matvec_f32(const colibri_matrix *w, const float *x, const float *b, 
     size_t o = 0;
     if (chunks != 0u && done == in) {
         /* Whole chunks: the blocks store (or accumulate into) y themselves. */
-        const float *scale = acc ? &s : NULL;
-        if (out >= 8u) {
-            f32_blocks8(wd, in, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y, scale);
-            o = out / 8u * 8u;
-        }
-        if (o + 4u <= out) {
-            f32_rows4(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
-            o += 4u;
-        }
-        if (o + 3u == out && !acc) {
-            f32_rows3(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o);
-            return;
-        }
-        if (o + 2u <= out) {
-            f32_rows2(wd + o * in, in, x, chunks, b ? b + o : zeros8, y + o, scale);
-            o += 2u;
-        }
-        if (o < out)
-            colibri_emit(y, o, f32_row1(wd + o * in, x, chunks), b, acc, s);
+        f32_whole_rows(wd, in, out, x, b, acc ? &s : NULL, y);
         return;
     }
     /* Column tails (in % 8 != 0): blocks into tmp, tails added, then emitted. */
@@ -1072,14 +1099,17 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
 #if defined(CMSIS_F32)
     if (n == 1u && f32_whole_blocks(w)) {
         const size_t in = w->cols;
-        f32_blocks8(w->data, in, x + (rows ? rows[0] : 0u) * in, w->rows / 8u, b ? b : zeros8, b ? 8u : 0u, y,
-                    NULL);
+        f32_blocks8(w->data, in, x + (rows ? rows[0] : 0u) * in, w->rows / 8u, b, y, NULL);
         return;
     }
 #endif
 #if defined(CMSIS_F32)
     if (n == 1u && w->dtype == COLIBRI_DTYPE_F32) {
-        matvec_f32(w, x + (rows ? rows[0] : 0u) * w->cols, b, 0, 1.0f, y);
+        const size_t in = w->cols;
+        if (in != 0u && in % 8u == 0u)
+            f32_whole_rows(w->data, in, w->rows, x + (rows ? rows[0] : 0u) * in, b, NULL, y);
+        else
+            matvec_f32(w, x + (rows ? rows[0] : 0u) * in, b, 0, 1.0f, y);
         return;
     }
 #endif
@@ -1092,8 +1122,7 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
 #if defined(CMSIS_F32)
     if (n == 1u && f32_whole_blocks(w)) {
         const size_t out = w->rows;
-        f32_blocks8(w->data, w->cols, x, out / 8u, b ? b : zeros8, b ? 8u : 0u, y + (rows ? rows[0] : 0u) * out,
-                    scale ? scale : &one);
+        f32_blocks8(w->data, w->cols, x, out / 8u, b, y + (rows ? rows[0] : 0u) * out, scale ? scale : &one);
         return;
     }
 #endif
