@@ -348,11 +348,20 @@ static const double colibri_cos_d_c[] = {
 /* cos x and sin x for a finite x with |x| < 2^20 · π/2 (beyond, the
  * reduction loses bits): x = n·π/2 + r, π/2 in three parts, the first two of
  * 33 bits so that n times them is exact, |r| <= π/4. */
+/* x rounded to the nearest integer (ties to even), |x| < 2^51, by adding and
+ * subtracting 1.5 · 2^52: no conversion to a 64-bit integer, which a 32-bit
+ * target would take from libgcc (a MicroPython native module has none). */
+static inline double colibri_round_d(double x)
+{
+    /* Without -ffast-math the compiler keeps both roundings (no reassociation). */
+    return (x + 0x1.8p52) - 0x1.8p52;
+}
+
 static inline void colibri_cos_sin_d(double x, double *c, double *s)
 {
-    const double t = x * 0.636619772367581382433;
-    const int64_t n = (int64_t)(t < 0 ? t - 0.5 : t + 0.5);
-    const double dn = (double)n;
+    const double dn = colibri_round_d(x * 0.636619772367581382433);
+    /* The quadrant, n mod 4, from n - 4 · round(n / 4) in -2 .. 2: a small int. */
+    const int n = (int)(dn - 4.0 * colibri_round_d(dn * 0.25));
     const double r = ((x - dn * 1.57079632673412561417e+00) - dn * 6.07710050630396597660e-11) -
                      dn * 2.02226624879595063154e-21;
     const double z = r * r;
@@ -366,7 +375,7 @@ static inline void colibri_cos_sin_d(double x, double *c, double *s)
     /* 1 - z/2 with its rounding error recovered (as fdlibm's __kernel_cos). */
     const double hz = 0.5 * z, w = 1.0 - hz;
     const double cos_r = w + (((1.0 - w) - hz) + z * (z * pc));
-    switch ((unsigned)n & 3u) {
+    switch ((unsigned)(n + 4) & 3u) {
     case 0:
         *c = cos_r, *s = sin_r;
         break;
