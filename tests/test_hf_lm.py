@@ -170,3 +170,11 @@ def test_refusals_by_name() -> None:
 
     with pytest.raises(ExportError, match="kv_dtype"):
         colibri.export(olmoe(), max_seq_len=16, kv_dtype="q8")
+
+
+def test_nan_weights_are_refused_by_name() -> None:
+    model = olmoe()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ExportError, match=r"model.layers.1.self_attn .*k_w are NaN"):
+        colibri.export(model, max_seq_len=16)

@@ -145,7 +145,11 @@ def test_statuses_and_failed_calls_change_nothing(lm_data: bytes) -> None:
 
     assert status([]) == Status.BAD_BATCH
     assert status([1, 40]) == Status.BAD_TOKEN
-    assert status([40] * 9) == Status.BAD_TOKEN  # the tokens before the batch
+    assert status([40] * 9) == Status.BAD_BATCH  # the batch before the tokens
+    for ids in ([40] * 9, [1, 40]):  # the numpy reference answers the same
+        with pytest.raises(colibri.ColibriError) as exc:
+            reference.LMState(lm_data).forward_tokens(ids)
+        assert exc.value.status == status(ids)
     assert status(list(range(9))) == Status.BAD_BATCH
     assert status([1, 2], out_len=79) == Status.BUFFER_SIZE
     assert lm.position == 3

@@ -18,12 +18,13 @@ __version__ = "0.1.0"
 
 def export(model, *args, **kwargs):
     """Export a PyTorch model to a model image (imports torch on first use): a Hugging Face MoE
-    causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as a token model, see colibri.hf_lm.export_lm
+    causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or a colibri.nn.MoETransformer as a token model,
+    see colibri.hf_lm.export_lm
     (`max_seq_len=` required); anything else see colibri.exporter.export."""
     from . import hf  # noqa: F401  registers the Hugging Face block converters
     from . import hf_lm
 
-    if hf_lm.is_hf_lm(model):
+    if hf_lm.is_token_module(model):
         return hf_lm.export_lm(model, *args, **kwargs)
     from .exporter import export as _export
 

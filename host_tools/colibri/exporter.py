@@ -28,7 +28,9 @@ from . import image, quantize, reference
 from . import nn as cnn
 from .errors import ColibriError, ExportCheckError, ExportError
 from .format import Act, ExpertKind, Routing
-from .ir import Activation, Expert, Graph, Layer, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from .ir import (
+    Activation, Attention, Embedding, Expert, Graph, Layer, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm,
+)
 
 _ACT_NAMES = {
     "relu": Act.RELU, "gelu": Act.GELU_ERF, "gelu_tanh": Act.GELU_TANH, "gelu_new": Act.GELU_TANH,
@@ -188,6 +190,11 @@ def _arrays(layer: Layer) -> Iterator[tuple[str, np.ndarray | None]]:
         yield "weight", layer.weight
         yield "bias", getattr(layer, "bias", None)
         yield "eps", np.float32(layer.eps)
+    elif isinstance(layer, Embedding):
+        yield "table", layer.table
+    elif isinstance(layer, Attention):
+        for name in ("q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "o_w", "o_b", "q_norm", "k_norm"):
+            yield name, getattr(layer, name)
     elif isinstance(layer, MoE):
         yield "router", layer.router_weight
         yield "router_bias", layer.router_bias

@@ -54,6 +54,13 @@ def is_hf_lm(module: object) -> bool:
     return type(module).__name__ in LM_CLASSES
 
 
+def is_token_module(module: object) -> bool:
+    """A module colibri.export writes as a token model: a supported HF causal LM or a colibri.nn.MoETransformer."""
+    from . import nn as cnn
+
+    return is_hf_lm(module) or isinstance(module, cnn.MoETransformer)
+
+
 def _refuse(path: str, module: object, why: str) -> ExportError:
     return ExportError(f"{path} ({type(module).__name__}): {why}; Colibri cannot represent this")
 
@@ -232,9 +239,48 @@ def build_lm_graph(model: nn.Module, *, max_seq_len: int, max_batch: int = 1, kv
     return Graph(layers=layers, input_size=vocab, output_size=vocab, max_batch=max_batch, paths=paths)
 
 
-def _hf_logits(model: nn.Module, ids: list[int]) -> np.ndarray:
+def _module_logits(model: nn.Module, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+        if is_hf_lm(model):
+            return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+        return model(torch.tensor([ids]))[0].float().numpy()
+
+
+def build_nn_lm_graph(model: nn.Module, *, max_seq_len: int, max_batch: int = 1, kv_dtype: str = "f32") -> Graph:
+    """The token-model graph of a colibri.nn.MoETransformer (the same layer program as an HF model's)."""
+    from .exporter import _colibri_moe
+
+    if kv_dtype not in KV_DTYPES:
+        raise ExportError(f"kv_dtype must be one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+    if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 0xFFFFFFFF:
+        raise ExportError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    table = np32(model.embed.weight)
+    layers: list[Layer] = [Embedding(table)]
+    paths = ["embed"]
+
+    def norm(mod: nn.Module) -> RMSNorm:
+        return RMSNorm(size=int(mod.weight.shape[0]), eps=float(mod.eps), weight=np32(mod.weight))
+
+    for i, block in enumerate(model.blocks):
+        a, path = block.attn, f"blocks.{i}"
+        bias = (lambda lin: np32(lin.bias) if lin.bias is not None else None)
+        attn = Attention(
+            n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+            q_w=np32(a.q_proj.weight), k_w=np32(a.k_proj.weight), v_w=np32(a.v_proj.weight), o_w=np32(a.o_proj.weight),
+            q_b=bias(a.q_proj), k_b=bias(a.k_proj), v_b=bias(a.v_proj), o_b=bias(a.o_proj),
+            q_norm=np32(a.q_norm.weight) if a.q_norm is not None else None,
+            k_norm=np32(a.k_norm.weight) if a.k_norm is not None else None,
+            qk_norm_eps=float(a.q_norm.eps) if a.q_norm is not None else 0.0,
+            rope_theta=float(a.rope_theta), max_seq_len=max_seq_len, kv_dtype=KV_DTYPES[kv_dtype],
+        )
+        layers += [ResidualPush(), norm(block.attn_norm), attn, ResidualAdd(),
+                   ResidualPush(), norm(block.moe_norm), _colibri_moe(block.moe), ResidualAdd()]
+        paths += [path, f"{path}.attn_norm", f"{path}.attn", path, path, f"{path}.moe_norm", f"{path}.moe", path]
+    tied = model.head.weight is model.embed.weight
+    layers += [norm(model.norm), Linear(table if tied else np32(model.head.weight))]
+    paths += ["norm", "head"]
+    vocab = table.shape[0]
+    return Graph(layers=layers, input_size=vocab, output_size=vocab, max_batch=max_batch, paths=paths)
 
 
 def reference_logits(data: bytes | Graph, ids: list[int]) -> np.ndarray:
@@ -262,7 +308,8 @@ def export_lm(
     int8_act: Sequence[str] = (),
     check: bool = True,
 ) -> ExportResult:
-    """Export a Hugging Face MoE causal LM to a token-model image (format v4, docs/lm.md).
+    """Export a Hugging Face MoE causal LM or a colibri.nn.MoETransformer to a token-model image
+    (format v4, docs/lm.md).
 
     `max_seq_len` sizes the KV cache (positions), `max_batch` the most tokens one forward call
     takes (the prefill chunk), `kv_dtype` the cache's storage (f32, or f16 to halve it), `dtype` the
@@ -277,14 +324,15 @@ def export_lm(
         raise ExportError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {max_batch}")
     model = model.eval()
     with torch.no_grad():
-        f32_graph = build_lm_graph(model, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
+        build = build_lm_graph if is_hf_lm(model) else build_nn_lm_graph
+        f32_graph = build(model, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
     check_finite(f32_graph)
     check_limits(f32_graph)
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act)
     data = image.write(graph)
     image.read(data)  # the reader is the validator's twin (tests/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))
-    want = _hf_logits(model, ids)
+    want = _module_logits(model, ids)
     got = reference_logits(data, ids)
     result = compare(f"numpy reference vs PyTorch ({dtype} weights, {kv_dtype} cache)", got, want, rtol=LM_RTOL)
     if check and dtype == "f32" and kv_dtype == "f32" and not result.ok:

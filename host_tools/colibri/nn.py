@@ -141,3 +141,104 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.body(x)
+
+
+# ---------------------------------------------------------------------------
+# A MoE transformer language model (docs/lm.md): train it with PyTorch, export it as a token model.
+
+
+class RMSNorm(nn.Module):
+    """weight · x / sqrt(mean(x²) + eps), over the last dimension (the engine's RMSNORM)."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, "rotate_half" pairs (j, j + hd/2), on [..., seq, hd]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention with rotary positions, grouped-query heads and optional per-head q/k RMSNorm.
+
+    On [batch, seq, d_model], every sequence starting at position 0 (the engine's KV cache gives the
+    same result one token at a time)."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None, *,
+                 rope_theta: float = 10000.0, qk_norm: bool = False, bias: bool = False, eps: float = 1e-5):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        head_dim = head_dim or d_model // n_heads
+        if n_heads % n_kv_heads or head_dim % 2:
+            raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads}) and head_dim ({head_dim}) be even")
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta = n_heads, n_kv_heads, head_dim, rope_theta
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(b, n, self.n_heads, hd)
+        k = self.k_proj(x).view(b, n, self.n_kv_heads, hd)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv = self.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)
+        angle = torch.arange(n, dtype=torch.float64, device=x.device)[:, None] * inv[None, :]
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        q, k = (_rotate(t.transpose(1, 2), cos, sin) for t in (q, k))  # [b, heads, n, hd]
+        group = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * hd))
+
+
+class MoETransformer(nn.Module):
+    """A decoder-only MoE language model: token ids [batch, seq] -> logits [batch, seq, vocab].
+
+    Pre-norm blocks `x + attention(norm(x))`, `x + moe(norm(x))` (MoE as `colibri.nn.MoE`, gated
+    SiLU experts by default), a final RMSNorm and a head tied to the embedding unless
+    `tie_embeddings=False`. `colibri.export(model, path, max_seq_len=N)` writes it as a token model."""
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, num_experts: int = 4,
+                 hidden: int | None = None, top_k: int = 2, routing: str = "softmax_topk", renormalize: bool = True,
+                 n_kv_heads: int | None = None, head_dim: int | None = None, rope_theta: float = 10000.0,
+                 qk_norm: bool = False, num_shared: int = 0, tie_embeddings: bool = True, eps: float = 1e-5):
+        super().__init__()
+        hidden = hidden or 2 * d_model
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList()
+        for _ in range(n_layers):
+            block = nn.Module()
+            block.attn_norm = RMSNorm(d_model, eps)
+            block.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads, head_dim, rope_theta=rope_theta,
+                                             qk_norm=qk_norm, eps=eps)
+            block.moe_norm = RMSNorm(d_model, eps)
+            block.moe = MoE(d_model, num_experts, hidden, top_k=top_k, routing=routing,
+                            renormalize=renormalize and routing == "softmax_topk", activation="silu", gated=True,
+                            expert_bias=False, num_shared=num_shared)
+            self.blocks.append(block)
+        self.norm = RMSNorm(d_model, eps)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block.attn(block.attn_norm(x))
+            x = x + block.moe(block.moe_norm(x))
+        return self.head(self.norm(x))

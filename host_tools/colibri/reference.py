@@ -413,11 +413,11 @@ class LMState:
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"token ids must be integers, got {ids.dtype}")
         ids = ids.astype(np.int64)
+        if not 1 <= ids.size <= self.graph.max_batch:
+            raise error_for(Status.BAD_BATCH, f"{ids.size} tokens in one call, the model takes 1..{self.graph.max_batch}")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
             raise error_for(Status.BAD_TOKEN, f"token {int(ids[bad[0]])} at {int(bad[0])} is outside [0, {self.vocab_size})")
-        if not 1 <= ids.size <= self.graph.max_batch:
-            raise error_for(Status.BAD_BATCH, f"{ids.size} tokens in one call, the model takes 1..{self.graph.max_batch}")
         if self.position + ids.size > self.max_seq_len:
             raise error_for(Status.CACHE_FULL, f"position {self.position} + {ids.size} tokens > max_seq_len "
                                                f"{self.max_seq_len}")

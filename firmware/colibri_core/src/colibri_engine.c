@@ -1091,11 +1091,11 @@ colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint3
         return COLIBRI_E_NULL_ARG;
     const colibri_model *m = &ctx->model;
     /* docs/lm.md's order, reference.LMState.check's. */
+    if (n == 0 || n > m->hdr.max_batch)
+        return COLIBRI_E_BAD_BATCH;
     for (uint32_t i = 0; i < n; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->vocab)
             return COLIBRI_E_BAD_TOKEN;
-    if (n == 0 || n > m->hdr.max_batch)
-        return COLIBRI_E_BAD_BATCH;
     if (logits_len != (size_t)n * m->hdr.output_size)
         return COLIBRI_E_BUFFER_SIZE;
     if ((uint64_t)ctx->position + n > m->max_seq_len)
