@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm
+        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
 	./scripts/setup.sh
@@ -54,6 +54,15 @@ demo: setup firmware
 # tests/test_tiny_lm.py checks the committed model).
 train-tiny-lm: setup
 	$(PY) examples/tiny_lm/train.py --steps 1500 --seed 0
+
+# The tiny King James model through the C engine: export it (cached in build/tiny_lm), then
+# stream a greedy continuation of a KJV verse with `colibri generate`.
+demo-lm: setup
+	$(PY) examples/tiny_lm/demo.py
+
+# Held-out perplexity per weight dtype, image and arena bytes, host decode tokens/s.
+evaluate-tiny-lm: setup
+	$(PY) examples/tiny_lm/evaluate.py
 
 test: setup c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2

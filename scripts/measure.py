@@ -341,6 +341,33 @@ def group_tiny_lm() -> list[Figure]:
     ]
 
 
+def group_tiny_lm_engine() -> list[Figure]:
+    """The tiny King James model through the C engine (examples/tiny_lm/evaluate.py): f32, f16 and q8
+    images with a 256-position f32 KV cache at max_batch 1, each scored on all the held-out text as
+    PyTorch is. Perplexities are given a 1e-4 relative tolerance: the optimised kernels' sums may take
+    another order on another CPU (AVX-512 or not), which moves the last printed digit at most."""
+    sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
+    import evaluate
+
+    figures = []
+    for dtype in evaluate.DTYPES:
+        row = evaluate.evaluate(dtype)
+        figures += [
+            fig(f"tiny_lm.engine.{dtype}.ppl", row.perplexity,
+                f"tiny LM held-out perplexity per byte, C engine, {dtype} weights", "{:.4f}", rel_tol=1e-4),
+            fig(f"tiny_lm.engine.{dtype}.image", row.image_bytes, f"tiny LM {dtype} image bytes"),
+            fig(f"tiny_lm.engine.{dtype}.arena", row.arena_bytes,
+                f"tiny LM {dtype} arena bytes (KV cache of 256 positions included, max_batch 1)"),
+        ]
+        if dtype == "f32":
+            base = row.perplexity
+            figures.append(fig("tiny_lm.engine.kv_cache", row.kv_cache_bytes, "tiny LM f32 KV cache bytes (256 positions)"))
+        else:
+            figures.append(fig(f"tiny_lm.engine.{dtype}.ppl_vs_f32", 100 * (row.perplexity / base - 1),
+                               f"tiny LM {dtype} perplexity vs f32, percent", "{:+.2f}%", rel_tol=0.05))
+    return figures
+
+
 def active_macs(module) -> int:
     """Multiply-accumulates of one token through a bench model (bench/models.py): every nn.Linear, and in
     a MoE layer the router plus top_k experts (each expert's linears) and any shared experts."""
@@ -479,6 +506,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "smart_meter": group_smart_meter,
     "m7": group_m7,
     "tiny_lm": group_tiny_lm,
+    "tiny_lm_engine": group_tiny_lm_engine,
 }
 
 # Which group measures a key: the longest matching prefix.
@@ -486,6 +514,7 @@ KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
     "m7.": "m7", "tiny_lm.": "tiny_lm",
+    "tiny_lm.engine.": "tiny_lm_engine",
 }
 
 

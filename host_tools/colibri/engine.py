@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -253,11 +253,8 @@ class LM:
             _call(self._ctx.lm_forward, chunk, out[start : start + len(chunk)], len(chunk))
         return out
 
-    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> list[int]:
-        """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
-        last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
-        is its twin: the same checks in the same order, the same draws)."""
+    def _check_generation(self, prompt_ids, max_new_tokens: int, temperature: float, top_k: int,
+                          top_p: float) -> np.ndarray:
         from .reference import check_sampler
 
         check_sampler(temperature, top_k, top_p)
@@ -270,6 +267,37 @@ class LM:
             raise error_for(Status.CACHE_FULL, f"{len(prompt)} prompt tokens + {max_new_tokens} new ones need "
                                                f"{len(prompt) + max_new_tokens - 1} positions, max_seq_len is "
                                                f"{self.max_seq_len}")
+        return prompt
+
+    def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop: int | None = None) -> Iterator[int]:
+        """`generate` one token at a time: yields each new id as soon as it is drawn, the same ids
+        `generate` returns (the same checks, all made before the first token; the same C sampler and
+        SplitMix64 state, carried from draw to draw). `stop`: an id that ends the stream once
+        yielded (an end-of-text token). The loop runs in Python, one C call a token."""
+        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p)
+        return self._stream(prompt, max_new_tokens, float(temperature), int(top_k), float(top_p),
+                            int(seed) % 2**64, stop)
+
+    def _stream(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                state: int, stop: int | None) -> Iterator[int]:
+        self.reset()
+        if max_new_tokens == 0:
+            return
+        logits = self.forward_tokens(prompt)[-1]
+        for made in range(1, max_new_tokens + 1):
+            token, state = _call(self._ctx.lm_sample, logits, temperature, top_k, top_p, state)
+            yield token
+            if made == max_new_tokens or token == stop:
+                return
+            logits = self.forward_tokens(np.array([token], dtype=np.int32))[0]
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
+        last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
+        is its twin: the same checks in the same order, the same draws)."""
+        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p)
         self.reset()
         if max_new_tokens == 0:
             return []
