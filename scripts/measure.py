@@ -536,6 +536,8 @@ CODE_FIGURES = {
 NOT_MEASURED: list[tuple[str, str]] = [
     # design constants and facts, with where they are defined
     (r"Debian 12", "the supported OS release"),
+    (r"vocab 64, 2 layers, 4 heads over 2 KV heads, max_seq_len 64, f32\) \| d_model 32:|KV cache; d_model 64:",
+     "design: the token models the m7 group measures (scripts/measure.py, group_m7)"),
     (r"over 48 positions", "design: scripts/lm_accuracy.py's 8-token prefill plus 40 single steps"),
     (r"GCC\s+12\.2\.1|QEMU 7\.2", "toolchain versions (Debian 12's packages)"),
     (r"next 24\s+hours of electricity demand from the last 24 hours", "design: forecaster.HORIZON (48 half-hours)"),
