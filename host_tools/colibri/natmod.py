@@ -12,7 +12,9 @@ shared/facts/micropython-natmod-abi.md. How the link works:
    file): no writable initialised data (.data), no thread-local storage, no
    static or hidden .bss variable and no .bss reached other than through the
    GOT, only relocation types that survive the steps below, and no undefined
-   symbol but the runtime's own (`mp_fun_table`, `mp_qstr_<name>`).
+   symbol but the runtime's own (`mp_fun_table`, `mp_qstr_<name>`) and, on
+   ARM, the compiler's support routines (libgcc's `__aeabi_*`, e.g. double
+   arithmetic on the single-precision Cortex-M4F), which ld pulls from libgcc.a.
 2. GNU ld links them as a position-independent executable with a script that
    lays out one contiguous image, text then read-only data then the GOT (so
    every PC-relative reference inside it is final), puts .bss at BSS_BASE and
@@ -119,6 +121,10 @@ class Arch:
     handled: dict[int, str]          # object relocation types accepted
     via_got: frozenset[int]          # of those, the ones reaching a symbol through the GOT
     absolute: frozenset[int]         # and the word-sized absolute ones
+    # Links the compiler's support library (libgcc): what the C compiler calls on its own,
+    # such as double arithmetic on a single-precision FPU. Only its members that the
+    # objects reach are linked, and the image they make is checked like the rest.
+    compiler_runtime: bool = False
 
     @property
     def code(self) -> int:
@@ -155,12 +161,12 @@ ARCHS: dict[str, Arch] = {
     "armv7emsp": Arch(
         "armv7emsp", "EM_ARM", 4, "arm-none-eabi-gcc", ("arm-none-eabi-ld",),
         _COMMON_CFLAGS + _ARM_COMMON + ("-mcpu=cortex-m4", "-mfpu=fpv4-sp-d16"),
-        23, _ARM_RELOCS, frozenset({26, 96}), frozenset({2}),
+        23, _ARM_RELOCS, frozenset({26, 96}), frozenset({2}), compiler_runtime=True,
     ),
     "armv7emdp": Arch(
         "armv7emdp", "EM_ARM", 4, "arm-none-eabi-gcc", ("arm-none-eabi-ld",),
         _COMMON_CFLAGS + _ARM_COMMON + ("-mcpu=cortex-m7", "-mfpu=fpv5-d16"),
-        23, _ARM_RELOCS, frozenset({26, 96}), frozenset({2}),
+        23, _ARM_RELOCS, frozenset({26, 96}), frozenset({2}), compiler_runtime=True,
     ),
 }
 
@@ -587,6 +593,10 @@ def link(objects: Sequence[Path], arch: str | Arch, out: Path, *, source_name: s
     for o, info in zip(objects, infos):
         for s in info.defined:
             defined.setdefault(s, o.name)
+    libraries = _compiler_runtime(a) if a.compiler_runtime else []
+    for lib in libraries:
+        for s in _library_symbols(lib, a):
+            defined.setdefault(s, lib.name)
     missing: dict[str, list[str]] = {}
     for o, info in zip(objects, infos):
         for s in info.undefined:
@@ -595,7 +605,8 @@ def link(objects: Sequence[Path], arch: str | Arch, out: Path, *, source_name: s
             missing.setdefault(s, []).append(o.name)
     for s, users in missing.items():
         problems.append(f"{', '.join(users)}: undefined symbol {s!r}: a native module links no library "
-                        "(not libc, not libm); define it in one of the objects")
+                        "(not libc, not libm; only the compiler's own support routines); define it in one of "
+                        "the objects")
     if ENTRY_SYMBOL not in defined and not problems:
         problems.append(f"no object defines {ENTRY_SYMBOL}, the module's entry point "
                         f"({', '.join(o.name for o in objects)})")
@@ -609,7 +620,7 @@ def link(objects: Sequence[Path], arch: str | Arch, out: Path, *, source_name: s
         elf_path = keep_elf or Path(tmp) / "module.elf"
         cmd = [*a.ld, "-pie", "--no-dynamic-linker", "-z", "norelro", "--no-relax", "--gc-sections",
                "--no-warn-rwx-segments", "-z", "notext", "-T", str(script), "-o", str(elf_path),
-               *map(str, objects)]
+               *map(str, objects), *map(str, libraries)]
         _run(cmd, "link")
         text, bss_size, relocations = _image_from_elf(elf_path, a)
 
@@ -617,6 +628,31 @@ def link(objects: Sequence[Path], arch: str | Arch, out: Path, *, source_name: s
     out.parent.mkdir(parents=True, exist_ok=True)
     size = write_mpy(out, a, names, text, bss_size=bss_size, relocations=relocations)
     return LinkResult(out, size, a.name, len(text), bss_size, names, relocations)
+
+
+def _compiler_runtime(a: Arch) -> list[Path]:
+    """The compiler's support library for the module's flags (libgcc.a of the matching multilib)."""
+    try:
+        r = subprocess.run([a.cc, *a.cflags, "-print-libgcc-file-name"], capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise BuildError(f"{a.cc} is not installed ({exc})") from None
+    lib = Path(r.stdout.strip())
+    if r.returncode or not lib.is_file():
+        raise BuildError(f"{a.cc} names no support library for {a.name}: {r.stderr.strip() or r.stdout.strip()}")
+    return [lib]
+
+
+def _library_symbols(lib: Path, a: Arch) -> set[str]:
+    """The global symbols an archive defines (binutils' nm, beside the arch's ld)."""
+    nm = a.ld[0].removesuffix("ld") + "nm"
+    try:
+        r = subprocess.run([nm, "--defined-only", "--extern-only", "--format=posix", str(lib)],
+                           capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise BuildError(f"{nm} is not installed ({exc})") from None
+    if r.returncode:
+        raise BuildError(f"{nm} {lib}: {r.stderr.strip()}")
+    return {line.split()[0] for line in r.stdout.splitlines() if line and not line.endswith(":") and " " in line}
 
 
 def _image_from_elf(elf_path: Path, a: Arch) -> tuple[bytes, int, list[Relocation]]:

@@ -337,8 +337,13 @@ static void plan_attention(colibri_plan_attention *p, uint8_t **cache, const uin
     }
     p->rope_theta = a.rope_theta;
     /* hd^-0.5 in double, rounded once to float: numpy's and PyTorch's
-     * (a Python float scalar) scaling. */
-    p->scale = (float)(1.0 / __builtin_sqrt((double)a.head_dim));
+     * (a Python float scalar) scaling. The double square root is one Newton
+     * step from the FPU's float one, so no libm sqrt is linked where double
+     * is emulated; it gives the same float as 1/sqrt(hd) for every hd up to
+     * 2^20 (checked exhaustively). */
+    const double root_f = (double)__builtin_sqrtf((float)a.head_dim);
+    const double root = 0.5 * (root_f + (double)a.head_dim / root_f);
+    p->scale = (float)(1.0 / root);
     p->eps = a.qk_norm_eps;
     p->kv_f16 = a.kv_dtype == COLIBRI_DTYPE_F16;
     const size_t rows = (size_t)a.max_seq_len * a.n_kv_heads * a.head_dim * (p->kv_f16 ? 2u : 4u);
