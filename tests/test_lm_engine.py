@@ -239,3 +239,33 @@ def test_arena_is_exact_with_the_kv_cache(c_drivers: Path) -> None:
     for data, f in zip(images, check(c_drivers, images)):
         assert f["validate"] == "0" and f["short"] == str(int(Status.ARENA_TOO_SMALL)), f
         assert f["init"] == "0" and f["fwd1"] == "0" and f["fwdN"] == "0" and f["sum"] != "nan", f
+
+
+def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Path) -> None:
+    """LM(path) maps the file as Model(path) does (no copy); verify="full" checks every payload CRC at
+    open, "none" leaves it to LM.file.verify(); "on_use" has no first use to hook for a token model."""
+    path = tmp_path / "lm.colibri"
+    path.write_bytes(lm_data)
+    ids = [1, 5, 2, 7]
+    want = colibri.LM(lm_data).forward_tokens(ids)
+    mapped = colibri.LM(path)
+    assert mapped.file is not None and len(mapped.file) == len(lm_data)
+    np.testing.assert_array_equal(mapped.forward_tokens(ids), want)
+    copied = colibri.LM(path, copy=True)
+    assert copied.file is None
+    np.testing.assert_array_equal(copied.forward_tokens(ids), want)
+
+    bad = bytearray(lm_data)
+    bad[-1] ^= 0x40  # the last tensor's payload: the structure stays valid
+    path.write_bytes(bad)
+    with pytest.raises(ImageError) as exc:
+        colibri.LM(path)
+    assert exc.value.status == Status.BAD_PAYLOAD_CRC
+    unchecked = colibri.LM(path, verify="none")
+    with pytest.raises(ImageError) as exc:
+        unchecked.file.verify()
+    assert exc.value.status == Status.BAD_PAYLOAD_CRC
+    with pytest.raises(ValueError, match="no first use"):
+        colibri.LM(path, verify="on_use")
+    with pytest.raises(ValueError, match="lock applies to a mapped file"):
+        colibri.LM(lm_data, lock="all")

@@ -103,6 +103,19 @@ def open_file(path: str | os.PathLike, *, verify: str = "on_use", lock=None) -> 
         raise error_for(status, detail) from None
 
 
+def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool):
+    """(mapping or None, image buffer, engine context) for a path (mapped unless copy) or bytes."""
+    if isinstance(source, (str, os.PathLike)) and not copy:
+        file = open_file(source, verify=verify, lock=lock)
+        return file, memoryview(file.raw), _call(_engine.Context, file.raw, reference_kernels, CHECK_STRUCTURE, advise)
+    if lock is not None:
+        raise ValueError("lock applies to a mapped file: pass the path, without copy=True")
+    if isinstance(source, (str, os.PathLike)):
+        source = Path(source).read_bytes()
+    image = bytes(source)
+    return None, image, _call(_engine.Context, image, reference_kernels)
+
+
 class Model:
     """A model image run by the C engine.
 
@@ -131,20 +144,9 @@ class Model:
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
                  reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None,
                  advise: bool = True):
-        self.file = None
-        if isinstance(source, (str, os.PathLike)) and not copy:
-            if not advise and verify == "on_use":
-                raise ValueError("advise=False skips the route callback that verifies on use: verify='full' or 'none'")
-            self.file = open_file(source, verify=verify, lock=lock)
-            self.image = memoryview(self.file.raw)
-            self._ctx = _call(_engine.Context, self.file.raw, reference_kernels, CHECK_STRUCTURE, advise)
-        else:
-            if lock is not None:
-                raise ValueError("lock applies to a mapped file: Model(path, lock=...)")
-            if isinstance(source, (str, os.PathLike)):
-                source = Path(source).read_bytes()
-            self.image = bytes(source)
-            self._ctx = _call(_engine.Context, self.image, reference_kernels)
+        if not advise and verify == "on_use":
+            raise ValueError("advise=False skips the route callback that verifies on use: verify='full' or 'none'")
+        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, advise)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
         if info["vocab_size"]:
@@ -199,14 +201,17 @@ class LM:
     `generate(prompt_ids, max_new_tokens, ...)` starts a new sequence with the prompt and
     returns the new token ids, sampled in C (greedy at temperature 0, else temperature,
     top-k and top-p with a SplitMix64 seeded by `seed`): `reference.LMState` draws the same.
-    `reference_kernels=True` runs the reference kernels, as `Model`.
+    `reference_kernels=True` runs the reference kernels, as `Model`. A path is mapped, not
+    copied, as by `Model`, its payloads checked at open (`verify="full"`) or on demand
+    (`verify="none"`, then `LM.file.verify()`); `copy=True` reads it into memory instead.
     """
 
-    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview, reference_kernels: bool = False):
-        if isinstance(source, (str, os.PathLike)):
-            source = Path(source).read_bytes()
-        self.image = bytes(source)
-        self._ctx = _call(_engine.Context, self.image, reference_kernels)
+    def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview, reference_kernels: bool = False,
+                 *, copy: bool = False, verify: str = "full", lock=None):
+        if verify == "on_use":
+            raise ValueError("a token model runs every layer on every token, so there is no first use to verify "
+                             "on: verify='full' (at open) or 'none' (LM.file.verify() on demand)")
+        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, False)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
         if not info["vocab_size"]:
