@@ -20,6 +20,7 @@ from colibri.device import Device, DeviceError
 from colibri.format import Status
 
 import lmmodels
+import tiny_lm_m7
 from test_target import assert_bits_equal, assert_close_to_reference, model_image
 
 pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
@@ -262,3 +263,47 @@ def test_large_vocabulary_rows_and_logits_buffer(dut: Device) -> None:
     if hello.board.startswith("mps2-an500"):
         for call in (dut.lm_reset, lambda: dut.forward_tokens([1], last_only=True), lambda: dut.generate([1], 2)):
             assert _code(call) == P.ProtocolStatus.TOO_LARGE
+
+
+# -- the trained tiny King James model (examples/tiny_lm) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory, colibri_target):
+    if not colibri_target.emulated:
+        pytest.skip("boots the emulated board with the model already in flash (tests/tiny_lm_m7.py)")
+    return tmp_path_factory.mktemp("tiny_lm_m7")
+
+
+@pytest.mark.parametrize("dtype", tiny_lm_m7.SLOT_DTYPES + tiny_lm_m7.LINKED_DTYPES)
+def test_trained_tiny_lm_generates_the_host_engines_text(tiny_lm_dir, dtype: str) -> None:
+    """The trained byte-level Qwen3-MoE (q8 booted from flash slot A, f16 linked into the firmware): a prefill's
+    logits are the host engine's bit for bit with the reference kernels on both sides and within
+    OPTIMISED_RTOL with the device's cmsis kernels; greedy GENERATE gives colibri.LM's bytes with either."""
+    data = tiny_lm_m7.image(dtype)
+    prompt = tiny_lm_m7.prompt_ids()
+    new = tiny_lm_m7.NEW_TOKENS
+    host = colibri.LM(data, reference_kernels=True)
+    want_prefill = host.forward_tokens(prompt)
+    host.reset()
+    want = host.generate(prompt, new)
+    text = bytes(want).decode("ascii")
+    assert len(want) == new and text.strip(), text
+    with tiny_lm_m7.booted(dtype, tiny_lm_dir) as dev:
+        info = dev.model_info()
+        assert (info.image_size, info.vocab_size, info.max_seq_len) == (len(data), 256, 256)
+        assert info.kv_cache_bytes == host.kv_cache_bytes
+        running = dev.slot_info().running
+        assert running == ("A" if dtype in tiny_lm_m7.SLOT_DTYPES else "built-in")
+        for reference in (True, False):
+            dev.kernels(reference=reference)
+            what = f"tiny LM {dtype}, {'reference' if reference else 'cmsis'} kernels"
+            dev.lm_reset()
+            got, work = dev.forward_tokens(prompt)
+            (assert_bits_equal if reference else assert_close_to_reference)(got, want_prefill, f"{what}: prefill")
+            assert work.count > 0
+            # The device's greedy bytes against the host's reference kernels: the cmsis sums differ from the
+            # reference ones in the last bits, which could only flip a near-tie of the two best logits.
+            ids = dev.generate(prompt, new)
+            assert bytes(ids).decode("ascii") == text, what
+            assert ids == want, what
