@@ -295,6 +295,8 @@ def test_trained_tiny_lm_generates_the_host_engines_text(tiny_lm_dir, dtype: str
         assert info.kv_cache_bytes == host.kv_cache_bytes
         running = dev.slot_info().running
         assert running == ("A" if dtype in tiny_lm_m7.SLOT_DTYPES else "built-in")
+        # The arena, KV cache included, as the Cortex-M7 build of the engine sizes it: the NUCLEO's must hold it.
+        assert info.arena_size <= tiny_lm_m7.board_mk_capacity("RUNNER_ARENA_CAPACITY"), info.arena_size
         for reference in (True, False):
             dev.kernels(reference=reference)
             what = f"tiny LM {dtype}, {'reference' if reference else 'cmsis'} kernels"
@@ -307,3 +309,20 @@ def test_trained_tiny_lm_generates_the_host_engines_text(tiny_lm_dir, dtype: str
             ids = dev.generate(prompt, new)
             assert bytes(ids).decode("ascii") == text, what
             assert ids == want, what
+
+
+def test_trained_tiny_lm_fits_a_nucleo_h743zi(tmp_path) -> None:
+    """As boards/nucleo_h743zi is laid out (its built ELF): the q8 image, larger than the RAM model buffer, fits a
+    flash slot with its header and runs there in place; the f16 image links into flash bank 1 beside the runner.
+    The arena with the KV cache against RUNNER_ARENA_CAPACITY is checked on the device, above."""
+    from colibri.footprint import elf_footprint
+    from colibri.slots import SLOT_HEADER_SIZE
+
+    nucleo = tiny_lm_m7.nucleo_layout(tiny_lm_m7.build_runner("nucleo_h743zi"))
+    assert nucleo.arena == tiny_lm_m7.board_mk_capacity("RUNNER_ARENA_CAPACITY")
+    assert nucleo.model_buffer == tiny_lm_m7.board_mk_capacity("RUNNER_MODEL_CAPACITY")
+    q8 = len(tiny_lm_m7.image("q8"))
+    assert nucleo.model_buffer < q8 <= nucleo.slot - SLOT_HEADER_SIZE
+    assert colibri.LM(tiny_lm_m7.image("q8")).arena_size <= nucleo.arena  # the 64-bit host's arena, an upper bound
+    linked = tiny_lm_m7.linked_runner("f16", tmp_path, board="nucleo_h743zi")  # the linker checks bank 1
+    assert len(tiny_lm_m7.image("f16")) < elf_footprint(linked).flash <= nucleo.bank1

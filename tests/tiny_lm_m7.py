@@ -13,9 +13,11 @@ one token a call, as the firmware decodes).
 from __future__ import annotations
 
 import fcntl
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -83,6 +85,41 @@ def booted(dtype: str, work_dir: Path) -> Iterator[Device]:
         firmware, flash = linked_runner(dtype, work_dir), None
     with Qemu(firmware, flash=flash) as q, Device(q.url, timeout=30) as dev:
         yield dev
+
+
+@dataclass(frozen=True)
+class NucleoLayout:
+    """What the NUCLEO-H743ZI runner has for a model, read from its built ELF (boards/nucleo_h743zi)."""
+
+    model_buffer: int  # runner_model: the RAM buffer an uploaded model goes to
+    arena: int  # runner_arena: RUNNER_ARENA_CAPACITY
+    slot: int  # __model_slot_size: one flash slot, 32-byte header included
+    bank1: int  # FLASH (bank 1): the runner and a linked-in model
+
+
+def nucleo_layout(elf: Path) -> NucleoLayout:
+    out = subprocess.run(["arm-none-eabi-nm", "-S", str(elf)], capture_output=True, text=True, check=True).stdout
+    sizes, values = {}, {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4:
+            sizes[parts[3]] = int(parts[1], 16)
+        elif len(parts) == 3:
+            values[parts[2]] = int(parts[0], 16)
+    ld = (ROOT / "boards" / "nucleo_h743zi" / "linker.ld").read_text()
+    bank1 = re.search(r"FLASH\s+\(rx\)\s*:\s*ORIGIN = 0x08000000, LENGTH = (\d+)K", ld)
+    if bank1 is None:
+        raise ValueError("boards/nucleo_h743zi/linker.ld: no FLASH region at 0x08000000")
+    return NucleoLayout(sizes["runner_model"], sizes["runner_arena"], values["__model_slot_size"],
+                        int(bank1.group(1)) * 1024)
+
+
+def board_mk_capacity(name: str, board: str = "nucleo_h743zi") -> int:
+    """-D<name>=<bytes> from boards/<board>/board.mk."""
+    m = re.search(rf"-D{name}=(\d+)", (ROOT / "boards" / board / "board.mk").read_text())
+    if m is None:
+        raise ValueError(f"boards/{board}/board.mk defines no {name}")
+    return int(m.group(1))
 
 
 def prompt_ids() -> list[int]:
