@@ -487,7 +487,7 @@ def group_m7_tiny_lm() -> list[Figure]:
     figures = [fig("m7.tiny_lm.prompt_tokens", len(prompt), "tiny LM on the M7: prompt tokens (bytes)"),
                fig("m7.tiny_lm.new_tokens", tiny_lm_m7.NEW_TOKENS, "tiny LM on the M7: greedy tokens generated")]
     with tempfile.TemporaryDirectory(prefix="colibri-tiny-lm-m7-") as tmp:
-        for dtype in tiny_lm_m7.SLOT_DTYPES + tiny_lm_m7.LINKED_DTYPES:
+        for dtype in tiny_lm_m7.FIGURE_DTYPES:
             with tiny_lm_m7.booted(dtype, Path(tmp)) as dev:
                 info = dev.model_info()
                 dev.generate(prompt, tiny_lm_m7.NEW_TOKENS)
