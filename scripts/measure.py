@@ -469,6 +469,49 @@ def lm_on_qemu() -> list[Figure]:
     return figures
 
 
+def group_m7_tiny_lm() -> list[Figure]:
+    """The trained tiny King James model (examples/tiny_lm; images of examples/tiny_lm/evaluate.py: 256-position
+    KV cache, max_batch 1) generating on the emulated Cortex-M7 (tests/tiny_lm_m7.py: q8 booted from flash
+    slot A, f16 linked into the runner), the runner's default cmsis kernels: greedy GENERATE of NEW_TOKENS
+    bytes after PROMPT, instructions (QEMU -icount, not cycles) per prompt token (the prompt goes in one
+    token a forward, max_batch 1) and per decode step; the arena with the KV cache as the Cortex-M7 sizes it;
+    and how the NUCLEO-H743ZI holds it (its built runner: arena, slot, flash bank 1 with the f16 linked in)."""
+    import tempfile
+
+    from colibri.footprint import elf_footprint
+    from colibri.slots import SLOT_HEADER_SIZE
+
+    import tiny_lm_m7  # tests/ is on sys.path
+
+    prompt = tiny_lm_m7.prompt_ids()
+    figures = [fig("m7.tiny_lm.prompt_tokens", len(prompt), "tiny LM on the M7: prompt tokens (bytes)"),
+               fig("m7.tiny_lm.new_tokens", tiny_lm_m7.NEW_TOKENS, "tiny LM on the M7: greedy tokens generated")]
+    with tempfile.TemporaryDirectory(prefix="colibri-tiny-lm-m7-") as tmp:
+        for dtype in tiny_lm_m7.FIGURE_DTYPES:
+            with tiny_lm_m7.booted(dtype, Path(tmp)) as dev:
+                info = dev.model_info()
+                dev.generate(prompt, tiny_lm_m7.NEW_TOKENS)
+                w = dev.last_generation
+            figures += [
+                fig(f"m7.tiny_lm.{dtype}.prefill", round(w.prefill / len(prompt)),
+                    f"tiny LM {dtype} on the M7: instructions per prompt token, cmsis kernels"),
+                fig(f"m7.tiny_lm.{dtype}.decode", round(w.decode / w.decode_steps),
+                    f"tiny LM {dtype} on the M7: instructions per decode step, cmsis kernels"),
+                fig(f"m7.tiny_lm.{dtype}.arena", info.arena_size,
+                    f"tiny LM {dtype}: arena bytes on the Cortex-M7, KV cache included"),
+            ]
+        nucleo = tiny_lm_m7.nucleo_layout(runner_elf("nucleo_h743zi"))
+        linked = tiny_lm_m7.linked_runner("f16", Path(tmp), board="nucleo_h743zi")
+        figures += [
+            fig("m7.tiny_lm.nucleo.arena", nucleo.arena, "NUCLEO-H743ZI runner arena (RUNNER_ARENA_CAPACITY)"),
+            fig("m7.tiny_lm.nucleo.slot", nucleo.slot - SLOT_HEADER_SIZE, "NUCLEO-H743ZI: largest image a flash slot holds"),
+            fig("m7.tiny_lm.nucleo.f16_flash", elf_footprint(linked).flash,
+                "NUCLEO-H743ZI runner with the tiny LM's f16 image linked in: flash bytes"),
+            fig("m7.tiny_lm.nucleo.bank1", nucleo.bank1, "NUCLEO-H743ZI flash bank 1 bytes"),
+        ]
+    return figures
+
+
 def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False, reference_kernels: bool = False) -> dict:
     """Boots the mps2-an500 runner in QEMU, puts `image` on it over the emulated UART (into RAM as
     `colibri hil` does, or into a flash slot as `colibri flash` and `make demo` do), forwards each input
@@ -507,6 +550,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "m7": group_m7,
     "tiny_lm": group_tiny_lm,
     "tiny_lm_engine": group_tiny_lm_engine,
+    "m7_tiny_lm": group_m7_tiny_lm,
 }
 
 # Which group measures a key: the longest matching prefix.
@@ -514,7 +558,7 @@ KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
     "m7.": "m7", "tiny_lm.": "tiny_lm",
-    "tiny_lm.engine.": "tiny_lm_engine",
+    "tiny_lm.engine.": "tiny_lm_engine", "m7.tiny_lm.": "m7_tiny_lm",
 }
 
 

@@ -20,6 +20,7 @@ from colibri.device import Device, DeviceError
 from colibri.format import Status
 
 import lmmodels
+import tiny_lm_m7
 from test_target import assert_bits_equal, assert_close_to_reference, model_image
 
 pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
@@ -262,3 +263,66 @@ def test_large_vocabulary_rows_and_logits_buffer(dut: Device) -> None:
     if hello.board.startswith("mps2-an500"):
         for call in (dut.lm_reset, lambda: dut.forward_tokens([1], last_only=True), lambda: dut.generate([1], 2)):
             assert _code(call) == P.ProtocolStatus.TOO_LARGE
+
+
+# -- the trained tiny King James model (examples/tiny_lm) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory, colibri_target):
+    if not colibri_target.emulated:
+        pytest.skip("boots the emulated board with the model already in flash (tests/tiny_lm_m7.py)")
+    return tmp_path_factory.mktemp("tiny_lm_m7")
+
+
+@pytest.mark.parametrize("dtype", tiny_lm_m7.SLOT_DTYPES + tiny_lm_m7.LINKED_DTYPES)
+def test_trained_tiny_lm_generates_the_host_engines_text(tiny_lm_dir, dtype: str) -> None:
+    """The trained byte-level Qwen3-MoE (q8 booted from flash slot A, f16 linked into the firmware): a prefill's
+    logits are the host engine's bit for bit with the reference kernels on both sides and within
+    OPTIMISED_RTOL with the device's cmsis kernels; greedy GENERATE gives colibri.LM's bytes with either."""
+    data = tiny_lm_m7.image(dtype)
+    prompt = tiny_lm_m7.prompt_ids()
+    new = tiny_lm_m7.NEW_TOKENS
+    host = colibri.LM(data, reference_kernels=True)
+    want_prefill = host.forward_tokens(prompt)
+    host.reset()
+    want = host.generate(prompt, new)
+    text = bytes(want).decode("ascii")
+    assert len(want) == new and text.strip(), text
+    with tiny_lm_m7.booted(dtype, tiny_lm_dir) as dev:
+        info = dev.model_info()
+        assert (info.image_size, info.vocab_size, info.max_seq_len) == (len(data), 256, 256)
+        assert info.kv_cache_bytes == host.kv_cache_bytes
+        running = dev.slot_info().running
+        assert running == ("A" if dtype in tiny_lm_m7.SLOT_DTYPES else "built-in")
+        # The arena, KV cache included, as the Cortex-M7 build of the engine sizes it: the NUCLEO's must hold it.
+        assert info.arena_size <= tiny_lm_m7.board_mk_capacity("RUNNER_ARENA_CAPACITY"), info.arena_size
+        for reference in (True, False):
+            dev.kernels(reference=reference)
+            what = f"tiny LM {dtype}, {'reference' if reference else 'cmsis'} kernels"
+            dev.lm_reset()
+            got, work = dev.forward_tokens(prompt)
+            (assert_bits_equal if reference else assert_close_to_reference)(got, want_prefill, f"{what}: prefill")
+            assert work.count > 0
+            # The device's greedy bytes against the host's reference kernels: the cmsis sums differ from the
+            # reference ones in the last bits, which could only flip a near-tie of the two best logits.
+            ids = dev.generate(prompt, new)
+            assert bytes(ids).decode("ascii") == text, what
+            assert ids == want, what
+
+
+def test_trained_tiny_lm_fits_a_nucleo_h743zi(tmp_path) -> None:
+    """As boards/nucleo_h743zi is laid out (its built ELF): the q8 image, larger than the RAM model buffer, fits a
+    flash slot with its header and runs there in place; the f16 image links into flash bank 1 beside the runner.
+    The arena with the KV cache against RUNNER_ARENA_CAPACITY is checked on the device, above."""
+    from colibri.footprint import elf_footprint
+    from colibri.slots import SLOT_HEADER_SIZE
+
+    nucleo = tiny_lm_m7.nucleo_layout(tiny_lm_m7.build_runner("nucleo_h743zi"))
+    assert nucleo.arena == tiny_lm_m7.board_mk_capacity("RUNNER_ARENA_CAPACITY")
+    assert nucleo.model_buffer == tiny_lm_m7.board_mk_capacity("RUNNER_MODEL_CAPACITY")
+    q8 = len(tiny_lm_m7.image("q8"))
+    assert nucleo.model_buffer < q8 <= nucleo.slot - SLOT_HEADER_SIZE
+    assert colibri.LM(tiny_lm_m7.image("q8")).arena_size <= nucleo.arena  # the 64-bit host's arena, an upper bound
+    linked = tiny_lm_m7.linked_runner("f16", tmp_path, board="nucleo_h743zi")  # the linker checks bank 1
+    assert len(tiny_lm_m7.image("f16")) < elf_footprint(linked).flash <= nucleo.bank1

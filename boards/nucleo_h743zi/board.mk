@@ -12,10 +12,13 @@ BOARD_CFLAGS := -mcpu=cortex-m7 -mthumb -mfpu=fpv5-d16 -mfloat-abi=hard
 
 # The model buffer and the arena live in the 512 KB AXI SRAM (linker.ld
 # section .axisram; it takes runner_model and runner_arena by their
-# -fdata-sections names). Model 320 KB + arena 160 KB = 480 KB, leaving
-# 32 KB of AXI SRAM spare: the image holds the weights, the bulk of a model,
-# while the arena holds the context and activations at max_batch, typically
-# a fraction of the image (the demo model: image 122,208 B, arena 21,376 B).
-# A model also has to fit one 512 KB flash slot for the later A/B update.
+# -fdata-sections names). Model 288 KB + arena 224 KB = the whole 512 KB.
+# The image holds the weights, the bulk of a model; the arena holds the
+# context and activations at max_batch (the demo model: image 122,208 B,
+# arena 21,376 B) and a token model's KV cache: the tiny King James model
+# (examples/tiny_lm) needs 210,080 B with its 256-position cache, so the
+# arena is 224 KB. A model larger than the RAM buffer runs in place from a
+# 512 KB flash slot (the tiny LM's q8 image, 420,512 B) or linked into
+# flash bank 1 (make MODEL_C=...); tests/test_target_lm.py pins the fit.
 # The linker checks that both fit; board.c checks them too.
-BOARD_DEFS := -DRUNNER_MODEL_CAPACITY=327680 -DRUNNER_ARENA_CAPACITY=163840
+BOARD_DEFS := -DRUNNER_MODEL_CAPACITY=294912 -DRUNNER_ARENA_CAPACITY=229376
