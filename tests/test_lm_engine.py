@@ -269,3 +269,24 @@ def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Pa
         colibri.LM(path, verify="on_use")
     with pytest.raises(ValueError, match="lock applies to a mapped file"):
         colibri.LM(lm_data, lock="all")
+
+
+@pytest.mark.parametrize("kw", [dict(tied=True, qk_norm="head", kv_dtype=DType.F16), dict(bias=True)])
+def test_cli_info_describes_a_token_model(kw: dict) -> None:
+    """`colibri info` on a token model: the embedding and attention rows carry their weights, a tied head
+    counts none of its own, and the totals are the C engine's (parameters, arena, KV cache)."""
+    from colibri.cli import describe
+
+    data = image.write(lmmodels.token_model(3, **kw))
+    d = describe(data)
+    lm = colibri.LM(data)
+    assert d["parameters"] == lm.info["num_parameters"]
+    assert d["kv_cache_bytes"] == lm.kv_cache_bytes and d["arena_bytes"] == lm.arena_size
+    assert d["vocab_size"] == 40
+    ops = [row["op"] for row in d["layers"]]
+    assert ops[0] == "Embedding" and d["layers"][0]["params"] == 40 * 16
+    attention = [row for row in d["layers"] if row["op"] == "Attention"]
+    assert len(attention) == 2 and all(row["heads"] == 4 and row["kv_heads"] == 2 for row in attention)
+    assert sum(row["kv_cache_bytes"] for row in attention) == lm.kv_cache_bytes
+    head = d["layers"][-1]
+    assert head["op"] == "Linear" and head["tied"] == kw.get("tied", False)

@@ -352,19 +352,43 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
     COLIBRI_CHECK_STRUCTURE: header, metadata CRC, tables, offsets, int8 companions), not the
     payload CRCs of a version-3 image: it reads no weight (`colibri verify` reads them all)."""
     from . import engine, image
-    from .ir import Activation, LayerNorm, Linear, MoE, RMSNorm
+    from .format import DType
+    from .ir import Activation, Attention, Embedding, LayerNorm, Linear, MoE, RMSNorm
 
     def numel(*tensors) -> int:
         return sum(int(np.prod(t.shape)) for t in tensors if t is not None)
 
     graph = image.read(data, check="structure")
+    table = graph.layers[0].table if graph.is_token_model else None
     layers = []
     params = 0
+    kv_cache = 0
     for layer in graph.layers:
         row: dict = {"op": type(layer).__name__, "dtype": ""}
-        if isinstance(layer, Linear):
-            row.update(shape=f"{layer.in_features}->{layer.out_features}", params=numel(layer.weight, layer.bias),
-                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else ""))
+        if isinstance(layer, Embedding):
+            row.update(shape=f"{layer.vocab_size} tokens->{layer.d_model}", params=numel(layer.table),
+                       dtype=_storage([layer.table]))
+        elif isinstance(layer, Attention):
+            kv_elem = 2 if layer.kv_dtype == DType.F16 else 4
+            cache = 2 * layer.max_seq_len * layer.kv_width * kv_elem
+            kv_cache += cache
+            norm = "" if layer.q_norm is None else (
+                " q/k norm per head" if layer.q_norm.shape[0] == layer.head_dim else " q/k norm")
+            row.update(shape=f"{layer.d_model}->{layer.d_model}",
+                       params=numel(layer.q_w, layer.k_w, layer.v_w, layer.o_w, layer.q_b, layer.k_b, layer.v_b,
+                                    layer.o_b, layer.q_norm, layer.k_norm),
+                       dtype=_storage([layer.q_w, layer.k_w, layer.v_w, layer.o_w]),
+                       heads=layer.n_heads, kv_heads=layer.n_kv_heads, head_dim=layer.head_dim,
+                       rope_theta=layer.rope_theta, max_seq_len=layer.max_seq_len,
+                       kv_dtype=layer.kv_dtype.name.lower(), kv_cache_bytes=cache,
+                       attention=f"{layer.n_heads} heads / {layer.n_kv_heads} kv, head_dim {layer.head_dim}, "
+                                 f"rope theta {layer.rope_theta:g}{norm}, KV cache {layer.max_seq_len} x "
+                                 f"{layer.kv_dtype.name.lower()} ({cache:,} B)")
+        elif isinstance(layer, Linear):
+            tied = table is not None and layer.weight is table
+            row.update(shape=f"{layer.in_features}->{layer.out_features}",
+                       params=numel(layer.bias) if tied else numel(layer.weight, layer.bias),
+                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else ""), tied=tied)
         elif isinstance(layer, Activation):
             row.update(shape=layer.act.name.lower(), params=0)
         elif isinstance(layer, (LayerNorm, RMSNorm)):
@@ -397,6 +421,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
         "parameters": params,
         "routed_experts": sum(len(m.experts) for m in moes),
         "shared_experts": sum(len(m.shared) for m in moes),
+        "vocab_size": graph.vocab_size,
+        "kv_cache_bytes": kv_cache,
         "layers": layers,
     }
 
@@ -440,6 +466,10 @@ def info(image_path: Path, as_json: bool) -> None:
                        f"{', pruned ' + str(row['pruned']) if row['pruned'] else ''}"
                        f"{', shared ' + str(row['shared']) if row['shared'] else ''}"
                        f"{' gated' if row['shared_gate'] else ''}")
+        elif row["op"] == "Attention":
+            details = row["attention"]
+        elif row.get("tied"):
+            details = "tied to the embedding (its weights counted there)"
         table.add_row(str(i), row["op"], row["shape"], row["dtype"], f"{row['params']:,}", details)
     console = Console()
     if not console.is_terminal:  # piped: do not wrap the table at 80 columns
@@ -449,6 +479,8 @@ def info(image_path: Path, as_json: bool) -> None:
         f"input {d['input_size']}  output {d['output_size']}  max batch {d['max_batch']}  "
         f"parameters {d['parameters']:,}  routed experts {d['routed_experts']}  shared {d['shared_experts']}\n"
         f"image {d['image_bytes']:,} bytes  arena {d['arena_bytes']:,} bytes"
+        + (f" (KV cache {d['kv_cache_bytes']:,} of them)  vocabulary {d['vocab_size']:,} tokens"
+           if d["vocab_size"] else "")
     )
 
 
