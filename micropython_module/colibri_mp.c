@@ -8,6 +8,10 @@
  *   y = array("f", [0.0] * (2 * m.output_size))
  *   m.forward(x, y)                                     # or colibri.forward(m, x, y)
  *
+ *   lm = colibri.LM(open("lm.clb", "rb").read())        # a token model (docs/lm.md)
+ *   lm.generate(b"Once", 32, temperature=0.8, seed=1)   # new ids; out=bytearray(32) allocates nothing
+ *   lm.forward_tokens([1, 2], logits)                   # logits: array('f') of 2 * lm.vocab_size
+ *
  * One source, two builds:
  *  - a native module (colibri.mpy, `colibri natmod build`), compiled with
  *    -DMICROPY_ENABLE_DYNRUNTIME against natmod/mp_natmod.h;
@@ -19,7 +23,9 @@
  *
  * Memory: Model() reads the image in place (zero copy: the buffer object is
  * referenced so it stays alive) and makes one allocation, the engine's arena,
- * besides the Model object itself. forward() allocates nothing. A bytearray
+ * besides the Model object itself (LM: the arena block also holds its token
+ * and logit rows). forward() allocates nothing, nor do LM's calls given
+ * their output buffers. A bytearray
  * holding the image must not be changed while a Model uses it; resizing it
  * moves the bytes, which forward() detects and refuses.
  *
