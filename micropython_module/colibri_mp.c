@@ -8,6 +8,10 @@
  *   y = array("f", [0.0] * (2 * m.output_size))
  *   m.forward(x, y)                                     # or colibri.forward(m, x, y)
  *
+ *   lm = colibri.LM(open("lm.clb", "rb").read())        # a token model (docs/lm.md)
+ *   lm.generate(b"Once", 32, temperature=0.8, seed=1)   # new ids; out=bytearray(32) allocates nothing
+ *   lm.forward_tokens([1, 2], logits)                   # logits: array('f') of 2 * lm.vocab_size
+ *
  * One source, two builds:
  *  - a native module (colibri.mpy, `colibri natmod build`), compiled with
  *    -DMICROPY_ENABLE_DYNRUNTIME against natmod/mp_natmod.h;
@@ -19,7 +23,9 @@
  *
  * Memory: Model() reads the image in place (zero copy: the buffer object is
  * referenced so it stays alive) and makes one allocation, the engine's arena,
- * besides the Model object itself. forward() allocates nothing. A bytearray
+ * besides the Model object itself (LM: the arena block also holds its token
+ * and logit rows). forward() allocates nothing, nor do LM's calls given
+ * their output buffers. A bytearray
  * holding the image must not be changed while a Model uses it; resizing it
  * moves the bytes, which forward() detects and refuses.
  *
@@ -47,10 +53,12 @@ extern mp_obj_full_type_t colibri_type_Model; /* in .bss, filled in by mpy_init 
 #define MODEL_TYPE ((const mp_obj_type_t *)&colibri_type_Model)
 /* The message is copied into the exception (it may be on the stack). */
 #define RAISE(exc_type, text) mp_raise_msg_str(&(exc_type), (text))
+#define GET_FLOAT(obj) mp_obj_get_float_to_f(obj)
 #else
 extern const mp_obj_type_t colibri_type_Model;
 #define MODEL_TYPE (&colibri_type_Model)
 #define RAISE(exc_type, text) mp_raise_msg_varg(&(exc_type), MP_ERROR_TEXT("%s"), (text))
+#define GET_FLOAT(obj) ((float)mp_obj_get_float(obj))
 #endif
 
 /* ---- Error messages, built on the stack (no allocation until the raise) ---- */
@@ -98,14 +106,19 @@ NORETURN static void raise_status(colibri_status status)
 
 /* ---- colibri.Model ---- */
 
-typedef struct colibri_model_obj {
-    mp_obj_base_t base;
+/* What Model and LM share: the image they read in place and the engine context. */
+typedef struct engine_ref {
     mp_obj_t image;       /* the caller's buffer object: referenced so the weights stay alive */
     const void *image_buf; /* where its bytes were at construction: a resized bytearray moves them */
     size_t image_len;
     void *arena;          /* the heap block holding ctx (the GC follows block starts only) */
     colibri_ctx *ctx;     /* inside arena */
     size_t arena_size;    /* bytes the engine asked for */
+} engine_ref;
+
+typedef struct colibri_model_obj {
+    mp_obj_base_t base;
+    engine_ref engine;
     uint32_t input_size, output_size, max_batch, num_experts;
 } colibri_model_obj;
 
@@ -118,20 +131,20 @@ static bool owns_its_bytes(mp_obj_t obj)
     return name == MP_QSTR_bytearray || name == MP_QSTR_array;
 }
 
-static mp_obj_t model_make_new(const mp_obj_type_t *type, size_t n_args, size_t n_kw, const mp_obj_t *args)
+/* Checks the image buffer, validates the image (everything before any
+ * allocation) and fills *info. `who` names the class in messages. */
+static mp_buffer_info_t image_buffer(size_t n_args, size_t n_kw, const mp_obj_t *args, const char *usage,
+                                     const char *not_a_buffer, const char *writable_view,
+                                     colibri_model_info *info)
 {
     if (n_args != 1 || n_kw != 0)
-        RAISE(mp_type_TypeError, "colibri.Model(image) takes one argument: the model image "
-                                 "(bytes, bytearray or memoryview)");
+        RAISE(mp_type_TypeError, usage);
     /* str has the buffer protocol too, but a path is not an image */
     mp_buffer_info_t image;
     if (mp_obj_get_type(args[0]) == &mp_type_str || !mp_get_buffer(args[0], &image, MP_BUFFER_READ))
-        RAISE(mp_type_TypeError, "colibri.Model: the model image must be bytes, bytearray or memoryview "
-                                 "(read the file first: open(path, 'rb').read())");
+        RAISE(mp_type_TypeError, not_a_buffer);
 
-    /* Full validation (CRC, every table) before anything is allocated. */
-    colibri_model_info info;
-    colibri_status status = colibri_get_info(image.buf, image.len, &info);
+    colibri_status status = colibri_get_info(image.buf, image.len, info);
     if (status != COLIBRI_OK)
         raise_status(status);
     if ((uintptr_t)image.buf % 4u != 0) {
@@ -145,35 +158,85 @@ static mp_obj_t model_make_new(const mp_obj_type_t *type, size_t n_args, size_t 
 
     mp_buffer_info_t writable;
     if (mp_get_buffer(args[0], &writable, MP_BUFFER_WRITE) && !owns_its_bytes(args[0]))
-        RAISE(mp_type_TypeError, "colibri.Model: a writable memoryview (or other view) cannot be guarded: "
-                                 "resizing its bytearray would free the weights under the model; "
-                                 "pass the bytearray itself, or bytes(view)");
+        RAISE(mp_type_TypeError, writable_view);
+    return image;
+}
 
-    colibri_model_obj *self = m_malloc_maybe(sizeof *self);
+/* Allocates the object (obj_size bytes, an engine_ref at engine_offset) and
+ * one block holding the arena and then `extra` bytes (8-byte aligned, at
+ * *extra_out), and builds the context. The two allocations are the only ones
+ * an object ever makes. */
+static void *open_engine(mp_obj_t image_obj, const mp_buffer_info_t *image, const colibri_model_info *info,
+                         size_t obj_size, size_t engine_offset, size_t extra, void **extra_out)
+{
+    const size_t arena_end = (info->arena_size + 7u) & ~(size_t)7u;
+    const size_t block = arena_end + extra + COLIBRI_ARENA_ALIGN - 1;
+    void *self = block > extra ? m_malloc_maybe(obj_size) : NULL;
     /* Over-allocated so the arena can start on COLIBRI_ARENA_ALIGN whatever the heap's block size. */
-    void *arena = self ? m_malloc_maybe(info.arena_size + COLIBRI_ARENA_ALIGN - 1) : NULL;
+    void *arena = self ? m_malloc_maybe(block) : NULL;
     if (!arena) {
         message m;
         m.len = 0;
         msg_add(&m, "colibri: cannot allocate the model's arena (");
-        msg_add_uint(&m, info.arena_size);
-        msg_add(&m, " bytes)");
+        msg_add_uint(&m, info->arena_size);
+        msg_add(&m, " bytes");
+        if (extra) {
+            msg_add(&m, " + ");
+            msg_add_uint(&m, extra);
+            msg_add(&m, " for token and logit rows");
+        }
+        msg_add(&m, ")");
         RAISE(mp_type_MemoryError, m.text);
     }
     void *aligned = (void *)(((uintptr_t)arena + COLIBRI_ARENA_ALIGN - 1) & ~(uintptr_t)(COLIBRI_ARENA_ALIGN - 1));
 
     colibri_ctx *ctx;
-    status = colibri_init(&ctx, aligned, info.arena_size, image.buf, image.len);
+    const colibri_status status = colibri_init(&ctx, aligned, info->arena_size, image->buf, image->len);
     if (status != COLIBRI_OK)
         raise_status(status);
 
+    engine_ref *ref = (engine_ref *)((char *)self + engine_offset);
+    ref->image = image_obj;
+    ref->image_buf = image->buf;
+    ref->image_len = image->len;
+    ref->arena = arena;
+    ref->ctx = ctx;
+    ref->arena_size = info->arena_size;
+    if (extra_out)
+        *extra_out = (char *)aligned + arena_end;
+    return self;
+}
+
+/* The engine reads the weights in place: if the caller resized a bytearray
+ * under the object, its bytes moved and the context points at freed memory. */
+static void check_image_in_place(const engine_ref *ref, const char *text)
+{
+    mp_buffer_info_t image;
+    if (!mp_get_buffer(ref->image, &image, MP_BUFFER_READ) || image.buf != ref->image_buf ||
+        image.len < ref->image_len)
+        RAISE(mp_type_ValueError, text);
+}
+
+static mp_obj_t model_make_new(const mp_obj_type_t *type, size_t n_args, size_t n_kw, const mp_obj_t *args)
+{
+    colibri_model_info info;
+    const mp_buffer_info_t image = image_buffer(
+        n_args, n_kw, args,
+        "colibri.Model(image) takes one argument: the model image (bytes, bytearray or memoryview)",
+        "colibri.Model: the model image must be bytes, bytearray or memoryview "
+        "(read the file first: open(path, 'rb').read())",
+        "colibri.Model: a writable memoryview (or other view) cannot be guarded: "
+        "resizing its bytearray would free the weights under the model; pass the bytearray itself, or bytes(view)",
+        &info);
+    if (info.vocab_size) {
+        message m;
+        msg_status(&m, COLIBRI_E_MODEL_KIND);
+        msg_add(&m, " (a token model, token ids in and logits out: open it with colibri.LM)");
+        RAISE(mp_type_ValueError, m.text);
+    }
+    colibri_model_obj *self = open_engine(args[0], &image, &info, sizeof(colibri_model_obj),
+                                          offsetof(colibri_model_obj, engine), 0, NULL);
     self->base.type = type;
-    self->image = args[0];
-    self->image_buf = image.buf;
-    self->image_len = image.len;
-    self->arena = arena;
-    self->ctx = ctx;
-    self->arena_size = info.arena_size;
     self->input_size = info.input_size;
     self->output_size = info.output_size;
     self->max_batch = info.max_batch;
@@ -187,7 +250,7 @@ static void model_print(const mp_print_t *print, mp_obj_t self_in, mp_print_kind
     const colibri_model_obj *self = MP_OBJ_TO_PTR(self_in);
     mp_printf(print, "<colibri.Model input_size=%u output_size=%u num_experts=%u max_batch=%u arena_size=%u>",
               (unsigned)self->input_size, (unsigned)self->output_size, (unsigned)self->num_experts,
-              (unsigned)self->max_batch, (unsigned)self->arena_size);
+              (unsigned)self->max_batch, (unsigned)self->engine.arena_size);
 }
 
 /* The int attributes (read-only); anything else goes on to locals_dict (forward). */
@@ -206,7 +269,7 @@ static void model_attr(mp_obj_t self_in, qstr attr, mp_obj_t *dest)
     else if (attr == MP_QSTR_num_experts)
         value = self->num_experts;
     else if (attr == MP_QSTR_arena_size)
-        value = self->arena_size;
+        value = self->engine.arena_size;
     else {
         dest[1] = MP_OBJ_SENTINEL;
         return;
@@ -247,13 +310,9 @@ static mp_obj_t colibri_mp_forward(mp_obj_t model_in, mp_obj_t input_in, mp_obj_
         msg_add_uint(&m, model->input_size);
         RAISE(mp_type_ValueError, m.text);
     }
-    /* The engine reads the weights in place: if the caller resized a bytearray
-     * under the model, its bytes moved and the context points at freed memory. */
-    mp_buffer_info_t image;
-    if (!mp_get_buffer(model->image, &image, MP_BUFFER_READ) || image.buf != model->image_buf ||
-        image.len < model->image_len)
-        RAISE(mp_type_ValueError, "colibri.forward: the model image buffer moved or shrank since colibri.Model() "
-                                  "(was a bytearray resized?); build a new colibri.Model");
+    check_image_in_place(&model->engine,
+                         "colibri.forward: the model image buffer moved or shrank since colibri.Model() "
+                         "(was a bytearray resized?); build a new colibri.Model");
     const size_t batch = n_in / model->input_size;
     if (batch > model->max_batch) {
         msg_status(&m, COLIBRI_E_BAD_BATCH);
@@ -275,7 +334,7 @@ static mp_obj_t colibri_mp_forward(mp_obj_t model_in, mp_obj_t input_in, mp_obj_
         msg_add_uint(&m, batch * model->output_size);
         RAISE(mp_type_ValueError, m.text);
     }
-    const colibri_status status = colibri_forward(model->ctx, batch, in.buf, n_in, out.buf, n_out);
+    const colibri_status status = colibri_forward(model->engine.ctx, batch, in.buf, n_in, out.buf, n_out);
     if (status != COLIBRI_OK)
         raise_status(status);
     return mp_const_none;
@@ -290,6 +349,541 @@ static mp_obj_t colibri_mp_version(void)
     return mp_obj_new_str(v, len);
 }
 
+/* ---- colibri.LM: token models (docs/lm.md) ----
+ *
+ * The arena block also holds max_batch token ids and max_batch rows of
+ * logits: the prompt is fed in chunks of max_batch, as the host's LM does, so
+ * the logits are the same bits, and generate() samples from those rows. Once
+ * constructed, forward_tokens(ids, out) and generate(..., out=buf) allocate
+ * nothing. */
+
+typedef struct colibri_lm_obj {
+    mp_obj_base_t base;
+    engine_ref engine;
+    int32_t *tokens;  /* [max_batch], after the arena */
+    float *logits;    /* [max_batch * vocab_size], after tokens */
+    uint32_t vocab_size, max_seq_len, max_batch;
+    size_t kv_cache_bytes;
+} colibri_lm_obj;
+
+#if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
+extern mp_obj_full_type_t colibri_type_LM;
+#define LM_TYPE ((const mp_obj_type_t *)&colibri_type_LM)
+#else
+extern const mp_obj_type_t colibri_type_LM;
+#define LM_TYPE (&colibri_type_LM)
+#endif
+
+static mp_obj_t lm_make_new(const mp_obj_type_t *type, size_t n_args, size_t n_kw, const mp_obj_t *args)
+{
+    colibri_model_info info;
+    const mp_buffer_info_t image = image_buffer(
+        n_args, n_kw, args,
+        "colibri.LM(image) takes one argument: the token model's image (bytes, bytearray or memoryview)",
+        "colibri.LM: the model image must be bytes, bytearray or memoryview "
+        "(read the file first: open(path, 'rb').read())",
+        "colibri.LM: a writable memoryview (or other view) cannot be guarded: "
+        "resizing its bytearray would free the weights under the model; pass the bytearray itself, or bytes(view)",
+        &info);
+    if (!info.vocab_size) {
+        message m;
+        msg_status(&m, COLIBRI_E_MODEL_KIND);
+        msg_add(&m, " (a feature model, float rows in: open it with colibri.Model)");
+        RAISE(mp_type_ValueError, m.text);
+    }
+    /* max_batch < 2^16 and vocab < 2^31 (the format's limits), but their product can pass a 32-bit size_t */
+    const size_t rows = info.max_batch, vocab = info.vocab_size;
+    if (vocab > (SIZE_MAX / 8u - 8u) / rows) {
+        message m;
+        m.len = 0;
+        msg_add(&m, "colibri: max_batch x vocab_size logits do not fit this machine's memory");
+        RAISE(mp_type_MemoryError, m.text);
+    }
+    const size_t token_bytes = (rows * sizeof(int32_t) + 7u) & ~(size_t)7u;
+    void *extra;
+    colibri_lm_obj *self = open_engine(args[0], &image, &info, sizeof(colibri_lm_obj),
+                                       offsetof(colibri_lm_obj, engine),
+                                       token_bytes + rows * vocab * sizeof(float), &extra);
+    self->base.type = type;
+    self->tokens = extra;
+    self->logits = (float *)((char *)extra + token_bytes);
+    self->vocab_size = info.vocab_size;
+    self->max_seq_len = info.max_seq_len;
+    self->max_batch = info.max_batch;
+    self->kv_cache_bytes = info.kv_cache_bytes;
+    return MP_OBJ_FROM_PTR(self);
+}
+
+static uint32_t lm_position(const colibri_lm_obj *self)
+{
+    uint32_t position = 0;
+    const colibri_status status = colibri_lm_position(self->engine.ctx, &position);
+    if (status != COLIBRI_OK)
+        raise_status(status);
+    return position;
+}
+
+static void lm_print(const mp_print_t *print, mp_obj_t self_in, mp_print_kind_t kind)
+{
+    (void)kind;
+    const colibri_lm_obj *self = MP_OBJ_TO_PTR(self_in);
+    mp_printf(print, "<colibri.LM vocab_size=%u max_seq_len=%u max_batch=%u arena_size=%u kv_cache_bytes=%u position=%u>",
+              (unsigned)self->vocab_size, (unsigned)self->max_seq_len, (unsigned)self->max_batch,
+              (unsigned)self->engine.arena_size, (unsigned)self->kv_cache_bytes, (unsigned)lm_position(self));
+}
+
+static void lm_attr(mp_obj_t self_in, qstr attr, mp_obj_t *dest)
+{
+    if (dest[0] != MP_OBJ_NULL)
+        return; /* store or delete: not handled, so AttributeError */
+    const colibri_lm_obj *self = MP_OBJ_TO_PTR(self_in);
+    size_t value;
+    if (attr == MP_QSTR_vocab_size)
+        value = self->vocab_size;
+    else if (attr == MP_QSTR_max_seq_len)
+        value = self->max_seq_len;
+    else if (attr == MP_QSTR_max_batch)
+        value = self->max_batch;
+    else if (attr == MP_QSTR_arena_size)
+        value = self->engine.arena_size;
+    else if (attr == MP_QSTR_kv_cache_bytes)
+        value = self->kv_cache_bytes;
+    else if (attr == MP_QSTR_position)
+        value = lm_position(self);
+    else {
+        dest[1] = MP_OBJ_SENTINEL;
+        return;
+    }
+    dest[0] = mp_obj_new_int_from_uint(value);
+}
+
+static colibri_lm_obj *lm_self(mp_obj_t obj, const char *what)
+{
+    if (mp_obj_get_type(obj) != LM_TYPE)
+        RAISE(mp_type_TypeError, what);
+    colibri_lm_obj *self = MP_OBJ_TO_PTR(obj);
+    check_image_in_place(&self->engine, "colibri.LM: the model image buffer moved or shrank since colibri.LM() "
+                                        "(was a bytearray resized?); build a new colibri.LM");
+    return self;
+}
+
+static mp_obj_t lm_reset(mp_obj_t self_in)
+{
+    colibri_lm_obj *self = lm_self(self_in, "colibri.LM.reset: not a colibri.LM");
+    const colibri_status status = colibri_lm_reset(self->engine.ctx);
+    if (status != COLIBRI_OK)
+        raise_status(status);
+    return mp_const_none;
+}
+
+/* -- token id sequences: a list or tuple of ints, or an integer buffer (bytes, bytearray, array) -- */
+
+typedef struct token_seq {
+    const mp_obj_t *items; /* list or tuple items, or NULL */
+    const void *buf;       /* buffer elements, when items is NULL */
+    size_t len;
+    size_t elem_size;
+    char typecode;
+} token_seq;
+
+/* A bytearray's buffer reports typecode 1 (MicroPython's BYTEARRAY_TYPECODE): its bytes are 'B'. */
+#ifndef BYTEARRAY_TYPECODE
+#define BYTEARRAY_TYPECODE 1
+#endif
+
+/* Bytes per element of the integer array typecodes a token id fits; 0 for any other. */
+static size_t int_typecode_size(int typecode)
+{
+    switch (typecode == BYTEARRAY_TYPECODE ? 'B' : typecode) {
+    case 'b': case 'B': return 1;
+    case 'h': case 'H': return 2;
+    case 'i': case 'I': return 4; /* int is 32 bits on every port MicroPython runs on */
+    case 'l': case 'L': return sizeof(long);
+    default: return 0;
+    }
+}
+
+/* The list and tuple layouts are MicroPython's (py/objlist.h, py/objtuple.h), unchanged
+ * since v1.0; reading them in place takes no allocation and no runtime call. */
+typedef struct list_layout {
+    mp_obj_base_t base;
+    size_t alloc;
+    size_t len;
+    mp_obj_t *items;
+} list_layout;
+
+typedef struct tuple_layout {
+    mp_obj_base_t base;
+    size_t len;
+    mp_obj_t items[];
+} tuple_layout;
+
+static token_seq token_sequence(mp_obj_t obj, const char *type_error)
+{
+    token_seq seq = {NULL, NULL, 0, 0, 0};
+    const qstr name = mp_obj_get_type(obj)->name;
+    if (name == MP_QSTR_list) {
+        const list_layout *list = MP_OBJ_TO_PTR(obj);
+        seq.items = list->items;
+        seq.len = list->len;
+        return seq;
+    }
+    if (name == MP_QSTR_tuple) {
+        const tuple_layout *tuple = MP_OBJ_TO_PTR(obj);
+        seq.items = tuple->items;
+        seq.len = tuple->len;
+        return seq;
+    }
+    mp_buffer_info_t info;
+    if (mp_obj_get_type(obj) == &mp_type_str || !mp_get_buffer(obj, &info, MP_BUFFER_READ) ||
+        !int_typecode_size(info.typecode))
+        RAISE(mp_type_TypeError, type_error);
+    seq.buf = info.buf;
+    seq.elem_size = int_typecode_size(info.typecode);
+    seq.len = info.len / seq.elem_size;
+    seq.typecode = info.typecode == BYTEARRAY_TYPECODE ? 'B' : (char)info.typecode;
+    return seq;
+}
+
+/* An int token id, or -1 for an int no token can be (negative or past int32);
+ * TypeError for anything that is not an int. */
+static int64_t int_object(mp_obj_t obj)
+{
+    if (mp_obj_is_small_int(obj))
+        return MP_OBJ_SMALL_INT_VALUE(obj) < 0 || MP_OBJ_SMALL_INT_VALUE(obj) > INT32_MAX ? -1
+                                                                                         : MP_OBJ_SMALL_INT_VALUE(obj);
+    if (mp_obj_get_type(obj)->name == MP_QSTR_int)
+        return -1; /* a big int: past every vocabulary */
+#if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
+    return (int64_t)(mp_int_t)mp_native_from_obj(obj, MP_NATIVE_TYPE_INT); /* bool, or TypeError */
+#else
+    return mp_obj_get_int(obj);
+#endif
+}
+
+/* A byte copy: the native module has no libc, and the element may be unaligned. */
+static void copy_bytes(void *to, const void *from, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        ((unsigned char *)to)[i] = ((const unsigned char *)from)[i];
+}
+
+static int64_t token_at(const token_seq *seq, size_t i)
+{
+    if (seq->items)
+        return int_object(seq->items[i]);
+    const char *p = (const char *)seq->buf + i * seq->elem_size;
+    switch (seq->typecode) {
+    case 'b': return *(const int8_t *)p;
+    case 'B': return *(const uint8_t *)p;
+    case 'h': { int16_t v; copy_bytes(&v, p, 2); return v; }
+    case 'H': { uint16_t v; copy_bytes(&v, p, 2); return v; }
+    case 'i': { int32_t v; copy_bytes(&v, p, 4); return v; }
+    case 'I': { uint32_t v; copy_bytes(&v, p, 4); return v; }
+    default: {
+        long v;
+        copy_bytes(&v, p, sizeof v);
+        return seq->typecode == 'L' && v < 0 ? -1 : (int64_t)v;
+    }
+    }
+}
+
+/* Every id below vocab_size before anything runs (the engine checks each chunk,
+ * but an earlier chunk would already be in the cache). */
+static void check_tokens(const colibri_lm_obj *self, const token_seq *seq, const char *what)
+{
+    for (size_t i = 0; i < seq->len; i++) {
+        const int64_t id = token_at(seq, i);
+        if (id < 0 || id >= (int64_t)self->vocab_size) {
+            message m;
+            msg_status(&m, COLIBRI_E_BAD_TOKEN);
+            msg_add(&m, ": ");
+            msg_add(&m, what);
+            msg_add(&m, "[");
+            msg_add_uint(&m, i);
+            msg_add(&m, "] is outside the vocabulary 0..");
+            msg_add_uint(&m, self->vocab_size - 1u);
+            RAISE(mp_type_ValueError, m.text);
+        }
+    }
+}
+
+static void raise_cache_full(uint32_t position, size_t needed, uint32_t max_seq_len)
+{
+    message m;
+    msg_status(&m, COLIBRI_E_CACHE_FULL);
+    msg_add(&m, ": ");
+    msg_add_uint(&m, position);
+    msg_add(&m, " positions cached + ");
+    msg_add_uint(&m, needed);
+    msg_add(&m, " > max_seq_len ");
+    msg_add_uint(&m, max_seq_len);
+    msg_add(&m, " (reset() starts a new sequence)");
+    RAISE(mp_type_ValueError, m.text);
+}
+
+/* Runs tokens [first, first + n) (n <= max_batch) into logits [n, vocab]. */
+static void lm_chunk(colibri_lm_obj *self, const token_seq *seq, size_t first, size_t n, float *logits)
+{
+    for (size_t i = 0; i < n; i++)
+        self->tokens[i] = (int32_t)token_at(seq, first + i);
+    const colibri_status status =
+        colibri_lm_forward(self->engine.ctx, self->tokens, (uint32_t)n, logits, n * self->vocab_size);
+    if (status != COLIBRI_OK)
+        raise_status(status);
+}
+
+/* The one keyword argument of a function, or MP_OBJ_NULL; TypeError for any other keyword. */
+static void keywords(const mp_map_t *kw, const qstr *names, mp_obj_t *values, size_t count, const char *usage)
+{
+    for (size_t i = 0; i < count; i++)
+        values[i] = MP_OBJ_NULL;
+    if (!kw)
+        return;
+    for (size_t e = 0; e < kw->alloc; e++) {
+        const mp_obj_t key = kw->table[e].key;
+        if (key == MP_OBJ_NULL || key == MP_OBJ_SENTINEL)
+            continue;
+        size_t i = 0;
+        while (i < count && key != MP_OBJ_NEW_QSTR(names[i]))
+            i++;
+        if (i == count)
+            RAISE(mp_type_TypeError, usage);
+        values[i] = kw->table[e].value;
+    }
+}
+
+/* forward_tokens(ids, out=None): appends ids to the sequence and writes their
+ * logits [len(ids), vocab_size] into out, an array('f') of len(ids) * vocab_size
+ * (returned), or into a new array('f') when out is None. */
+static mp_obj_t lm_forward_tokens(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
+{
+    static const char usage[] = "colibri.LM.forward_tokens(ids, out=None): ids a list, tuple, bytes or integer array "
+                                "of token ids; out an array('f') of len(ids) * vocab_size";
+    const qstr names[1] = {MP_QSTR_out};
+    mp_obj_t out_kw;
+    keywords(kw, names, &out_kw, 1, usage);
+    if (n_args < 2 || n_args > 3 || (n_args > 2 && out_kw != MP_OBJ_NULL))
+        RAISE(mp_type_TypeError, usage);
+    colibri_lm_obj *self = lm_self(args[0], usage);
+    const token_seq seq = token_sequence(args[1], usage);
+    check_tokens(self, &seq, "ids");
+    const uint32_t position = lm_position(self);
+    if (seq.len > self->max_seq_len - position)
+        raise_cache_full(position, seq.len, self->max_seq_len);
+    const size_t count = seq.len * self->vocab_size;
+
+    mp_obj_t out = n_args > 2 ? args[2] : out_kw;
+    if (out == MP_OBJ_NULL || out == mp_const_none) {
+        /* array('f', bytearray(4 * count)): the array module's own constructor, zero-filled */
+        mp_obj_t array_type = mp_load_attr(mp_import_name(MP_QSTR_array, mp_const_none, MP_OBJ_NEW_SMALL_INT(0)),
+                                           MP_QSTR_array);
+        mp_obj_t size = mp_obj_new_int_from_uint(count * sizeof(float));
+        mp_obj_t array_args[2] = {MP_OBJ_NEW_QSTR(MP_QSTR_f),
+                                  mp_call_function_n_kw(mp_load_global(MP_QSTR_bytearray), 1, 0, &size)};
+        out = mp_call_function_n_kw(array_type, 2, 0, array_args);
+    }
+    mp_buffer_info_t logits;
+    if (!mp_get_buffer(out, &logits, MP_BUFFER_WRITE) || logits.typecode != 'f')
+        RAISE(mp_type_TypeError, "colibri.LM.forward_tokens: out must be a writable array('f') (float32)");
+    if ((uintptr_t)logits.buf % 4u != 0)
+        RAISE(mp_type_ValueError, "colibri.LM.forward_tokens: the float array is not 4-byte aligned");
+    if (logits.len / 4u != count) {
+        message m;
+        msg_status(&m, COLIBRI_E_BUFFER_SIZE);
+        msg_add(&m, ": len(out) = ");
+        msg_add_uint(&m, logits.len / 4u);
+        msg_add(&m, ", ");
+        msg_add_uint(&m, seq.len);
+        msg_add(&m, " ids x vocab_size ");
+        msg_add_uint(&m, self->vocab_size);
+        msg_add(&m, " needs ");
+        msg_add_uint(&m, count);
+        RAISE(mp_type_ValueError, m.text);
+    }
+    for (size_t at = 0; at < seq.len; at += self->max_batch) {
+        const size_t n = seq.len - at < self->max_batch ? seq.len - at : self->max_batch;
+        lm_chunk(self, &seq, at, n, (float *)logits.buf + at * self->vocab_size);
+    }
+    return out;
+}
+
+/* Writes id at out[i] for an integer buffer; the typecode was checked to hold every id. */
+static void store_token(const mp_buffer_info_t *out, size_t i, int32_t id)
+{
+    char *p = (char *)out->buf + i * int_typecode_size(out->typecode);
+    switch (out->typecode) {
+    case 'b': *(int8_t *)p = (int8_t)id; break;
+    case 'B': *(uint8_t *)p = (uint8_t)id; break;
+    case 'h': case 'H': { const uint16_t v = (uint16_t)id; copy_bytes(p, &v, 2); break; }
+    case 'i': case 'I': copy_bytes(p, &id, 4); break;
+    default: { const long v = id; copy_bytes(p, &v, sizeof v); break; }
+    }
+}
+
+/* The largest id an integer typecode holds. */
+static uint32_t typecode_max(int typecode)
+{
+    switch (typecode) {
+    case 'b': return 127u;
+    case 'B': return 255u;
+    case 'h': return 32767u;
+    case 'H': return 65535u;
+    default: return (uint32_t)INT32_MAX;
+    }
+}
+
+/* generate(prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, out=None):
+ * resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens ids,
+ * each fed back but the last (the host's LM.generate, the same checks in the
+ * same order and the same draws). Returns the new ids as a list, or with out (a
+ * writable integer buffer of at least max_new_tokens elements) writes them
+ * there and returns their count, allocating nothing. */
+static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
+{
+    static const char usage[] = "colibri.LM.generate(prompt_ids, max_new_tokens, temperature=0.0, top_k=0, "
+                                "top_p=1.0, seed=0, out=None)";
+    enum { TEMPERATURE, TOP_K, TOP_P, SEED, OUT, N_KW };
+    const qstr names[N_KW] = {MP_QSTR_temperature, MP_QSTR_top_k, MP_QSTR_top_p, MP_QSTR_seed, MP_QSTR_out};
+    mp_obj_t opt[N_KW];
+    keywords(kw, names, opt, N_KW, usage);
+    if (n_args < 3 || n_args > 3 + N_KW)
+        RAISE(mp_type_TypeError, usage);
+    for (size_t i = 3; i < n_args; i++) { /* the options may come positionally too, in their order */
+        if (opt[i - 3] != MP_OBJ_NULL)
+            RAISE(mp_type_TypeError, usage);
+        opt[i - 3] = args[i];
+    }
+    colibri_lm_obj *self = lm_self(args[0], usage);
+
+    /* int_object: -1 for a negative top_k, or one past int32 (more than any vocabulary: no limit either way) */
+    const bool negative_top_k = opt[TOP_K] && mp_obj_is_small_int(opt[TOP_K]) && MP_OBJ_SMALL_INT_VALUE(opt[TOP_K]) < 0;
+    const int64_t top_k = opt[TOP_K] ? int_object(opt[TOP_K]) : 0;
+    colibri_sampler sampler = {(uint32_t)sizeof(colibri_sampler),
+                               opt[TEMPERATURE] ? GET_FLOAT(opt[TEMPERATURE]) : 0.0f,
+                               top_k < 0 ? 0u : (uint32_t)top_k,
+                               opt[TOP_P] ? GET_FLOAT(opt[TOP_P]) : 1.0f};
+    if (negative_top_k) {
+        message m;
+        msg_status(&m, COLIBRI_E_BAD_SAMPLER);
+        msg_add(&m, ": top_k must be >= 0 (0: no limit)");
+        RAISE(mp_type_ValueError, m.text);
+    }
+    uint64_t seed = 0;
+    if (opt[SEED]) {
+        /* seed % 2**64, as the host: small ints only (2**62 on 64-bit ports, 2**30 on 32-bit ones) */
+        if (!mp_obj_is_small_int(opt[SEED]))
+            RAISE(mp_type_TypeError, "colibri.LM.generate: seed must be a small int");
+        seed = (uint64_t)(int64_t)MP_OBJ_SMALL_INT_VALUE(opt[SEED]);
+    }
+    /* The sampler's settings checked by the engine itself before anything changes:
+     * one greedy-safe draw from a row of zeros, on a copy of the generator. */
+    for (uint32_t v = 0; v < self->vocab_size; v++)
+        self->logits[v] = 0.0f;
+    colibri_rng probe_rng;
+    colibri_rng_seed(&probe_rng, seed);
+    int32_t probe;
+    colibri_status status =
+        colibri_lm_sample(self->engine.ctx, &sampler, self->logits, self->vocab_size, &probe_rng, &probe);
+    if (status != COLIBRI_OK) {
+        message m;
+        msg_status(&m, status);
+        msg_add(&m, ": temperature >= 0 and finite, top_k >= 0, 0 < top_p <= 1");
+        RAISE(mp_type_ValueError, m.text);
+    }
+
+    const token_seq prompt = token_sequence(args[1], "colibri.LM.generate: prompt_ids must be a list, tuple, bytes "
+                                                     "or integer array of token ids");
+    check_tokens(self, &prompt, "prompt_ids");
+    if (prompt.len == 0) {
+        message m;
+        msg_status(&m, COLIBRI_E_BAD_BATCH);
+        msg_add(&m, ": an empty prompt: give at least one token");
+        RAISE(mp_type_ValueError, m.text);
+    }
+    const int64_t max_new = int_object(args[2]);
+    if (max_new < 0)
+        RAISE(mp_type_ValueError, "colibri.LM.generate: max_new_tokens must be >= 0");
+    if (prompt.len > self->max_seq_len || (uint64_t)max_new > self->max_seq_len - prompt.len + 1u) {
+        message m;
+        msg_status(&m, COLIBRI_E_CACHE_FULL);
+        msg_add(&m, ": ");
+        msg_add_uint(&m, prompt.len);
+        msg_add(&m, " prompt tokens + ");
+        msg_add_uint(&m, (size_t)max_new);
+        msg_add(&m, " new ones need more than max_seq_len ");
+        msg_add_uint(&m, self->max_seq_len);
+        msg_add(&m, " positions");
+        RAISE(mp_type_ValueError, m.text);
+    }
+
+    mp_buffer_info_t out;
+    const bool into_buffer = opt[OUT] && opt[OUT] != mp_const_none;
+    mp_obj_t ids = MP_OBJ_NULL;
+    if (into_buffer) {
+        if (mp_obj_get_type(opt[OUT]) == &mp_type_str || !mp_get_buffer(opt[OUT], &out, MP_BUFFER_WRITE) ||
+            !int_typecode_size(out.typecode))
+            RAISE(mp_type_TypeError, "colibri.LM.generate: out must be a writable integer buffer "
+                                     "(bytearray or array of 'b', 'B', 'h', 'H', 'i', 'I', 'l', 'L')");
+        if (out.typecode == BYTEARRAY_TYPECODE)
+            out.typecode = 'B';
+        if (self->vocab_size - 1u > typecode_max(out.typecode)) {
+            message m;
+            msg_status(&m, COLIBRI_E_BUFFER_SIZE);
+            msg_add(&m, ": out's elements hold ids up to ");
+            msg_add_uint(&m, typecode_max(out.typecode));
+            msg_add(&m, ", vocab_size is ");
+            msg_add_uint(&m, self->vocab_size);
+            RAISE(mp_type_ValueError, m.text);
+        }
+        if (out.len / int_typecode_size(out.typecode) < (size_t)max_new) {
+            message m;
+            msg_status(&m, COLIBRI_E_BUFFER_SIZE);
+            msg_add(&m, ": len(out) = ");
+            msg_add_uint(&m, out.len / int_typecode_size(out.typecode));
+            msg_add(&m, " < max_new_tokens ");
+            msg_add_uint(&m, (size_t)max_new);
+            RAISE(mp_type_ValueError, m.text);
+        }
+    } else {
+        ids = mp_obj_new_list(0, NULL);
+    }
+
+    status = colibri_lm_reset(self->engine.ctx);
+    if (status != COLIBRI_OK)
+        raise_status(status);
+    if (max_new == 0)
+        return into_buffer ? MP_OBJ_NEW_SMALL_INT(0) : ids;
+    size_t last = 0; /* the row of the latest token's logits */
+    for (size_t at = 0; at < prompt.len; at += self->max_batch) {
+        const size_t n = prompt.len - at < self->max_batch ? prompt.len - at : self->max_batch;
+        lm_chunk(self, &prompt, at, n, self->logits);
+        last = n - 1;
+    }
+    colibri_rng rng;
+    colibri_rng_seed(&rng, seed);
+    for (size_t made = 0; made < (size_t)max_new; made++) {
+        int32_t token;
+        status = colibri_lm_sample(self->engine.ctx, &sampler, self->logits + last * self->vocab_size,
+                                   self->vocab_size, &rng, &token);
+        if (status != COLIBRI_OK)
+            raise_status(status);
+        if (into_buffer)
+            store_token(&out, made, token);
+        else
+            mp_obj_list_append(ids, MP_OBJ_NEW_SMALL_INT(token));
+        /* The last new token needs no forward: nothing reads its logits. */
+        if (made + 1 < (size_t)max_new) {
+            self->tokens[0] = token;
+            status = colibri_lm_forward(self->engine.ctx, self->tokens, 1, self->logits, self->vocab_size);
+            if (status != COLIBRI_OK)
+                raise_status(status);
+            last = 0;
+        }
+    }
+    return into_buffer ? mp_obj_new_int_from_uint((size_t)max_new) : ids;
+}
+
 /* ---- Registration: native module ---- */
 
 #if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
@@ -302,6 +896,14 @@ mp_obj_fun_builtin_fixed_t colibri_forward_obj;
 mp_obj_fun_builtin_fixed_t colibri_version_obj;
 mp_map_elem_t colibri_model_locals_forward; /* the table's one entry (not an array: arrays get 16-byte alignment) */
 mp_obj_dict_t colibri_model_locals_dict;
+mp_obj_full_type_t colibri_type_LM;
+mp_obj_fun_builtin_fixed_t colibri_lm_reset_obj;
+mp_obj_fun_builtin_var_t colibri_lm_forward_tokens_obj;
+mp_obj_fun_builtin_var_t colibri_lm_generate_obj;
+/* Word alignment stated, so the compiler does not raise it to 16 (x86-64's rule for arrays) and store
+ * pairs of entries with aligned vector instructions: the loader places .bss on a word boundary only. */
+mp_map_elem_t colibri_lm_locals[3] __attribute__((aligned(sizeof(void *))));
+mp_obj_dict_t colibri_lm_locals_dict;
 
 mp_obj_t mpy_init(mp_obj_fun_bc_t *self, size_t n_args, size_t n_kw, mp_obj_t *args)
 {
@@ -331,7 +933,39 @@ mp_obj_t mpy_init(mp_obj_fun_bc_t *self, size_t n_args, size_t n_kw, mp_obj_t *a
     MP_OBJ_TYPE_SET_SLOT(&colibri_type_Model, attr, model_attr, 2);
     MP_OBJ_TYPE_SET_SLOT(&colibri_type_Model, locals_dict, &colibri_model_locals_dict, 3);
 
+    colibri_lm_reset_obj.base.type = &mp_type_fun_builtin_1;
+    colibri_lm_reset_obj.fun._1 = lm_reset;
+    colibri_lm_forward_tokens_obj.base.type = &mp_type_fun_builtin_var;
+    colibri_lm_forward_tokens_obj.sig = MP_OBJ_FUN_MAKE_SIG(2, 3, true);
+    colibri_lm_forward_tokens_obj.fun.kw = lm_forward_tokens;
+    colibri_lm_generate_obj.base.type = &mp_type_fun_builtin_var;
+    colibri_lm_generate_obj.sig = MP_OBJ_FUN_MAKE_SIG(3, 8, true);
+    colibri_lm_generate_obj.fun.kw = lm_generate;
+
+    colibri_lm_locals[0].key = MP_OBJ_NEW_QSTR(MP_QSTR_reset);
+    colibri_lm_locals[0].value = MP_OBJ_FROM_PTR(&colibri_lm_reset_obj);
+    colibri_lm_locals[1].key = MP_OBJ_NEW_QSTR(MP_QSTR_forward_tokens);
+    colibri_lm_locals[1].value = MP_OBJ_FROM_PTR(&colibri_lm_forward_tokens_obj);
+    colibri_lm_locals[2].key = MP_OBJ_NEW_QSTR(MP_QSTR_generate);
+    colibri_lm_locals[2].value = MP_OBJ_FROM_PTR(&colibri_lm_generate_obj);
+    colibri_lm_locals_dict.base.type = &mp_type_dict;
+    colibri_lm_locals_dict.map.all_keys_are_qstrs = 1;
+    colibri_lm_locals_dict.map.is_fixed = 1;
+    colibri_lm_locals_dict.map.is_ordered = 1;
+    colibri_lm_locals_dict.map.used = 3;
+    colibri_lm_locals_dict.map.alloc = 3;
+    colibri_lm_locals_dict.map.table = colibri_lm_locals;
+
+    colibri_type_LM.base.type = &mp_type_type;
+    colibri_type_LM.flags = MP_TYPE_FLAG_NONE;
+    colibri_type_LM.name = (uint16_t)MP_QSTR_LM;
+    MP_OBJ_TYPE_SET_SLOT(&colibri_type_LM, make_new, lm_make_new, 0);
+    MP_OBJ_TYPE_SET_SLOT(&colibri_type_LM, print, lm_print, 1);
+    MP_OBJ_TYPE_SET_SLOT(&colibri_type_LM, attr, lm_attr, 2);
+    MP_OBJ_TYPE_SET_SLOT(&colibri_type_LM, locals_dict, &colibri_lm_locals_dict, 3);
+
     mp_store_global(MP_QSTR_Model, MP_OBJ_FROM_PTR(&colibri_type_Model));
+    mp_store_global(MP_QSTR_LM, MP_OBJ_FROM_PTR(&colibri_type_LM));
     mp_store_global(MP_QSTR_forward, MP_OBJ_FROM_PTR(&colibri_forward_obj));
     mp_store_global(MP_QSTR_version, MP_OBJ_FROM_PTR(&colibri_version_obj));
 
@@ -360,9 +994,31 @@ MP_DEFINE_CONST_OBJ_TYPE(
     locals_dict, &colibri_model_locals_dict
     );
 
+static MP_DEFINE_CONST_FUN_OBJ_1(colibri_lm_reset_obj, lm_reset);
+static MP_DEFINE_CONST_FUN_OBJ_KW(colibri_lm_forward_tokens_obj, 2, lm_forward_tokens);
+static MP_DEFINE_CONST_FUN_OBJ_KW(colibri_lm_generate_obj, 3, lm_generate);
+
+static const mp_rom_map_elem_t colibri_lm_locals_table[] = {
+    { MP_ROM_QSTR(MP_QSTR_reset), MP_ROM_PTR(&colibri_lm_reset_obj) },
+    { MP_ROM_QSTR(MP_QSTR_forward_tokens), MP_ROM_PTR(&colibri_lm_forward_tokens_obj) },
+    { MP_ROM_QSTR(MP_QSTR_generate), MP_ROM_PTR(&colibri_lm_generate_obj) },
+};
+static MP_DEFINE_CONST_DICT(colibri_lm_locals_dict, colibri_lm_locals_table);
+
+MP_DEFINE_CONST_OBJ_TYPE(
+    colibri_type_LM,
+    MP_QSTR_LM,
+    MP_TYPE_FLAG_NONE,
+    make_new, lm_make_new,
+    print, lm_print,
+    attr, lm_attr,
+    locals_dict, &colibri_lm_locals_dict
+    );
+
 static const mp_rom_map_elem_t colibri_module_globals_table[] = {
     { MP_ROM_QSTR(MP_QSTR___name__), MP_ROM_QSTR(MP_QSTR_colibri) },
     { MP_ROM_QSTR(MP_QSTR_Model), MP_ROM_PTR(&colibri_type_Model) },
+    { MP_ROM_QSTR(MP_QSTR_LM), MP_ROM_PTR(&colibri_type_LM) },
     { MP_ROM_QSTR(MP_QSTR_forward), MP_ROM_PTR(&colibri_forward_obj) },
     { MP_ROM_QSTR(MP_QSTR_version), MP_ROM_PTR(&colibri_version_obj) },
 };

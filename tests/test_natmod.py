@@ -31,7 +31,10 @@ MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
 # source, with and without `colibri` compiled in as a user C module).
 MICROPYTHON = Path(os.environ.get("COLIBRI_MICROPYTHON") or Path(sys.executable).parent / "micropython")
 PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "output_size", "max_batch",
-                "arena_size"}
+                "arena_size",
+                # colibri.LM (tests/test_micropython_lm.py)
+                "LM", "reset", "forward_tokens", "generate", "vocab_size", "max_seq_len", "kv_cache_bytes",
+                "position", "temperature", "top_k", "top_p", "seed", "out"}
 
 
 # --------------------------------------------------------------------------- building, shared with test_micropython

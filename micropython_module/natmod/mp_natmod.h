@@ -182,6 +182,24 @@ typedef struct _mp_obj_fun_builtin_fixed_t {
     } fun;
 } mp_obj_fun_builtin_fixed_t;
 
+/* Variable arity: {type, sig, fun} with the type from slot 81 and
+ * sig = min_args << 17 | max_args << 1 | takes_kw. With takes_kw the function
+ * gets the keyword arguments as a fixed map of qstr keys. */
+typedef mp_obj_t (*mp_fun_var_t)(size_t n_args, const mp_obj_t *args);
+typedef mp_obj_t (*mp_fun_kw_t)(size_t n_args, const mp_obj_t *args, mp_map_t *kw_args);
+
+typedef struct _mp_obj_fun_builtin_var_t {
+    mp_obj_base_t base;
+    uint32_t sig;
+    union {
+        mp_fun_var_t var;
+        mp_fun_kw_t kw;
+    } fun;
+} mp_obj_fun_builtin_var_t;
+
+#define MP_OBJ_FUN_MAKE_SIG(n_args_min, n_args_max, takes_kw) \
+    ((uint32_t)((((uint32_t)(n_args_min)) << 17) | (((uint32_t)(n_args_max)) << 1) | ((takes_kw) ? 1 : 0)))
+
 /* ---- The entry point's view of the module ----
  * mpy_init receives the module's function object; its second word is the
  * module context, whose first two words are the module object {type, globals}. */
@@ -334,12 +352,26 @@ extern const mp_fun_table_slot_t mp_fun_table[];
 #define mp_type_fun_builtin_1 (*(const mp_obj_type_t *)MP_FUN_DATA(MP_FUN_TYPE_FUN_BUILTIN_1))
 #define mp_type_fun_builtin_2 (*(const mp_obj_type_t *)MP_FUN_DATA(MP_FUN_TYPE_FUN_BUILTIN_2))
 #define mp_type_fun_builtin_3 (*(const mp_obj_type_t *)MP_FUN_DATA(MP_FUN_TYPE_FUN_BUILTIN_3))
+#define mp_type_fun_builtin_var (*(const mp_obj_type_t *)MP_FUN_DATA(MP_FUN_TYPE_FUN_BUILTIN_VAR))
 #define mp_plat_print (*(const mp_print_t *)MP_FUN_DATA(MP_FUN_PLAT_PRINT))
 
 #define mp_native_to_obj(val, native_type) \
     MP_FUN(MP_FUN_NATIVE_TO_OBJ, mp_obj_t (*)(mp_uint_t, mp_uint_t))((val), (native_type))
 #define mp_obj_new_int_from_uint(u) mp_native_to_obj((mp_uint_t)(u), MP_NATIVE_TYPE_UINT)
 #define mp_obj_new_int(i) mp_native_to_obj((mp_uint_t)(mp_int_t)(i), MP_NATIVE_TYPE_INT)
+/* The object representation every port this header serves uses (A): small ints are 2n + 1. */
+#define MP_OBJ_NEW_SMALL_INT(i) ((mp_obj_t)((((mp_uint_t)(mp_int_t)(i)) << 1) | 1u))
+#define mp_obj_is_small_int(o) (((mp_uint_t)(o) & 1u) != 0)
+#define MP_OBJ_SMALL_INT_VALUE(o) (((mp_int_t)(o)) >> 1)
+/* An int (or bool) as a machine word; TypeError for anything else (big ints truncated). */
+#define mp_native_from_obj(o, native_type) \
+    MP_FUN(MP_FUN_NATIVE_FROM_OBJ, mp_uint_t (*)(mp_obj_t, mp_uint_t))((o), (native_type))
+#define mp_obj_get_float_to_f(o) MP_FUN(MP_FUN_OBJ_GET_FLOAT_TO_F, float (*)(mp_obj_t))(o)
+#define mp_obj_new_list(n, items) MP_FUN(MP_FUN_NEW_LIST, mp_obj_t (*)(size_t, mp_obj_t *))((n), (items))
+#define mp_obj_list_append(list, item) MP_FUN(MP_FUN_LIST_APPEND, mp_obj_t (*)(mp_obj_t, mp_obj_t))((list), (item))
+#define mp_import_name(name, fromlist, level) \
+    MP_FUN(MP_FUN_IMPORT_NAME, mp_obj_t (*)(qstr, mp_obj_t, mp_obj_t))((name), (fromlist), (level))
+#define mp_load_attr(base, attr) MP_FUN(MP_FUN_LOAD_ATTR, mp_obj_t (*)(mp_obj_t, qstr))((base), (attr))
 
 #define mp_swap_globals(d) MP_FUN(MP_FUN_SWAP_GLOBALS, mp_obj_dict_t *(*)(mp_obj_dict_t *))(d)
 #define mp_load_global(q) MP_FUN(MP_FUN_LOAD_GLOBAL, mp_obj_t (*)(qstr))(q)
