@@ -189,6 +189,7 @@ pub fn validate(image: &[u8]) -> Result<(), Status> {
 /// (`colibri_free`), after which the arena is the caller's again.
 pub struct Model<'a> {
     ctx: *mut sys::colibri_ctx,
+    info: ModelInfo,
     _borrows: PhantomData<(&'a [u8], &'a mut [u8])>,
 }
 
@@ -215,6 +216,7 @@ impl<'a> Model<'a> {
     /// ([`Status::ArenaAlign`]) and at least [`Model::arena_size`] bytes
     /// ([`Status::ArenaTooSmall`]).
     pub fn new(image: &'a [u8], arena: &'a mut [u8]) -> Result<Model<'a>, Status> {
+        let info = Self::info(image)?;
         let mut ctx = ptr::null_mut();
         // SAFETY: both slices outlive the context (the lifetime 'a on Model),
         // the arena is borrowed exclusively, and the engine stays within both lengths.
@@ -227,7 +229,7 @@ impl<'a> Model<'a> {
                 image.len(),
             )
         })?;
-        Ok(Model { ctx, _borrows: PhantomData })
+        Ok(Model { ctx, info, _borrows: PhantomData })
     }
 
     /// Runs `batch` tokens: `input` is `[batch, input_size]`, `output`
@@ -239,6 +241,11 @@ impl<'a> Model<'a> {
         check(unsafe {
             sys::colibri_forward(self.ctx, batch, input.as_ptr(), input.len(), output.as_mut_ptr(), output.len())
         })
+    }
+
+    /// The model's description, as [`Model::info`] on its image.
+    pub fn model_info(&self) -> &ModelInfo {
+        &self.info
     }
 
     /// Switches to the reference kernels (the specification: plain C in
@@ -253,6 +260,129 @@ impl<'a> Model<'a> {
     pub fn kernels_name(&self) -> &'static str {
         // SAFETY: a static NUL-terminated string for any context.
         unsafe { CStr::from_ptr(sys::colibri_kernels_name(self.ctx)) }.to_str().unwrap_or("")
+    }
+}
+
+/// The sampler's random numbers (SplitMix64), seeded by the caller so a
+/// generation is reproducible: the same seed draws the same tokens as the
+/// C, Python and MicroPython callers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rng(sys::colibri_rng);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        let mut rng = sys::colibri_rng::default();
+        // SAFETY: writes one colibri_rng.
+        unsafe { sys::colibri_rng_seed(&mut rng, seed) };
+        Rng(rng)
+    }
+}
+
+/// How [`Model::lm_sample`] draws a token (docs/lm.md "Sampling").
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampler {
+    /// 0: greedy (no draw from the rng); else > 0 and finite.
+    pub temperature: f32,
+    /// 0: no limit.
+    pub top_k: u32,
+    /// In (0, 1]; 1: no limit.
+    pub top_p: f32,
+}
+
+impl Sampler {
+    pub const GREEDY: Sampler = Sampler { temperature: 0.0, top_k: 0, top_p: 1.0 };
+
+    fn raw(&self) -> sys::colibri_sampler {
+        sys::colibri_sampler {
+            struct_size: core::mem::size_of::<sys::colibri_sampler>() as u32,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        }
+    }
+}
+
+/// Token models (docs/lm.md). On a feature model each call is [`Status::ModelKind`].
+impl Model<'_> {
+    /// Empties the KV cache: the next token is at position 0.
+    pub fn lm_reset(&mut self) -> Result<(), Status> {
+        // SAFETY: live context.
+        check(unsafe { sys::colibri_lm_reset(self.ctx) })
+    }
+
+    /// The positions the cache holds: the next token's position.
+    pub fn lm_position(&self) -> Result<u32, Status> {
+        let mut position = 0;
+        // SAFETY: live context, writes one u32.
+        check(unsafe { sys::colibri_lm_position(self.ctx, &mut position) })?;
+        Ok(position)
+    }
+
+    /// Runs `tokens` (1..=max_batch of them) at the next positions and writes
+    /// their logits, `[tokens.len(), vocab]`. Nothing changes on an error:
+    /// [`Status::BadBatch`], [`Status::BufferSize`], [`Status::BadToken`],
+    /// [`Status::CacheFull`].
+    pub fn lm_forward(&mut self, tokens: &[i32], logits: &mut [f32]) -> Result<(), Status> {
+        let n = u32::try_from(tokens.len()).map_err(|_| Status::BadBatch)?;
+        // SAFETY: live context; the engine checks n against max_batch and
+        // logits.len() against n * vocab before touching either.
+        check(unsafe { sys::colibri_lm_forward(self.ctx, tokens.as_ptr(), n, logits.as_mut_ptr(), logits.len()) })
+    }
+
+    /// Draws one token from one row of logits (`[vocab]`) with scratch in the arena.
+    pub fn lm_sample(&mut self, sampler: &Sampler, logits: &[f32], rng: &mut Rng) -> Result<i32, Status> {
+        let raw = sampler.raw();
+        let mut token = 0;
+        // SAFETY: live context; the engine checks logits.len() against vocab.
+        check(unsafe { sys::colibri_lm_sample(self.ctx, &raw, logits.as_ptr(), logits.len(), &mut rng.0, &mut token) })?;
+        Ok(token)
+    }
+
+    /// Resets the cache, runs the prompt (in chunks of as many rows as
+    /// `logits` holds, at most max_batch), then draws `out.len()` tokens into
+    /// `out`, feeding each back but the last: the loop of the Python
+    /// binding's `LM.generate`, so the same seed gives the same tokens.
+    /// `logits` is the caller's scratch, at least one row (`vocab` floats).
+    /// Checked before anything runs: an empty prompt is [`Status::BadBatch`],
+    /// a `logits` shorter than a row [`Status::BufferSize`], a generation
+    /// past max_seq_len [`Status::CacheFull`].
+    pub fn lm_generate(
+        &mut self,
+        prompt: &[i32],
+        sampler: &Sampler,
+        rng: &mut Rng,
+        logits: &mut [f32],
+        out: &mut [i32],
+    ) -> Result<(), Status> {
+        let vocab = self.info.vocab_size as usize;
+        if vocab == 0 {
+            return Err(Status::ModelKind);
+        }
+        if prompt.is_empty() {
+            return Err(Status::BadBatch);
+        }
+        let rows = (logits.len() / vocab).min(self.info.max_batch as usize);
+        if rows == 0 {
+            return Err(Status::BufferSize);
+        }
+        if prompt.len() + out.len().saturating_sub(1) > self.info.max_seq_len as usize {
+            return Err(Status::CacheFull);
+        }
+        self.lm_reset()?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let mut last = 0;
+        for chunk in prompt.chunks(rows) {
+            self.lm_forward(chunk, &mut logits[..chunk.len() * vocab])?;
+            last = chunk.len() - 1;
+        }
+        out[0] = self.lm_sample(sampler, &logits[last * vocab..(last + 1) * vocab], rng)?;
+        for made in 1..out.len() {
+            self.lm_forward(&out[made - 1..made], &mut logits[..vocab])?;
+            out[made] = self.lm_sample(sampler, &logits[..vocab], rng)?;
+        }
+        Ok(())
     }
 }
 
