@@ -34,7 +34,7 @@ fn strip_comments(src: &str) -> String {
         let block = rest.find("/*");
         let line = rest.find("//");
         match (block, line) {
-            (Some(b), l) if l.map_or(true, |l| b < l) => {
+            (Some(b), l) if l.is_none_or(|l| b < l) => {
                 out += &rest[..b];
                 let end = rest[b..].find("*/").expect("unterminated comment") + b + 2;
                 rest = &rest[end..];
