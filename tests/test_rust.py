@@ -18,6 +18,7 @@ from colibri import image
 from colibri.exporter import export
 
 import lmmodels
+from conftest import CORE, make
 from randmodels import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,10 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     cases = [_write_feature(tmp_path, *m) for m in FEATURE_MODELS]
     cases += [_write_lm(tmp_path, *m) for m in LM_MODELS]
     (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
+    # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
+    # other pytest workers take, leaves build.rs's own `make` nothing to write.
+    built = make("-C", str(CORE), "host")
+    assert built.returncode == 0, built.stdout + built.stderr
     env = dict(os.environ, COLIBRI_RUST_FIXTURES=str(tmp_path))
     env["PATH"] = f"{Path(CARGO).parent}{os.pathsep}{env['PATH']}"
     result = subprocess.run([CARGO, "test", "--offline", "--workspace"], cwd=WORKSPACE, env=env,
