@@ -59,3 +59,9 @@ if ! .venv/bin/python scripts/source_hash.py check >/dev/null; then
     .venv/bin/pip install -q --no-build-isolation --no-deps -e .
     .venv/bin/python scripts/source_hash.py check
 fi
+# Rust (bindings/rust, tests/test_rust.py): not a Debian package here; the bindings need a
+# toolchain with `cargo` (any channel; no crates from a registry). Reported, not installed.
+if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+    echo "setup: cargo not found: tests/test_rust.py will be skipped. Install Rust with rustup:"
+    echo "       curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y"
+fi

@@ -1,0 +1,316 @@
+//! Raw bindings to the Colibri C engine: every declaration of
+//! `firmware/colibri_core/include/colibri.h` and `colibri_format.h`, written
+//! by hand (no bindgen: the build is offline with no registry) and held to the
+//! header by `tests/drift.rs` (sizes, offsets, constants, statuses and every
+//! `COLIBRI_API` prototype, checked by the C compiler).
+//!
+//! `no_std`, no allocation: the engine itself allocates nothing, and neither
+//! does anything here. The safe API is the `colibri` crate.
+#![no_std]
+#![allow(non_camel_case_types)]
+
+use core::ffi::{c_char, c_int, c_void};
+
+/// `enum colibri_status`: an `int` (its values are negative). Kept as an
+/// integer, not a Rust enum, since a C function may return a value this
+/// declaration does not list; the safe crate maps it.
+pub type colibri_status = c_int;
+
+// ---- colibri_format.h ----
+pub const COLIBRI_MAGIC: u32 = 0x52424C43;
+pub const COLIBRI_FORMAT_VERSION: u32 = 2;
+pub const COLIBRI_FORMAT_VERSION_MIN: u32 = 1;
+pub const COLIBRI_FORMAT_VERSION_MAX: u32 = 4;
+pub const COLIBRI_NONE: u32 = 0xFFFFFFFF;
+pub const COLIBRI_PAYLOAD_ALIGN: u32 = 32;
+pub const COLIBRI_PAGE_SIZE: u32 = 4096;
+pub const COLIBRI_MAX_BATCH_LIMIT: u32 = 65535;
+pub const COLIBRI_MAX_ROUTES: u32 = 65535;
+pub const COLIBRI_MAX_SHARED: u32 = 16;
+pub const COLIBRI_MAX_RESIDUAL_DEPTH: u32 = 16;
+pub const COLIBRI_HEADER_CRC_OFFSET: u32 = 8;
+pub const COLIBRI_CRC_START: u32 = 12;
+pub const COLIBRI_TENSOR_CRC_VERSION: u32 = 3;
+pub const COLIBRI_LM_VERSION: u32 = 4;
+pub const COLIBRI_Q8_PARAMS_HEADER: u32 = 8;
+pub const COLIBRI_Q8_FLAG_BIAS: u32 = 1;
+pub const COLIBRI_HEADER_SIZE: u32 = 80;
+pub const COLIBRI_TENSOR_SIZE: u32 = 24;
+pub const COLIBRI_LAYER_SIZE: u32 = 32;
+pub const COLIBRI_MOE_SIZE: u32 = 48;
+pub const COLIBRI_EXPERT_SIZE: u32 = 32;
+pub const COLIBRI_ATTENTION_SIZE: u32 = 80;
+pub const COLIBRI_FLAG_PAGE_ALIGNED: u32 = 1;
+pub const COLIBRI_LAYER_FLAG_INT8_ACT: u32 = 1;
+pub const COLIBRI_EXPERT_FLAG_INT8_ACT: u32 = 1;
+pub const COLIBRI_DTYPE_F32: u32 = 1;
+pub const COLIBRI_DTYPE_F16: u32 = 2;
+pub const COLIBRI_DTYPE_I8: u32 = 3;
+pub const COLIBRI_DTYPE_I32: u32 = 4;
+pub const COLIBRI_DTYPE_Q8_PARAMS: u32 = 5;
+pub const COLIBRI_OP_LINEAR: u32 = 1;
+pub const COLIBRI_OP_ACTIVATION: u32 = 2;
+pub const COLIBRI_OP_LAYERNORM: u32 = 3;
+pub const COLIBRI_OP_RMSNORM: u32 = 4;
+pub const COLIBRI_OP_RESIDUAL_PUSH: u32 = 5;
+pub const COLIBRI_OP_RESIDUAL_ADD: u32 = 6;
+pub const COLIBRI_OP_MOE: u32 = 7;
+pub const COLIBRI_OP_EMBED: u32 = 8;
+pub const COLIBRI_OP_ATTENTION: u32 = 9;
+pub const COLIBRI_ACT_RELU: u32 = 1;
+pub const COLIBRI_ACT_GELU_ERF: u32 = 2;
+pub const COLIBRI_ACT_GELU_TANH: u32 = 3;
+pub const COLIBRI_ACT_SILU: u32 = 4;
+pub const COLIBRI_ACT_TANH: u32 = 5;
+pub const COLIBRI_ACT_SIGMOID: u32 = 6;
+pub const COLIBRI_ROUTING_TOP1: u32 = 1;
+pub const COLIBRI_ROUTING_TOPK_SOFTMAX: u32 = 2;
+pub const COLIBRI_ROUTING_SOFTMAX_TOPK: u32 = 3;
+pub const COLIBRI_ROUTING_DENSE: u32 = 4;
+pub const COLIBRI_MOE_FLAG_RENORMALIZE: u32 = 1;
+pub const COLIBRI_EXPERT_MLP: u32 = 1;
+pub const COLIBRI_EXPERT_GLU: u32 = 2;
+
+// enum colibri_status
+pub const COLIBRI_OK: colibri_status = 0;
+pub const COLIBRI_E_NULL_ARG: colibri_status = -1;
+pub const COLIBRI_E_TRUNCATED: colibri_status = -2;
+pub const COLIBRI_E_BAD_MAGIC: colibri_status = -3;
+pub const COLIBRI_E_BAD_VERSION: colibri_status = -4;
+pub const COLIBRI_E_BAD_HEADER: colibri_status = -5;
+pub const COLIBRI_E_BAD_CRC: colibri_status = -6;
+pub const COLIBRI_E_TABLE_BOUNDS: colibri_status = -7;
+pub const COLIBRI_E_TENSOR_BOUNDS: colibri_status = -8;
+pub const COLIBRI_E_BAD_TENSOR: colibri_status = -9;
+pub const COLIBRI_E_BAD_REF: colibri_status = -10;
+pub const COLIBRI_E_BAD_LAYER: colibri_status = -11;
+pub const COLIBRI_E_BAD_MOE: colibri_status = -12;
+pub const COLIBRI_E_UNSUPPORTED: colibri_status = -13;
+pub const COLIBRI_E_ARENA_TOO_SMALL: colibri_status = -14;
+pub const COLIBRI_E_ARENA_ALIGN: colibri_status = -15;
+pub const COLIBRI_E_IMAGE_ALIGN: colibri_status = -16;
+pub const COLIBRI_E_BAD_BATCH: colibri_status = -17;
+pub const COLIBRI_E_BUFFER_SIZE: colibri_status = -18;
+pub const COLIBRI_E_BAD_CONTEXT: colibri_status = -19;
+pub const COLIBRI_E_BAD_QUANT: colibri_status = -20;
+pub const COLIBRI_E_BAD_COMPENSATION: colibri_status = -21;
+pub const COLIBRI_E_UNSUPPORTED_VERSION: colibri_status = -22;
+pub const COLIBRI_E_BAD_EXEC: colibri_status = -23;
+pub const COLIBRI_E_BAD_PAYLOAD_CRC: colibri_status = -24;
+pub const COLIBRI_E_FILE_NOT_FOUND: colibri_status = -25;
+pub const COLIBRI_E_FILE_OPEN: colibri_status = -26;
+pub const COLIBRI_E_MMAP_FAILED: colibri_status = -27;
+pub const COLIBRI_E_MLOCK_FAILED: colibri_status = -28;
+pub const COLIBRI_E_FILE_CHANGED: colibri_status = -29;
+pub const COLIBRI_E_NO_SUCH_EXPERT: colibri_status = -30;
+pub const COLIBRI_E_BAD_ATTENTION: colibri_status = -31;
+pub const COLIBRI_E_CACHE_FULL: colibri_status = -32;
+pub const COLIBRI_E_BAD_TOKEN: colibri_status = -33;
+pub const COLIBRI_E_MODEL_KIND: colibri_status = -34;
+pub const COLIBRI_E_BAD_SAMPLER: colibri_status = -35;
+pub const COLIBRI_E_NAN_LOGITS: colibri_status = -36;
+
+// ---- colibri.h ----
+pub const COLIBRI_VERSION_MAJOR: u32 = 0;
+pub const COLIBRI_VERSION_MINOR: u32 = 1;
+pub const COLIBRI_VERSION_PATCH: u32 = 0;
+pub const COLIBRI_VERSION_STRING: &str = "0.1.0";
+pub const COLIBRI_ARENA_ALIGN: u32 = 8;
+pub const COLIBRI_CHECK_FULL: u32 = 0;
+pub const COLIBRI_CHECK_STRUCTURE: u32 = 1;
+pub const COLIBRI_EXPERT_DECLINED: colibri_status = 1;
+pub const COLIBRI_EXEC_SIZE_V1: u32 = core::mem::size_of::<colibri_exec>() as u32;
+
+/// The engine's context: opaque, it lives inside the caller's arena.
+#[repr(C)]
+pub struct colibri_ctx {
+    _opaque: [u8; 0],
+    // Not Send/Sync/Unpin: the engine owns its layout and a context is single-threaded.
+    _marker: core::marker::PhantomData<(*mut u8, core::marker::PhantomPinned)>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct colibri_model_info {
+    pub format_version: u32,
+    pub image_size: u32,
+    pub flags: u32,
+    pub input_size: u32,
+    pub output_size: u32,
+    pub max_batch: u32,
+    pub num_layers: u32,
+    pub num_tensors: u32,
+    pub num_moe_layers: u32,
+    pub num_experts: u32,
+    pub num_shared_experts: u32,
+    pub num_parameters: u64,
+    pub arena_size: usize,
+    pub vocab_size: u32,
+    pub max_seq_len: u32,
+    pub kv_cache_bytes: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct colibri_route {
+    pub layer: u32,
+    pub first_expert: u32,
+    pub experts: u32,
+    pub shared: u32,
+    pub batch: usize,
+    pub tokens: *const u32,
+    pub token: *const u16,
+    pub gate: *const f32,
+}
+
+pub type colibri_on_route_fn =
+    Option<unsafe extern "C" fn(user: *mut c_void, route: *const colibri_route) -> colibri_status>;
+pub type colibri_task_fn = Option<unsafe extern "C" fn(arg: *mut c_void, task: usize, worker: usize)>;
+pub type colibri_parallel_for_fn = Option<
+    unsafe extern "C" fn(user: *mut c_void, f: colibri_task_fn, arg: *mut c_void, n_tasks: usize) -> colibri_status,
+>;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct colibri_expert_call {
+    pub struct_size: u32,
+    pub layer: u32,
+    pub expert: u32,
+    pub d: u32,
+    pub hidden: u32,
+    pub kind: u8,
+    pub activation: u8,
+    pub reserved: u16,
+    pub worker: u32,
+    pub w1: *const c_void,
+    pub w2: *const c_void,
+    pub w3: *const c_void,
+    pub b1: *const f32,
+    pub b2: *const f32,
+    pub b3: *const f32,
+    pub n: usize,
+    pub x: *const f32,
+    pub x_rows: *const u16,
+    pub gate: *const f32,
+    pub y: *mut f32,
+    pub y_rows: *const u16,
+}
+
+pub type colibri_expert_fn =
+    Option<unsafe extern "C" fn(user: *mut c_void, call: *const colibri_expert_call) -> colibri_status>;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct colibri_exec {
+    pub struct_size: u32,
+    pub workers: u32,
+    pub on_route: colibri_on_route_fn,
+    pub on_route_user: *mut c_void,
+    pub parallel_for: colibri_parallel_for_fn,
+    pub parallel_for_user: *mut c_void,
+    pub expert: colibri_expert_fn,
+    pub expert_user: *mut c_void,
+}
+
+impl colibri_exec {
+    /// `COLIBRI_EXEC_INIT`: no workers, no callbacks (exactly `colibri_forward`).
+    pub const INIT: colibri_exec = colibri_exec {
+        struct_size: core::mem::size_of::<colibri_exec>() as u32,
+        workers: 0,
+        on_route: None,
+        on_route_user: core::ptr::null_mut(),
+        parallel_for: None,
+        parallel_for_user: core::ptr::null_mut(),
+        expert: None,
+        expert_user: core::ptr::null_mut(),
+    };
+}
+
+/// `enum colibri_kernel_set`: no negative value, so gcc and clang give it `unsigned int`.
+pub type colibri_kernel_set = u32;
+pub const COLIBRI_KERNELS_OPTIMISED: colibri_kernel_set = 0;
+pub const COLIBRI_KERNELS_REFERENCE: colibri_kernel_set = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct colibri_rng {
+    pub state: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct colibri_sampler {
+    pub struct_size: u32,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+}
+
+extern "C" {
+    pub fn colibri_validate(image: *const c_void, image_len: usize) -> colibri_status;
+    pub fn colibri_validate_ex(image: *const c_void, image_len: usize, level: u32) -> colibri_status;
+    pub fn colibri_model_size(image: *const c_void, image_len: usize, arena_size: *mut usize) -> colibri_status;
+    pub fn colibri_init(
+        ctx: *mut *mut colibri_ctx,
+        arena: *mut c_void,
+        arena_size: usize,
+        image: *const c_void,
+        image_len: usize,
+    ) -> colibri_status;
+    pub fn colibri_init_ex(
+        ctx: *mut *mut colibri_ctx,
+        arena: *mut c_void,
+        arena_size: usize,
+        image: *const c_void,
+        image_len: usize,
+        level: u32,
+    ) -> colibri_status;
+    pub fn colibri_forward(
+        ctx: *mut colibri_ctx,
+        batch: usize,
+        input: *const f32,
+        input_count: usize,
+        output: *mut f32,
+        output_count: usize,
+    ) -> colibri_status;
+    pub fn colibri_model_size_ex(
+        image: *const c_void,
+        image_len: usize,
+        workers: usize,
+        arena_size: *mut usize,
+    ) -> colibri_status;
+    pub fn colibri_forward_ex(
+        ctx: *mut colibri_ctx,
+        exec: *const colibri_exec,
+        batch: usize,
+        input: *const f32,
+        input_count: usize,
+        output: *mut f32,
+        output_count: usize,
+    ) -> colibri_status;
+    pub fn colibri_set_kernels(ctx: *mut colibri_ctx, set: colibri_kernel_set) -> colibri_status;
+    pub fn colibri_kernels_name(ctx: *const colibri_ctx) -> *const c_char;
+    pub fn colibri_free(ctx: *mut colibri_ctx) -> colibri_status;
+    pub fn colibri_lm_reset(ctx: *mut colibri_ctx) -> colibri_status;
+    pub fn colibri_lm_position(ctx: *const colibri_ctx, position: *mut u32) -> colibri_status;
+    pub fn colibri_lm_forward(
+        ctx: *mut colibri_ctx,
+        tokens: *const i32,
+        n: u32,
+        logits: *mut f32,
+        logits_len: usize,
+    ) -> colibri_status;
+    pub fn colibri_rng_seed(rng: *mut colibri_rng, seed: u64);
+    pub fn colibri_lm_sample(
+        ctx: *mut colibri_ctx,
+        sampler: *const colibri_sampler,
+        logits: *const f32,
+        logits_len: usize,
+        rng: *mut colibri_rng,
+        token: *mut i32,
+    ) -> colibri_status;
+    pub fn colibri_get_num_experts(image: *const c_void, image_len: usize, num_experts: *mut u32) -> colibri_status;
+    pub fn colibri_get_info(image: *const c_void, image_len: usize, info: *mut colibri_model_info) -> colibri_status;
+    pub fn colibri_strerror(status: c_int) -> *const c_char;
+    pub fn colibri_version() -> *const c_char;
+}

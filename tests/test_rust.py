@@ -1,0 +1,84 @@
+"""The Rust bindings (bindings/rust): exports feature and token models, runs them through the Python
+engine, and runs `cargo test --offline` on the workspace with COLIBRI_RUST_FIXTURES naming the files,
+so the Rust crates are held to the Python engine's outputs (colibri/tests/engine.rs) and colibri-sys
+to colibri.h (colibri-sys/tests/drift.rs). Cargo's target directory is build/rust."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import colibri
+from colibri import image
+from colibri.exporter import export
+
+import lmmodels
+from conftest import CORE, make
+from randmodels import random_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKSPACE = ROOT / "bindings" / "rust"
+CARGO = shutil.which("cargo") or next(
+    (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None)
+
+pytestmark = pytest.mark.skipif(
+    CARGO is None, reason="cargo is not installed (scripts/setup.sh says how: rustup, https://rustup.rs)")
+
+# (name, random_model seed, weight dtype)
+FEATURE_MODELS = [("feat0-f32", 0, "f32"), ("feat1-f16", 1, "f16"), ("feat2-q8", 2, "q8")]
+# (name, token_model seed and options, temperature, top_k, top_p, seed, new tokens)
+LM_MODELS = [("lm-greedy", 3, {}, 0.0, 0, 1.0, 0, 10),
+             ("lm-sampled", 4, dict(kv_dtype=colibri.format.DType.F16), 0.8, 12, 0.9, 1234, 12)]
+
+
+def _write_feature(out: Path, name: str, seed: int, dtype: str) -> str:
+    model, d_in, max_batch = random_model(seed)
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, max_batch + 1))
+    x = rng.standard_normal((batch, d_in)).astype(np.float32)
+    calibration = rng.standard_normal((64, d_in)).astype(np.float32) if dtype == "q8" else None
+    data = export(model, None, max_batch=max_batch, dtype=dtype, calibration=calibration).image
+    (out / f"{name}.bin").write_bytes(data)
+    (out / f"{name}.in.f32").write_bytes(x.tobytes())
+    (out / f"{name}.ref.f32").write_bytes(colibri.Model(data, reference_kernels=True).forward(x).tobytes())
+    (out / f"{name}.opt.f32").write_bytes(colibri.Model(data).forward(x).tobytes())
+    return f"feature {name} {batch}"
+
+
+def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float, top_k: int, top_p: float,
+              sample_seed: int, new: int) -> str:
+    data = image.write(lmmodels.token_model(seed, **options))
+    lm = colibri.LM(data, reference_kernels=True)
+    prompt = np.random.default_rng(seed).integers(0, lm.vocab_size, 5).astype(np.int32)
+    lm.reset()
+    logits = lm.forward_tokens(prompt)
+    tokens = lm.generate(prompt, new, temperature, top_k, top_p, sample_seed)
+    (out / f"{name}.bin").write_bytes(data)
+    (out / f"{name}.prompt.i32").write_bytes(prompt.tobytes())
+    (out / f"{name}.logits.f32").write_bytes(np.ascontiguousarray(logits, np.float32).tobytes())
+    (out / f"{name}.gen.i32").write_bytes(np.array(tokens, np.int32).tobytes())
+    return f"lm {name} {temperature!r} {top_k} {top_p!r} {sample_seed} {new}"
+
+
+def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cases = [_write_feature(tmp_path, *m) for m in FEATURE_MODELS]
+    cases += [_write_lm(tmp_path, *m) for m in LM_MODELS]
+    (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
+    # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
+    # other pytest workers take, leaves build.rs's own `make` nothing to write.
+    built = make("-C", str(CORE), "host")
+    assert built.returncode == 0, built.stdout + built.stderr
+    env = dict(os.environ, COLIBRI_RUST_FIXTURES=str(tmp_path))
+    env["PATH"] = f"{Path(CARGO).parent}{os.pathsep}{env['PATH']}"
+    result = subprocess.run([CARGO, "test", "--offline", "--workspace"], cwd=WORKSPACE, env=env,
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
+    # The drift checks (2), the engine comparisons and error paths (8): none filtered out or missing.
+    assert passed >= 10, result.stdout
