@@ -212,3 +212,27 @@ def test_bad_hooks() -> None:
     m = colibri.Model(bytes(export(_net(), None, max_batch=BATCH).image))
     with pytest.raises(TypeError, match="expert must be callable"):
         m.forward(np.zeros((1, 10), np.float32), expert=3)
+
+
+def test_second_thread_device_in_c(c_drivers, tmp_path) -> None:
+    """tests/c/colibri_hook_test.c: the hook hands each expert to a device thread with its own code (double
+    sums from the F32/F16 payloads in place; I8 declined), single-threaded and over a 2-worker pool, within
+    its TOLERANCE (1e-6 of 1 + max|y|); failing on an expert returns the status, the next forward is exact."""
+    import subprocess
+
+    paths = []
+    for name, kw in DTYPES.items():
+        paths.append(tmp_path / f"{name}.clb")
+        export(_net(), paths[-1], max_batch=BATCH, **kw)
+    torch.manual_seed(3)  # MLP experts, every activation the exporter writes, no shared expert
+    for act in cnn.ACTIVATIONS:
+        paths.append(tmp_path / f"mlp-{act}.clb")
+        export(torch.nn.Sequential(cnn.MoE(10, 3, 17, top_k=2, routing="softmax_topk", activation=act)), paths[-1],
+               max_batch=BATCH)
+    r = subprocess.run([str(c_drivers / "colibri_hook_test"), *map(str, paths)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert f"hook ok: {len(paths)} images" in r.stdout
+    ran = [line for line in r.stdout.splitlines() if "device ran" in line]
+    assert all("ran 0 " not in line for line in ran if "q8" not in line)  # f32/f16 experts ran on the device
+    print(r.stdout.splitlines()[-1])
