@@ -11,6 +11,8 @@ What the hook is shown is checked too: the engine's own rows (no copies, the sam
 expert of a layer), the tokens and gates on_route announced."""
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,8 @@ from colibri import nn as cnn
 from colibri import reference
 from colibri.exporter import export
 from colibri.ir import F16Weight, Q8Weight
+
+from conftest import build_c_tests
 
 BATCH = 12
 # |hook - engine| <= TOLERANCE · (1 + max |engine output|), per model. The numpy device sums in
@@ -214,12 +218,9 @@ def test_bad_hooks() -> None:
         m.forward(np.zeros((1, 10), np.float32), expert=3)
 
 
-def test_second_thread_device_in_c(c_drivers, tmp_path) -> None:
-    """tests/c/colibri_hook_test.c: the hook hands each expert to a device thread with its own code (double
-    sums from the F32/F16 payloads in place; I8 declined), single-threaded and over a 2-worker pool, within
-    its TOLERANCE (1e-6 of 1 + max|y|); failing on an expert returns the status, the next forward is exact."""
-    import subprocess
-
+@pytest.fixture(scope="module")
+def hook_images(tmp_path_factory) -> list:
+    tmp_path = tmp_path_factory.mktemp("hook")
     paths = []
     for name, kw in DTYPES.items():
         paths.append(tmp_path / f"{name}.clb")
@@ -229,6 +230,14 @@ def test_second_thread_device_in_c(c_drivers, tmp_path) -> None:
         paths.append(tmp_path / f"mlp-{act}.clb")
         export(torch.nn.Sequential(cnn.MoE(10, 3, 17, top_k=2, routing="softmax_topk", activation=act)), paths[-1],
                max_batch=BATCH)
+    return paths
+
+
+def test_second_thread_device_in_c(c_drivers, hook_images) -> None:
+    """tests/c/colibri_hook_test.c: the hook hands each expert to a device thread with its own code (double
+    sums from the F32/F16 payloads in place; I8 declined), single-threaded and over a 2-worker pool, within
+    its TOLERANCE (1e-6 of 1 + max|y|); failing on an expert returns the status, the next forward is exact."""
+    paths = hook_images
     r = subprocess.run([str(c_drivers / "colibri_hook_test"), *map(str, paths)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
@@ -236,3 +245,13 @@ def test_second_thread_device_in_c(c_drivers, tmp_path) -> None:
     ran = [line for line in r.stdout.splitlines() if "device ran" in line]
     assert all("ran 0 " not in line for line in ran if "q8" not in line)  # f32/f16 experts ran on the device
     print(r.stdout.splitlines()[-1])
+
+
+def test_second_thread_device_under_threadsanitizer(hook_images) -> None:
+    """The device thread, the pool's workers and the engine share the rows only through the hook's
+    handshake: ThreadSanitizer finds no race."""
+    r = subprocess.run([str(build_c_tests("tsan") / "colibri_hook_test"), *map(str, hook_images)],
+                       capture_output=True, text=True, timeout=900,
+                       env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "ThreadSanitizer" not in r.stderr
