@@ -255,3 +255,13 @@ def test_second_thread_device_under_threadsanitizer(hook_images) -> None:
                        env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "ThreadSanitizer" not in r.stderr
+
+
+def test_a_mapped_model_file(tmp_path, x) -> None:
+    """A model mapped from its file (weights verified on first use through on_route) offers the mapping's
+    payloads to the hook in the same way."""
+    path = tmp_path / "m.clb"
+    export(_net(), path, max_batch=BATCH, dtype="f16")
+    m = colibri.Model(path)
+    assert m.file is not None
+    assert _within(m.forward(x, expert=numpy_device), m.forward(x)) <= TOLERANCE
