@@ -425,13 +425,87 @@ static colibri_status py_on_route(void *user, const colibri_route *r) {
     return st;
 }
 
+/* colibri_exec.expert into a Python callable (the accelerator hook, include/colibri.h):
+ * fn(layer, expert, kind, activation, d, hidden, payloads, n, x, x_rows, gate, y, y_rows) with
+ * payloads the byte offsets in the image of (w1, w2, w3, b1, b2, b3), -1 for an absent one (engine.py
+ * turns them into numpy views of the image), and x, x_rows, gate, y, y_rows memoryviews of the
+ * engine's own rows, not copies: x [rows, d] f32, y [rows, d] f32 writable, with rows the batch
+ * through an index list and n without one. They are released after the call: a view kept past it
+ * would read the arena of a later pass. fn returns True once it has accumulated into y, False to
+ * decline (the engine runs the expert); an exception stops the pass and is re-raised. */
+typedef struct expert_hook {
+    PyObject *fn;
+    int raised;
+    const uint8_t *image;
+    size_t batch;
+} expert_hook;
+
+static PyObject *rows_view(const void *p, size_t bytes, int writable) {
+    if (p == NULL) {
+        Py_RETURN_NONE;
+    }
+    return PyMemoryView_FromMemory((char *)(uintptr_t)p, (Py_ssize_t)bytes, writable ? PyBUF_WRITE : PyBUF_READ);
+}
+
+static colibri_status py_expert(void *user, const colibri_expert_call *c) {
+    expert_hook *h = user;
+    PyGILState_STATE g = PyGILState_Ensure();
+    const void *payload[6] = {c->w1, c->w2, c->w3, c->b1, c->b2, c->b3};
+    PyObject *offsets = PyTuple_New(6);
+    const size_t x_n = c->x_rows ? h->batch : c->n, y_n = c->y_rows ? h->batch : c->n;
+    PyObject *view[5] = {rows_view(c->x, x_n * c->d * sizeof(float), 0),
+                         rows_view(c->x_rows, c->n * sizeof(uint16_t), 0), rows_view(c->gate, c->n * sizeof(float), 0),
+                         rows_view(c->y, y_n * c->d * sizeof(float), 1),
+                         rows_view(c->y_rows, c->n * sizeof(uint16_t), 0)};
+    int ok = offsets != NULL;
+    for (int i = 0; i < 5; i++)
+        ok = ok && view[i] != NULL;
+    for (Py_ssize_t i = 0; ok && i < 6; i++) {
+        PyObject *o = PyLong_FromSsize_t(payload[i] ? (Py_ssize_t)((const uint8_t *)payload[i] - h->image) : -1);
+        ok = o != NULL;
+        if (ok)
+            PyTuple_SET_ITEM(offsets, i, o);
+    }
+    PyObject *res = NULL;
+    if (ok)
+        res = PyObject_CallFunction(h->fn, "IIIIIIOnOOOOO", (unsigned)c->layer, (unsigned)c->expert, (unsigned)c->kind,
+                                    (unsigned)c->activation, (unsigned)c->d, (unsigned)c->hidden, offsets,
+                                    (Py_ssize_t)c->n, view[0], view[1], view[2], view[3], view[4]);
+    colibri_status st = COLIBRI_OK;
+    int truth = res ? PyObject_IsTrue(res) : -1;
+    if (truth < 0) {
+        h->raised = 1;
+        st = COLIBRI_E_BAD_EXEC;
+    } else if (!truth) {
+        st = COLIBRI_EXPERT_DECLINED;
+    }
+    Py_XDECREF(res);
+    Py_XDECREF(offsets);
+    /* The callable's exception waits while the views are released; a view still exported (an
+     * array the callable kept) refuses, and stays valid only as long as the docs say: the call. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int i = 0; i < 5; i++) {
+        if (view[i] != NULL && view[i] != Py_None) {
+            PyObject *r = PyObject_CallMethod(view[i], "release", NULL);
+            if (r == NULL)
+                PyErr_Clear();
+            Py_XDECREF(r);
+        }
+        Py_XDECREF(view[i]);
+    }
+    PyErr_Restore(type, value, tb);
+    PyGILState_Release(g);
+    return st;
+}
+
 /* forward_ex(input, output, batch, on_route): colibri_forward_ex with a Python on_route. */
 /* One forward pass into Python: input/output are C-contiguous float32 buffers; fn, when not
  * NULL, is on_route(layer, experts, tokens). A mapped model checks its file first (truncated
  * in place it would SIGBUS the pass) and, unless advise is off, has the routed experts' pages
  * advised in and verified on first use before they run. */
 static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject *out_obj, Py_ssize_t batch,
-                                 PyObject *fn) {
+                                 PyObject *fn, PyObject *expert_fn) {
     if (self->ctx == NULL) {
         return raise_status(COLIBRI_E_BAD_CONTEXT);
     }
@@ -454,6 +528,11 @@ static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject
         int st;
         route_call rc = {fn, 0, self->file != NULL && self->advise ? self->file->file : NULL};
         colibri_exec exec = COLIBRI_EXEC_INIT;
+        expert_hook eh = {expert_fn, 0, image_bytes(self), (size_t)batch};
+        if (expert_fn != NULL) {
+            exec.expert = py_expert;
+            exec.expert_user = &eh;
+        }
         if (fn != NULL) {
             exec.on_route = py_on_route;
             exec.on_route_user = &rc;
@@ -464,7 +543,7 @@ static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
-        if (st == COLIBRI_OK && exec.on_route != NULL)
+        if (st == COLIBRI_OK && (exec.on_route != NULL || exec.expert != NULL))
             st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
                                     (float *)out.buf, (size_t)(out.len / 4));
         else if (st == COLIBRI_OK)
@@ -472,7 +551,7 @@ static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject
                                  (float *)out.buf, (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
-        if (rc.raised)
+        if (rc.raised || eh.raised)
             result = NULL; /* the callback's exception is set */
         else
             result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
@@ -489,21 +568,26 @@ static PyObject *Context_forward(ContextObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOn", &in_obj, &out_obj, &batch)) {
         return NULL;
     }
-    return context_forward(self, in_obj, out_obj, batch, NULL);
+    return context_forward(self, in_obj, out_obj, batch, NULL, NULL);
 }
 
-/* forward_ex(input, output, batch, on_route) */
+/* forward_ex(input, output, batch, on_route, expert=None): either callable may be None */
 static PyObject *Context_forward_ex(ContextObject *self, PyObject *args) {
-    PyObject *in_obj, *out_obj, *fn;
+    PyObject *in_obj, *out_obj, *fn, *expert_fn = Py_None;
     Py_ssize_t batch;
-    if (!PyArg_ParseTuple(args, "OOnO", &in_obj, &out_obj, &batch, &fn)) {
+    if (!PyArg_ParseTuple(args, "OOnO|O", &in_obj, &out_obj, &batch, &fn, &expert_fn)) {
         return NULL;
     }
-    if (!PyCallable_Check(fn)) {
+    if (fn != Py_None && !PyCallable_Check(fn)) {
         PyErr_SetString(PyExc_TypeError, "on_route must be callable");
         return NULL;
     }
-    return context_forward(self, in_obj, out_obj, batch, fn);
+    if (expert_fn != Py_None && !PyCallable_Check(expert_fn)) {
+        PyErr_SetString(PyExc_TypeError, "expert must be callable");
+        return NULL;
+    }
+    return context_forward(self, in_obj, out_obj, batch, fn == Py_None ? NULL : fn,
+                           expert_fn == Py_None ? NULL : expert_fn);
 }
 
 static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -699,7 +783,7 @@ static PyMethodDef Context_methods[] = {
     {"kernels", (PyCFunction)Context_kernels, METH_NOARGS, "the kernels forward runs: 'reference' or the backend"},
     {"forward", (PyCFunction)Context_forward, METH_VARARGS, "forward(input, output, batch)"},
     {"forward_ex", (PyCFunction)Context_forward_ex, METH_VARARGS,
-     "forward_ex(input, output, batch, on_route): colibri_forward_ex with on_route(layer, experts, tokens)"},
+     "forward_ex(input, output, batch, on_route, expert=None): colibri_forward_ex with on_route(layer, experts, tokens) and the expert hook"},
     {"info", (PyCFunction)Context_info, METH_NOARGS, "model info as a dict"},
     {"lm_reset", (PyCFunction)Context_lm_reset, METH_NOARGS, "colibri_lm_reset: empty the KV cache"},
     {"lm_position", (PyCFunction)Context_lm_position, METH_NOARGS, "colibri_lm_position: positions cached"},

@@ -10,6 +10,7 @@ import numpy as np
 from . import _engine, sources
 from .errors import error_for
 from .format import Status
+from .ir import Expert, F16Weight, Q8Weight
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
@@ -116,6 +117,43 @@ def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise
     return None, image, _call(_engine.Context, image, reference_kernels)
 
 
+class ExpertCall:
+    """One expert over a ring of tokens, as the engine offers it to the accelerator hook
+    (colibri_expert_call, include/colibri.h). Nothing is copied: `spec` is the image's expert
+    record with its weights as numpy views of the image (`w1`, `w2`, `w3`: float32 arrays,
+    `F16Weight` or `Q8Weight` with its companion's scales, bias and compensation; `b1`..`b3`;
+    `kind`, `act`, `int8_act`), `x` [rows, d] and `y` [rows, d] (writable) are the engine's rows.
+    The hook adds, for i < n, gate[i] · expert(x[x_rows[i]]) into y[y_rows[i]] (an index list
+    None meaning 0 .. n-1, gate None meaning 1). The views are valid during the call only."""
+
+    def __init__(self, layer: int, record: int, spec: Expert, d: int, hidden: int, n: int, x, x_rows, gate, y,
+                 y_rows):
+        self.layer, self.expert, self.spec, self.d, self.hidden, self.n = layer, record, spec, d, hidden, n
+        self.x = np.frombuffer(x, dtype=np.float32).reshape(-1, d)
+        self.y = np.frombuffer(y, dtype=np.float32).reshape(-1, d)
+        self.x_rows = None if x_rows is None else np.frombuffer(x_rows, dtype=np.uint16)
+        self.y_rows = None if y_rows is None else np.frombuffer(y_rows, dtype=np.uint16)
+        self.gate = None if gate is None else np.frombuffer(gate, dtype=np.float32)
+
+    def __repr__(self) -> str:
+        return (f"ExpertCall(layer={self.layer}, expert={self.expert}, {self.spec.kind.name} {self.spec.act.name}, "
+                f"d={self.d}, hidden={self.hidden}, n={self.n})")
+
+
+def _experts_by_w1(image) -> dict[int, Expert]:
+    """Every expert record of an image keyed by its w1 payload's byte offset, which the engine's
+    hook call carries: the structure is read once, the weights stay views of the image."""
+    from .image import read
+
+    base = np.frombuffer(image, dtype=np.uint8).ctypes.data
+    out: dict[int, Expert] = {}
+    for moe in read(image, check="structure").moe_layers():
+        for e in (*moe.experts, *moe.shared):
+            w1 = e.w1.q if isinstance(e.w1, Q8Weight) else e.w1.data if isinstance(e.w1, F16Weight) else e.w1
+            out[w1.ctypes.data - base] = e
+    return out
+
+
 class Model:
     """A model image run by the C engine.
 
@@ -159,14 +197,19 @@ class Model:
         self.num_parameters: int = info["num_parameters"]
         self.arena_size: int = info["arena_size"]
         self.image_size: int = info["image_size"]
+        self._experts_by_w1: dict[int, Expert] | None = None  # read on the first forward with an expert hook
 
-    def forward(self, x: np.ndarray, on_route: Callable[[int, list[int], list[int]], object] | None = None
-                ) -> np.ndarray:
+    def forward(self, x: np.ndarray, on_route: Callable[[int, list[int], list[int]], object] | None = None,
+                expert: Callable[[ExpertCall], bool] | None = None) -> np.ndarray:
         """Runs the rows of x ([batch, input_size] or one row). on_route, if given, is called for each
         MoE layer after routing and before its experts run (colibri_forward_ex): on_route(layer,
         experts, tokens) with the expert records about to run (routed ones that got tokens, then the
         shared ones) and each one's token count; an exception it raises stops the pass and propagates.
-        Batches beyond max_batch run in chunks, each calling on_route again."""
+        expert, if given, is the accelerator hook (docs/accelerator.md): expert(call) for each expert
+        about to run, with a `ExpertCall` of the image's weights and the engine's rows in place; it
+        returns True once it has added the expert's gated output into call.y, False to have the
+        engine run that expert; an exception it raises stops the pass and propagates.
+        Batches beyond max_batch run in chunks, each calling on_route (and expert) again."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         single = x.ndim == 1
         if single:
@@ -176,13 +219,27 @@ class Model:
         out = np.empty((x.shape[0], self.output_size), dtype=np.float32)
         for start in range(0, x.shape[0], self.max_batch):
             chunk = x[start : start + self.max_batch]
-            if on_route is None:
+            if on_route is None and expert is None:
                 _call(self._ctx.forward, chunk, out[start : start + len(chunk)], len(chunk))
             else:
-                _call(self._ctx.forward_ex, chunk, out[start : start + len(chunk)], len(chunk), on_route)
+                hook = None if expert is None else self._expert_hook(expert)
+                _call(self._ctx.forward_ex, chunk, out[start : start + len(chunk)], len(chunk), on_route, hook)
         return out[0] if single else out
 
     __call__ = forward
+
+    def _expert_hook(self, expert: Callable[[ExpertCall], bool]):
+        """The binding's raw hook (payload offsets, memoryviews) as expert(ExpertCall)."""
+        if not callable(expert):
+            raise TypeError(f"expert must be callable, got {type(expert).__name__}")
+        if self._experts_by_w1 is None:
+            self._experts_by_w1 = _experts_by_w1(self.image)
+
+        def hook(layer, record, kind, act, d, hidden, offsets, n, x, x_rows, gate, y, y_rows) -> bool:
+            spec = self._experts_by_w1[offsets[0]]
+            return bool(expert(ExpertCall(layer, record, spec, d, hidden, n, x, x_rows, gate, y, y_rows)))
+
+        return hook
 
     def __repr__(self) -> str:
         return (
