@@ -617,6 +617,8 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"\| C engine vs PyTorch, quickstart model[^\n]*", "row: depends on PyTorch's kernels, quickstart.py prints it"),
     (r"\| host speed, [^\n]*", "timing rows: make bench (bench/bench.py), wall clock on a shared machine, not pinned"),
     (r"\| parallel experts, [^\n]*", "timing row: make bench-exec (bench/exec_bench.py), wall clock, not pinned"),
+    (r"\| tiny King James language model on the host [^\n]*",
+     "timing row: make evaluate-tiny-lm (examples/tiny_lm/evaluate.py), wall clock, not pinned"),
     (r"after 32 tokens of a 1,537 MiB model[^:]*:", "one run of make bench-edge-mmap-full (bench/edge_mmap.py): resident memory, not pinned"),
     (r"took p50/p99 from [^;]*;[^;]*?p99 of [\d.]+ ms", "one run of make bench-edge-jitter (bench/edge_jitter.py): wall-clock latency, not pinned"),
     (r"does not help \([^)]*\)", "one run of make bench-edge-jitter (bench/edge_jitter.py): wall-clock latency, not pinned"),
