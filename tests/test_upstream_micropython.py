@@ -178,26 +178,7 @@ def test_qemu_firmware_runs_the_module(qemu_firmware: tuple[Path, Path], tmp_pat
                f"m.forward(array('f', {x.tolist()}), y)\n"
                "print('VERSION', colibri.version())\n"
                "print('OUT', ' '.join(repr(v) for v in y))\n")
-    _, elf = qemu_firmware
-    proc = subprocess.Popen(["qemu-system-arm", "-M", "mps2-an500", "-display", "none", "-monitor", "none",
-                             "-nodefaults", "-semihosting", "-serial", "stdio", "-kernel", str(elf)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = b""
-    try:
-        proc.stdin.write(session.encode())
-        proc.stdin.flush()
-        deadline = time.monotonic() + 120
-        while not re.search(rb"\nOUT [^\n]*\n", out) and time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-            if ready:
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                out += chunk
-    finally:
-        proc.kill()
-        proc.wait()
-    text = out.decode(errors="replace").replace("\r", "")
+    text = _repl_session(qemu_firmware[1], session, rb"\nOUT [^\n]*\n")
     assert f"\nVERSION {colibri.version()}\n" in text, text[-3000:]
     got = np.array([float(v) for v in text.split("\nOUT ", 1)[1].splitlines()[0].split()], np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -227,7 +208,15 @@ def test_qemu_firmware_runs_the_lm(qemu_firmware: tuple[Path, Path], tmp_path: P
                "print('OUT', lm.generate(b'\\x01\\x02\\x03', 6, out=out), list(out))\n"
                "lm.forward_tokens([24])\n"
                "print('DONE')\n")
-    _, elf = qemu_firmware
+    text = _repl_session(qemu_firmware[1], session, rb"\nDONE\n")
+    assert f"\nIDS {want}\n" in text, text[-3000:]
+    assert f"\nOUT 6 {want}\n" in text, text[-3000:]
+    assert f"\nValueError: colibri: {STATUS_TEXT[Status.BAD_TOKEN]}" in text, text[-3000:]
+
+
+def _repl_session(elf: Path, session: str, done: bytes, timeout: float = 120) -> str:
+    """Types session into the MicroPython REPL of the qemu firmware (mps2-an500, UART on stdio) and
+    returns what it printed (\r removed) once `done` matches, or at the timeout."""
     proc = subprocess.Popen(["qemu-system-arm", "-M", "mps2-an500", "-display", "none", "-monitor", "none",
                              "-nodefaults", "-semihosting", "-serial", "stdio", "-kernel", str(elf)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -235,8 +224,8 @@ def test_qemu_firmware_runs_the_lm(qemu_firmware: tuple[Path, Path], tmp_path: P
     try:
         proc.stdin.write(session.encode())
         proc.stdin.flush()
-        deadline = time.monotonic() + 120
-        while not re.search(rb"\nDONE\n", out.replace(b"\r", b"")) and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while not re.search(done, out.replace(b"\r", b"")) and time.monotonic() < deadline:
             ready, _, _ = select.select([proc.stdout], [], [], 1.0)
             if ready:
                 chunk = os.read(proc.stdout.fileno(), 65536)
@@ -246,7 +235,4 @@ def test_qemu_firmware_runs_the_lm(qemu_firmware: tuple[Path, Path], tmp_path: P
     finally:
         proc.kill()
         proc.wait()
-    text = out.decode(errors="replace").replace("\r", "")
-    assert f"\nIDS {want}\n" in text, text[-3000:]
-    assert f"\nOUT 6 {want}\n" in text, text[-3000:]
-    assert f"\nValueError: colibri: {STATUS_TEXT[Status.BAD_TOKEN]}" in text, text[-3000:]
+    return out.decode(errors="replace").replace("\r", "")
