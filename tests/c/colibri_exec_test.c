@@ -22,20 +22,9 @@
 #include <string.h>
 
 #include "colibri.h"
+#include "colibri_check.h"
 #include "colibri_common.h"
 #include "colibri_pool.h"
-
-static int failures;
-
-#define CHECK(cond, ...)                                 \
-    do {                                                 \
-        if (!(cond)) {                                   \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                \
-            fputc('\n', stderr);                         \
-            failures++;                                  \
-        }                                                \
-    } while (0)
 
 typedef struct route_log {
     size_t calls, batch, entries;

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "colibri.h"
+#include "colibri_check.h"
 #include "colibri_common.h"
 #include "colibri_format.h"
 #include "colibri_pool.h"
@@ -33,18 +34,6 @@
  * worst: 5.7e-8 over tests/test_accelerator_hook.py's images). */
 #define TOLERANCE 1e-6
 #define DEVICE_HIDDEN 4096 /* the device's scratch; larger experts are declined */
-
-static int failures;
-
-#define CHECK(cond, ...)                                         \
-    do {                                                         \
-        if (!(cond)) {                                           \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                        \
-            fputc('\n', stderr);                                 \
-            failures++;                                          \
-        }                                                        \
-    } while (0)
 
 typedef struct device {
     pthread_t thread;
