@@ -7,12 +7,16 @@ Every weight matrix has a name (`weight_names`): `layers.3` for a Linear,
 f32 (`*.router`, `layers.0`); `int8_act` patterns select the layers and
 experts (`layers.0`, `layers.5.experts.*`) that also run with int8
 activations.
+
+Routers and shared-expert gates stay f32 unless `quantize_routers`: they are a
+sliver of the bytes, and a quantised router logit that crosses a near-tie sends
+the token to another expert, which moves its whole output row.
 """
 from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from rich.progress import track
@@ -44,8 +48,34 @@ def _f16_bias(b: np.ndarray) -> np.ndarray:
     return h
 
 
+# Clip search (quantize_q8(clip=True)): each row's scale is the one of CLIP_STEPS evenly spaced shares
+# of its largest |weight|, from 1 down to CLIP_LOWEST, that gives the least (importance-weighted) squared
+# rounding-and-clipping error. Below half the range the clipped tail costs more than finer steps save on
+# any weight distribution a trained layer has.
+CLIP_STEPS = 41
+CLIP_LOWEST = 0.5
+ROUTER_PATTERNS = ("*.router", "*.shared_gate")
+
+
+def _clip_scales(w: np.ndarray, top: np.ndarray, importance: np.ndarray | None, skip: np.ndarray | None) -> np.ndarray:
+    """Per row, the scale top·α/127 (α in [CLIP_LOWEST, 1]) with the least Σ_c imp_c (w − q·s)²; `skip`
+    marks the weights E holds exactly (their error is not the scale's)."""
+    imp = np.ones(w.shape[1], np.float32) if importance is None else np.asarray(importance, np.float32)
+    mask = np.ones_like(w) if skip is None else (~skip).astype(np.float32)
+    best = (top / np.float32(127)).astype(np.float32)
+    best_err = np.full(w.shape[0], np.inf)
+    for alpha in np.linspace(1.0, CLIP_LOWEST, CLIP_STEPS, dtype=np.float32):
+        s = (top * alpha / np.float32(127)).astype(np.float32)
+        safe = np.where(s > 0, s, np.float32(1))
+        q = np.clip(np.rint(w / safe[:, None]), -127, 127)
+        err = (((w - q * safe[:, None]) ** 2) * mask) @ imp
+        better = err < best_err  # ties keep the larger scale (α = 1 first): no clipping without a gain
+        best[better], best_err[better] = s[better], err[better]
+    return best
+
+
 def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bias: np.ndarray | None = None,
-                compact: bool = False) -> Q8Weight:
+                compact: bool = False, clip: bool = False, importance: np.ndarray | None = None) -> Q8Weight:
     """int8 per output channel; E takes the `compensation` share of largest residuals.
 
     The largest-magnitude weights are set aside first so they do not stretch
@@ -55,6 +85,11 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
     `bias` (the layer's, [rows]) travels in the result (format v2) when given. With
     `compact`, scales and bias are stored as f16 if they stay within the error budget
     (F16_BIAS_SHARE; every nonzero scale a normal f16), else both as f32.
+
+    `clip` searches each row's scale for the least squared error (`_clip_scales`) instead of
+    taking its largest |weight|. `importance` ([cols], e.g. the mean square of each input
+    feature over calibration tokens, `colibri.calibrate`) weights that error by column, and E
+    then takes the residuals largest in |r|·sqrt(importance): the ones that move outputs most.
     """
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
@@ -65,7 +100,15 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
         body = body.copy()
         body.ravel()[outliers] = 0
 
-    scale = (body.max(axis=1) / np.float32(127)).astype(np.float32)
+    if importance is not None:
+        importance = np.asarray(importance, dtype=np.float32)
+        if importance.shape != (cols,) or not np.all(np.isfinite(importance)) or np.any(importance < 0):
+            raise ExportError(f"importance must be {cols} finite values >= 0, got shape {importance.shape}")
+    if clip:
+        skip = None if not n_e else (body == 0) & (w != 0)
+        scale = _clip_scales(w, body.max(axis=1), importance, skip)
+    else:
+        scale = (body.max(axis=1) / np.float32(127)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
     q[scale == 0] = 0
@@ -94,14 +137,15 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
                 err = np.abs(_f16_bias(b).astype(np.float32) - b)
                 ok = bool(np.all(err <= scale * F16_BIAS_SHARE))
         if not ok:
-            return quantize_q8(w, compensation, bias=bias, compact=False)
+            return quantize_q8(w, compensation, bias=bias, compact=False, clip=clip, importance=importance)
         scale = s16.astype(np.float32)
         residual = w - q.astype(np.float32) * scale[:, None]
     row_ptr = np.zeros(rows + 1, dtype=np.uint32)
     col = np.zeros(0, dtype=np.uint16)
     val = np.zeros(0, dtype=np.float16)
     if n_e:
-        flat = np.argpartition(np.abs(residual).ravel(), w.size - n_e)[w.size - n_e :]
+        weight = np.abs(residual) if importance is None else np.abs(residual) * np.sqrt(importance)[None, :]
+        flat = np.argpartition(weight.ravel(), w.size - n_e)[w.size - n_e :]
         big = np.abs(residual.ravel()[flat]).max(initial=0)
         if big > F16_MAX:
             raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q8: its compensation "
@@ -187,13 +231,24 @@ def quantize(
     int8_act: Sequence[str] = (),
     progress: bool = False,
     compact: bool = True,
+    quantize_routers: bool = False,
+    clip: bool = False,
+    calibration: np.ndarray | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> Graph:
     """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8).
 
     q8 with `compact` (format v2, the default): each int8 matrix's bias moves into its
     Q8_PARAMS companion, and scales and bias are f16 where the error budget allows
     (`quantize_q8`). `compact=False` gives what format version 1 holds (f32 scales,
-    biases as f32 tensors), for `image.write(..., version=1)`."""
+    biases as f32 tensors), for `image.write(..., version=1)`.
+
+    Routers and shared gates (ROUTER_PATTERNS) stay f32 unless `quantize_routers`. `clip`: each
+    q8 row's scale by clip search. `calibration` (inputs [n, input_size]) weights each q8
+    matrix's rounding error and E by the mean square of its input features over those tokens
+    (`colibri.calibrate.input_moments`). `dtypes` maps weight names to a dtype of their own
+    (f32, f16 or q8), overriding `dtype` and the router default: a mixed-precision plan
+    (`colibri.budget`)."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if not 0 <= compensation < 1:
@@ -205,10 +260,28 @@ def quantize(
         if not isinstance(w, np.ndarray):
             raise ExportError(f"{name} is already quantised: quantise from an f32 model")
     names = [n for n, _, _ in slots]
+    unknown = sorted(set(dtypes or {}) - set(names))
+    if unknown:
+        raise ExportError(f"dtypes names {unknown[0]!r}, which is no weight; names look like {names[:3]}")
+    bad = sorted({d for d in (dtypes or {}).values() if d not in DTYPES})
+    if bad:
+        raise ExportError(f"dtypes gives {bad[0]!r}; a weight's dtype must be one of {DTYPES}")
+    importance: dict[str, np.ndarray] = {}
+    if calibration is not None:
+        from .calibrate import input_moments
+
+        importance = input_moments(graph, calibration)
     for pattern in list(keep) + list(int8_act):
         if not any(_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
-    if dtype != "f32":
+    def dtype_of(name: str) -> str:
+        if dtypes is not None and name in dtypes:
+            return dtypes[name]
+        if _matches(name, keep) or (not quantize_routers and _matches(name, ROUTER_PATTERNS)):
+            return "f32"
+        return dtype
+
+    if dtype != "f32" or dtypes:
         # A tied head names the embedding table itself: it is quantised (or kept) with the table, whose
         # slot comes first, and stays the same object (one tensor in the image); its own bias, if any,
         # stays a separate tensor.
@@ -218,14 +291,16 @@ def quantize(
             if id(w) in done:
                 setattr(owner, attr, done[id(w)])
                 continue
-            if _matches(name, keep):
+            want = dtype_of(name)
+            if want == "f32":
                 done[id(w)] = w  # kept in f32: a tied head stays f32 with it
                 continue
             try:
-                if dtype == "q8":
+                if want == "q8":
                     b_attr = _BIAS_OF.get(attr)
                     bias = getattr(owner, b_attr) if compact and b_attr else None
-                    setattr(owner, attr, quantize_q8(w, compensation, bias=bias, compact=compact))
+                    setattr(owner, attr, quantize_q8(w, compensation, bias=bias, compact=compact, clip=clip,
+                                                     importance=importance.get(name)))
                     if bias is not None:
                         setattr(owner, b_attr, None)
                 else:
