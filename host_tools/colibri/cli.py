@@ -262,8 +262,9 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
         return lambda f: _quant_options(f, dtype_required=dtype_required)
     from .quantize import DEFAULT_COMPENSATION, DTYPES
 
-    dtype = (click.option("--dtype", type=click.Choice(DTYPES), required=True,
-                          help="Weight storage: f16, or q8 (int8 per output channel + sparse f16 compensation).")
+    dtype = (click.option("--dtype", type=click.Choice(DTYPES),
+                          help="Weight storage: f16, or q8 (int8 per output channel + sparse f16 compensation); "
+                               "required unless --target chooses per weight.")
              if dtype_required else
              click.option("--dtype", type=click.Choice(DTYPES), default="f32", show_default=True,
                           help="Weight storage: f32, f16, or q8 (int8 per output channel + sparse f16 compensation)."))
@@ -568,6 +569,10 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     click.echo(decoder.flush())
 
 
+# Boards with a model slot and a runner build (colibri.budget reads their budgets).
+_SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
+
+
 @main.command()
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
@@ -581,13 +586,23 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
 @click.option("--page-aligned", is_flag=True,
               help="Put each expert's tensors on 4 KiB pages of their own, with one CRC per tensor (format v3); "
                    "implied when SOURCE is page-aligned.")
-def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: tuple[str, ...],
+@click.option("--target", type=click.Choice(sorted(_SLOT_BOARDS)),
+              help="Choose each weight's dtype (f32/f16/q8, routers f32) to fit this board's model slot and runner "
+                   "arena with the least error (weighted by --calibration inputs), and print the plan.")
+@click.option("--quantize-routers", is_flag=True,
+              help="Quantise routers and shared-expert gates too (by default they stay f32: a quantised router "
+                   "logit that crosses a near-tie sends the token to other experts).")
+@click.option("--clip", is_flag=True,
+              help="q8: search each row's scale for the least squared error (clipping), weighted by the --calibration "
+                   "inputs' activation statistics when given, which also rank the compensation E.")
+def quantize(source: Path, output: Path, dtype: str | None, compensation: float, keep: tuple[str, ...],
              int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
-             page_aligned: bool) -> None:
+             page_aligned: bool, target: str | None, quantize_routers: bool, clip: bool) -> None:
     """Quantise an f32 model image SOURCE to OUTPUT (image to image).
 
     Everything (the calibration inputs, the report) is checked before OUTPUT is written: on an
-    error nothing is written.
+    error nothing is written. With --calibration, q8 scales and E are weighted by the inputs' activation
+    statistics (feature models).
     """
     from . import image
     from . import quantize as q
@@ -600,7 +615,24 @@ def quantize(source: Path, output: Path, dtype: str, compensation: float, keep: 
     calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
     from .exporter import write_atomically
 
-    quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True)
+    if (dtype is None) == (target is None):
+        raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
+    if target is not None and int8_act:
+        raise click.UsageError("--int8-act has no effect with --target (the plan keeps f32 activations)")
+    # Calibration inputs weigh the weights' errors (clip search, E, the plan) only when asked to: a --report
+    # alone must not change what it reports on.
+    weighting = calib if calib is not None and (clip or target) and not graph.is_token_model else None
+    if target is not None:
+        from .budget import plan
+
+        chosen = plan(graph, target, calibration=weighting, compensation=compensation,
+                      quantize_routers=quantize_routers, clip=clip, keep=keep)
+        for line in chosen.lines():
+            click.echo(line)
+        quantised = chosen.graph
+    else:
+        quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
+                               quantize_routers=quantize_routers, clip=clip, calibration=weighting)
     page_aligned = page_aligned or bool(int.from_bytes(data[16:20], "little") & F.Flag.PAGE_ALIGNED)
     out = image.write(quantised, page_aligned=page_aligned)
     rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None

@@ -123,6 +123,12 @@ def image_bytes(data: bytes | bytearray | memoryview) -> ImageBytes:
 
 
 
+# What routing-safe quantisation aims for (issue 14): a token keeps its expert set, and the model's output
+# moves by at most this share.
+ROUTING_TARGET = 0.99
+ERROR_TARGET = 0.01
+
+
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     den = float(np.linalg.norm(want))
     return float(np.linalg.norm(got - want)) / den if den else float(np.linalg.norm(got))
@@ -145,6 +151,13 @@ class QuantReport:
     outputs_quantised: np.ndarray
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    routing_flips: dict[int, int] = field(default_factory=dict)  # MoE layer index -> tokens with another expert set
+
+    @property
+    def targets_met(self) -> bool:
+        """Issue 14's quantisation targets: every MoE layer's routing agreement and the end-to-end error."""
+        return (all(a >= ROUTING_TARGET for a in self.routing_agreement.values())
+                and self.end_to_end_rel_l2 <= ERROR_TARGET)
 
     @property
     def end_to_end_rel_l2(self) -> float:
@@ -164,8 +177,13 @@ class QuantReport:
         for layer, errs in by_layer.items():
             out.append(f"weights of {layer}: {len(errs)} quantised, rel L2 mean {np.mean(errs):.3e} max {max(errs):.3e}")
         for i, share in self.routing_agreement.items():
-            out.append(f"routing agreement, MoE at layer {i}: {share * 100:.2f}% of {self.tokens} tokens")
+            flips = self.routing_flips.get(i)
+            flipped = "" if flips is None else f", {flips} flipped to another expert set"
+            out.append(f"routing agreement, MoE at layer {i}: {share * 100:.2f}% of {self.tokens} tokens{flipped}")
         out.append(f"end to end over {self.tokens} tokens: rel L2 {self.end_to_end_rel_l2:.3e}, max |Δ| {self.max_abs_error:.3e}")
+        if self.routing_agreement:
+            out.append(f"targets (routing agreement >= {ROUTING_TARGET:.0%} per MoE layer, end-to-end rel L2 <= "
+                       f"{ERROR_TARGET:.0%}): {'met' if self.targets_met else 'NOT met'}")
         return out
 
     def figure(self):
@@ -264,5 +282,6 @@ def quantisation_report(f32: Graph, quantised: Graph, calibration: np.ndarray, *
     return QuantReport(
         layers=layers, weights=weights,
         routing_agreement={i: float(s / len(x)) for i, s in zip(moe_layers, same)},
+        routing_flips={i: int(len(x) - s) for i, s in zip(moe_layers, same)},
         outputs_f32=np.concatenate(ys), outputs_quantised=np.concatenate(yqs), tokens=len(x),
     )
