@@ -198,6 +198,30 @@ _BIAS_OF = {"weight": "bias", "router_weight": "router_bias", "w1": "b1", "w2": 
             "q_w": "q_b", "k_w": "k_b", "v_w": "v_b", "o_w": "o_b"}  # an embedding table has none
 
 
+def router_feeders(graph: Graph) -> list[str]:
+    """The weight matrices that write what a router reads: per MoE layer, the nearest weight-bearing layer
+    before it (its weight, an attention block's output projection, or a MoE's expert and shared w2),
+    past the norms and residual bookkeeping in between. Their rounding error moves router logits as much
+    as the router's own would: near-tied expert scores swap (a routing flip)."""
+    names: list[str] = []
+    for i, layer in enumerate(graph.layers):
+        if not isinstance(layer, MoE):
+            continue
+        for j in range(i - 1, -1, -1):
+            before = graph.layers[j]
+            if isinstance(before, Linear):
+                names.append(f"layers.{j}")
+            elif isinstance(before, Attention):
+                names.append(f"layers.{j}.o")
+            elif isinstance(before, MoE):
+                names += [f"layers.{j}.{group}.{k}.w2" for group, experts in (("experts", before.experts),
+                          ("shared", before.shared)) for k in range(len(experts))]
+            else:
+                continue
+            break
+    return names
+
+
 def weight_names(graph: Graph) -> list[str]:
     return [name for name, _, _ in weight_slots(graph)]
 
@@ -235,6 +259,7 @@ def quantize(
     clip: bool = False,
     calibration: np.ndarray | None = None,
     dtypes: Mapping[str, str] | None = None,
+    router_inputs: str | None = None,
 ) -> Graph:
     """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8).
 
@@ -248,7 +273,8 @@ def quantize(
     matrix's rounding error and E by the mean square of its input features over those tokens
     (`colibri.calibrate.input_moments`). `dtypes` maps weight names to a dtype of their own
     (f32, f16 or q8), overriding `dtype` and the router default: a mixed-precision plan
-    (`colibri.budget`)."""
+    (`colibri.budget`). `router_inputs` (f32 or f16) stores the matrices that feed a router
+    (`router_feeders`) at that precision: what keeps near-tied expert scores from swapping."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if not 0 <= compensation < 1:
@@ -266,6 +292,9 @@ def quantize(
     bad = sorted({d for d in (dtypes or {}).values() if d not in DTYPES})
     if bad:
         raise ExportError(f"dtypes gives {bad[0]!r}; a weight's dtype must be one of {DTYPES}")
+    if router_inputs not in (None, "f32", "f16"):
+        raise ExportError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
+    feeders = set(router_feeders(graph)) if router_inputs else set()
     importance: dict[str, np.ndarray] = {}
     if calibration is not None:
         from .calibrate import input_moments
@@ -277,6 +306,8 @@ def quantize(
     def dtype_of(name: str) -> str:
         if dtypes is not None and name in dtypes:
             return dtypes[name]
+        if name in feeders and dtype not in ("f32", router_inputs):
+            return router_inputs
         if _matches(name, keep) or (not quantize_routers and _matches(name, ROUTER_PATTERNS)):
             return "f32"
         return dtype
