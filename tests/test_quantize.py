@@ -81,8 +81,10 @@ def graph_of(module: torch.nn.Module, max_batch: int = 16) -> Graph:
 
 
 def storage(graph: Graph) -> set[type]:
-    """The storage types of the graph's weight matrices, to prove quantisation happened."""
-    return {type(getattr(owner, attr)) for _, owner, attr in weight_slots(graph)}
+    """The storage types of the graph's weight matrices, to prove quantisation happened; routers and
+    shared gates stay f32 unless quantize_routers (colibri.quantize), so they are left out."""
+    return {type(getattr(owner, attr)) for name, owner, attr in weight_slots(graph)
+            if not name.endswith((".router", ".shared_gate"))}
 
 
 def assert_engine_matches(img: bytes, x: np.ndarray) -> None:
@@ -452,9 +454,17 @@ KEEP = {  # pattern -> which quickstart weights it names (layers.3 is the MoE)
 @pytest.mark.parametrize("pattern", KEEP)
 def test_keep_leaves_f32(quickstart_graph: Graph, pattern: str) -> None:
     kept = KEEP[pattern]
-    types = stored(quickstart_graph, keep=[pattern])
+    types = stored(quickstart_graph, keep=[pattern], quantize_routers=True)  # keep alone decides
     assert any(map(kept, types)), f"{pattern} should name a weight of the quickstart model: {list(types)}"
     assert types == {name: np.ndarray if kept(name) else Q8Weight for name in types}
+
+
+def test_routers_and_shared_gates_stay_f32_by_default(quickstart_graph: Graph) -> None:
+    types = stored(quickstart_graph)
+    routers = [n for n in types if n.endswith((".router", ".shared_gate"))]
+    assert routers and all(types[n] is np.ndarray for n in routers)
+    assert {types[n] for n in types if n not in routers} == {Q8Weight}
+    assert stored(quickstart_graph, quantize_routers=True)[routers[0]] is Q8Weight
 
 
 def test_int8_act_flags_in_image(quickstart_graph: Graph) -> None:
