@@ -273,6 +273,100 @@ def group_random_q8() -> list[Figure]:
     ]
 
 
+def _agreement_and_error(graph, quantised, x) -> tuple[float, float]:
+    """Share of (MoE layer, token) pairs with an unchanged expert set, and end-to-end relative L2."""
+    import test_quantize as TQ
+
+    before, after = TQ.expert_sets(graph, x), TQ.expert_sets(quantised, x)
+    return sum(a == b for a, b in zip(before, after, strict=True)) / len(before), TQ.rel_l2(graph, quantised, x)
+
+
+def _lm_routing_agreement(f32_image: bytes, quantised_image: bytes, ids) -> float:
+    """A token model's routing agreement over `ids` (numpy reference, one sequence)."""
+    from colibri import reference
+
+    sets = []
+    for data in (f32_image, quantised_image):
+        state, chosen = reference.LMState(data), []
+        for token in ids:  # the image's max_batch is 1, as the firmware decodes
+            state.forward_tokens([token], on_route=lambda _moe, sel: chosen.extend(frozenset(s for s, _ in t) for t in sel))
+        sets.append(chosen)
+    return sum(a == b for a, b in zip(*sets, strict=True)) / len(sets[0])
+
+
+def group_routing() -> list[Figure]:
+    """Routing-safe q8 (issue 14): routing agreement (share of tokens per MoE layer keeping their expert set)
+    and end-to-end relative L2, with the router quantised (as before), kept f32 (the default), and with
+    the matrices feeding each router in f16 too (router_inputs="f16"), on the models
+    tests/test_routing_quant.py pins: 64-expert top-2 models (d 16; 3 routings x 3 seeds, 1,024 inputs),
+    random Hugging Face blocks (Mixtral, Qwen2-MoE, Switch; 2 seeds), the bench's edge model
+    (2 MoE layers of 8 experts top-2, 64 inputs), the trained digits classifier and tiny LM."""
+    import numpy as np
+    import torch
+
+    import test_quantize as TQ
+    import test_routing_quant as TR
+    from colibri import image
+    from colibri.quantize import quantize
+
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples" / "tiny_lm")]
+    import corpus
+    import evaluate
+    import models
+
+    torch.set_num_threads(1)
+    configs = {"q8router": dict(quantize_routers=True), "default": {}, "f16in": dict(router_inputs="f16")}
+    families = {
+        "many": ([TQ.graph_of(TR.many_experts(s, r)) for r in ("top1", "topk_softmax", "softmax_topk") for s in range(3)],
+                 TR.TOKENS),
+        "hf": ([TQ.graph_of(TQ.hf_block(k, seed=s)) for k in ("mixtral", "qwen2_moe", "switch") for s in range(2)],
+               TR.TOKENS),
+        "edge": ([TQ.graph_of(models.edge(), 64)], 64),
+    }
+    figures = []
+    for family, (graphs, n) in families.items():
+        for config, options in configs.items():
+            runs = [_agreement_and_error(g, quantize(g, "q8", **options), TQ.inputs(n, g.input_size, seed=2))
+                    for g in graphs]
+            worst_agreement, worst_error = min(a for a, _ in runs), max(e for _, e in runs)
+            figures += [
+                Figure(f"quant.routing.{family}.{config}.agreement", pct(worst_agreement),
+                       f"{family}: lowest routing agreement, q8 {config}", worst_agreement),
+                Figure(f"quant.routing.{family}.{config}.error", pct(worst_error),
+                       f"{family}: highest end-to-end relative L2, q8 {config}", worst_error),
+            ]
+    digits = TQ.digits_classifier(seed=0)
+    agreement, error = _agreement_and_error(digits.graph, quantize(digits.graph, "q8"), digits.x_test)
+    figures += [Figure("quant.routing.digits.agreement", pct(agreement), "digits routing agreement, q8 default", agreement),
+                Figure("quant.routing.digits.error", pct(error), "digits end-to-end relative L2, q8 default", error)]
+    f32 = evaluate.image_path("f32").read_bytes()
+    ids = np.frombuffer(corpus.load().held_out[:256], dtype=np.uint8).astype(np.int64)
+    for config in configs:
+        agreement = _lm_routing_agreement(f32, image.write(quantize(image.read(f32), "q8", **configs[config])), ids)
+        figures.append(Figure(f"quant.routing.tiny_lm.{config}.agreement", pct(agreement),
+                              f"tiny LM routing agreement over 256 held-out bytes, q8 {config}", agreement))
+    return figures
+
+
+def group_budget() -> list[Figure]:
+    """`colibri quantize --target nucleo_h743zi` on the trained tiny LM's f32 image: the plan's dtypes and
+    footprint (colibri.budget)."""
+    sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
+    import evaluate
+    from colibri import budget, image
+
+    p = budget.plan(image.read(evaluate.image_path("f32").read_bytes()), "nucleo_h743zi")
+    count = {d: sum(c.dtype == d for c in p.choices) for d in ("f32", "f16", "q8")}
+    return [
+        fig("budget.tiny_lm.image", len(p.image), "tiny LM planned image bytes for a NUCLEO-H743ZI slot"),
+        fig("budget.tiny_lm.slot", p.board.flash, "NUCLEO-H743ZI slot capacity (bytes)"),
+        fig("budget.tiny_lm.arena", p.arena, "tiny LM planned arena bytes (64-bit host)"),
+        fig("budget.tiny_lm.f16", count["f16"], "weight matrices the plan stores in f16"),
+        fig("budget.tiny_lm.q8", count["q8"], "weight matrices the plan stores in q8"),
+        fig("budget.tiny_lm.f32", count["f32"], "weight matrices the plan keeps f32 (routers)"),
+    ]
+
+
 def group_smart_meter() -> list[Figure]:
     """`make demo`'s figures: its trained models (cached in build/smart_meter, or trained as the demo does)."""
     import numpy as np
@@ -546,6 +640,8 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "plan": group_plan,
     "quantisation": group_quantisation,
     "random_q8": group_random_q8,
+    "routing": group_routing,
+    "budget": group_budget,
     "smart_meter": group_smart_meter,
     "m7": group_m7,
     "tiny_lm": group_tiny_lm,
@@ -556,7 +652,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
 # Which group measures a key: the longest matching prefix.
 KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
-    "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
+    "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "quant.routing.": "routing", "budget.": "budget", "meter.": "smart_meter",
     "m7.": "m7", "tiny_lm.": "tiny_lm",
     "tiny_lm.engine.": "tiny_lm_engine", "m7.tiny_lm.": "m7_tiny_lm",
 }
