@@ -93,12 +93,25 @@ def test_the_trained_smart_meter_fits_a_tight_board_with_calibration() -> None:
 def test_an_oversized_model_is_refused_with_what_does_not_fit() -> None:
     torch.manual_seed(0)
     big = graph_of(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64)))
-    with pytest.raises(BudgetError, match=r"the smallest dtypes \(q8/f16, routers f32\) need about [\d,]+ B of image, "
-                                          r"nucleo_h743zi's model slot holds 524,256 B: the model is [\d,]+ B too large"):
+    with pytest.raises(BudgetError, match=r"with every weight at its smallest dtype \(q8; routers f32\) the image needs "
+                                          r"about [\d,]+ B, nucleo_h743zi's model slot holds 524,256 B: the model is "
+                                          r"[\d,]+ B too large"):
         budget.plan(big, "nucleo_h743zi")
     wide = graph_of(torch.nn.Sequential(torch.nn.Linear(16384, 4)), max_batch=16)
     with pytest.raises(BudgetError, match=r"the model's arena needs [\d,]+ B, nucleo_h743zi's runner has 229,376 B"):
         budget.plan(wide, "nucleo_h743zi")
+
+
+def test_router_inputs_keep_the_matrices_feeding_routers_at_f16_or_finer() -> None:
+    from test_routing_quant import many_experts
+
+    graph = graph_of(many_experts(1, "topk_softmax"))
+    f32 = image.write(graph)
+    tight = Board("tight", len(image.write(quantize(graph, "q8", router_inputs="f16"))) + 64, 64 * 1024)
+    p = budget.plan(graph, tight, router_inputs="f16")
+    assert {c.name: c.dtype for c in p.choices}["layers.0"] in ("f16", "f32") and len(p.image) < len(f32)
+    with pytest.raises(Exception, match="router_inputs must be f32 or f16"):
+        budget.plan(graph, tight, router_inputs="q8")
 
 
 def _quickstart() -> torch.nn.Module:

@@ -31,7 +31,7 @@ from .errors import ColibriError, ExportError
 from .format import PAYLOAD_ALIGN, TENSOR, q8_layout
 from .ir import F16Weight, Graph, Q8Weight, dense
 from .quantize import (DEFAULT_COMPENSATION, DTYPES, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize, quantize_f16,
-                       quantize_q8, weight_slots)
+                       quantize_q8, router_feeders, weight_slots)
 
 
 class BudgetError(ColibriError):
@@ -119,18 +119,24 @@ class Plan:
         return out
 
 
-def _ladder(name: str, quantize_routers: bool) -> tuple[str, ...]:
-    """The dtypes a matrix may take, smallest first: routers and shared gates only f32 by default."""
+def _ladder(name: str, quantize_routers: bool, floor: str | None) -> tuple[str, ...]:
+    """The dtypes a matrix may take, smallest first: routers and shared gates only f32 by default; a
+    matrix feeding a router (`floor`: router_inputs) nothing narrower than that."""
     if not quantize_routers and _matches(name, ROUTER_PATTERNS):
         return ("f32",)
-    return tuple(reversed(DTYPES))  # DTYPES is widest first: f32, f16, q8
+    ladder = tuple(reversed(DTYPES))  # DTYPES is widest first: f32, f16, q8
+    return ladder[ladder.index(floor):] if floor else ladder
 
 
 def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = None,
          compensation: float = DEFAULT_COMPENSATION, quantize_routers: bool = False, clip: bool = False,
-         keep: Sequence[str] = ()) -> Plan:
+         keep: Sequence[str] = (), router_inputs: str | None = None) -> Plan:
     """The dtypes of `graph`'s weight matrices that fit `target` with the least summed error (module
-    docstring); raises BudgetError when even the smallest dtypes do not fit."""
+    docstring); raises BudgetError when even the smallest dtypes do not fit. `router_inputs` (f16 or
+    f32): the matrices feeding a router (colibri.quantize.router_feeders) take at least that."""
+    if router_inputs not in (None, "f32", "f16"):
+        raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
+    feeders = set(router_feeders(graph)) if router_inputs else set()
     b = board(target) if isinstance(target, str) else target
     f32_image = image.write(graph)
     arena = engine.arena_size(f32_image)
@@ -152,7 +158,8 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
         seen.add(id(w))
         b_attr = _BIAS_OF.get(attr)
         bias = getattr(owner, b_attr) if b_attr else None
-        ladder = ("f32",) if _matches(name, keep) else _ladder(name, quantize_routers)
+        ladder = ("f32",) if _matches(name, keep) else _ladder(name, quantize_routers,
+                                                                 router_inputs if name in feeders else None)
         options = []
         for dtype in ladder:
             try:
@@ -173,8 +180,8 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     fixed = len(f32_image) - sum(options[-1].bytes for _, options in units)  # tables, norms, biases of f32 rows
     used = fixed + sum(options[0].bytes for _, options in units)
     if used > b.flash:
-        raise BudgetError(f"the smallest dtypes ({'/'.join(reversed(DTYPES[1:]))}, routers f32) need about "
-                          f"{used:,} B of image, {b.name}'s model slot holds {b.flash:,} B: the model is "
+        raise BudgetError(f"with every weight at its smallest dtype ({DTYPES[-1]}; routers f32) the image needs about "
+                          f"{used:,} B, {b.name}'s model slot holds {b.flash:,} B: the model is "
                           f"{used - b.flash:,} B too large for this board")
     while True:
         best, best_gain = None, 0.0

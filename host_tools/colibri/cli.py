@@ -592,12 +592,16 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
 @click.option("--quantize-routers", is_flag=True,
               help="Quantise routers and shared-expert gates too (by default they stay f32: a quantised router "
                    "logit that crosses a near-tie sends the token to other experts).")
+@click.option("--router-inputs", type=click.Choice(["f16", "f32"]),
+              help="Store the matrices that feed each router (the layer before it, or the previous MoE's w2) at "
+                   "this precision: their q8 error swaps near-tied expert scores (routing flips).")
 @click.option("--clip", is_flag=True,
               help="q8: search each row's scale for the least squared error (clipping), weighted by the --calibration "
                    "inputs' activation statistics when given, which also rank the compensation E.")
 def quantize(source: Path, output: Path, dtype: str | None, compensation: float, keep: tuple[str, ...],
              int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
-             page_aligned: bool, target: str | None, quantize_routers: bool, clip: bool) -> None:
+             page_aligned: bool, target: str | None, quantize_routers: bool, router_inputs: str | None,
+             clip: bool) -> None:
     """Quantise an f32 model image SOURCE to OUTPUT (image to image).
 
     Everything (the calibration inputs, the report) is checked before OUTPUT is written: on an
@@ -626,13 +630,14 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         from .budget import plan
 
         chosen = plan(graph, target, calibration=weighting, compensation=compensation,
-                      quantize_routers=quantize_routers, clip=clip, keep=keep)
+                      quantize_routers=quantize_routers, clip=clip, keep=keep, router_inputs=router_inputs)
         for line in chosen.lines():
             click.echo(line)
         quantised = chosen.graph
     else:
         quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
-                               quantize_routers=quantize_routers, clip=clip, calibration=weighting)
+                               quantize_routers=quantize_routers, clip=clip, calibration=weighting,
+                               router_inputs=router_inputs)
     page_aligned = page_aligned or bool(int.from_bytes(data[16:20], "little") & F.Flag.PAGE_ALIGNED)
     out = image.write(quantised, page_aligned=page_aligned)
     rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None
