@@ -137,6 +137,10 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     if router_inputs not in (None, "f32", "f16"):
         raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
     feeders = set(router_feeders(graph)) if router_inputs else set()
+    names = [name for name, _, _ in weight_slots(graph)]
+    for pattern in keep:
+        if not any(_matches(n, [pattern]) for n in names):
+            raise ColibriError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
     b = board(target) if isinstance(target, str) else target
     f32_image = image.write(graph)
     arena = engine.arena_size(f32_image)
