@@ -254,17 +254,30 @@ def group_random_q8() -> list[Figure]:
     from randmodels import random_model
 
     torch.set_num_threads(1)
-    many = []
+    many, agreement = {"default": [], "f16in": []}, {"default": [], "f16in": []}
     for seed in range(RANDOM_SEEDS):
         module, _, max_batch = random_model(seed)
         g = TQ.graph_of(module, max_batch)
         if max(len(m.experts) for m in g.moe_layers()) < 8:
             continue
-        with np.errstate(invalid="ignore"):
-            err = TQ.rel_l2(g, quantize(g, "q8"), TQ.inputs(TQ.TOKENS, g.input_size, seed=2))
-        if np.isfinite(err):  # a model whose f32 output is all zeros has no relative error
-            many.append(err)
+        x = TQ.inputs(TQ.TOKENS, g.input_size, seed=2)
+        for config, options in (("default", {}), ("f16in", {"router_inputs": "f16"})):
+            with np.errstate(invalid="ignore"):
+                share, err = _agreement_and_error(g, quantize(g, "q8", **options), x)
+            agreement[config].append(share)
+            if np.isfinite(err):  # a model whose f32 output is all zeros has no relative error
+                many[config].append(err)
+    f16in = many["f16in"]
+    many = many["default"]
     return [
+        Figure("quant.q8.random.agreement", pct(min(agreement["default"])), "lowest routing agreement on those, q8",
+               min(agreement["default"])),
+        Figure("quant.q8.random.f16in.agreement", pct(min(agreement["f16in"])),
+               "lowest routing agreement on those, q8 with f16 router inputs", min(agreement["f16in"])),
+        Figure("quant.q8.random.f16in.median", pct(float(np.median(f16in)), 1),
+               "q8 with f16 router inputs, relative L2 on those, median", float(np.median(f16in))),
+        Figure("quant.q8.random.f16in.max", pct(max(f16in), 1), "q8 with f16 router inputs, relative L2, highest",
+               max(f16in)),
         Figure("quant.q8.random.last", str(RANDOM_SEEDS - 1), "last sweep seed measured", RANDOM_SEEDS - 1),
         Figure("quant.q8.random.many", str(len(many)), "of them with 8-16 experts in a MoE layer", len(many)),
         Figure("quant.q8.random.median", pct(float(np.median(many)), 1), "q8 relative L2 on those, median",
