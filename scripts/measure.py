@@ -709,6 +709,8 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"64-bit host", "the host word size the arena figure is for"),
     (r"seeds 0–", "the first seed of the sweep"),
     (r"8–16 experts", "design: tests/randmodels.py draws 1-16 experts"),
+    (r"agreement ≥ 99% per MoE layer,\s+end-to-end relative L2 ≤ 1%", "design: colibri.report.ROUTING_TARGET, ERROR_TARGET"),
+    (r"64-expert top-2 models \(d 16,", "design: tests/test_routing_quant.py's many_experts"),
     (r"0\.3-scaled", "design: branch_scale of Q8_MODELS in tests/test_quantize.py"),
     (r"\(d 128, 8 experts × hidden 512\)", "design: the model of test_image_size_ratios"),
     (r"nested deeper than 16", "design constant: COLIBRI_MAX_RESIDUAL_DEPTH (colibri.format.MAX_RESIDUAL_DEPTH)"),
