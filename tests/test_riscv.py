@@ -1,0 +1,113 @@
+"""The RISC-V Vector (RVV 1.0) kernel backend and the scalar RV64 build under qemu-riscv64.
+
+The C test drivers are cross-built with clang-16 (tests/c VARIANT=riscv64: -march=rv64gcv, the
+engine's default backend there, RVV; VARIANT=riscv64gc: no vector unit, so the reference kernels
+only) and run under Debian's qemu-riscv64 (there is no riscv64 CPython here, nor hardware):
+
+- the rv64gcv build at `-cpu rv64,v=true,vlen=128` and `vlen=256`: one binary, vector-length
+  agnostic kernels, two vector lengths;
+- the rv64gc build at `-cpu rv64,v=false`, which must pass on its own (the reference kernels as
+  the optimised set, so every comparison is exact).
+
+colibri_kernel_test checks every optimised kernel against its reference kernel (tolerance stated
+in that file: the dot-product reordering bound; the quantiser, ReLU, mul/add and the int8 × int8
+linear kernels bit-exact). colibri_kernels_e2e runs the corpus of tests/test_aarch64.py (the
+differential fuzz corpus and models exported as f32, f16, q8 and q8 with int8 activations under
+every routing mode): the RISC-V build's reference kernels give the x86-64 host's reference output
+bit for bit, and the RVV kernels agree within E2E_RTOL.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from conftest import build_c_tests
+from test_aarch64 import BATCH, E2E_RTOL, _images, _same_bits
+
+# (tests/c variant, qemu -cpu, the kernel set colibri_init must choose)
+TARGETS = {
+    "rvv-vlen128": ("riscv64", "rv64,v=true,vlen=128", "riscv rvv"),
+    "rvv-vlen256": ("riscv64", "rv64,v=true,vlen=256", "riscv rvv"),
+    "rv64gc": ("riscv64gc", "rv64,v=false", "reference"),
+}
+
+
+def qemu(cpu: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # The drivers are static: no sysroot needed at run time.
+    return subprocess.run(["qemu-riscv64", "-cpu", cpu, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def riscv_drivers() -> dict[str, Path]:
+    return {variant: build_c_tests(variant) for variant in ("riscv64", "riscv64gc")}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    """The images with their inputs (.in) in one folder, and the host's reference outputs."""
+    folder = tmp_path_factory.mktemp("riscv-corpus")
+    rng = np.random.default_rng(11)
+    expected = {}
+    for k, (name, img) in enumerate(_images()):
+        host = colibri.Model(img, reference_kernels=True)
+        batch = min(BATCH, host.max_batch)
+        x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
+        if k % 2 and batch >= 3:  # non-finite inputs in half the images
+            x[1, 0] = np.nan
+            x[2, -1] = np.inf
+        (folder / f"{name}.clb").write_bytes(img)
+        (folder / f"{name}.clb.in").write_bytes(x.tobytes())
+        expected[name] = host.forward(x)
+    return folder, expected
+
+
+def test_rvv_build_uses_vector_instructions(riscv_drivers: dict[str, Path]) -> None:
+    """The rv64gcv engine runs RVV code and the rv64gc one none (else the scalar leg proves nothing):
+    the vector build faults on a CPU without the V extension, the scalar build runs there."""
+    vec = qemu("rv64,v=false", str(riscv_drivers["riscv64"] / "colibri_kernel_test"))
+    assert vec.returncode != 0 and "0 failures" not in vec.stdout
+    scalar = qemu("rv64,v=false", str(riscv_drivers["riscv64gc"] / "colibri_kernel_test"), "reference")
+    assert scalar.returncode == 0, scalar.stdout + scalar.stderr
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_riscv_kernels_match_reference(riscv_drivers: dict[str, Path], target: str) -> None:
+    variant, cpu, kernels = TARGETS[target]
+    r = qemu(cpu, str(riscv_drivers[variant] / "colibri_kernel_test"), kernels)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kernels: {kernels}" in r.stdout
+    assert " 0 failures" in r.stdout
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_riscv_end_to_end(riscv_drivers: dict[str, Path], corpus, tmp_path: Path, target: str) -> None:
+    variant, cpu, kernels = TARGETS[target]
+    folder, expected = corpus
+    for f in folder.iterdir():  # a copy per target, so parallel workers never share outputs
+        if f.suffix in (".clb", ".in"):
+            shutil.copy(f, tmp_path / f.name)
+    paths = [str(tmp_path / f"{name}.clb") for name in expected]
+    r = qemu(cpu, str(riscv_drivers[variant] / "colibri_kernels_e2e"), kernels, *paths)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(f"kernels {kernels}") == len(paths)
+    worst = 0.0
+    for name, want in expected.items():
+        ref = np.fromfile(tmp_path / f"{name}.clb.ref.out", dtype=np.float32).reshape(want.shape)
+        opt = np.fromfile(tmp_path / f"{name}.clb.opt.out", dtype=np.float32).reshape(want.shape)
+        assert _same_bits(ref, want), f"{name}: {target} reference kernels differ from the x86-64 host's"
+        if kernels == "reference":
+            assert _same_bits(opt, ref), f"{name}: {target} optimised set (the reference) differs from itself"
+            continue
+        assert np.array_equal(np.isnan(opt), np.isnan(ref)), f"{name}: NaN where the reference has none (or v.v.)"
+        fin = np.isfinite(ref)
+        assert np.array_equal(opt[~fin & ~np.isnan(ref)], ref[~fin & ~np.isnan(ref)]), f"{name}: ±inf differs"
+        err = np.abs(opt[fin] - ref[fin]) / (1.0 + np.abs(ref[fin]))
+        if err.size:
+            worst = max(worst, float(err.max()))
+            assert err.max() <= E2E_RTOL, f"{name}: RVV differs from the reference by {err.max():.3g}"
+    print(f"{target}: {len(paths)} images, worst deviation from the reference {worst:.3g} (relative to 1 + |ref|)")
