@@ -105,42 +105,94 @@ RVV_INLINE int32_t rvv_sum_i32(vint32m2_t acc, size_t vlmax)
     return __riscv_vmv_x_s_i32m1_i32(__riscv_vredsum_vs_i32m2_i32m1(acc, __riscv_vmv_s_x_i32m1(0, 1), vlmax));
 }
 
-/* ---- Tiles: dot products of O (1 or 4) weight rows from w (row stride in
- * elements) with T (1 or 2) tokens, into d[j * 2 + t]. T, O and dtype are
- * constants at every call; the unused accumulators compile away. RVV
- * vector types cannot form arrays, hence the named accumulators. ---- */
+/* acc + w · x; tail-undisturbed only on a row's last, partial chunk: the
+ * full chunks before it have no tail, and one policy throughout their loop
+ * spares a vsetvli per policy switch. */
+RVV_INLINE vfloat32m2_t rvv_fma(vfloat32m2_t acc, vfloat32m2_t w, vfloat32m2_t x, size_t vl, int tail)
+{
+    return tail ? __riscv_vfmacc_vv_f32m2_tu(acc, w, x, vl) : __riscv_vfmacc_vv_f32m2(acc, w, x, vl);
+}
+
+/* acc + w · x over int8 lanes: int16 products (vwmul, exact) added into
+ * int32 lanes (vwadd.wv), wrapping like the reference. */
+RVV_INLINE vint32m2_t rvv_mac_i8(vint32m2_t acc, vint8mf2_t w, vint8mf2_t x, size_t vl, int tail)
+{
+    const vint16m1_t p = __riscv_vwmul_vv_i16m1(w, x, vl);
+    return tail ? __riscv_vwadd_wv_i32m2_tu(acc, acc, p, vl) : __riscv_vwadd_wv_i32m2(acc, p, vl);
+}
+
+/* One chunk [k, k + VL) of a tile's dot products, into the accumulators
+ * aJT (output j < 4, token t < 2) of the enclosing tile function: a macro,
+ * since RVV vector types can form neither arrays nor struct members. T, O
+ * and dtype are constants at every use, so the unused accumulators and
+ * branches compile away. */
+#define RVV_CHUNK_F(VL, TAIL)                                                  \
+    do {                                                                       \
+        const size_t vl_ = (VL);                                               \
+        const vfloat32m2_t x0 = __riscv_vle32_v_f32m2(x0p + k, vl_);           \
+        const vfloat32m2_t x1 = T > 1 ? __riscv_vle32_v_f32m2(x1p + k, vl_) : x0; \
+        vfloat32m2_t wv = rvv_load_w(w0, k, vl_, dtype);                       \
+        a00 = rvv_fma(a00, wv, x0, vl_, TAIL);                                 \
+        if (T > 1)                                                             \
+            a01 = rvv_fma(a01, wv, x1, vl_, TAIL);                             \
+        if (O > 1) {                                                           \
+            wv = rvv_load_w(w0 + stride, k, vl_, dtype);                       \
+            a10 = rvv_fma(a10, wv, x0, vl_, TAIL);                             \
+            if (T > 1)                                                         \
+                a11 = rvv_fma(a11, wv, x1, vl_, TAIL);                         \
+            wv = rvv_load_w(w0 + 2 * stride, k, vl_, dtype);                   \
+            a20 = rvv_fma(a20, wv, x0, vl_, TAIL);                             \
+            if (T > 1)                                                         \
+                a21 = rvv_fma(a21, wv, x1, vl_, TAIL);                         \
+            wv = rvv_load_w(w0 + 3 * stride, k, vl_, dtype);                   \
+            a30 = rvv_fma(a30, wv, x0, vl_, TAIL);                             \
+            if (T > 1)                                                         \
+                a31 = rvv_fma(a31, wv, x1, vl_, TAIL);                         \
+        }                                                                      \
+    } while (0)
+
+#define RVV_CHUNK_I(VL, TAIL)                                                  \
+    do {                                                                       \
+        const size_t vl_ = (VL);                                               \
+        const vint8mf2_t x0 = __riscv_vle8_v_i8mf2(x0p + k, vl_);              \
+        const vint8mf2_t x1 = T > 1 ? __riscv_vle8_v_i8mf2(x1p + k, vl_) : x0; \
+        vint8mf2_t wv = __riscv_vle8_v_i8mf2(w0 + k, vl_);                     \
+        a00 = rvv_mac_i8(a00, wv, x0, vl_, TAIL);                              \
+        if (T > 1)                                                             \
+            a01 = rvv_mac_i8(a01, wv, x1, vl_, TAIL);                          \
+        if (O > 1) {                                                           \
+            wv = __riscv_vle8_v_i8mf2(w0 + in + k, vl_);                       \
+            a10 = rvv_mac_i8(a10, wv, x0, vl_, TAIL);                          \
+            if (T > 1)                                                         \
+                a11 = rvv_mac_i8(a11, wv, x1, vl_, TAIL);                      \
+            wv = __riscv_vle8_v_i8mf2(w0 + 2 * in + k, vl_);                   \
+            a20 = rvv_mac_i8(a20, wv, x0, vl_, TAIL);                          \
+            if (T > 1)                                                         \
+                a21 = rvv_mac_i8(a21, wv, x1, vl_, TAIL);                      \
+            wv = __riscv_vle8_v_i8mf2(w0 + 3 * in + k, vl_);                   \
+            a30 = rvv_mac_i8(a30, wv, x0, vl_, TAIL);                          \
+            if (T > 1)                                                         \
+                a31 = rvv_mac_i8(a31, wv, x1, vl_, TAIL);                      \
+        }                                                                      \
+    } while (0)
+
+/* ---- Tiles: dot products of O (1 or 4) weight rows from w with T (1 or 2)
+ * tokens, into d[j * 2 + t]: full chunks of VLMAX lanes, then the partial
+ * one (e32 LMUL=2 and e8 LMUL=1/2 have the same VLMAX). ---- */
 
 RVV_INLINE void tile_f(const void *w, size_t in, uint8_t dtype, const rvv_tokens *tk, size_t T, size_t O, float *d)
 {
-    const size_t es = dtype == COLIBRI_DTYPE_F16 ? 2 : dtype == COLIBRI_DTYPE_I8 ? 1 : 4;
-    const unsigned char *w0 = w, *w1 = w0 + in * es, *w2 = w1 + in * es, *w3 = w2 + in * es;
+    const size_t stride = in * (dtype == COLIBRI_DTYPE_F16 ? 2 : dtype == COLIBRI_DTYPE_I8 ? 1 : 4);
+    const float *x0p = tk->x[0], *x1p = T > 1 ? tk->x[1] : tk->x[0];
     const size_t vlmax = __riscv_vsetvlmax_e32m2();
+    const unsigned char *w0 = w;
     const vfloat32m2_t z = __riscv_vfmv_v_f_f32m2(0.0f, vlmax);
     vfloat32m2_t a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
-    for (size_t k = 0; k < in;) {
-        const size_t vl = __riscv_vsetvl_e32m2(in - k);
-        const vfloat32m2_t x0 = __riscv_vle32_v_f32m2(tk->x[0] + k, vl);
-        const vfloat32m2_t x1 = T > 1 ? __riscv_vle32_v_f32m2(tk->x[1] + k, vl) : x0;
-        vfloat32m2_t wv = rvv_load_w(w0, k, vl, dtype);
-        a00 = __riscv_vfmacc_vv_f32m2_tu(a00, wv, x0, vl);
-        if (T > 1)
-            a01 = __riscv_vfmacc_vv_f32m2_tu(a01, wv, x1, vl);
-        if (O > 1) {
-            wv = rvv_load_w(w1, k, vl, dtype);
-            a10 = __riscv_vfmacc_vv_f32m2_tu(a10, wv, x0, vl);
-            if (T > 1)
-                a11 = __riscv_vfmacc_vv_f32m2_tu(a11, wv, x1, vl);
-            wv = rvv_load_w(w2, k, vl, dtype);
-            a20 = __riscv_vfmacc_vv_f32m2_tu(a20, wv, x0, vl);
-            if (T > 1)
-                a21 = __riscv_vfmacc_vv_f32m2_tu(a21, wv, x1, vl);
-            wv = rvv_load_w(w3, k, vl, dtype);
-            a30 = __riscv_vfmacc_vv_f32m2_tu(a30, wv, x0, vl);
-            if (T > 1)
-                a31 = __riscv_vfmacc_vv_f32m2_tu(a31, wv, x1, vl);
-        }
-        k += vl;
-    }
+    size_t k = 0;
+    for (; k + vlmax <= in; k += vlmax)
+        RVV_CHUNK_F(vlmax, 0);
+    if (k < in)
+        RVV_CHUNK_F(__riscv_vsetvl_e32m2(in - k), 1);
     d[0] = rvv_sum_f32(a00, vlmax);
     if (T > 1)
         d[1] = rvv_sum_f32(a01, vlmax);
@@ -156,42 +208,18 @@ RVV_INLINE void tile_f(const void *w, size_t in, uint8_t dtype, const rvv_tokens
     }
 }
 
-/* int8 × int8: int16 products (vwmul) added into int32 lanes (vwadd.wv). */
-RVV_INLINE void rvv_mac_i8(vint32m2_t *acc, vint8mf2_t wv, vint8mf2_t xv, size_t vl)
-{
-    *acc = __riscv_vwadd_wv_i32m2_tu(*acc, *acc, __riscv_vwmul_vv_i16m1(wv, xv, vl), vl);
-}
-
 RVV_INLINE void tile_q8q8(const int8_t *w, size_t in, const rvv_tokens *tk, size_t T, size_t O, int32_t *d)
 {
-    const int8_t *w0 = w, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+    const int8_t *x0p = tk->q[0], *x1p = T > 1 ? tk->q[1] : tk->q[0];
     const size_t vlmax = __riscv_vsetvlmax_e32m2();
+    const int8_t *w0 = w;
     const vint32m2_t z = __riscv_vmv_v_x_i32m2(0, vlmax);
     vint32m2_t a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
-    for (size_t k = 0; k < in;) {
-        const size_t vl = __riscv_vsetvl_e32m2(in - k); /* = e8 mf2's: the same SEW/LMUL ratio */
-        const vint8mf2_t x0 = __riscv_vle8_v_i8mf2(tk->q[0] + k, vl);
-        const vint8mf2_t x1 = T > 1 ? __riscv_vle8_v_i8mf2(tk->q[1] + k, vl) : x0;
-        vint8mf2_t wv = __riscv_vle8_v_i8mf2(w0 + k, vl);
-        rvv_mac_i8(&a00, wv, x0, vl);
-        if (T > 1)
-            rvv_mac_i8(&a01, wv, x1, vl);
-        if (O > 1) {
-            wv = __riscv_vle8_v_i8mf2(w1 + k, vl);
-            rvv_mac_i8(&a10, wv, x0, vl);
-            if (T > 1)
-                rvv_mac_i8(&a11, wv, x1, vl);
-            wv = __riscv_vle8_v_i8mf2(w2 + k, vl);
-            rvv_mac_i8(&a20, wv, x0, vl);
-            if (T > 1)
-                rvv_mac_i8(&a21, wv, x1, vl);
-            wv = __riscv_vle8_v_i8mf2(w3 + k, vl);
-            rvv_mac_i8(&a30, wv, x0, vl);
-            if (T > 1)
-                rvv_mac_i8(&a31, wv, x1, vl);
-        }
-        k += vl;
-    }
+    size_t k = 0;
+    for (; k + vlmax <= in; k += vlmax)
+        RVV_CHUNK_I(vlmax, 0);
+    if (k < in)
+        RVV_CHUNK_I(__riscv_vsetvl_e32m2(in - k), 1);
     d[0] = rvv_sum_i32(a00, vlmax);
     if (T > 1)
         d[1] = rvv_sum_i32(a01, vlmax);
