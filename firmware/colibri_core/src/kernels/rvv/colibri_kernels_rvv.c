@@ -29,9 +29,9 @@
  * Tolerance (tests/c/colibri_kernel_test.c): f32 sums in another order and
  * with FMA (the reordering bound, about in · 2^-24 · Σ|w·x|); NaN and ±inf
  * propagate as in the reference. The quantiser, mul, add, ReLU and the
- * int8 × int8 linear kernels are bit-exact; the norms sum their statistics
- * in VL lanes. The other activations stay the reference's (their exp, tanh
- * and erf run in double and would need f64 vector ports to stay bit-exact).
+ * int8 × int8 linear kernels are bit-exact, and so are SiLU and sigmoid (the
+ * engine's exp in f64 lanes); the norms sum their statistics in VL lanes.
+ * tanh and the GELUs stay the reference's.
  *
  * No vfcvt.rtz / vfncvt.rtz: QEMU 7.2 (Debian 12's qemu-user) aborts
  * translating them (decode_save_opc assertion, QEMU issue 1441); the
@@ -50,6 +50,7 @@
 #include <riscv_vector.h>
 
 #include "colibri_format.h"
+#include "../../colibri_math.h"
 
 #define RVV_INLINE static inline __attribute__((always_inline))
 
@@ -439,22 +440,91 @@ static void quantize_rows_rvv(const float *x, const uint16_t *rows, size_t n, si
     }
 }
 
-/* ---- Element-wise kernels, bit-exact: the reference's operation on each
- * element. ReLU: v < 0 selects 0, so NaN fails the comparison and stays,
- * -0 stays -0. The other activations: the reference's. ---- */
+/* ---- Activations, bit-exact. ReLU: v < 0 selects 0, so NaN fails the
+ * comparison and stays, -0 stays -0. SiLU and sigmoid: colibri_expf with
+ * colibri_exp_real's double arithmetic operation by operation in f64 lanes
+ * (colibri_real is double on RISC-V with the D extension; nothing is fused),
+ * then the reference's float operations around it. tanh and the GELUs (tanh
+ * and erf, more branches) stay the reference's. ---- */
+
+/* (double)(int)h: truncation toward zero without vfcvt.rtz (see the top of
+ * this file): rounded to nearest, then moved one step toward zero where that
+ * went past h. Exact for the |h| <= 151 colibri_exp_reduced sees. */
+RVV_INLINE vint64m2_t rvv_trunc_i64(vfloat64m2_t h, size_t vl)
+{
+    vint64m2_t n = __riscv_vfcvt_x_f_v_i64m2(h, vl);
+    const vfloat64m2_t back = __riscv_vfcvt_f_x_v_f64m2(n, vl);
+    const vbool32_t pos = __riscv_vmfge_vf_f64m2_b32(h, 0.0, vl);
+    const vbool32_t above = __riscv_vmand_mm_b32(pos, __riscv_vmfgt_vv_f64m2_b32(back, h, vl), vl);
+    const vbool32_t below = __riscv_vmandn_mm_b32(__riscv_vmflt_vv_f64m2_b32(back, h, vl), pos, vl);
+    n = __riscv_vsub_vx_i64m2_mu(above, n, n, 1, vl);
+    return __riscv_vadd_vx_i64m2_mu(below, n, n, 1, vl);
+}
+
+/* colibri_expf on f32 lanes. */
+RVV_INLINE vfloat32m1_t rvv_expf(vfloat32m1_t x, size_t vl)
+{
+    const vbool32_t nan = __riscv_vmfne_vv_f32m1_b32(x, x, vl);
+    const vbool32_t over = __riscv_vmfgt_vf_f32m1_b32(x, COLIBRI_EXPF_MAX_FINITE, vl);
+    const vbool32_t under = __riscv_vmflt_vf_f32m1_b32(x, COLIBRI_EXPF_MIN_NONZERO, vl);
+    const vbool32_t special = __riscv_vmor_mm_b32(nan, __riscv_vmor_mm_b32(over, under, vl), vl);
+    const vfloat64m2_t xd = __riscv_vfwcvt_f_f_v_f64m2(__riscv_vfmerge_vfm_f32m1(x, 0.0f, special, vl), vl);
+    /* colibri_exp_reduced_as: n = (int)(t ± 0.5), r = (x - n·ln2_hi) - n·ln2_lo */
+    const vfloat64m2_t t = __riscv_vfmul_vf_f64m2(xd, COLIBRI_INV_LN2, vl);
+    const vbool32_t neg = __riscv_vmflt_vf_f64m2_b32(t, 0.0, vl);
+    const vfloat64m2_t h = __riscv_vmerge_vvm_f64m2(__riscv_vfadd_vf_f64m2(t, 0.5, vl),
+                                                    __riscv_vfsub_vf_f64m2(t, 0.5, vl), neg, vl);
+    const vint64m2_t n = rvv_trunc_i64(h, vl);
+    const vfloat64m2_t nf = __riscv_vfcvt_f_x_v_f64m2(n, vl);
+    const vfloat64m2_t r = __riscv_vfsub_vv_f64m2(
+        __riscv_vfsub_vv_f64m2(xd, __riscv_vfmul_vf_f64m2(nf, COLIBRI_LN2_HI, vl), vl),
+        __riscv_vfmul_vf_f64m2(nf, COLIBRI_LN2_LO, vl), vl);
+    const unsigned terms = COLIBRI_MATH_COUNT(colibri_exp_taylor);
+    vfloat64m2_t p = __riscv_vfmv_v_f_f64m2(colibri_exp_taylor[terms - 1], vl);
+    for (unsigned i = terms - 1; i-- > 0;)
+        p = __riscv_vfadd_vf_f64m2(__riscv_vfmul_vv_f64m2(p, r, vl), colibri_exp_taylor[i], vl);
+    p = __riscv_vfadd_vf_f64m2(__riscv_vfmul_vv_f64m2(r, p, vl), 1.0, vl);
+    /* · 2^n (exact), then one rounding to float, as (float)(p * colibri_pow2(n)) */
+    const vint64m2_t bits = __riscv_vsll_vx_i64m2(__riscv_vadd_vx_i64m2(n, 1023, vl), 52, vl);
+    vfloat32m1_t e = __riscv_vfncvt_f_f_w_f32m1(__riscv_vfmul_vv_f64m2(p, __riscv_vreinterpret_v_i64m2_f64m2(bits), vl),
+                                                vl);
+    e = __riscv_vfmerge_vfm_f32m1(e, __builtin_inff(), over, vl);
+    e = __riscv_vfmerge_vfm_f32m1(e, 0.0f, under, vl);
+    return __riscv_vmerge_vvm_f32m1(e, __riscv_vfadd_vv_f32m1(x, x, vl), nan, vl);
+}
+
+/* 1 / (1 + e^-v), as the reference's sigmoid. */
+RVV_INLINE vfloat32m1_t rvv_sigmoid(vfloat32m1_t v, size_t vl)
+{
+    const vfloat32m1_t e = rvv_expf(__riscv_vfneg_v_f32m1(v, vl), vl);
+    return __riscv_vfrdiv_vf_f32m1(__riscv_vfadd_vf_f32m1(e, 1.0f, vl), 1.0f, vl);
+}
 
 static void activation_rvv(float *x, size_t n, uint32_t kind)
 {
-    if (kind != COLIBRI_ACT_RELU) {
+    switch (kind) {
+    case COLIBRI_ACT_RELU:
+        for (size_t i = 0; i < n;) {
+            const size_t vl = __riscv_vsetvl_e32m4(n - i);
+            const vfloat32m4_t v = __riscv_vle32_v_f32m4(x + i, vl);
+            const vbool8_t neg = __riscv_vmflt_vf_f32m4_b8(v, 0.0f, vl);
+            __riscv_vse32_v_f32m4(x + i, __riscv_vfmerge_vfm_f32m4(v, 0.0f, neg, vl), vl);
+            i += vl;
+        }
+        break;
+    case COLIBRI_ACT_SILU:
+    case COLIBRI_ACT_SIGMOID:
+        for (size_t i = 0; i < n;) {
+            const size_t vl = __riscv_vsetvl_e32m1(n - i);
+            const vfloat32m1_t v = __riscv_vle32_v_f32m1(x + i, vl);
+            const vfloat32m1_t sg = rvv_sigmoid(v, vl);
+            __riscv_vse32_v_f32m1(x + i, kind == COLIBRI_ACT_SILU ? __riscv_vfmul_vv_f32m1(v, sg, vl) : sg, vl);
+            i += vl;
+        }
+        break;
+    default:
         colibri_activation_ref(x, n, kind);
-        return;
-    }
-    for (size_t i = 0; i < n;) {
-        const size_t vl = __riscv_vsetvl_e32m4(n - i);
-        const vfloat32m4_t v = __riscv_vle32_v_f32m4(x + i, vl);
-        const vbool8_t neg = __riscv_vmflt_vf_f32m4_b8(v, 0.0f, vl);
-        __riscv_vse32_v_f32m4(x + i, __riscv_vfmerge_vfm_f32m4(v, 0.0f, neg, vl), vl);
-        i += vl;
+        break;
     }
 }
 
