@@ -18,8 +18,10 @@ from colibri import image
 from colibri.exporter import export
 
 import lmmodels
+from colibri import nn as cnn
 from conftest import CORE, make
 from randmodels import random_model
+from test_accelerator_hook import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, _net
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "bindings" / "rust"
@@ -65,10 +67,34 @@ def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float
     return f"lm {name} {temperature!r} {top_k} {top_p!r} {sample_seed} {new}"
 
 
+def _write_hook(out: Path, name: str, model: torch.nn.Module, d_in: int, **export_options) -> str:
+    """A model for the accelerator hook tests (colibri/tests/hook.rs): the Rust device must match the
+    engine within the tolerance tests/test_accelerator_hook.py holds the numpy and C devices to."""
+    data = export(model, None, max_batch=HOOK_BATCH, **export_options).image
+    x = (np.random.default_rng(len(name)).standard_normal((HOOK_BATCH, d_in)) * 2).astype(np.float32)
+    (out / f"{name}.bin").write_bytes(data)
+    (out / f"{name}.in.f32").write_bytes(x.tobytes())
+    (out / f"{name}.ref.f32").write_bytes(colibri.Model(data, reference_kernels=True).forward(x).tobytes())
+    (out / f"{name}.opt.f32").write_bytes(colibri.Model(data).forward(x).tobytes())
+    return f"hook {name} {HOOK_BATCH} {HOOK_TOLERANCE!r}"
+
+
+def _hook_models(out: Path) -> list[str]:
+    # The hook test's network (GLU and MLP experts, a gated shared expert) in every weight dtype, then
+    # MLP experts with each activation the exporter writes.
+    cases = [_write_hook(out, f"hook-{dtype}", _net(), 10, **options) for dtype, options in HOOK_DTYPES.items()]
+    torch.manual_seed(3)
+    for act in cnn.ACTIVATIONS:
+        net = torch.nn.Sequential(cnn.MoE(10, 3, 17, top_k=2, routing="softmax_topk", activation=act)).eval()
+        cases.append(_write_hook(out, f"hook-mlp-{act}", net, 10))
+    return cases
+
+
 def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cases = [_write_feature(tmp_path, *m) for m in FEATURE_MODELS]
     cases += [_write_lm(tmp_path, *m) for m in LM_MODELS]
+    cases += _hook_models(tmp_path)
     (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
     # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
     # other pytest workers take, leaves build.rs's own `make` nothing to write.
@@ -80,5 +106,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8): none filtered out or missing.
-    assert passed >= 10, result.stdout
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (10): none
+    # filtered out or missing.
+    assert passed >= 20, result.stdout

@@ -86,13 +86,20 @@ pub unsafe trait ParallelFor {
     fn run(&self, tasks: usize, task: &(dyn Fn(usize, usize) + Sync)) -> Result<(), Status>;
 }
 
+/// A single-threaded accelerator hook ([`Exec::expert`] without a pool).
+pub type ExpertFn<'h> = dyn FnMut(&mut ExpertCall<'_>) -> ExpertOutcome + 'h;
+/// An accelerator hook the workers of a [`ParallelFor`] pool call, several at once.
+pub type SharedExpertFn<'h> = dyn Fn(&mut ExpertCall<'_>) -> ExpertOutcome + Sync + 'h;
+/// The routing callback ([`Exec::on_route`]).
+pub type RouteFn<'h> = dyn FnMut(&Route<'_>) -> Result<(), Status> + 'h;
+
 /// The hook's form in each threading mode.
 enum Hook<'h> {
     None,
     /// Single-threaded: calls come one at a time on the calling thread.
-    Serial(&'h mut (dyn FnMut(&mut ExpertCall<'_>) -> ExpertOutcome + 'h)),
+    Serial(&'h mut ExpertFn<'h>),
     /// With a pool: several experts at once, on the workers.
-    Shared(&'h (dyn Fn(&mut ExpertCall<'_>) -> ExpertOutcome + Sync + 'h)),
+    Shared(&'h SharedExpertFn<'h>),
 }
 
 /// Marker: single-threaded options (the hook may be `FnMut`).
@@ -117,7 +124,7 @@ pub enum Parallel {}
 /// ```
 pub struct Exec<'h, M = Serial> {
     hook: Hook<'h>,
-    on_route: Option<&'h mut (dyn FnMut(&Route<'_>) -> Result<(), Status> + 'h)>,
+    on_route: Option<&'h mut RouteFn<'h>>,
     pool: Option<&'h (dyn ParallelFor + 'h)>,
     _mode: PhantomData<M>,
 }
@@ -130,7 +137,7 @@ impl<'h> Exec<'h, Serial> {
 
     /// The accelerator hook: offered every expert that has tokens in a pass
     /// (routed experts over their ring, then the shared ones over the batch).
-    pub fn expert(mut self, hook: &'h mut (dyn FnMut(&mut ExpertCall<'_>) -> ExpertOutcome + 'h)) -> Self {
+    pub fn expert(mut self, hook: &'h mut ExpertFn<'h>) -> Self {
         self.hook = Hook::Serial(hook);
         self
     }
@@ -149,7 +156,7 @@ impl<'h> Exec<'h, Parallel> {
     }
 
     /// The accelerator hook, called from the workers (several at once).
-    pub fn expert(mut self, hook: &'h (dyn Fn(&mut ExpertCall<'_>) -> ExpertOutcome + Sync + 'h)) -> Self {
+    pub fn expert(mut self, hook: &'h SharedExpertFn<'h>) -> Self {
         self.hook = Hook::Shared(hook);
         self
     }
@@ -158,7 +165,7 @@ impl<'h> Exec<'h, Parallel> {
 impl<'h, M> Exec<'h, M> {
     /// Called once per MoE layer on the calling thread, after routing and
     /// before the layer's experts run; an `Err` stops the pass with it.
-    pub fn on_route(mut self, f: &'h mut (dyn FnMut(&Route<'_>) -> Result<(), Status> + 'h)) -> Self {
+    pub fn on_route(mut self, f: &'h mut RouteFn<'h>) -> Self {
         self.on_route = Some(f);
         self
     }
@@ -184,20 +191,20 @@ unsafe extern "C" fn expert_serial(user: *mut c_void, call: *const sys::colibri_
     // SAFETY: `user` is the HookState forward_ex built for this call; without
     // parallel_for the engine calls the hook on this thread, one call at a
     // time, so the &mut is unique.
-    type Serial<'a> = HookState<'a, &'a mut (dyn FnMut(&mut ExpertCall<'_>) -> ExpertOutcome + 'a)>;
+    type Serial<'a> = HookState<'a, &'a mut ExpertFn<'a>>;
     let state = unsafe { &mut *user.cast::<Serial<'_>>() };
     offer(state.image, call, |view| (state.hook)(view))
 }
 
 unsafe extern "C" fn expert_shared(user: *mut c_void, call: *const sys::colibri_expert_call) -> sys::colibri_status {
     // SAFETY: as above, shared: the hook is Fn + Sync, called from any worker.
-    type Shared<'a> = HookState<'a, &'a (dyn Fn(&mut ExpertCall<'_>) -> ExpertOutcome + Sync + 'a)>;
+    type Shared<'a> = HookState<'a, &'a SharedExpertFn<'a>>;
     let state = unsafe { &*user.cast::<Shared<'_>>() };
     offer(state.image, call, |view| (state.hook)(view))
 }
 
 unsafe extern "C" fn on_route(user: *mut c_void, route: *const sys::colibri_route) -> sys::colibri_status {
-    type Callback<'a> = &'a mut (dyn FnMut(&Route<'_>) -> Result<(), Status> + 'a);
+    type Callback<'a> = &'a mut RouteFn<'a>;
     // SAFETY: `user` is the callback forward_ex passed; the engine calls it
     // on this thread. The route's arrays have the lengths colibri.h gives:
     // tokens [experts], token and gate [experts * batch].

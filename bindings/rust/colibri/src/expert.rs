@@ -40,7 +40,7 @@ impl Pod for i8 {}
 fn view<T: Pod>(bytes: &[u8], at: usize, count: usize) -> Option<&[T]> {
     let len = count.checked_mul(core::mem::size_of::<T>())?;
     let range = bytes.get(at..at.checked_add(len)?)?;
-    if range.as_ptr() as usize % core::mem::align_of::<T>() != 0 {
+    if !(range.as_ptr() as usize).is_multiple_of(core::mem::align_of::<T>()) {
         return None;
     }
     // SAFETY: in bounds, aligned, T is plain old data, and the bytes are

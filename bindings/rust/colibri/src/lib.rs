@@ -27,7 +27,7 @@ pub use sys::colibri_model_info as ModelInfo;
 mod exec;
 mod expert;
 
-pub use exec::{Exec, Parallel, ParallelFor, Route, Serial};
+pub use exec::{Exec, ExpertFn, Parallel, ParallelFor, Route, RouteFn, Serial, SharedExpertFn};
 pub use expert::{
     f16_to_f32, Activation, Compensation, ExpertCall, ExpertKind, ExpertOutcome, Matrix, Params, Q8Matrix, Weight,
 };
