@@ -15,10 +15,11 @@ import torch
 
 import colibri
 from colibri import image
+from colibri import nn as cnn
 from colibri.exporter import export
+from colibri.quantize import quantize
 
 import lmmodels
-from colibri import nn as cnn
 from conftest import CORE, make
 from randmodels import random_model
 from test_accelerator_hook import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, _net
@@ -67,10 +68,9 @@ def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float
     return f"lm {name} {temperature!r} {top_k} {top_p!r} {sample_seed} {new}"
 
 
-def _write_hook(out: Path, name: str, model: torch.nn.Module, d_in: int, **export_options) -> str:
+def _write_hook(out: Path, name: str, data: bytes, d_in: int) -> str:
     """A model for the accelerator hook tests (colibri/tests/hook.rs): the Rust device must match the
     engine within the tolerance tests/test_accelerator_hook.py holds the numpy and C devices to."""
-    data = export(model, None, max_batch=HOOK_BATCH, **export_options).image
     x = (np.random.default_rng(len(name)).standard_normal((HOOK_BATCH, d_in)) * 2).astype(np.float32)
     (out / f"{name}.bin").write_bytes(data)
     (out / f"{name}.in.f32").write_bytes(x.tobytes())
@@ -82,11 +82,16 @@ def _write_hook(out: Path, name: str, model: torch.nn.Module, d_in: int, **expor
 def _hook_models(out: Path) -> list[str]:
     # The hook test's network (GLU and MLP experts, a gated shared expert) in every weight dtype, then
     # MLP experts with each activation the exporter writes.
-    cases = [_write_hook(out, f"hook-{dtype}", _net(), 10, **options) for dtype, options in HOOK_DTYPES.items()]
+    cases = [_write_hook(out, f"hook-{dtype}", export(_net(), None, max_batch=HOOK_BATCH, **options).image, 10)
+             for dtype, options in HOOK_DTYPES.items()]
+    # Format version 1's int8 companions (f32 scales, 4-byte row pointers, biases as tensors).
+    f32_graph = export(_net(), None, max_batch=HOOK_BATCH).graph
+    v1 = image.write(quantize(f32_graph, "q8", compact=False), version=1)
+    cases.append(_write_hook(out, "hook-q8-v1", v1, 10))
     torch.manual_seed(3)
     for act in cnn.ACTIVATIONS:
         net = torch.nn.Sequential(cnn.MoE(10, 3, 17, top_k=2, routing="softmax_topk", activation=act)).eval()
-        cases.append(_write_hook(out, f"hook-mlp-{act}", net, 10))
+        cases.append(_write_hook(out, f"hook-mlp-{act}", export(net, None, max_batch=HOOK_BATCH).image, 10))
     return cases
 
 
