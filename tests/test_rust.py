@@ -111,6 +111,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (10): none
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (12): none
     # filtered out or missing.
-    assert passed >= 20, result.stdout
+    assert passed >= 22, result.stdout

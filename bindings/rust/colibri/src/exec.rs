@@ -203,6 +203,14 @@ unsafe extern "C" fn expert_shared(user: *mut c_void, call: *const sys::colibri_
     offer(state.image, call, |view| (state.hook)(view))
 }
 
+/// A C array as a slice: empty for a NULL pointer (which only an empty
+/// array may have: the caller compares the length).
+///
+/// SAFETY: a non-NULL `p` is valid for `len` reads for `'r`.
+unsafe fn c_slice<'r, T>(p: *const T, len: usize) -> &'r [T] {
+    if p.is_null() { &[] } else { unsafe { slice::from_raw_parts(p, len) } }
+}
+
 unsafe extern "C" fn on_route(user: *mut c_void, route: *const sys::colibri_route) -> sys::colibri_status {
     type Callback<'a> = &'a mut RouteFn<'a>;
     // SAFETY: `user` is the callback forward_ex passed; the engine calls it
@@ -215,10 +223,13 @@ unsafe extern "C" fn on_route(user: *mut c_void, route: *const sys::colibri_rout
         let all = slots * raw.batch;
         let view = Route {
             raw,
-            tokens: slice::from_raw_parts(raw.tokens, slots),
-            token: if all == 0 { &[] } else { slice::from_raw_parts(raw.token, all) },
-            gate: if all == 0 { &[] } else { slice::from_raw_parts(raw.gate, all) },
+            tokens: c_slice(raw.tokens, slots),
+            token: c_slice(raw.token, all),
+            gate: c_slice(raw.gate, all),
         };
+        if view.tokens.len() != slots || view.token.len() != all || view.gate.len() != all {
+            return sys::COLIBRI_E_NULL_ARG;
+        }
         match f(&view) {
             Ok(()) => sys::COLIBRI_OK,
             Err(status) => status.code(),

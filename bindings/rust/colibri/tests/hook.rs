@@ -460,3 +460,45 @@ fn a_panicking_hook_aborts_instead_of_unwinding() {
     assert!(stderr.contains("panic in a function that cannot unwind"), "{stderr}");
     assert!(!stdout.contains("CHILD SURVIVED"));
 }
+
+/// A model can move to another thread (with its borrows) and be shared read-only: the context has
+/// no tie to the thread that built it, and every call that writes it takes `&mut self`.
+#[test]
+fn a_model_moves_to_another_thread() {
+    fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<Model<'static>>();
+    let case = &hook_cases()[0];
+    with_model(case, 1, |model| {
+        let mut here = case.output();
+        model.forward(&case.input, &mut here, case.batch).unwrap();
+        let name = model.kernels_name();
+        let shared: &Model<'_> = model;
+        std::thread::scope(|s| {
+            s.spawn(|| assert_eq!(shared.kernels_name(), name));
+            s.spawn(|| assert_eq!(shared.model_info().max_batch as usize, case.batch));
+        });
+        let moved: &mut Model<'_> = model;
+        let there = std::thread::scope(|s| {
+            s.spawn(move || {
+                let mut out = case.output();
+                moved.forward(&case.input, &mut out, case.batch).unwrap();
+                out
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(bits(&there), bits(&here));
+    });
+}
+
+#[test]
+fn forward_ex_on_a_token_model_is_model_kind() {
+    let (words, len) = image(&cases("lm")[0][1]);
+    let image = bytes(&words, len);
+    let need = Model::arena_size(image).unwrap();
+    let mut a = arena(need);
+    let mut model = Model::new(image, arena_bytes(&mut a, need)).unwrap();
+    let mut never = |_: &mut ExpertCall<'_>| -> ExpertOutcome { unreachable!() };
+    let mut out = vec![0f32; model.model_info().output_size as usize];
+    assert_eq!(model.forward_ex(&mut Exec::new().expert(&mut never), &[0.0], &mut out, 1), Err(Status::ModelKind));
+}
