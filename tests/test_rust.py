@@ -5,7 +5,9 @@ to colibri.h (colibri-sys/tests/drift.rs). Cargo's target directory is build/rus
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -95,11 +97,44 @@ def _hook_models(out: Path) -> list[str]:
     return cases
 
 
+# The image records the Rust hook view reads (colibri::layout), field names as docs/model-format.md.
+RECORD_FIELDS = {
+    "header": (colibri.format.HEADER, ["magic", "version", "header_size", "crc32", "image_size", "flags", "input_size",
+                                       "output_size", "max_batch", "tensor_count", "tensor_table_offset",
+                                       "layer_count", "layer_table_offset", "moe_count", "moe_table_offset",
+                                       "expert_count", "expert_table_offset"]),
+    "tensor": (colibri.format.TENSOR, ["offset", "nbytes", "rows", "cols", "dtype", "ndim", "reserved", "aux"]),
+    "expert": (colibri.format.EXPERT, ["kind", "activation", "flags", "hidden", "w1", "b1", "w2", "b2", "w3", "b3"]),
+}
+
+
+def _field_offsets(record: struct.Struct) -> list[int]:
+    """Byte offset of each field of a little-endian, unpadded struct format (pad bytes `Nx` skipped)."""
+    offsets, at = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", record.format.lstrip("<")):
+        size = struct.calcsize("<" + code) * int(count or 1)
+        if code != "x":
+            offsets.append(at)
+        at += size
+    assert at == record.size
+    return offsets
+
+
+def _write_layout(out: Path) -> None:
+    lines = []
+    for name, (record, fields) in RECORD_FIELDS.items():
+        offsets = _field_offsets(record)
+        assert len(offsets) == len(fields), name
+        lines += [f"{name} {field} {offset}" for field, offset in zip(fields, offsets)]
+    (out / "layout.txt").write_text("\n".join(lines) + "\n")
+
+
 def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cases = [_write_feature(tmp_path, *m) for m in FEATURE_MODELS]
     cases += [_write_lm(tmp_path, *m) for m in LM_MODELS]
     cases += _hook_models(tmp_path)
+    _write_layout(tmp_path)
     (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
     # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
     # other pytest workers take, leaves build.rs's own `make` nothing to write.
@@ -111,6 +146,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (12): none
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (13): none
     # filtered out or missing.
-    assert passed >= 22, result.stdout
+    assert passed >= 23, result.stdout

@@ -13,6 +13,48 @@ use core::slice;
 
 use crate::{sys, Status};
 
+/// Where the hook's view reads the image: byte offsets of the fields it uses
+/// in the header, tensor and expert records (docs/model-format.md; the
+/// record sizes are colibri_format.h's). colibri/tests/hook.rs holds them to
+/// host_tools/colibri/format.py's struct formats.
+#[doc(hidden)]
+pub mod layout {
+    pub const HEADER_VERSION: usize = 4;
+    pub const HEADER_TENSOR_COUNT: usize = 32;
+    pub const HEADER_TENSOR_TABLE_OFFSET: usize = 36;
+    pub const HEADER_EXPERT_COUNT: usize = 56;
+    pub const HEADER_EXPERT_TABLE_OFFSET: usize = 60;
+    pub const TENSOR_OFFSET: usize = 0;
+    pub const TENSOR_NBYTES: usize = 4;
+    pub const TENSOR_ROWS: usize = 8;
+    pub const TENSOR_COLS: usize = 12;
+    pub const TENSOR_DTYPE: usize = 16;
+    pub const TENSOR_AUX: usize = 20;
+    pub const EXPERT_FLAGS: usize = 2;
+    pub const EXPERT_W1: usize = 8;
+    pub const EXPERT_W2: usize = 16;
+    pub const EXPERT_W3: usize = 24;
+    /// (record, field, offset) of every constant above, for the drift test.
+    pub const ALL: [(&str, &str, usize); 15] = [
+        ("header", "version", HEADER_VERSION),
+        ("header", "tensor_count", HEADER_TENSOR_COUNT),
+        ("header", "tensor_table_offset", HEADER_TENSOR_TABLE_OFFSET),
+        ("header", "expert_count", HEADER_EXPERT_COUNT),
+        ("header", "expert_table_offset", HEADER_EXPERT_TABLE_OFFSET),
+        ("tensor", "offset", TENSOR_OFFSET),
+        ("tensor", "nbytes", TENSOR_NBYTES),
+        ("tensor", "rows", TENSOR_ROWS),
+        ("tensor", "cols", TENSOR_COLS),
+        ("tensor", "dtype", TENSOR_DTYPE),
+        ("tensor", "aux", TENSOR_AUX),
+        ("expert", "flags", EXPERT_FLAGS),
+        ("expert", "w1", EXPERT_W1),
+        ("expert", "w2", EXPERT_W2),
+        ("expert", "w3", EXPERT_W3),
+    ];
+}
+use layout::*;
+
 /// Reads a little-endian u32 at `at`, `None` past the end.
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     let b = bytes.get(at..at.checked_add(4)?)?;
@@ -444,15 +486,15 @@ unsafe fn opt_slice<'c, T>(p: *const T, len: usize) -> Option<&'c [T]> {
 /// The image's tensor record `index` as a weight of `rows × cols`, whose
 /// payload must be at `ptr`.
 fn weight<'c>(image: &'c [u8], version: u32, index: u32, ptr: *const core::ffi::c_void) -> Option<Weight<'c>> {
-    let table = u32_at(image, 36)? as usize;
-    let count = u32_at(image, 32)?;
+    let table = u32_at(image, HEADER_TENSOR_TABLE_OFFSET)? as usize;
+    let count = u32_at(image, HEADER_TENSOR_COUNT)?;
     if index >= count {
         return None;
     }
     let rec = table + index as usize * sys::COLIBRI_TENSOR_SIZE as usize;
-    let (offset, nbytes) = (u32_at(image, rec)? as usize, u32_at(image, rec + 4)? as usize);
-    let (rows, cols) = (u32_at(image, rec + 8)? as usize, u32_at(image, rec + 12)? as usize);
-    let dtype = *image.get(rec + 16)? as u32;
+    let (offset, nbytes) = (u32_at(image, rec + TENSOR_OFFSET)? as usize, u32_at(image, rec + TENSOR_NBYTES)? as usize);
+    let (rows, cols) = (u32_at(image, rec + TENSOR_ROWS)? as usize, u32_at(image, rec + TENSOR_COLS)? as usize);
+    let dtype = *image.get(rec + TENSOR_DTYPE)? as u32;
     let payload = image.get(offset..offset.checked_add(nbytes)?)?;
     if payload.as_ptr().cast() != ptr {
         return None; // not this image's tensor: the call and the image disagree
@@ -463,12 +505,12 @@ fn weight<'c>(image: &'c [u8], version: u32, index: u32, ptr: *const core::ffi::
         sys::COLIBRI_DTYPE_F16 => Weight::F16(Matrix { rows, cols, data: view(payload, 0, n)? }),
         sys::COLIBRI_DTYPE_I8 => {
             let q = Matrix { rows, cols, data: view(payload, 0, n)? };
-            let aux = u32_at(image, rec + 20)?;
+            let aux = u32_at(image, rec + TENSOR_AUX)?;
             if aux >= count {
                 return None;
             }
             let prec = table + aux as usize * sys::COLIBRI_TENSOR_SIZE as usize;
-            let (poff, plen) = (u32_at(image, prec)? as usize, u32_at(image, prec + 4)? as usize);
+            let (poff, plen) = (u32_at(image, prec + TENSOR_OFFSET)? as usize, u32_at(image, prec + TENSOR_NBYTES)? as usize);
             Weight::I8(Q8Matrix::parse(q, image.get(poff..poff.checked_add(plen)?)?, version)?)
         }
         _ => return None,
@@ -487,13 +529,14 @@ pub(crate) unsafe fn expert_call<'c>(
     call: &'c sys::colibri_expert_call,
 ) -> Result<ExpertCall<'c>, Status> {
     let bad = Status::BadExec;
-    let version = u16_at(image, 4).ok_or(bad)? as u32;
-    let experts = u32_at(image, 56).ok_or(bad)?;
+    let version = u16_at(image, HEADER_VERSION).ok_or(bad)? as u32;
+    let experts = u32_at(image, HEADER_EXPERT_COUNT).ok_or(bad)?;
     if call.expert >= experts {
         return Err(bad);
     }
-    let rec = u32_at(image, 60).ok_or(bad)? as usize + call.expert as usize * sys::COLIBRI_EXPERT_SIZE as usize;
-    let flags = u16_at(image, rec + 2).ok_or(bad)? as u32;
+    let rec = u32_at(image, HEADER_EXPERT_TABLE_OFFSET).ok_or(bad)? as usize
+        + call.expert as usize * sys::COLIBRI_EXPERT_SIZE as usize;
+    let flags = u16_at(image, rec + EXPERT_FLAGS).ok_or(bad)? as u32;
     let t = |at: usize| u32_at(image, rec + at).ok_or(bad);
     let (d, hidden, n) = (call.d as usize, call.hidden as usize, call.n);
     let kind = match call.kind as u32 {
@@ -502,10 +545,10 @@ pub(crate) unsafe fn expert_call<'c>(
         _ => return Err(bad),
     };
     let activation = Activation::from_code(call.activation as u32).ok_or(bad)?;
-    let w1 = weight(image, version, t(8)?, call.w1).ok_or(bad)?;
-    let w2 = weight(image, version, t(16)?, call.w2).ok_or(bad)?;
+    let w1 = weight(image, version, t(EXPERT_W1)?, call.w1).ok_or(bad)?;
+    let w2 = weight(image, version, t(EXPERT_W2)?, call.w2).ok_or(bad)?;
     let w3 = match kind {
-        ExpertKind::Glu => Some(weight(image, version, t(24)?, call.w3).ok_or(bad)?),
+        ExpertKind::Glu => Some(weight(image, version, t(EXPERT_W3)?, call.w3).ok_or(bad)?),
         ExpertKind::Mlp => None,
     };
     if (w1.rows(), w1.cols(), w2.rows(), w2.cols()) != (hidden, d, d, hidden)

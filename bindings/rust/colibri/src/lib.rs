@@ -28,6 +28,7 @@ mod exec;
 mod expert;
 
 pub use exec::{Exec, ExpertFn, Parallel, ParallelFor, Route, RouteFn, Serial, SharedExpertFn};
+pub use expert::layout;
 pub use expert::{
     f16_to_f32, Activation, Compensation, ExpertCall, ExpertKind, ExpertOutcome, Matrix, Params, Q8Matrix, Weight,
 };

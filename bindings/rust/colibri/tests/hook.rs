@@ -502,3 +502,20 @@ fn forward_ex_on_a_token_model_is_model_kind() {
     let mut out = vec![0f32; model.model_info().output_size as usize];
     assert_eq!(model.forward_ex(&mut Exec::new().expert(&mut never), &[0.0], &mut out, 1), Err(Status::ModelKind));
 }
+
+/// The image offsets the hook's view reads are format.py's (layout.txt, from its struct formats).
+#[test]
+fn image_layout_matches_format_py() {
+    let text = std::fs::read_to_string(fixtures().join("layout.txt")).unwrap();
+    let python: BTreeMap<(String, String), usize> = text
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            ((f[0].to_string(), f[1].to_string()), f[2].parse().unwrap())
+        })
+        .collect();
+    assert!(python.len() > 30, "layout.txt: only {} fields", python.len());
+    for (record, field, offset) in colibri::layout::ALL {
+        assert_eq!(python.get(&(record.to_string(), field.to_string())), Some(&offset), "{record}.{field}");
+    }
+}
