@@ -14,6 +14,11 @@
 //! model.forward(&input, &mut output, 1)?;
 //! # Ok(()) }
 //! ```
+//!
+//! [`Model::forward_ex`] takes [`Exec`] options: an accelerator hook that may
+//! run any expert on the caller's device ([`ExpertCall`], [`ExpertOutcome`]),
+//! a routing callback ([`Route`]) and a caller's pool of workers
+//! ([`ParallelFor`]), all borrowed for the call.
 #![no_std]
 
 use core::ffi::{c_void, CStr};
