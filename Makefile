@@ -67,8 +67,12 @@ demo-lm: setup
 evaluate-tiny-lm: setup
 	$(PY) examples/tiny_lm/evaluate.py
 
-test: setup c-tests firmware fuzz-smoke
-	.venv/bin/pytest -n 2
+# The builds, the C drivers' compile and the CI-sized fuzz runs side by side on every core (they
+# are independent once setup is done), each target's output kept together; then pytest on 2 workers.
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+test: setup
+	$(MAKE) -j$(NPROC) --output-sync=target c-tests firmware fuzz-smoke
+	.venv/bin/pytest -n 2 --durations=25
 
 # Fuzzing (fuzz/README.md): the engine, the runner's frame handler and the
 # C-vs-Python validator comparison, each for a stated number of executions.
