@@ -21,13 +21,14 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import colibri
-from conftest import build_c_tests
+from conftest import ROOT, build_c_tests
 from test_aarch64 import BATCH, E2E_RTOL, _images, _same_bits
 
 # (tests/c variant, qemu -cpu, the kernel set colibri_init must choose)
@@ -110,3 +111,21 @@ def test_riscv_end_to_end(riscv_drivers: dict[str, Path], corpus, tmp_path: Path
             worst = max(worst, float(err.max()))
             assert err.max() <= E2E_RTOL, f"{name}: RVV differs from the reference by {err.max():.3g}"
     print(f"{target}: {len(paths)} images, worst deviation from the reference {worst:.3g} (relative to 1 + |ref|)")
+
+
+def test_instruction_counts_per_mac(riscv_drivers: dict[str, Path]) -> None:
+    """bench/riscv_insns.py's measurement on one edge layer: the counting plugin loads under
+    qemu-riscv64, one call's count is linear in the calls made, and the RVV kernels issue fewer
+    instructions per MAC than the scalar build, fewer still at VLEN 256 than at 128."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import riscv_insns as R  # noqa: PLC0415
+
+    drivers, plugin = R.build()
+    shape = ["1024", "256", "2"]
+    per_mac = {}
+    for name, (variant, cpu, kernels) in R.TARGETS.items():
+        one, two, three = (R.count(plugin, cpu, drivers[variant], kernels, ["opt", "f32", *shape, str(c)])
+                           for c in (1, 2, 3))
+        assert three - two == two - one > 0, name  # whole calls, nothing else, counted
+        per_mac[name] = (two - one) / (1024 * 256 * 2)
+    assert per_mac["RVV 256"] < per_mac["RVV 128"] < per_mac["rv64gc"] / 4, per_mac
