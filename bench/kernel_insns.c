@@ -73,7 +73,7 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < in * out; i++) {
         if (q8)
-            ((int8_t *)wd)[i] = (int8_t)(rnd() % 255u) - 127;
+            ((int8_t *)wd)[i] = (int8_t)((int)(rnd() % 255u) - 127); /* -127 .. 127 */
         else if (f16) /* a normal half in (-2, 2): sign, exponent 1..15, any mantissa */
             ((uint16_t *)wd)[i] = (uint16_t)((rnd() & 0x8000u) | (1u + rnd() % 15u) << 10 | (rnd() & 0x3FFu));
         else
