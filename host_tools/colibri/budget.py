@@ -30,7 +30,7 @@ from . import engine, image, slots, sources
 from .errors import ColibriError, ExportError
 from .format import PAYLOAD_ALIGN, TENSOR, q8_layout
 from .ir import F16Weight, Graph, Q8Weight, dense
-from .quantize import (DEFAULT_COMPENSATION, DTYPES, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize, quantize_f16,
+from .quantize import (DEFAULT_COMPENSATION, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize, quantize_f16,
                        quantize_q8, router_feeders, weight_slots)
 
 
@@ -110,7 +110,7 @@ class Plan:
                f"  {'weight':<{width}}  {'dtype':<5} {'bytes':>10}  {'rel. error':>10}"]
         for c in self.choices:
             out.append(f"  {c.name:<{width}}  {c.dtype:<5} {c.bytes:>10,}  {c.error:>10.2e}")
-        counts = {d: sum(c.dtype == d for c in self.choices) for d in DTYPES}
+        counts = {d: sum(c.dtype == d for c in self.choices) for d in reversed(PLANNED)}
         out.append("  dtypes: " + ", ".join(f"{d} {n}" for d, n in counts.items() if n)
                    + f"; summed rel. error {self.error:.3e}")
         out.append(f"footprint: image {len(self.image):,} B of {self.board.flash:,} "
@@ -119,13 +119,16 @@ class Plan:
         return out
 
 
+# The dtypes a plan chooses among, smallest first (q4 joins when the planner builds and sizes it).
+PLANNED = ("q8", "f16", "f32")
+
+
 def _ladder(name: str, quantize_routers: bool, floor: str | None) -> tuple[str, ...]:
     """The dtypes a matrix may take, smallest first: routers and shared gates only f32 by default; a
     matrix feeding a router (`floor`: router_inputs) nothing narrower than that."""
     if not quantize_routers and _matches(name, ROUTER_PATTERNS):
         return ("f32",)
-    ladder = tuple(reversed(DTYPES))  # DTYPES is widest first: f32, f16, q8
-    return ladder[ladder.index(floor):] if floor else ladder
+    return PLANNED[PLANNED.index(floor):] if floor else PLANNED
 
 
 def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = None,
@@ -184,7 +187,7 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     fixed = len(f32_image) - sum(options[-1].bytes for _, options in units)  # tables, norms, biases of f32 rows
     used = fixed + sum(options[0].bytes for _, options in units)
     if used > b.flash:
-        raise BudgetError(f"with every weight at its smallest dtype ({DTYPES[-1]}; routers f32) the image needs about "
+        raise BudgetError(f"with every weight at its smallest dtype ({PLANNED[0]}; routers f32) the image needs about "
                           f"{used:,} B, {b.name}'s model slot holds {b.flash:,} B: the model is "
                           f"{used - b.flash:,} B too large for this board")
     while True:
