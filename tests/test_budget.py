@@ -144,3 +144,6 @@ def test_the_plan_is_stable_and_the_cli_prints_it(tmp_path) -> None:
     assert "footprint: image 122,208 B of 524,256" in r.stdout and "routing agreement, MoE at layer 3: 100.00%" in r.stdout
     both = subprocess.run(cmd[:-3] + ["--dtype", "q8"], capture_output=True, text=True, timeout=300, env=env)
     assert both.returncode == 1 and "give either --dtype or --target" in both.stderr
+    aligned = subprocess.run(cmd + ["--page-aligned"], capture_output=True, text=True, timeout=300, env=env)
+    assert aligned.returncode == 1 and "--page-aligned has no effect with --target" in aligned.stderr
+    assert (tmp_path / "out.clb").read_bytes() == budget.plan(graph, "nucleo_h743zi", calibration=np.load(x)).image

@@ -638,8 +638,14 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
                                quantize_routers=quantize_routers, clip=clip, calibration=weighting,
                                router_inputs=router_inputs)
-    page_aligned = page_aligned or bool(int.from_bytes(data[16:20], "little") & F.Flag.PAGE_ALIGNED)
-    out = image.write(quantised, page_aligned=page_aligned)
+    if target is not None:
+        if page_aligned:
+            raise click.UsageError("--page-aligned has no effect with --target: a board boots its slot in place, "
+                                   "and the plan is sized for the packed image")
+        out = chosen.image  # the image the plan was sized for (a page-aligned SOURCE is packed for the board)
+    else:
+        page_aligned = page_aligned or bool(int.from_bytes(data[16:20], "little") & F.Flag.PAGE_ALIGNED)
+        out = image.write(quantised, page_aligned=page_aligned)
     rep = quantisation_report(graph, quantised, calib, progress=True) if calib is not None else None
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, out)
