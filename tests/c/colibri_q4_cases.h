@@ -23,7 +23,7 @@ typedef struct q4_rng {
     uint64_t state;
 } q4_rng;
 
-static uint64_t q4_next(q4_rng *r) /* splitmix64 */
+static inline uint64_t q4_next(q4_rng *r) /* splitmix64 */
 {
     uint64_t z = (r->state += 0x9E3779B97F4A7C15u);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9u;
@@ -31,26 +31,26 @@ static uint64_t q4_next(q4_rng *r) /* splitmix64 */
     return z ^ (z >> 31);
 }
 
-static size_t q4_below(q4_rng *r, size_t n)
+static inline size_t q4_below(q4_rng *r, size_t n)
 {
     return (size_t)(q4_next(r) % n);
 }
 
-static float q4_unit(q4_rng *r) /* [-1, 1) */
+static inline float q4_unit(q4_rng *r) /* [-1, 1) */
 {
     return (float)((double)(q4_next(r) >> 40) / (double)(1u << 23) - 1.0);
 }
 
 /* f16 bits of a normal number with a random significand: sign, and a
  * biased exponent in [elo, ehi] (1..30). */
-static uint16_t q4_f16_normal(q4_rng *r, int negative, unsigned elo, unsigned ehi)
+static inline uint16_t q4_f16_normal(q4_rng *r, int negative, unsigned elo, unsigned ehi)
 {
     const unsigned e = elo + (unsigned)q4_below(r, ehi - elo + 1u);
     return (uint16_t)((negative ? 0x8000u : 0u) | e << 10 | (unsigned)q4_below(r, 1024));
 }
 
 /* f16 -> double by the definition (not the engine's conversion). */
-static double q4_f16_value(uint16_t h)
+static inline double q4_f16_value(uint16_t h)
 {
     const int e = (h >> 10) & 31, m = h & 1023;
     const double v = e ? ldexp(1024.0 + m, e - 25) : ldexp((double)m, -24);
@@ -59,7 +59,7 @@ static double q4_f16_value(uint16_t h)
 
 /* Column c of a packed row, by the format's text: byte c / 2, low nibble
  * for even c, two's complement. */
-static int q4_nibble_def(const uint8_t *row, size_t c)
+static inline int q4_nibble_def(const uint8_t *row, size_t c)
 {
     int v = (c % 2 ? row[c / 2] / 16 : row[c / 2] % 16);
     return v >= 8 ? v - 16 : v;
@@ -78,7 +78,7 @@ typedef struct q4_shape {
  * normal f16 in [2^-10, 2^3) with about 1 in 16 a zero (+0 or -0); bias:
  * normal or ±0, either sign; E: 0-3 entries a row, increasing columns,
  * f16 values normal or subnormal, row pointers 1, 2 or 4 bytes wide. */
-static void q4_build(q4_rng *r, q4_alloc_fn alloc, const q4_shape *sh, colibri_matrix *w)
+static inline void q4_build(q4_rng *r, q4_alloc_fn alloc, const q4_shape *sh, colibri_matrix *w)
 {
     const size_t rows = sh->rows, cols = sh->cols, stride = (cols + 1) / 2;
     const size_t group = (size_t)1 << sh->group_log2, G = (cols + group - 1) / group;
@@ -156,7 +156,7 @@ static void q4_build(q4_rng *r, q4_alloc_fn alloc, const q4_shape *sh, colibri_m
 
 /* Row o's compensation entries [*k, *end), read from the row pointers by
  * their width (independently of colibri_q8_terms). */
-static void q4_terms_def(const colibri_matrix *w, size_t o, uint32_t *k, uint32_t *end)
+static inline void q4_terms_def(const colibri_matrix *w, size_t o, uint32_t *k, uint32_t *end)
 {
     *k = *end = 0;
     if (w->q8_ptr == 1) {
@@ -175,7 +175,7 @@ static void q4_terms_def(const colibri_matrix *w, size_t o, uint32_t *k, uint32_
  * s_o,c/group · xm_c + Σ_E e · x_col + bias_o, where xm is x (f32
  * activations) or xq · a (int8 activations: xq non-NULL). *mag gets the sum
  * of the terms' magnitudes, and *terms their count (for tolerances). */
-static double q4_expect(const colibri_matrix *w, size_t o, const float *x, const int8_t *xq, float a, double *mag,
+static inline double q4_expect(const colibri_matrix *w, size_t o, const float *x, const int8_t *xq, float a, double *mag,
                         size_t *terms)
 {
     const size_t cols = w->cols, stride = (cols + 1) / 2, group = (size_t)1 << w->q4_group_log2;

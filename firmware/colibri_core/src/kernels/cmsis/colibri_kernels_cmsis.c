@@ -913,6 +913,194 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
 }
 #endif /* CMSIS_F32 */
 
+/* ---- I4 weights (format v5) ----
+ * Eight columns are one word of four bytes: byte i holds columns 2i (low
+ * nibble) and 2i + 1 (high).
+ *
+ *   int8 act.  Per group, the token's xq is first regrouped into int16 pairs
+ *              in the order the nibbles come out of a word, (x0, x4), (x2,
+ *              x6), (x1, x5), (x3, x7) per 8 columns (SXTB16, PKHBT/PKHTB),
+ *              and 8 · Σ xq of the group summed alongside. Then per row and
+ *              word: the nibbles flipped to u = Q + 8 in 0..15 (EOR with
+ *              0x88888888), the low and high ones masked out (AND, AND with
+ *              LSR #4), spread into int16 pairs
+ *              by UXTB16 (and UXTB16 ROR #8), two SMLAD per 4 columns; the
+ *              group's Σ Q·xq = Σ u·xq - 8 · Σ xq, exact. The float steps
+ *              are the reference's in its order: its bits. 4 rows share
+ *              each pair of x words.
+ *   f32 act.   Each nibble sign-extended (SBFX), converted (VCVT), fused-
+ *              multiply-added with x into the group's sum, which is then
+ *              fused-multiply-added with the group's scale: within the
+ *              tolerance above with |w| = |Q|·s_g.
+ * Columns past the last whole word of a group (only in a row's last group)
+ * are done one by one. */
+
+static inline uint32_t q4_word(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v); /* the M7 reads unaligned words */
+    return v;
+}
+
+/* The group's xq [c0, c0 + 8·words) as int16 pairs, 4 words per 8 columns,
+ * into xp; returns 8 · Σ xq over those columns. */
+static int32_t q4_pairs(const int8_t *xq, size_t words, uint32_t *xp)
+{
+    int32_t sum = 0;
+    for (size_t k = 0; k < words; k++, xq += 8, xp += 4) {
+        const uint32_t a = q4_word((const uint8_t *)xq), b = q4_word((const uint8_t *)xq + 4);
+        const uint32_t a02 = (uint32_t)__sxtb16((int8x4_t)a), a13 = (uint32_t)__sxtb16((int8x4_t)ror8(a));
+        const uint32_t b46 = (uint32_t)__sxtb16((int8x4_t)b), b57 = (uint32_t)__sxtb16((int8x4_t)ror8(b));
+        xp[0] = (a02 & 0xFFFFu) | b46 << 16;          /* (x0, x4) */
+        xp[1] = a02 >> 16 | (b46 & 0xFFFF0000u);      /* (x2, x6) */
+        xp[2] = (a13 & 0xFFFFu) | b57 << 16;          /* (x1, x5) */
+        xp[3] = a13 >> 16 | (b57 & 0xFFFF0000u);      /* (x3, x7) */
+        sum = smlad(xp[0], 0x00080008u, sum);
+        sum = smlad(xp[1], 0x00080008u, sum);
+        sum = smlad(xp[2], 0x00080008u, sum);
+        sum = smlad(xp[3], 0x00080008u, sum);
+    }
+    return sum;
+}
+
+/* Σ u·xq over `words` words of a row (u = Q + 8), pairs from q4_pairs. */
+static inline int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t words, int32_t s)
+{
+    for (size_t k = 0; k < words; k++, p += 4, xp += 4) {
+        const uint32_t wv = q4_word(p) ^ 0x88888888u, lo = wv & 0x0F0F0F0Fu, hi = (wv >> 4) & 0x0F0F0F0Fu;
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)lo), xp[0], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(lo)), xp[1], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)hi), xp[2], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(hi)), xp[3], s);
+    }
+    return s;
+}
+
+/* Four rows at once: the same as q4_dot_u for each, x's pairs loaded once. */
+static __attribute__((noinline)) void q4_dot_u4(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
+                                                int32_t s[4])
+{
+    const uint8_t *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t k = 0; k < words; k++, xp += 4) {
+        const uint32_t x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
+#define Q4_ROW(P, S)                                                                                                \
+    do {                                                                                                            \
+        const uint32_t wv = q4_word(P) ^ 0x88888888u, lo = wv & 0x0F0F0F0Fu, hi = (wv >> 4) & 0x0F0F0F0Fu;                     \
+        S = smlad((uint32_t)__uxtb16((uint8x4_t)lo), x0, S);                                                        \
+        S = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(lo)), x1, S);                                                  \
+        S = smlad((uint32_t)__uxtb16((uint8x4_t)hi), x2, S);                                                        \
+        S = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(hi)), x3, S);                                                  \
+        P += 4;                                                                                                     \
+    } while (0)
+        Q4_ROW(p0, s0);
+        Q4_ROW(p1, s1);
+        Q4_ROW(p2, s2);
+        Q4_ROW(p3, s3);
+#undef Q4_ROW
+    }
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+}
+
+/* Σ Q·xq over columns [c, end) of a row, one by one (fewer than 8). */
+static int32_t q4_dot_tail(const uint8_t *row, const int8_t *xq, size_t c, size_t end)
+{
+    int32_t s = 0;
+    for (; c < end; c++)
+        s += colibri_q4_nibble(row, c) * (int32_t)xq[c];
+    return s;
+}
+
+/* As colibri_matvec_q4q8, bit for bit. */
+static void matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
+                        float s, float *y)
+{
+    const size_t in = w->cols, out = w->rows, stride = (in + 1u) >> 1, G = w->q4_groups;
+    const size_t group = (size_t)1 << w->q4_group_log2;
+    uint32_t xp[128]; /* a group's pairs: at most 256 columns, 4 words per 8 */
+    size_t o = 0;
+    for (; o + 4u <= out; o += 4u) {
+        const uint8_t *r0 = colibri_q4_row(w, o);
+        float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            const int32_t corr = q4_pairs(xq + c0, words, xp);
+            int32_t sum[4] = {0, 0, 0, 0};
+            if (words)
+                q4_dot_u4(r0 + (c0 >> 1), stride, xp, words, sum);
+            for (size_t i = 0; i < 4; i++) {
+                sum[i] -= corr;
+                if (c0 + words * 8u < end)
+                    sum[i] += q4_dot_tail(r0 + i * stride, xq, c0 + words * 8u, end);
+            }
+            const uint16_t *sc = colibri_q4_scales(w, o);
+            v0 += (float)sum[0] * colibri_q8_half(sc[g]);
+            v1 += (float)sum[1] * colibri_q8_half(sc[G + g]);
+            v2 += (float)sum[2] * colibri_q8_half(sc[2u * G + g]);
+            v3 += (float)sum[3] * colibri_q8_half(sc[3u * G + g]);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v0 * a), b, acc, s);
+        colibri_emit(y, o + 1u, colibri_q4_epilogue(w, o + 1u, x, v1 * a), b, acc, s);
+        colibri_emit(y, o + 2u, colibri_q4_epilogue(w, o + 2u, x, v2 * a), b, acc, s);
+        colibri_emit(y, o + 3u, colibri_q4_epilogue(w, o + 3u, x, v3 * a), b, acc, s);
+    }
+    for (; o < out; o++) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            const int32_t corr = q4_pairs(xq + c0, words, xp);
+            const int32_t sum = q4_dot_u(row + (c0 >> 1), xp, words, 0) - corr +
+                                q4_dot_tail(row, xq, c0 + words * 8u, end);
+            v += (float)sum * colibri_q8_half(sc[g]);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v * a), b, acc, s);
+    }
+}
+
+#if defined(CMSIS_F32)
+/* One nibble of a word, sign-extended (SBFX), as a float. */
+#define Q4_NIB(WV, I) ((float)((int32_t)((WV) << (28u - 4u * (I))) >> 28))
+
+/* I4 weights, f32 activations: per row and group, Σ Q·x fused in two
+ * chains (even and odd columns), then fused with the group's scale. */
+static void matvec_q4(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const size_t in = w->cols, out = w->rows, G = w->q4_groups, group = (size_t)1 << w->q4_group_log2;
+    for (size_t o = 0; o < out; o++) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            const uint8_t *p = row + (c0 >> 1);
+            const float *xc = x + c0;
+            float pe = 0.0f, po = 0.0f;
+            size_t c = c0;
+            for (; c + 8u <= end; c += 8u, p += 4, xc += 8) {
+                const uint32_t wv = q4_word(p);
+                pe = __builtin_fmaf(Q4_NIB(wv, 0), xc[0], pe);
+                po = __builtin_fmaf(Q4_NIB(wv, 1), xc[1], po);
+                pe = __builtin_fmaf(Q4_NIB(wv, 2), xc[2], pe);
+                po = __builtin_fmaf(Q4_NIB(wv, 3), xc[3], po);
+                pe = __builtin_fmaf(Q4_NIB(wv, 4), xc[4], pe);
+                po = __builtin_fmaf(Q4_NIB(wv, 5), xc[5], po);
+                pe = __builtin_fmaf(Q4_NIB(wv, 6), xc[6], pe);
+                po = __builtin_fmaf(Q4_NIB(wv, 7), xc[7], po);
+            }
+            for (; c < end; c++)
+                pe = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], pe);
+            v = __builtin_fmaf(pe + po, colibri_q8_half(sc[g]), v);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v), b, acc, s);
+    }
+}
+#endif /* CMSIS_F32 */
+
 #if defined(CMSIS_FPV5)
 /* ---- The int8 quantiser: the reference's bits, faster ----
  * m = max |x| by VMAXNM and a sum of |x| · 0 (NaN as soon as some x is NaN or
@@ -1090,6 +1278,12 @@ static __attribute__((noinline)) void linear_acc_tokens(const float *x, size_t n
                y + (rows ? rows[i] : i) * out);
 }
 
+#if defined(CMSIS_F32)
+#define MATVEC_Q4 matvec_q4
+#else
+#define MATVEC_Q4 colibri_matvec_q4
+#endif
+
 /* I4 weights: token by token, out of line (the dispatch to them is one
  * test of the dtype in linear_cmsis and linear_acc_cmsis, after the f32
  * batch-1 paths and before the token loops of the other dtypes, which
@@ -1102,9 +1296,9 @@ static __attribute__((noinline)) void linear_i4(const float *x, const uint16_t *
     for (size_t i = 0; i < n; i++) {
         const float *xi = x + (rows ? rows[i] : i) * in;
         if (xq)
-            colibri_matvec_q4q8(w, xi, xq->q + i * in, xq->a[i], b, 0, 1.0f, y + i * out);
+            matvec_q4q8(w, xi, xq->q + i * in, xq->a[i], b, 0, 1.0f, y + i * out);
         else
-            colibri_matvec_q4(w, xi, b, 0, 1.0f, y + i * out);
+            MATVEC_Q4(w, xi, b, 0, 1.0f, y + i * out);
     }
 }
 
@@ -1117,9 +1311,9 @@ static __attribute__((noinline)) void linear_acc_i4(const float *x, size_t n, co
         float *yi = y + (rows ? rows[i] : i) * out;
         const float s = scale ? scale[i] : 1.0f;
         if (xq)
-            colibri_matvec_q4q8(w, x + i * in, xq->q + i * in, xq->a[i], b, 1, s, yi);
+            matvec_q4q8(w, x + i * in, xq->q + i * in, xq->a[i], b, 1, s, yi);
         else
-            colibri_matvec_q4(w, x + i * in, b, 1, s, yi);
+            MATVEC_Q4(w, x + i * in, b, 1, s, yi);
     }
 }
 
