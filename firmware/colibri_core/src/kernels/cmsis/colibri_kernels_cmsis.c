@@ -926,8 +926,8 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
  *              LSR #4), spread into int16 pairs
  *              by UXTB16 (and UXTB16 ROR #8), two SMLAD per 4 columns; the
  *              group's Σ Q·xq = Σ u·xq - 8 · Σ xq, exact. The float steps
- *              are the reference's in its order: its bits. 4 rows share
- *              each pair of x words.
+ *              are the reference's in its order: its bits. 2 rows share
+ *              each load of x's pairs (an asm loop, q4_dot_u2).
  *   f32 act.   Each nibble sign-extended (SBFX), converted (VCVT), fused-
  *              multiply-added with x into the group's sum, which is then
  *              fused-multiply-added with the group's scale: within the
@@ -964,7 +964,7 @@ static int32_t q4_pairs(const int8_t *xq, size_t words, uint32_t *xp)
 }
 
 /* Σ u·xq over `words` words of a row (u = Q + 8), pairs from q4_pairs. */
-static inline int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t words, int32_t s)
+static int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t words, int32_t s)
 {
     for (size_t k = 0; k < words; k++, p += 4, xp += 4) {
         const uint32_t wv = q4_word(p) ^ 0x88888888u, lo = wv & 0x0F0F0F0Fu, hi = (wv >> 4) & 0x0F0F0F0Fu;
@@ -976,33 +976,43 @@ static inline int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t word
     return s;
 }
 
-/* Four rows at once: the same as q4_dot_u for each, x's pairs loaded once. */
-static __attribute__((noinline)) void q4_dot_u4(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
-                                                int32_t s[4])
+/* Two rows at once (p0 and p0 + stride), words >= 1: *s0, *s1 += Σ u·xq,
+ * x's pairs loaded once per word for both. Per row and word: LDR, EOR (u =
+ * Q + 8), AND / LSR + AND (low and high nibbles), 4 UXTB16 and 4 SMLAD. */
+#define Q4_ROW_WORD(PTR_LOAD, S)                                                                                    \
+    PTR_LOAD "\n\t"                                                                                                 \
+    "eor %[wv], %[wv], #0x88888888\n\t"                                                                             \
+    "and %[lo], %[wv], #0x0F0F0F0F\n\t"                                                                             \
+    "lsr %[hi], %[wv], #4\n\t"                                                                                      \
+    "and %[hi], %[hi], #0x0F0F0F0F\n\t"                                                                             \
+    "uxtb16 %[wv], %[lo]\n\t"                                                                                       \
+    "smlad " S ", %[wv], %[x0], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[lo], ror #8\n\t"                                                                               \
+    "smlad " S ", %[wv], %[x1], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[hi]\n\t"                                                                                       \
+    "smlad " S ", %[wv], %[x2], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[hi], ror #8\n\t"                                                                               \
+    "smlad " S ", %[wv], %[x3], " S "\n\t"
+
+static __attribute__((noinline)) void q4_dot_u2(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
+                                                int32_t *s0, int32_t *s1)
 {
-    const uint8_t *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
-    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (size_t k = 0; k < words; k++, xp += 4) {
-        const uint32_t x0 = xp[0], x1 = xp[1], x2 = xp[2], x3 = xp[3];
-#define Q4_ROW(P, S)                                                                                                \
-    do {                                                                                                            \
-        const uint32_t wv = q4_word(P) ^ 0x88888888u, lo = wv & 0x0F0F0F0Fu, hi = (wv >> 4) & 0x0F0F0F0Fu;                     \
-        S = smlad((uint32_t)__uxtb16((uint8x4_t)lo), x0, S);                                                        \
-        S = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(lo)), x1, S);                                                  \
-        S = smlad((uint32_t)__uxtb16((uint8x4_t)hi), x2, S);                                                        \
-        S = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(hi)), x3, S);                                                  \
-        P += 4;                                                                                                     \
-    } while (0)
-        Q4_ROW(p0, s0);
-        Q4_ROW(p1, s1);
-        Q4_ROW(p2, s2);
-        Q4_ROW(p3, s3);
-#undef Q4_ROW
-    }
-    s[0] = s0;
-    s[1] = s1;
-    s[2] = s2;
-    s[3] = s3;
+    int32_t a0 = *s0, a1 = *s1;
+    uint32_t x0, x1, x2, x3, wv, lo, hi;
+    __asm__ volatile("1:\n\t"
+                     "ldrd %[x0], %[x1], [%[px]]\n\t"
+                     "ldrd %[x2], %[x3], [%[px], #8]\n\t"
+                     "adds %[px], %[px], #16\n\t"
+                     Q4_ROW_WORD("ldr %[wv], [%[pa], %[st]]", "%[a1]")
+                     Q4_ROW_WORD("ldr %[wv], [%[pa]], #4", "%[a0]")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [pa] "+r"(p0), [px] "+r"(xp), [n] "+r"(words), [a0] "+r"(a0), [a1] "+r"(a1), [x0] "=&r"(x0),
+                       [x1] "=&r"(x1), [x2] "=&r"(x2), [x3] "=&r"(x3), [wv] "=&r"(wv), [lo] "=&r"(lo), [hi] "=&r"(hi)
+                     : [st] "r"(stride)
+                     : "memory", "cc");
+    *s0 = a0;
+    *s1 = a1;
 }
 
 /* Σ Q·xq over columns [c, end) of a row, one by one (fewer than 8). */
@@ -1014,40 +1024,52 @@ static int32_t q4_dot_tail(const uint8_t *row, const int8_t *xq, size_t c, size_
     return s;
 }
 
-/* As colibri_matvec_q4q8, bit for bit. */
+/* As colibri_matvec_q4q8, bit for bit. When the row fits the pair buffer
+ * (in <= 256) x's pairs and each group's correction are made once for the
+ * token; otherwise per group and block of rows. */
+#define Q4_PAIR_COLS 256u
 static void matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
                         float s, float *y)
 {
     const size_t in = w->cols, out = w->rows, stride = (in + 1u) >> 1, G = w->q4_groups;
     const size_t group = (size_t)1 << w->q4_group_log2;
-    uint32_t xp[128]; /* a group's pairs: at most 256 columns, 4 words per 8 */
+    uint32_t xp[Q4_PAIR_COLS / 2u]; /* 4 pair words per 8 columns */
+    int32_t corr_all[Q4_PAIR_COLS / 8u];
+    const int once = in <= Q4_PAIR_COLS;
+    if (once)
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            corr_all[g] = q4_pairs(xq + c0, (end - c0) / 8u, xp + c0 / 2u);
+        }
     size_t o = 0;
-    for (; o + 4u <= out; o += 4u) {
+    for (; o + 2u <= out; o += 2u) {
         const uint8_t *r0 = colibri_q4_row(w, o);
-        float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v0 = 0.0f, v1 = 0.0f;
         for (size_t g = 0; g < G; g++) {
             const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
-            const int32_t corr = q4_pairs(xq + c0, words, xp);
-            int32_t sum[4] = {0, 0, 0, 0};
-            if (words)
-                q4_dot_u4(r0 + (c0 >> 1), stride, xp, words, sum);
-            for (size_t i = 0; i < 4; i++) {
-                sum[i] -= corr;
-                if (c0 + words * 8u < end)
-                    sum[i] += q4_dot_tail(r0 + i * stride, xq, c0 + words * 8u, end);
+            const uint32_t *gp = xp + c0 / 2u;
+            int32_t corr;
+            if (once) {
+                corr = corr_all[g];
+            } else {
+                gp = xp;
+                corr = q4_pairs(xq + c0, words, xp);
             }
-            const uint16_t *sc = colibri_q4_scales(w, o);
-            v0 += (float)sum[0] * colibri_q8_half(sc[g]);
-            v1 += (float)sum[1] * colibri_q8_half(sc[G + g]);
-            v2 += (float)sum[2] * colibri_q8_half(sc[2u * G + g]);
-            v3 += (float)sum[3] * colibri_q8_half(sc[3u * G + g]);
+            int32_t s0 = -corr, s1 = -corr;
+            if (words)
+                q4_dot_u2(r0 + (c0 >> 1), stride, gp, words, &s0, &s1);
+            if (c0 + words * 8u < end) {
+                s0 += q4_dot_tail(r0, xq, c0 + words * 8u, end);
+                s1 += q4_dot_tail(r0 + stride, xq, c0 + words * 8u, end);
+            }
+            v0 += (float)s0 * colibri_q8_half(sc[g]);
+            v1 += (float)s1 * colibri_q8_half(sc[G + g]);
         }
         colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v0 * a), b, acc, s);
         colibri_emit(y, o + 1u, colibri_q4_epilogue(w, o + 1u, x, v1 * a), b, acc, s);
-        colibri_emit(y, o + 2u, colibri_q4_epilogue(w, o + 2u, x, v2 * a), b, acc, s);
-        colibri_emit(y, o + 3u, colibri_q4_epilogue(w, o + 3u, x, v3 * a), b, acc, s);
     }
-    for (; o < out; o++) {
+    if (o < out) {
         const uint8_t *row = colibri_q4_row(w, o);
         const uint16_t *sc = colibri_q4_scales(w, o);
         float v = 0.0f;
