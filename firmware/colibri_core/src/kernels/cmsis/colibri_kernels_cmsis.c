@@ -994,7 +994,7 @@ static int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t words, int3
     "uxtb16 %[wv], %[hi], ror #8\n\t"                                                                               \
     "smlad " S ", %[wv], %[x3], " S "\n\t"
 
-static __attribute__((noinline)) void q4_dot_u2(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
+static inline __attribute__((always_inline)) void q4_dot_u2(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
                                                 int32_t *s0, int32_t *s1)
 {
     int32_t a0 = *s0, a1 = *s1;

@@ -7,13 +7,14 @@
  * for I4).
  *
  * Nibbles are unpacked 32 columns (16 bytes) at a time: the low and high
- * nibbles split by a mask and a shift, interleaved back into column order
- * (unpacklo/hi), and mapped to signed int8 -8..7 by one PSHUFB lookup.
+ * nibbles split by a mask and a shift.
  *
  * - int8 activations, bit for bit the reference's: 8 output rows at once,
- *   one token at a time. Per group and row, Σ Q·xq in int32 by the sign
- *   trick (|Q| as u8 times xq with Q's sign, maddubs: |pairs| <= 2·8·127,
- *   never saturating), exact; the 8 rows' sums are transposed into the 8
+ *   one token at a time. The nibbles stay in their packed order (the 16
+ *   even columns, then the 16 odd) as u = Q + 8, and xq is reordered the
+ *   same way once for the 8 rows; Σ Q·xq = Σ u·xq - 8·Σ xq in int32
+ *   (maddubs, u unsigned: pairs at most 2·15·128, never saturating), exact;
+ *   the 8 rows' sums are transposed into the 8
  *   lanes of one vector (lanes = rows), converted, multiplied by the rows'
  *   group scales and added to the running value, group after group in
  *   order: per row the reference's f32 operations (v += (float)sum · s_g;
@@ -21,7 +22,9 @@
  *   colibri_q4_epilogue and colibri_emit themselves.
  * - f32 activations, within the tolerance of the q8 f32-activation kernels
  *   (reordering bound with |w| = |Q|·s_g, tests/c/colibri_q4_test.c): 4
- *   rows by up to 2 tokens at once; each decoded weight is multiplied by its
+ *   rows by up to 2 tokens at once; the nibbles interleaved back into
+ *   column order (unpacklo/hi) and made signed by one PSHUFB lookup, each
+ *   decoded weight is multiplied by its
  *   group's scale once and fused-multiply-added into 8-lane accumulators for
  *   each token, so a row's groups need no separate sums.
  *
@@ -52,27 +55,43 @@ Q4_INLINE Q4_AVX2 __m256i q4_decode32(__m128i packed)
     return _mm256_set_m128i(c1, c0);
 }
 
-/* Columns [c, c + n) of a row (c even, n <= 32) as 32 int8, zero beyond n. */
-Q4_INLINE Q4_AVX2 __m256i q4_decode_part(const uint8_t *row, size_t c, size_t n)
+/* Columns [c, c + n) of a row (c even, n <= 32) as 16 packed bytes, zero
+ * beyond n (so they decode to 0). */
+Q4_INLINE Q4_AVX2 __m128i q4_packed_at(const uint8_t *row, size_t c, size_t n)
 {
+    if (n == 32)
+        return _mm_loadu_si128((const __m128i *)(row + (c >> 1)));
     uint8_t buf[16] = {0};
     memcpy(buf, row + (c >> 1), (n + 1) >> 1);
     if (n & 1u)
         buf[n >> 1] &= 0x0Fu; /* a column past n shares the last byte */
-    return q4_decode32(_mm_loadu_si128((const __m128i *)buf));
+    return _mm_loadu_si128((const __m128i *)buf);
 }
 
-Q4_INLINE Q4_AVX2 __m256i q4_xq_part(const int8_t *xq, size_t c, size_t n)
+/* xq [c, c + n), zero beyond n, reordered as the nibbles come out of 16
+ * packed bytes without interleaving: the 16 even columns, then the 16 odd. */
+Q4_INLINE Q4_AVX2 __m256i q4_xq_split(const int8_t *xq, size_t c, size_t n)
 {
-    int8_t buf[32] = {0};
-    memcpy(buf, xq + c, n);
-    return _mm256_loadu_si256((const __m256i *)buf);
+    __m256i v;
+    if (n == 32) {
+        v = _mm256_loadu_si256((const __m256i *)(xq + c));
+    } else {
+        int8_t buf[32] = {0};
+        memcpy(buf, xq + c, n);
+        v = _mm256_loadu_si256((const __m256i *)buf);
+    }
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    /* per 128-bit lane [evens, odds]; then the two lanes' evens low, odds high */
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, evens_odds), 0xD8);
 }
 
-/* Σ of 32 products Q·xq, as 8 int32 partial sums. */
-Q4_INLINE Q4_AVX2 __m256i q4_dot32(__m256i q, __m256i x)
+/* u = Q + 8 (0..15) of 32 columns, in q4_xq_split's order: the low nibbles
+ * of the 16 bytes, then the high ones. */
+Q4_INLINE Q4_AVX2 __m256i q4_unsigned32(__m128i packed)
 {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+    const __m128i flipped = _mm_xor_si128(packed, _mm_set1_epi8((char)0x88));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(flipped, 4), flipped), _mm256_set1_epi8(0x0F));
 }
 
 /* Lane r of the result = the sum of a[r]'s 8 lanes. */
@@ -84,12 +103,17 @@ Q4_INLINE Q4_AVX2 __m256i q4_hsum8(const __m256i a[8])
 }
 
 /* One token, rows o .. o + 7 (rows past the matrix repeat its last one and
- * are not stored): v[r] = (Σ_g (float)Σ_{c in g} Q·xq · s_g) · a. */
+ * are not stored): v[r] = (Σ_g (float)Σ_{c in g} Q·xq · s_g) · a. Per 32
+ * columns Σ u·xq by maddubs (u unsigned 0..15, xq signed: pairs at most
+ * 2·15·128, never saturating), less 8·Σ xq (the same maddubs with u = 8,
+ * once for the 8 rows): exact int32. */
 static Q4_AVX2 void q4q8_rows8(const colibri_matrix *w, size_t o, const int8_t *xq, float a, float v[8])
 {
     const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
+    const __m256i ones = _mm256_set1_epi16(1), eights = _mm256_set1_epi8(8);
     const uint8_t *row[8];
     const uint16_t *sc[8];
+#pragma GCC unroll 8
     for (size_t r = 0; r < 8; r++) {
         const size_t orow = o + r < w->rows ? o + r : w->rows - 1;
         row[r] = colibri_q4_row(w, orow);
@@ -98,21 +122,22 @@ static Q4_AVX2 void q4q8_rows8(const colibri_matrix *w, size_t o, const int8_t *
     __m256 acc = _mm256_setzero_ps();
     for (size_t g = 0; g < G; g++) {
         const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
-        __m256i sum[8];
+        __m256i sum[8], corr = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (size_t r = 0; r < 8; r++)
             sum[r] = _mm256_setzero_si256();
-        size_t c = c0;
-        for (; c + 32 <= end; c += 32) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + c));
+        for (size_t c = c0; c < end; c += 32) {
+            const size_t n = end - c < 32 ? end - c : 32;
+            const __m256i x = q4_xq_split(xq, c, n);
+            corr = _mm256_add_epi32(corr, _mm256_madd_epi16(_mm256_maddubs_epi16(eights, x), ones));
+#pragma GCC unroll 8
             for (size_t r = 0; r < 8; r++)
                 sum[r] = _mm256_add_epi32(
-                    sum[r], q4_dot32(q4_decode32(_mm_loadu_si128((const __m128i *)(row[r] + (c >> 1)))), x));
+                    sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q4_unsigned32(q4_packed_at(row[r], c, n)), x), ones));
         }
-        if (c < end) {
-            const __m256i x = q4_xq_part(xq, c, end - c);
-            for (size_t r = 0; r < 8; r++)
-                sum[r] = _mm256_add_epi32(sum[r], q4_dot32(q4_decode_part(row[r], c, end - c), x));
-        }
+#pragma GCC unroll 8
+        for (size_t r = 0; r < 8; r++)
+            sum[r] = _mm256_sub_epi32(sum[r], corr);
         const __m128i s16 = _mm_setr_epi16((short)sc[0][g], (short)sc[1][g], (short)sc[2][g], (short)sc[3][g],
                                            (short)sc[4][g], (short)sc[5][g], (short)sc[6][g], (short)sc[7][g]);
         /* v += (float)sum · s_g: two roundings, as the reference */
@@ -128,43 +153,60 @@ Q4_INLINE Q4_AVX2 void q4f_rows4(const colibri_matrix *w, size_t o, int T, const
     const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
     const uint8_t *row[4];
     const uint16_t *sc[4];
+#pragma GCC unroll 4
     for (size_t r = 0; r < 4; r++) {
         const size_t orow = o + r < w->rows ? o + r : w->rows - 1;
         row[r] = colibri_q4_row(w, orow);
         sc[r] = colibri_q4_scales(w, orow);
     }
     __m256 acc[8];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; i++)
         acc[i] = _mm256_setzero_ps();
     for (size_t g = 0; g < G; g++) {
         const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+        const __m128 s4 = _mm_cvtph_ps(_mm_setr_epi16((short)sc[0][g], (short)sc[1][g], (short)sc[2][g],
+                                                      (short)sc[3][g], 0, 0, 0, 0));
         __m256 s[4];
-        for (size_t r = 0; r < 4; r++)
-            s[r] = _mm256_set1_ps(_cvtsh_ss(sc[r][g]));
-        for (size_t c = c0; c < end; c += 32) {
-            const size_t n = end - c < 32 ? end - c : 32;
-            __m256 x[2][4];
-            for (int t = 0; t < T; t++) {
-                if (n == 32) {
-                    for (int k = 0; k < 4; k++)
-                        x[t][k] = _mm256_loadu_ps(xr[t] + c + 8 * k);
-                } else {
-                    float buf[32] = {0};
-                    memcpy(buf, xr[t] + c, n * sizeof *buf);
-                    for (int k = 0; k < 4; k++)
-                        x[t][k] = _mm256_loadu_ps(buf + 8 * k);
+        s[0] = _mm256_broadcastss_ps(s4);
+        s[1] = _mm256_broadcastss_ps(_mm_shuffle_ps(s4, s4, 0x55));
+        s[2] = _mm256_broadcastss_ps(_mm_shuffle_ps(s4, s4, 0xAA));
+        s[3] = _mm256_broadcastss_ps(_mm_shuffle_ps(s4, s4, 0xFF));
+        size_t c = c0;
+        for (; c + 32 <= end; c += 32) {
+#pragma GCC unroll 4
+            for (size_t r = 0; r < 4; r++) {
+                const __m256i q = q4_decode32(_mm_loadu_si128((const __m128i *)(row[r] + (c >> 1))));
+                const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qlo)), s[r]);
+                const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qlo, 8))), s[r]);
+                const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qhi)), s[r]);
+                const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qhi, 8))), s[r]);
+#pragma GCC unroll 2
+                for (int t = 0; t < T; t++) {
+                    __m256 a0 = acc[t * 4 + (int)r];
+                    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr[t] + c), a0);
+                    a0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr[t] + c + 8), a0);
+                    a0 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr[t] + c + 16), a0);
+                    acc[t * 4 + (int)r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr[t] + c + 24), a0);
                 }
             }
+        }
+        if (c < end) { /* a group narrower than 32 columns, or the row's last partial 32 */
+            const size_t n = end - c;
+            float xb[2][32];
+            for (int t = 0; t < T; t++) {
+                memset(xb[t], 0, sizeof xb[t]);
+                memcpy(xb[t], xr[t] + c, n * sizeof(float));
+            }
             for (size_t r = 0; r < 4; r++) {
-                const __m256i q = n == 32 ? q4_decode32(_mm_loadu_si128((const __m128i *)(row[r] + (c >> 1))))
-                                          : q4_decode_part(row[r], c, n);
+                const __m256i q = q4_decode32(q4_packed_at(row[r], c, n));
                 const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
                 const __m128i q8[4] = {qlo, _mm_srli_si128(qlo, 8), qhi, _mm_srli_si128(qhi, 8)};
-                const int parts = (int)((n + 7) / 8);
-                for (int k = 0; k < parts; k++) {
+                for (size_t k = 0; k < (n + 7) / 8; k++) {
                     const __m256 wk = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8[k])), s[r]);
                     for (int t = 0; t < T; t++)
-                        acc[t * 4 + (int)r] = _mm256_fmadd_ps(wk, x[t][k], acc[t * 4 + (int)r]);
+                        acc[t * 4 + (int)r] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xb[t] + 8 * k), acc[t * 4 + (int)r]);
                 }
             }
         }
