@@ -126,11 +126,22 @@ static Q4_AVX2 void q4q8_rows8(const colibri_matrix *w, size_t o, const int8_t *
 #pragma GCC unroll 8
         for (size_t r = 0; r < 8; r++)
             sum[r] = _mm256_setzero_si256();
-        for (size_t c = c0; c < end; c += 32) {
-            const size_t n = end - c < 32 ? end - c : 32;
-            const __m256i x = q4_xq_split(xq, c, n);
+        size_t c = c0;
+        for (; c + 32 <= end; c += 32) {
+            const __m256i x = q4_xq_split(xq, c, 32);
             corr = _mm256_add_epi32(corr, _mm256_madd_epi16(_mm256_maddubs_epi16(eights, x), ones));
 #pragma GCC unroll 8
+            for (size_t r = 0; r < 8; r++)
+                sum[r] = _mm256_add_epi32(
+                    sum[r], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(
+                                    q4_unsigned32(_mm_loadu_si128((const __m128i *)(row[r] + (c >> 1)))), x),
+                                ones));
+        }
+        if (c < end) { /* a group narrower than 32 columns, or the row's last partial 32 */
+            const size_t n = end - c;
+            const __m256i x = q4_xq_split(xq, c, n);
+            corr = _mm256_add_epi32(corr, _mm256_madd_epi16(_mm256_maddubs_epi16(eights, x), ones));
             for (size_t r = 0; r < 8; r++)
                 sum[r] = _mm256_add_epi32(
                     sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q4_unsigned32(q4_packed_at(row[r], c, n)), x), ones));
