@@ -928,10 +928,12 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
  *              group's Σ Q·xq = Σ u·xq - 8 · Σ xq, exact. The float steps
  *              are the reference's in its order: its bits. 2 rows share
  *              each load of x's pairs (an asm loop, q4_dot_u2).
- *   f32 act.   Each nibble sign-extended (SBFX), converted (VCVT), fused-
- *              multiply-added with x into the group's sum, which is then
- *              fused-multiply-added with the group's scale: within the
- *              tolerance above with |w| = |Q|·s_g.
+ *   f32 act.   Two rows at a time (an asm loop, q4f_rows2): each nibble
+ *              sign-extended (SBFX), moved two by two (VMOV), converted
+ *              (VCVT), fused-multiply-added with x (8 values a VLDM, shared
+ *              by the rows) into the group's sum, which is then fused-
+ *              multiply-added with the group's scale: within the tolerance
+ *              above with |w| = |Q|·s_g.
  * Columns past the last whole word of a group (only in a row's last group)
  * are done one by one. */
 
@@ -1085,38 +1087,99 @@ static void matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *x
 }
 
 #if defined(CMSIS_F32)
-/* One nibble of a word, sign-extended (SBFX), as a float. */
-#define Q4_NIB(WV, I) ((float)((int32_t)((WV) << (28u - 4u * (I))) >> 28))
+/* One row's word (8 columns, the word at [PA] or [PA, st]): the nibbles
+ * sign-extended (SBFX) two by two into S0.., converted exactly (VCVT),
+ * fused-multiply-added with x in s16-s23 into ACC. */
+#define Q4F_ROW(LOAD, S0, S1, S2, S3, S4, S5, S6, S7, ACC)                                                         \
+    LOAD "\n\t"                                                                                                     \
+    "sbfx %[b0], %[wv], #0, #4\n\t"                                                                                 \
+    "sbfx %[b1], %[wv], #4, #4\n\t"                                                                                 \
+    "sbfx %[b2], %[wv], #8, #4\n\t"                                                                                 \
+    "sbfx %[b3], %[wv], #12, #4\n\t"                                                                                \
+    "vmov " S0 ", " S1 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S2 ", " S3 ", %[b2], %[b3]\n\t"                                                                         \
+    "sbfx %[b0], %[wv], #16, #4\n\t"                                                                                \
+    "sbfx %[b1], %[wv], #20, #4\n\t"                                                                                \
+    "sbfx %[b2], %[wv], #24, #4\n\t"                                                                                \
+    "asr %[b3], %[wv], #28\n\t"                                                                                     \
+    "vmov " S4 ", " S5 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S6 ", " S7 ", %[b2], %[b3]\n\t"                                                                         \
+    "vcvt.f32.s32 " S0 ", " S0 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S1 ", " S1 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S2 ", " S2 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S3 ", " S3 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S4 ", " S4 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S5 ", " S5 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S6 ", " S6 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S7 ", " S7 "\n\t"                                                                               \
+    "vfma.f32 " ACC ", " S0 ", s16\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S1 ", s17\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S2 ", s18\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S3 ", s19\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S4 ", s20\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S5 ", s21\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S6 ", s22\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S7 ", s23\n\t"
 
-/* I4 weights, f32 activations: per row and group, Σ Q·x fused in two
- * chains (even and odd columns), then fused with the group's scale. */
+/* Two rows (p0 and p0 + stride), words >= 1: *v0, *v1 += Σ (float)Q · x
+ * over 8·words columns, fused, x's 8 values loaded once (VLDM) per word. */
+static __attribute__((noinline)) void q4f_rows2(const uint8_t *p0, size_t stride, const float *x, size_t words,
+                                                float *v0, float *v1)
+{
+    float a0 = *v0, a1 = *v1;
+    uint32_t wv, b0, b1, b2, b3;
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     Q4F_ROW("ldr %[wv], [%[pa], %[st]]", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "%[a1]")
+                     Q4F_ROW("ldr %[wv], [%[pa]], #4", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "%[a0]")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [pa] "+r"(p0), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0), [b1] "=&r"(b1),
+                       [b2] "=&r"(b2), [b3] "=&r"(b3), [a0] "+t"(a0), [a1] "+t"(a1)
+                     : [st] "r"(stride)
+                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14",
+                       "s15", "s16", "s17", "s18", "s19", "s20", "s21", "s22", "s23", "memory", "cc");
+    *v0 = a0;
+    *v1 = a1;
+}
+
+/* I4 weights, f32 activations: rows two by two (q4f_rows2 per group), each
+ * group's sum then fused-multiply-added with the group's scale; a group's
+ * last columns short of a word, and an odd last row, one by one. */
 static void matvec_q4(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
 {
     const size_t in = w->cols, out = w->rows, G = w->q4_groups, group = (size_t)1 << w->q4_group_log2;
-    for (size_t o = 0; o < out; o++) {
+    const size_t stride = (in + 1u) >> 1;
+    size_t o = 0;
+    for (; o + 2u <= out; o += 2u) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v0 = 0.0f, v1 = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            float p0 = 0.0f, p1 = 0.0f;
+            if (words)
+                q4f_rows2(row + (c0 >> 1), stride, x + c0, words, &p0, &p1);
+            for (size_t c = c0 + words * 8u; c < end; c++) {
+                p0 = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], p0);
+                p1 = __builtin_fmaf((float)colibri_q4_nibble(row + stride, c), x[c], p1);
+            }
+            v0 = __builtin_fmaf(p0, colibri_q8_half(sc[g]), v0);
+            v1 = __builtin_fmaf(p1, colibri_q8_half(sc[G + g]), v1);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v0), b, acc, s);
+        colibri_emit(y, o + 1u, colibri_q4_epilogue(w, o + 1u, x, v1), b, acc, s);
+    }
+    if (o < out) {
         const uint8_t *row = colibri_q4_row(w, o);
         const uint16_t *sc = colibri_q4_scales(w, o);
         float v = 0.0f;
         for (size_t g = 0; g < G; g++) {
             const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
-            const uint8_t *p = row + (c0 >> 1);
-            const float *xc = x + c0;
-            float pe = 0.0f, po = 0.0f;
-            size_t c = c0;
-            for (; c + 8u <= end; c += 8u, p += 4, xc += 8) {
-                const uint32_t wv = q4_word(p);
-                pe = __builtin_fmaf(Q4_NIB(wv, 0), xc[0], pe);
-                po = __builtin_fmaf(Q4_NIB(wv, 1), xc[1], po);
-                pe = __builtin_fmaf(Q4_NIB(wv, 2), xc[2], pe);
-                po = __builtin_fmaf(Q4_NIB(wv, 3), xc[3], po);
-                pe = __builtin_fmaf(Q4_NIB(wv, 4), xc[4], pe);
-                po = __builtin_fmaf(Q4_NIB(wv, 5), xc[5], po);
-                pe = __builtin_fmaf(Q4_NIB(wv, 6), xc[6], pe);
-                po = __builtin_fmaf(Q4_NIB(wv, 7), xc[7], po);
-            }
-            for (; c < end; c++)
-                pe = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], pe);
-            v = __builtin_fmaf(pe + po, colibri_q8_half(sc[g]), v);
+            float p = 0.0f;
+            for (size_t c = c0; c < end; c++)
+                p = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], p);
+            v = __builtin_fmaf(p, colibri_q8_half(sc[g]), v);
         }
         colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v), b, acc, s);
     }
