@@ -29,6 +29,9 @@
  *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
  *                 weight widened (exactly: SXTB, VCVT) and
  *                 fused-multiply-added; the scale and E as the reference.
+ *   I4            int8 act. bit for bit (UXTB16 + SMLAD on u = Q + 8, less
+ *                 8·Σ xq), f32 act. fused (SBFX, VCVT, VFMA): "I4 weights"
+ *                 below.
  *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
  *   quantiser     the reference's bits (VLDM, VMAXNM, VCVTA).
  *   ReLU          the reference's bits (VCMP, VSELGT), 16 values a step.

@@ -25,8 +25,11 @@
  *                  int32 sum is exact integer arithmetic (wrapping modulo
  *                  2^32 like the reference), so these outputs are the
  *                  reference's bits
+ *   int4 (I4)      nibbles unpacked 32 at a time (AND, USHR, ZIP, TBL);
+ *                  int8 act. bit for bit (4 rows as lanes, groups summed in
+ *                  order), f32 act. fused (below, "I4 weights")
  *
- * Tolerance (tests/c/colibri_kernel_test.c): f32 sums in another order and
+ * Tolerance (tests/c/colibri_kernel_test.c, tests/c/colibri_q4_test.c): f32 sums in another order and
  * with FMA, so a dot product of length in differs from the reference by at
  * most about in · 2^-24 · Σ|w·x| (the reordering bound); NaN and ±inf
  * propagate as in the reference (a NaN or inf input, or a 0 · inf, makes the

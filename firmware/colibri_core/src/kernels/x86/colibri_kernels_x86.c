@@ -49,6 +49,8 @@
  *   without FMA (those functions are compiled for AVX2 only, so nothing can
  *   be contracted; AVX-512's exp uses explicitly rounded intrinsics): bit for
  *   bit equal to the reference.
+ * - I4 weights (format v5): x86/colibri_kernels_x86_q4.c, AVX2 at every
+ *   level (a file of its own, so this one's compile time does not grow).
  * - quantize_rows, mul, add: vectorised, bit for bit equal to the reference.
  * - layernorm, rmsnorm: the reference's (not hot in the models timed).
  */
