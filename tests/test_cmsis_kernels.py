@@ -50,7 +50,8 @@ def test_cmsis_kernels_match_the_reference_on_the_m7() -> None:
     # instructions per 64 MACs, 1.14): 1.24 with 13 instructions of bookkeeping per 8-row block, 1.25
     # before (16), which the whole meter inference needs to stay within issue 10's 1.4 per MAC.
     per_mac = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(
-        r"^instructions per MAC, meter shapes, (.+?): optimised ([\d.]+) reference ([\d.]+)", out, re.M)}
+        r"^instructions per MAC, meter shapes, (.+?): optimised ([\d.]+) reference ([\d.]+)", out, re.M)
+        if not m[1].startswith("q4")}
     assert set(per_mac) == {"f32", "f16", "q8 f32-act", "q8 int8-act"}, out
     assert all(opt < ref for opt, ref in per_mac.values()), per_mac
     assert per_mac["f32"][0] < 1.245, per_mac
