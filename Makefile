@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
         libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
@@ -92,6 +92,14 @@ BENCH_CFLAGS := -std=c11 -Wall -Wextra -Werror -pedantic -O2 -D_POSIX_C_SOURCE=2
 build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 	mkdir -p build/bench
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+# q4 against q8 and f32 on one wide layer, kernel calls alone (bench/q4_kernels.c): µs per call, batch 1 and 8.
+build/bench/q4_kernels: bench/q4_kernels.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/src $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+bench-q4: build/bench/q4_kernels
+	./build/bench/q4_kernels
 
 # Instructions per multiply-accumulate of the meter and edge models' linear layers under
 # qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.

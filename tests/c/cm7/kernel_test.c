@@ -23,9 +23,16 @@
  *     reference has one.
  * Exit status: the number of failed outputs (capped at 255).
  *
+ * I4 weights (format v5; colibri_q4_cases.h builds them): every group size
+ * 2^3..2^8, odd columns and partial last groups (in 1..300, out 1..21), E
+ * and the companion bias present or absent, the same token, bias, gate and
+ * NaN/inf variations; int8 activations bit for bit, f32 activations within
+ * the tolerance above with |w| = |Q|·s_g (E and the companion bias in M).
+ *
  * A second part counts instructions (QEMU -icount, not cycles) of each
  * kernel on the meter model's shapes (bench/models.py) and prints them per
- * multiply-accumulate, optimised and reference.
+ * multiply-accumulate, optimised and reference; then q4 (group 32) against
+ * q8 and f32 on one wide layer (256 x 256).
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +42,7 @@
 #include "colibri.h"
 #include "colibri_format.h"
 #include "colibri_kernels.h"
+#include "../colibri_q4_cases.h"
 
 /* ---- output through semihosting (QEMU -semihosting-config enable=on) ---- */
 
@@ -429,6 +437,125 @@ static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinit
     }
 }
 
+/* ---- I4 weights ---- */
+
+#define Q4_MAX_IN 300u
+#define Q4_MAX_OUT 21u
+static float x4[MAX_Y_ROWS * Q4_MAX_IN];
+static int8_t xq4[MAX_N * Q4_MAX_IN];
+static uint8_t q4_arena[64 * 1024] __attribute__((aligned(8)));
+static size_t q4_used;
+
+static void *q4_alloc(size_t bytes)
+{
+    void *p = q4_arena + q4_used;
+    q4_used += (bytes + 7u) & ~(size_t)7u;
+    if (q4_used > sizeof q4_arena) {
+        put_str("q4 arena too small");
+        flush();
+        board_exit(254);
+    }
+    memset(p, 0, bytes);
+    return p;
+}
+
+static q4_rng q4r = {0xC0FFEE11u};
+static uint32_t q4_cases[2];
+static float q4_worst;
+
+static void q4_case(const colibri_kernels *opt, int int8_act, int acc, int nonfinite)
+{
+    q4_used = 0;
+    q4_shape sh;
+    sh.group_log2 = 3u + rnd_below(6);
+    sh.cols = 1u + rnd_below(rnd_below(2) ? 2u * (1u << sh.group_log2) + 3u : Q4_MAX_IN);
+    if (sh.cols > Q4_MAX_IN)
+        sh.cols = Q4_MAX_IN;
+    sh.rows = 1u + rnd_below(Q4_MAX_OUT);
+    sh.with_e = (int)rnd_below(2);
+    sh.with_bias = (int)rnd_below(2);
+    colibri_matrix w;
+    q4_build(&q4r, q4_alloc, &sh, &w);
+    const size_t in = sh.cols, out = sh.rows, n = 1u + rnd_below(MAX_N);
+    const int with_bias = rnd_below(2), with_rows = rnd_below(2), with_scale = rnd_below(2);
+    for (size_t o = 0; o < out; o++)
+        bias[o] = rnd_unit();
+    for (size_t i = 0; i < MAX_Y_ROWS * in; i++)
+        x4[i] = rnd_unit() * 4.0f;
+    if (nonfinite) {
+        const float specials[3] = {NAN, INFINITY, -INFINITY};
+        for (size_t c = 0; c < 3; c++)
+            x4[rnd_below((uint32_t)(MAX_Y_ROWS * in))] = specials[rnd_below(3)];
+    }
+    uint16_t perm[MAX_Y_ROWS];
+    for (size_t i = 0; i < MAX_Y_ROWS; i++)
+        perm[i] = (uint16_t)i;
+    for (size_t i = MAX_Y_ROWS - 1; i > 0; i--) {
+        const size_t j = rnd_below((uint32_t)i + 1u);
+        const uint16_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (size_t i = 0; i < n; i++) {
+        rows[i] = perm[i];
+        gates[i] = 0.25f + 0.75f * (rnd_unit() + 1.0f) / 2.0f;
+    }
+    const uint16_t *rp = with_rows ? rows : NULL;
+    const float *bp = with_bias ? bias : NULL;
+    const float *sp = with_scale ? gates : NULL;
+    colibri_qrows q = {xq4, xa};
+    const colibri_qrows *qp = NULL;
+    if (int8_act) {
+        colibri_quantize_rows_ref(x4, acc ? NULL : rp, n, in, xq4, xa);
+        qp = &q;
+    }
+    for (size_t i = 0; i < MAX_Y_ROWS * out; i++)
+        y_init[i] = rnd_unit();
+    memcpy(y_ref, y_init, sizeof(float) * MAX_Y_ROWS * out);
+    memcpy(y_opt, y_init, sizeof(float) * MAX_Y_ROWS * out);
+    if (acc) {
+        colibri_linear_acc_ref(x4, n, &w, bp, rp, sp, qp, y_ref);
+        opt->linear_acc(x4, n, &w, bp, rp, sp, qp, y_opt);
+    } else {
+        colibri_linear_ref(x4, rp, n, &w, bp, qp, y_ref);
+        opt->linear(x4, rp, n, &w, bp, qp, y_opt);
+    }
+    q4_cases[int8_act]++;
+    const int kind = int8_act ? K_Q8Q8 : K_Q8; /* for the failure message's name */
+    for (size_t i = 0; i < (acc ? MAX_Y_ROWS : n); i++) {
+        size_t token = i;
+        int written = 1;
+        if (acc) {
+            written = 0;
+            for (size_t t = 0; t < n; t++)
+                if ((rp ? rp[t] : t) == i) {
+                    token = t;
+                    written = 1;
+                }
+        }
+        const float *xi = acc ? x4 + token * in : x4 + (rp ? rp[token] : token) * in;
+        for (size_t o = 0; o < out; o++) {
+            const float got = y_opt[i * out + o], want = y_ref[i * out + o];
+            if (!written || int8_act || isnan(want) || isinf(want) || !isfinite(got)) {
+                if (!same_bits(got, want))
+                    report_failure(kind, acc, out, in, n, token, o, got, want, 0.0f);
+                continue;
+            }
+            double m;
+            size_t terms;
+            (void)q4_expect(&w, o, xi, NULL, 0.0f, &m, &terms);
+            float tol = (float)(in + 4u) * 0x1p-23f * ((float)m + (bp ? fabsf(bp[o]) : 0.0f));
+            if (acc)
+                tol = tol * (sp ? sp[token] : 1.0f) + 0x1p-23f * fabsf(want) + 0x1p-23f * fabsf(y_init[i * out + o]);
+            const float err = fabsf(got - want);
+            if (!(err <= tol))
+                report_failure(kind, acc, out, in, n, token, o, got, want, tol);
+            else if (tol > 0.0f && err / tol > q4_worst)
+                q4_worst = err / tol;
+        }
+    }
+}
+
 /* Activations: the backend's against the reference, every kind, over random
  * values (to ±100), ±0, ±inf, NaN and lengths 0..40 (tails of 8). ReLU, the
  * GELUs and tanh bit for bit (exact or the reference's); SiLU and sigmoid
@@ -587,6 +714,102 @@ static void count_instructions(const colibri_kernels *opt)
     }
 }
 
+/* q4 on the meter shapes (group 32, no E) and one wide layer: q4, q8 and f32. */
+static void count_q4_instructions(const colibri_kernels *opt)
+{
+    static const uint16_t shapes[][2] = {{32, 48}, {3, 32}, {64, 32}, {32, 64}, {24, 32}};
+    static uint8_t nib[256 * 128];
+    static uint16_t sc16[256 * 8];
+    static float wide_f32[256 * 256];
+    static int8_t wide_i8[256 * 256];
+    static float s8[256];
+    for (size_t i = 0; i < sizeof nib; i++)
+        nib[i] = (uint8_t)rnd();
+    for (size_t i = 0; i < 256 * 8; i++)
+        sc16[i] = 0x2000u; /* 2^-7 */
+    for (size_t i = 0; i < 256 * 256; i++) {
+        wide_f32[i] = rnd_unit();
+        wide_i8[i] = (int8_t)((int32_t)rnd_below(255) - 127);
+    }
+    for (size_t i = 0; i < 256; i++) {
+        s8[i] = 0.01f;
+        x4[i] = rnd_unit();
+        bias[i % MAX_OUT] = rnd_unit();
+    }
+    colibri_quantize_rows_ref(x4, NULL, 1, 256, xq4, xa);
+    colibri_qrows q = {xq4, xa};
+    static const char *const names[2] = {"q4 f32-act", "q4 int8-act"};
+    for (int i8 = 0; i8 < 2; i8++) {
+        uint64_t t_opt = 0, t_ref = 0, macs = 0;
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            colibri_matrix w;
+            memset(&w, 0, sizeof w);
+            w.dtype = COLIBRI_DTYPE_I4;
+            w.rows = shapes[s][0];
+            w.cols = shapes[s][1];
+            w.data = nib;
+            w.scale = sc16;
+            w.q8_f16 = 1;
+            w.q4_group_log2 = 5;
+            w.q4_groups = (w.cols + 31u) / 32u;
+            board_work_start();
+            opt->linear(x4, NULL, 1, &w, NULL, i8 ? &q : NULL, y_opt);
+            t_opt += board_work_stop();
+            board_work_start();
+            colibri_linear_ref(x4, NULL, 1, &w, NULL, i8 ? &q : NULL, y_ref);
+            t_ref += board_work_stop();
+            macs += (uint64_t)w.rows * w.cols;
+        }
+        put_str("instructions per MAC, meter shapes, ");
+        put_str(names[i8]);
+        put_str(": optimised ");
+        put_fix3((float)t_opt / (float)macs);
+        put_str(" reference ");
+        put_fix3((float)t_ref / (float)macs);
+        put_str(" (");
+        put_u((uint32_t)t_opt);
+        put_str(" / ");
+        put_u((uint32_t)macs);
+        put_str(")");
+        flush();
+    }
+    /* One wide layer, 256 x 256, one token, cmsis kernels: every dtype and activation kind. */
+    static const char *const wide_names[5] = {"f32", "q8 f32-act", "q8 int8-act", "q4 f32-act", "q4 int8-act"};
+    for (int k = 0; k < 5; k++) {
+        colibri_matrix w;
+        memset(&w, 0, sizeof w);
+        w.rows = 256;
+        w.cols = 256;
+        if (k == 0) {
+            w.dtype = COLIBRI_DTYPE_F32;
+            w.data = wide_f32;
+        } else if (k < 3) {
+            w.dtype = COLIBRI_DTYPE_I8;
+            w.data = wide_i8;
+            w.scale = s8;
+        } else {
+            w.dtype = COLIBRI_DTYPE_I4;
+            w.data = nib;
+            w.scale = sc16;
+            w.q8_f16 = 1;
+            w.q4_group_log2 = 5;
+            w.q4_groups = 8;
+        }
+        const int i8 = k == 2 || k == 4;
+        board_work_start();
+        opt->linear(x4, NULL, 1, &w, NULL, i8 ? &q : NULL, y_opt);
+        const uint64_t t = board_work_stop();
+        put_str("instructions per MAC, wide 256x256, ");
+        put_str(wide_names[k]);
+        put_str(": ");
+        put_fix3((float)t / 65536.0f);
+        put_str(" (");
+        put_u((uint32_t)t);
+        put_str(")");
+        flush();
+    }
+}
+
 int main(void)
 {
     board_init();
@@ -615,9 +838,20 @@ int main(void)
         put_fix3(worst[kind][1]);
         flush();
     }
+    for (uint32_t c = 0; c < 2u * per_kind; c++)
+        q4_case(&opt, (int)(c & 1u), (int)((c >> 1) & 1u), c % 5u == 4u);
+    put_str("q4: ");
+    put_u(q4_cases[0]);
+    put_str(" f32-act, ");
+    put_u(q4_cases[1]);
+    put_str(" int8-act cases; f32-act worst err/tol ");
+    put_fix3(q4_worst);
+    put_str(", int8-act bit for bit");
+    flush();
     activation_cases(&opt);
     quantize_cases(&opt);
     count_instructions(&opt);
+    count_q4_instructions(&opt);
     put_str(failures ? "FAILED: " : "passed: ");
     put_u(failures);
     put_str(" outputs out of tolerance");

@@ -71,6 +71,16 @@ void colibri_kernels_x86(struct colibri_kernels *k);
  * for the kernel tests to cover every level the CPU has. */
 void colibri_kernels_x86_level(struct colibri_kernels *k, int max_level);
 void colibri_kernels_neon(struct colibri_kernels *k);
+/* The x86-64 backend's I4 linear kernels (x86/colibri_kernels_x86_q4.c, a
+ * file of its own to keep the other's compile time): n tokens, token i
+ * reading x row xrows ? xrows[i] : i (and int8 row i of xq, or xq NULL for
+ * f32 activations) and storing (acc 0) or adding with gate scale[i] into y
+ * row yrows ? yrows[i] : i. Needs AVX2, FMA and F16C. */
+struct colibri_matrix;
+struct colibri_qrows;
+void colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
+                         const struct colibri_qrows *xq, const struct colibri_matrix *w, const float *b, float *y,
+                         size_t n, int acc);
 void colibri_kernels_cmsis(struct colibri_kernels *k);
 void colibri_kernels_rvv(struct colibri_kernels *k);
 

@@ -29,6 +29,9 @@
  *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
  *                 weight widened (exactly: SXTB, VCVT) and
  *                 fused-multiply-added; the scale and E as the reference.
+ *   I4            int8 act. bit for bit (UXTB16 + SMLAD on u = Q + 8, less
+ *                 8·Σ xq), f32 act. fused (SBFX, VCVT, VFMA): "I4 weights"
+ *                 below.
  *   f32 batches   tokens two by two (4 rows x 2 tokens per weight load).
  *   quantiser     the reference's bits (VLDM, VMAXNM, VCVTA).
  *   ReLU          the reference's bits (VCMP, VSELGT), 16 values a step.
@@ -913,6 +916,279 @@ static void matvec_q8(const colibri_matrix *w, const float *x, const float *b, i
 }
 #endif /* CMSIS_F32 */
 
+/* ---- I4 weights (format v5) ----
+ * Eight columns are one word of four bytes: byte i holds columns 2i (low
+ * nibble) and 2i + 1 (high).
+ *
+ *   int8 act.  Per group, the token's xq is first regrouped into int16 pairs
+ *              in the order the nibbles come out of a word, (x0, x4), (x2,
+ *              x6), (x1, x5), (x3, x7) per 8 columns (SXTB16, PKHBT/PKHTB),
+ *              and 8 · Σ xq of the group summed alongside. Then per row and
+ *              word: the nibbles flipped to u = Q + 8 in 0..15 (EOR with
+ *              0x88888888), the low and high ones masked out (AND, AND with
+ *              LSR #4), spread into int16 pairs
+ *              by UXTB16 (and UXTB16 ROR #8), two SMLAD per 4 columns; the
+ *              group's Σ Q·xq = Σ u·xq - 8 · Σ xq, exact. The float steps
+ *              are the reference's in its order: its bits. 2 rows share
+ *              each load of x's pairs (an asm loop, q4_dot_u2).
+ *   f32 act.   Two rows at a time (an asm loop, q4f_rows2): each nibble
+ *              sign-extended (SBFX), moved two by two (VMOV), converted
+ *              (VCVT), fused-multiply-added with x (8 values a VLDM, shared
+ *              by the rows) into the group's sum, which is then fused-
+ *              multiply-added with the group's scale: within the tolerance
+ *              above with |w| = |Q|·s_g.
+ * Columns past the last whole word of a group (only in a row's last group)
+ * are done one by one. */
+
+static inline uint32_t q4_word(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v); /* the M7 reads unaligned words */
+    return v;
+}
+
+/* The group's xq [c0, c0 + 8·words) as int16 pairs, 4 words per 8 columns,
+ * into xp; returns 8 · Σ xq over those columns. */
+static int32_t q4_pairs(const int8_t *xq, size_t words, uint32_t *xp)
+{
+    int32_t sum = 0;
+    for (size_t k = 0; k < words; k++, xq += 8, xp += 4) {
+        const uint32_t a = q4_word((const uint8_t *)xq), b = q4_word((const uint8_t *)xq + 4);
+        const uint32_t a02 = (uint32_t)__sxtb16((int8x4_t)a), a13 = (uint32_t)__sxtb16((int8x4_t)ror8(a));
+        const uint32_t b46 = (uint32_t)__sxtb16((int8x4_t)b), b57 = (uint32_t)__sxtb16((int8x4_t)ror8(b));
+        xp[0] = (a02 & 0xFFFFu) | b46 << 16;          /* (x0, x4) */
+        xp[1] = a02 >> 16 | (b46 & 0xFFFF0000u);      /* (x2, x6) */
+        xp[2] = (a13 & 0xFFFFu) | b57 << 16;          /* (x1, x5) */
+        xp[3] = a13 >> 16 | (b57 & 0xFFFF0000u);      /* (x3, x7) */
+        sum = smlad(xp[0], 0x00080008u, sum);
+        sum = smlad(xp[1], 0x00080008u, sum);
+        sum = smlad(xp[2], 0x00080008u, sum);
+        sum = smlad(xp[3], 0x00080008u, sum);
+    }
+    return sum;
+}
+
+/* Σ u·xq over `words` words of a row (u = Q + 8), pairs from q4_pairs. */
+static int32_t q4_dot_u(const uint8_t *p, const uint32_t *xp, size_t words, int32_t s)
+{
+    for (size_t k = 0; k < words; k++, p += 4, xp += 4) {
+        const uint32_t wv = q4_word(p) ^ 0x88888888u, lo = wv & 0x0F0F0F0Fu, hi = (wv >> 4) & 0x0F0F0F0Fu;
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)lo), xp[0], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(lo)), xp[1], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)hi), xp[2], s);
+        s = smlad((uint32_t)__uxtb16((uint8x4_t)ror8(hi)), xp[3], s);
+    }
+    return s;
+}
+
+/* Two rows at once (p0 and p0 + stride), words >= 1: *s0, *s1 += Σ u·xq,
+ * x's pairs loaded once per word for both. Per row and word: LDR, EOR (u =
+ * Q + 8), AND / LSR + AND (low and high nibbles), 4 UXTB16 and 4 SMLAD. */
+#define Q4_ROW_WORD(PTR_LOAD, S)                                                                                    \
+    PTR_LOAD "\n\t"                                                                                                 \
+    "eor %[wv], %[wv], #0x88888888\n\t"                                                                             \
+    "and %[lo], %[wv], #0x0F0F0F0F\n\t"                                                                             \
+    "lsr %[hi], %[wv], #4\n\t"                                                                                      \
+    "and %[hi], %[hi], #0x0F0F0F0F\n\t"                                                                             \
+    "uxtb16 %[wv], %[lo]\n\t"                                                                                       \
+    "smlad " S ", %[wv], %[x0], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[lo], ror #8\n\t"                                                                               \
+    "smlad " S ", %[wv], %[x1], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[hi]\n\t"                                                                                       \
+    "smlad " S ", %[wv], %[x2], " S "\n\t"                                                                          \
+    "uxtb16 %[wv], %[hi], ror #8\n\t"                                                                               \
+    "smlad " S ", %[wv], %[x3], " S "\n\t"
+
+static inline __attribute__((always_inline)) void q4_dot_u2(const uint8_t *p0, size_t stride, const uint32_t *xp, size_t words,
+                                                int32_t *s0, int32_t *s1)
+{
+    int32_t a0 = *s0, a1 = *s1;
+    uint32_t x0, x1, x2, x3, wv, lo, hi;
+    __asm__ volatile("1:\n\t"
+                     "ldrd %[x0], %[x1], [%[px]]\n\t"
+                     "ldrd %[x2], %[x3], [%[px], #8]\n\t"
+                     "adds %[px], %[px], #16\n\t"
+                     Q4_ROW_WORD("ldr %[wv], [%[pa], %[st]]", "%[a1]")
+                     Q4_ROW_WORD("ldr %[wv], [%[pa]], #4", "%[a0]")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [pa] "+r"(p0), [px] "+r"(xp), [n] "+r"(words), [a0] "+r"(a0), [a1] "+r"(a1), [x0] "=&r"(x0),
+                       [x1] "=&r"(x1), [x2] "=&r"(x2), [x3] "=&r"(x3), [wv] "=&r"(wv), [lo] "=&r"(lo), [hi] "=&r"(hi)
+                     : [st] "r"(stride)
+                     : "memory", "cc");
+    *s0 = a0;
+    *s1 = a1;
+}
+
+/* Σ Q·xq over columns [c, end) of a row, one by one (fewer than 8). */
+static int32_t q4_dot_tail(const uint8_t *row, const int8_t *xq, size_t c, size_t end)
+{
+    int32_t s = 0;
+    for (; c < end; c++)
+        s += colibri_q4_nibble(row, c) * (int32_t)xq[c];
+    return s;
+}
+
+/* As colibri_matvec_q4q8, bit for bit. When the row fits the pair buffer
+ * (in <= 256) x's pairs and each group's correction are made once for the
+ * token; otherwise per group and block of rows. */
+#define Q4_PAIR_COLS 256u
+static void matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
+                        float s, float *y)
+{
+    const size_t in = w->cols, out = w->rows, stride = (in + 1u) >> 1, G = w->q4_groups;
+    const size_t group = (size_t)1 << w->q4_group_log2;
+    uint32_t xp[Q4_PAIR_COLS / 2u]; /* 4 pair words per 8 columns */
+    int32_t corr_all[Q4_PAIR_COLS / 8u];
+    const int once = in <= Q4_PAIR_COLS;
+    if (once)
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            corr_all[g] = q4_pairs(xq + c0, (end - c0) / 8u, xp + c0 / 2u);
+        }
+    size_t o = 0;
+    for (; o + 2u <= out; o += 2u) {
+        const uint8_t *r0 = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v0 = 0.0f, v1 = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            const uint32_t *gp = xp + c0 / 2u;
+            int32_t corr;
+            if (once) {
+                corr = corr_all[g];
+            } else {
+                gp = xp;
+                corr = q4_pairs(xq + c0, words, xp);
+            }
+            int32_t s0 = -corr, s1 = -corr;
+            if (words)
+                q4_dot_u2(r0 + (c0 >> 1), stride, gp, words, &s0, &s1);
+            if (c0 + words * 8u < end) {
+                s0 += q4_dot_tail(r0, xq, c0 + words * 8u, end);
+                s1 += q4_dot_tail(r0 + stride, xq, c0 + words * 8u, end);
+            }
+            v0 += (float)s0 * colibri_q8_half(sc[g]);
+            v1 += (float)s1 * colibri_q8_half(sc[G + g]);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v0 * a), b, acc, s);
+        colibri_emit(y, o + 1u, colibri_q4_epilogue(w, o + 1u, x, v1 * a), b, acc, s);
+    }
+    if (o < out) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            const int32_t corr = q4_pairs(xq + c0, words, xp);
+            const int32_t sum = q4_dot_u(row + (c0 >> 1), xp, words, 0) - corr +
+                                q4_dot_tail(row, xq, c0 + words * 8u, end);
+            v += (float)sum * colibri_q8_half(sc[g]);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v * a), b, acc, s);
+    }
+}
+
+#if defined(CMSIS_F32)
+/* One row's word (8 columns, the word at [PA] or [PA, st]): the nibbles
+ * sign-extended (SBFX) two by two into S0.., converted exactly (VCVT),
+ * fused-multiply-added with x in s16-s23 into ACC. */
+#define Q4F_ROW(LOAD, S0, S1, S2, S3, S4, S5, S6, S7, ACC)                                                         \
+    LOAD "\n\t"                                                                                                     \
+    "sbfx %[b0], %[wv], #0, #4\n\t"                                                                                 \
+    "sbfx %[b1], %[wv], #4, #4\n\t"                                                                                 \
+    "sbfx %[b2], %[wv], #8, #4\n\t"                                                                                 \
+    "sbfx %[b3], %[wv], #12, #4\n\t"                                                                                \
+    "vmov " S0 ", " S1 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S2 ", " S3 ", %[b2], %[b3]\n\t"                                                                         \
+    "sbfx %[b0], %[wv], #16, #4\n\t"                                                                                \
+    "sbfx %[b1], %[wv], #20, #4\n\t"                                                                                \
+    "sbfx %[b2], %[wv], #24, #4\n\t"                                                                                \
+    "asr %[b3], %[wv], #28\n\t"                                                                                     \
+    "vmov " S4 ", " S5 ", %[b0], %[b1]\n\t"                                                                         \
+    "vmov " S6 ", " S7 ", %[b2], %[b3]\n\t"                                                                         \
+    "vcvt.f32.s32 " S0 ", " S0 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S1 ", " S1 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S2 ", " S2 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S3 ", " S3 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S4 ", " S4 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S5 ", " S5 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S6 ", " S6 "\n\t"                                                                               \
+    "vcvt.f32.s32 " S7 ", " S7 "\n\t"                                                                               \
+    "vfma.f32 " ACC ", " S0 ", s16\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S1 ", s17\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S2 ", s18\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S3 ", s19\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S4 ", s20\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S5 ", s21\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S6 ", s22\n\t"                                                                             \
+    "vfma.f32 " ACC ", " S7 ", s23\n\t"
+
+/* Two rows (p0 and p0 + stride), words >= 1: *v0, *v1 += Σ (float)Q · x
+ * over 8·words columns, fused, x's 8 values loaded once (VLDM) per word. */
+static __attribute__((noinline)) void q4f_rows2(const uint8_t *p0, size_t stride, const float *x, size_t words,
+                                                float *v0, float *v1)
+{
+    float a0 = *v0, a1 = *v1;
+    uint32_t wv, b0, b1, b2, b3;
+    __asm__ volatile("1:\n\t"
+                     "vldmia %[x]!, {s16-s23}\n\t"
+                     Q4F_ROW("ldr %[wv], [%[pa], %[st]]", "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "%[a1]")
+                     Q4F_ROW("ldr %[wv], [%[pa]], #4", "s8", "s9", "s10", "s11", "s12", "s13", "s14", "s15", "%[a0]")
+                     "subs %[n], %[n], #1\n\t"
+                     "bne 1b\n\t"
+                     : [pa] "+r"(p0), [x] "+r"(x), [n] "+r"(words), [wv] "=&r"(wv), [b0] "=&r"(b0), [b1] "=&r"(b1),
+                       [b2] "=&r"(b2), [b3] "=&r"(b3), [a0] "+t"(a0), [a1] "+t"(a1)
+                     : [st] "r"(stride)
+                     : "s0", "s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11", "s12", "s13", "s14",
+                       "s15", "s16", "s17", "s18", "s19", "s20", "s21", "s22", "s23", "memory", "cc");
+    *v0 = a0;
+    *v1 = a1;
+}
+
+/* I4 weights, f32 activations: rows two by two (q4f_rows2 per group), each
+ * group's sum then fused-multiply-added with the group's scale; a group's
+ * last columns short of a word, and an odd last row, one by one. */
+static void matvec_q4(const colibri_matrix *w, const float *x, const float *b, int acc, float s, float *y)
+{
+    const size_t in = w->cols, out = w->rows, G = w->q4_groups, group = (size_t)1 << w->q4_group_log2;
+    const size_t stride = (in + 1u) >> 1;
+    size_t o = 0;
+    for (; o + 2u <= out; o += 2u) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v0 = 0.0f, v1 = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in, words = (end - c0) / 8u;
+            float p0 = 0.0f, p1 = 0.0f;
+            if (words)
+                q4f_rows2(row + (c0 >> 1), stride, x + c0, words, &p0, &p1);
+            for (size_t c = c0 + words * 8u; c < end; c++) {
+                p0 = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], p0);
+                p1 = __builtin_fmaf((float)colibri_q4_nibble(row + stride, c), x[c], p1);
+            }
+            v0 = __builtin_fmaf(p0, colibri_q8_half(sc[g]), v0);
+            v1 = __builtin_fmaf(p1, colibri_q8_half(sc[G + g]), v1);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v0), b, acc, s);
+        colibri_emit(y, o + 1u, colibri_q4_epilogue(w, o + 1u, x, v1), b, acc, s);
+    }
+    if (o < out) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *sc = colibri_q4_scales(w, o);
+        float v = 0.0f;
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            float p = 0.0f;
+            for (size_t c = c0; c < end; c++)
+                p = __builtin_fmaf((float)colibri_q4_nibble(row, c), x[c], p);
+            v = __builtin_fmaf(p, colibri_q8_half(sc[g]), v);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v), b, acc, s);
+    }
+}
+#endif /* CMSIS_F32 */
+
 #if defined(CMSIS_FPV5)
 /* ---- The int8 quantiser: the reference's bits, faster ----
  * m = max |x| by VMAXNM and a sum of |x| · 0 (NaN as soon as some x is NaN or
@@ -999,6 +1275,7 @@ static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, 
 #endif /* CMSIS_FPV5 */
 
 /* ---- The linear kernels: one token at a time, weights by dtype ---- */
+
 
 static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
                    float s, float *y)
@@ -1089,6 +1366,45 @@ static __attribute__((noinline)) void linear_acc_tokens(const float *x, size_t n
                y + (rows ? rows[i] : i) * out);
 }
 
+#if defined(CMSIS_F32)
+#define MATVEC_Q4 matvec_q4
+#else
+#define MATVEC_Q4 colibri_matvec_q4
+#endif
+
+/* I4 weights: token by token, out of line (the dispatch to them is one
+ * test of the dtype in linear_cmsis and linear_acc_cmsis, after the f32
+ * batch-1 paths and before the token loops of the other dtypes, which
+ * stay as they were). */
+static __attribute__((noinline)) void linear_i4(const float *x, const uint16_t *rows, size_t n,
+                                                const colibri_matrix *w, const float *b, const colibri_qrows *xq,
+                                                float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        if (xq)
+            matvec_q4q8(w, xi, xq->q + i * in, xq->a[i], b, 0, 1.0f, y + i * out);
+        else
+            MATVEC_Q4(w, xi, b, 0, 1.0f, y + i * out);
+    }
+}
+
+static __attribute__((noinline)) void linear_acc_i4(const float *x, size_t n, const colibri_matrix *w,
+                                                    const float *b, const uint16_t *rows, const float *scale,
+                                                    const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++) {
+        float *yi = y + (rows ? rows[i] : i) * out;
+        const float s = scale ? scale[i] : 1.0f;
+        if (xq)
+            matvec_q4q8(w, x + i * in, xq->q + i * in, xq->a[i], b, 1, s, yi);
+        else
+            MATVEC_Q4(w, x + i * in, b, 1, s, yi);
+    }
+}
+
 /* The linear kernels: one token of a matrix in whole 8 x 8 F32 blocks goes
  * straight to f32_blocks8 (the common case of a small model at batch 1,
  * kept free of the general path's frame); everything else token by token
@@ -1113,6 +1429,10 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
         return;
     }
 #endif
+    if (w->dtype == COLIBRI_DTYPE_I4) {
+        linear_i4(x, rows, n, w, b, xq, y);
+        return;
+    }
     linear_tokens(x, rows, n, w, b, xq, y);
 }
 
@@ -1126,6 +1446,10 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
         return;
     }
 #endif
+    if (w->dtype == COLIBRI_DTYPE_I4) {
+        linear_acc_i4(x, n, w, b, rows, scale, xq, y);
+        return;
+    }
     linear_acc_tokens(x, n, w, b, rows, scale, xq, y);
 }
 

@@ -25,8 +25,11 @@
  *                  int32 sum is exact integer arithmetic (wrapping modulo
  *                  2^32 like the reference), so these outputs are the
  *                  reference's bits
+ *   int4 (I4)      nibbles unpacked 32 at a time (AND, USHR, ZIP, TBL);
+ *                  int8 act. bit for bit (4 rows as lanes, groups summed in
+ *                  order), f32 act. fused (below, "I4 weights")
  *
- * Tolerance (tests/c/colibri_kernel_test.c): f32 sums in another order and
+ * Tolerance (tests/c/colibri_kernel_test.c, tests/c/colibri_q4_test.c): f32 sums in another order and
  * with FMA, so a dot product of length in differs from the reference by at
  * most about in · 2^-24 · Σ|w·x| (the reordering bound); NaN and ±inf
  * propagate as in the reference (a NaN or inf input, or a 0 · inf, makes the
@@ -467,6 +470,200 @@ NEON_ROWS(rows_q8, rows_q8_t, NEON_NOATTR)
 NEON_ROWS(rows_q8q8, rows_q8q8_t, NEON_NOATTR)
 NEON_ROWS(rows_q8q8_dp, rows_q8q8_dp_t, NEON_DOTPROD)
 
+/* ---- I4 weights (format v5) ----
+ * Nibbles are unpacked 32 columns (16 bytes) at a time: low and high
+ * nibbles split (AND, USHR), interleaved back into column order (ZIP1,
+ * ZIP2) and made signed -8..7 by one table lookup (TBL).
+ *
+ *   int8 act.  4 rows in the 4 lanes of a vector, one token at a time: per
+ *              group and row Σ Q·xq exact in int32 (SMULL/SMLAL2 + SADALP,
+ *              or SDOT), the rows' sums gathered into lanes (ADDP), then
+ *              v += (float)sum · s_g and at the end v · a, unfused, as the
+ *              reference: its bits.
+ *   f32 act.   4 rows by 1-2 tokens: each weight widened to f32, times its
+ *              group's scale, fused-multiply-added per token into 4-lane
+ *              accumulators; within the f32 tolerance above (|w| = |Q|·s_g).
+ * A group narrower than 32 columns, or a row's last partial 32, goes
+ * through zero-padded copies (nothing read past a row or a vector). */
+
+NEON_INLINE int8x16x2_t q4_decode32(uint8x16_t packed)
+{
+    static const int8_t lut_values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+    const int8x16_t lut = vld1q_s8(lut_values);
+    const uint8x16_t lo = vandq_u8(packed, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(packed, 4);
+    int8x16x2_t q;
+    q.val[0] = vqtbl1q_s8(lut, vzip1q_u8(lo, hi)); /* columns 0..15 */
+    q.val[1] = vqtbl1q_s8(lut, vzip2q_u8(lo, hi)); /* columns 16..31 */
+    return q;
+}
+
+/* Columns [c, c + n) of a row (c even, n <= 32), zero beyond n. */
+NEON_INLINE int8x16x2_t q4_decode_at(const uint8_t *row, size_t c, size_t n)
+{
+    if (n == 32)
+        return q4_decode32(vld1q_u8(row + (c >> 1)));
+    uint8_t buf[16] = {0};
+    memcpy(buf, row + (c >> 1), (n + 1) >> 1);
+    if (n & 1u)
+        buf[n >> 1] &= 0x0Fu; /* a column past n shares the last byte */
+    return q4_decode32(vld1q_u8(buf));
+}
+
+NEON_INLINE int8x16x2_t q4_xq_at(const int8_t *xq, size_t c, size_t n)
+{
+    int8x16x2_t v;
+    if (n == 32) {
+        v.val[0] = vld1q_s8(xq + c);
+        v.val[1] = vld1q_s8(xq + c + 16);
+        return v;
+    }
+    int8_t buf[32] = {0};
+    memcpy(buf, xq + c, n);
+    v.val[0] = vld1q_s8(buf);
+    v.val[1] = vld1q_s8(buf + 16);
+    return v;
+}
+
+/* Σ of 32 products Q·xq added into the 4 int32 lanes of acc. */
+NEON_INLINE int32x4_t q4_dot32(int32x4_t acc, int8x16x2_t q, int8x16x2_t x)
+{
+    int16x8_t p = vmull_s8(vget_low_s8(q.val[0]), vget_low_s8(x.val[0]));
+    p = vmlal_high_s8(p, q.val[0], x.val[0]); /* |sum of two| <= 2 · 8 · 128 */
+    int16x8_t p2 = vmull_s8(vget_low_s8(q.val[1]), vget_low_s8(x.val[1]));
+    p2 = vmlal_high_s8(p2, q.val[1], x.val[1]);
+    return vpadalq_s16(vpadalq_s16(acc, p), p2);
+}
+
+NEON_DOTPROD NEON_INLINE int32x4_t q4_dot32_dp(int32x4_t acc, int8x16x2_t q, int8x16x2_t x)
+{
+    return vdotq_s32(vdotq_s32(acc, q.val[0], x.val[0]), q.val[1], x.val[1]);
+}
+
+/* One token, rows o .. o + 3 (rows past the matrix repeat its last one):
+ * v[r] = (Σ_g (float)(Σ_{c in g} Q·xq) · s_g) · a, the reference's bits. */
+#define NEON_Q4Q8_ROWS4(NAME, ATTR, DOT)                                                                    \
+    static ATTR void NAME(const colibri_matrix *w, size_t o, const int8_t *xq, float a, float v[4])          \
+    {                                                                                                        \
+        const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;                \
+        const uint8_t *row[4];                                                                               \
+        const uint16_t *sc[4];                                                                               \
+        for (size_t r = 0; r < 4; r++) {                                                                     \
+            const size_t orow = o + r < w->rows ? o + r : w->rows - 1;                                       \
+            row[r] = colibri_q4_row(w, orow);                                                                \
+            sc[r] = colibri_q4_scales(w, orow);                                                              \
+        }                                                                                                    \
+        float32x4_t acc = vdupq_n_f32(0.0f);                                                                 \
+        for (size_t g = 0; g < G; g++) {                                                                     \
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;                           \
+            int32x4_t s0 = vdupq_n_s32(0), s1 = s0, s2 = s0, s3 = s0;                                        \
+            for (size_t c = c0; c < end; c += 32) {                                                          \
+                const size_t n = end - c < 32 ? end - c : 32;                                                \
+                const int8x16x2_t x = q4_xq_at(xq, c, n);                                                    \
+                s0 = DOT(s0, q4_decode_at(row[0], c, n), x);                                                 \
+                s1 = DOT(s1, q4_decode_at(row[1], c, n), x);                                                 \
+                s2 = DOT(s2, q4_decode_at(row[2], c, n), x);                                                 \
+                s3 = DOT(s3, q4_decode_at(row[3], c, n), x);                                                 \
+            }                                                                                                \
+            const int32x4_t sum = vpaddq_s32(vpaddq_s32(s0, s1), vpaddq_s32(s2, s3));                       \
+            uint16x4_t h = vdup_n_u16(sc[0][g]);                                                             \
+            h = vset_lane_u16(sc[1][g], h, 1);                                                               \
+            h = vset_lane_u16(sc[2][g], h, 2);                                                               \
+            h = vset_lane_u16(sc[3][g], h, 3);                                                               \
+            /* v += (float)sum · s_g: two roundings, as the reference */                                    \
+            acc = vaddq_f32(acc, vmulq_f32(vcvtq_f32_s32(sum), vcvt_f32_f16(vreinterpret_f16_u16(h))));      \
+        }                                                                                                    \
+        vst1q_f32(v, vmulq_n_f32(acc, a));                                                                   \
+    }
+NEON_Q4Q8_ROWS4(q4q8_rows4, NEON_NOATTR, q4_dot32)
+NEON_Q4Q8_ROWS4(q4q8_rows4_dp, NEON_DOTPROD, q4_dot32_dp)
+
+/* T (1 or 2) tokens, rows o .. o + 3 (rows past the matrix repeat the last
+ * one): v[t·4 + r] = Σ_c (Q·s_g) · x_t, fused. */
+NEON_INLINE void q4f_rows4(const colibri_matrix *w, size_t o, size_t T, const float *const *xr, float v[8])
+{
+    const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
+    const uint8_t *row[4];
+    const uint16_t *sc[4];
+    for (size_t r = 0; r < 4; r++) {
+        const size_t orow = o + r < w->rows ? o + r : w->rows - 1;
+        row[r] = colibri_q4_row(w, orow);
+        sc[r] = colibri_q4_scales(w, orow);
+    }
+    float32x4_t acc[8];
+    for (size_t i = 0; i < 8; i++)
+        acc[i] = vdupq_n_f32(0.0f);
+    for (size_t g = 0; g < G; g++) {
+        const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+        for (size_t c = c0; c < end; c += 32) {
+            const size_t n = end - c < 32 ? end - c : 32, parts = (n + 3) / 4;
+            float32x4_t x[2][8];
+            for (size_t t = 0; t < T; t++) {
+                if (n == 32) {
+                    for (size_t k = 0; k < 8; k++)
+                        x[t][k] = vld1q_f32(xr[t] + c + 4 * k);
+                } else {
+                    float buf[32] = {0};
+                    memcpy(buf, xr[t] + c, n * sizeof *buf);
+                    for (size_t k = 0; k < 8; k++)
+                        x[t][k] = vld1q_f32(buf + 4 * k);
+                }
+            }
+            for (size_t r = 0; r < 4; r++) {
+                const float s = colibri_q8_half(sc[r][g]);
+                const int8x16x2_t q = q4_decode_at(row[r], c, n);
+                int16x8_t h[4];
+                h[0] = vmovl_s8(vget_low_s8(q.val[0]));
+                h[1] = vmovl_high_s8(q.val[0]);
+                h[2] = vmovl_s8(vget_low_s8(q.val[1]));
+                h[3] = vmovl_high_s8(q.val[1]);
+                for (size_t k = 0; k < parts; k++) {
+                    const int16x8_t hk = h[k / 2];
+                    const int32x4_t i32 = k % 2 ? vmovl_high_s16(hk) : vmovl_s16(vget_low_s16(hk));
+                    const float32x4_t wk = vmulq_n_f32(vcvtq_f32_s32(i32), s);
+                    for (size_t t = 0; t < T; t++)
+                        acc[t * 4 + r] = vfmaq_f32(acc[t * 4 + r], wk, x[t][k]);
+                }
+            }
+        }
+    }
+    for (size_t i = 0; i < T * 4; i++)
+        v[i] = vaddvq_f32(acc[i]);
+}
+
+/* The tokens of one block (T <= 4) over every row of an I4 matrix. */
+static void rows_q4(const colibri_matrix *w, const float *b, const neon_tokens *tk, size_t T, int acc, int int8_act,
+                    int dotprod)
+{
+    const size_t out = w->rows;
+    for (size_t o = 0; o < out; o += 4) {
+        const size_t R = out - o < 4 ? out - o : 4;
+        if (int8_act) {
+            for (size_t t = 0; t < T; t++) {
+                float v[4];
+                if (dotprod)
+                    q4q8_rows4_dp(w, o, tk->q[t], tk->a[t], v);
+                else
+                    q4q8_rows4(w, o, tk->q[t], tk->a[t], v);
+                for (size_t r = 0; r < R; r++)
+                    colibri_emit(tk->y[t], o + r, colibri_q4_epilogue(w, o + r, tk->x[t], v[r]), b, acc, tk->s[t]);
+            }
+            continue;
+        }
+        for (size_t t = 0; t < T; t += 2) {
+            const size_t pair = T - t >= 2 ? 2 : 1;
+            float v[8];
+            if (pair == 2)
+                q4f_rows4(w, o, 2, tk->x + t, v);
+            else
+                q4f_rows4(w, o, 1, tk->x + t, v);
+            for (size_t u = 0; u < pair; u++)
+                for (size_t r = 0; r < R; r++)
+                    colibri_emit(tk->y[t + u], o + r, colibri_q4_epilogue(w, o + r, tk->x[t + u], v[u * 4 + r]), b,
+                                 acc, tk->s[t + u]);
+        }
+    }
+}
+
 static void rows_any(const colibri_matrix *w, const float *b, const neon_tokens *tk, size_t T, int acc, int int8_act,
                      int dotprod)
 {
@@ -481,6 +678,9 @@ static void rows_any(const colibri_matrix *w, const float *b, const neon_tokens 
             rows_q8q8_dp(w, b, tk, T, acc);
         else
             rows_q8q8(w, b, tk, T, acc);
+        break;
+    case COLIBRI_DTYPE_I4:
+        rows_q4(w, b, tk, T, acc, int8_act, dotprod);
         break;
     default: /* F32; weight dtypes are validated */
         rows_f32(w, b, tk, T, acc);

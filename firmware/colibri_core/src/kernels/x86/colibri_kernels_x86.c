@@ -49,6 +49,8 @@
  *   without FMA (those functions are compiled for AVX2 only, so nothing can
  *   be contracted; AVX-512's exp uses explicitly rounded intrinsics): bit for
  *   bit equal to the reference.
+ * - I4 weights (format v5): x86/colibri_kernels_x86_q4.c, AVX2 at every
+ *   level (a file of its own, so this one's compile time does not grow).
  * - quantize_rows, mul, add: vectorised, bit for bit equal to the reference.
  * - layernorm, rmsnorm: the reference's (not hot in the models timed).
  */
@@ -645,6 +647,9 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
         else
             gemm_i8_avx2(g, n);
         break;
+    case COLIBRI_DTYPE_I4: /* every level: x86/colibri_kernels_x86_q4.c, AVX2 */
+        colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc);
+        break;
     default: /* F32; weight dtypes are validated */
         if (avx512)
             gemm_f32_avx512(g, n);
@@ -658,14 +663,14 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
     static void linear_##SFX(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,         \
                              const float *b, const colibri_qrows *xq, float *restrict y)                      \
     {                                                                                                         \
-        const gemm_args g = {x, rows, NULL, NULL, w->dtype == COLIBRI_DTYPE_I8 ? xq : NULL, w, b, y, 0};      \
+        const gemm_args g = {x, rows, NULL, NULL, w->dtype == COLIBRI_DTYPE_I8 || w->dtype == COLIBRI_DTYPE_I4 ? xq : NULL, w, b, y, 0};      \
         gemm(&g, n, AVX512);                                                                                  \
     }                                                                                                         \
     static void linear_acc_##SFX(const float *x, size_t n, const colibri_matrix *w, const float *b,           \
                                  const uint16_t *rows, const float *scale, const colibri_qrows *xq,           \
                                  float *restrict y)                                                           \
     {                                                                                                         \
-        const gemm_args g = {x, NULL, rows, scale, w->dtype == COLIBRI_DTYPE_I8 ? xq : NULL, w, b, y, 1};     \
+        const gemm_args g = {x, NULL, rows, scale, w->dtype == COLIBRI_DTYPE_I8 || w->dtype == COLIBRI_DTYPE_I4 ? xq : NULL, w, b, y, 1};     \
         gemm(&g, n, AVX512);                                                                                  \
     }
 X86_DEFINE_LINEAR(avx2, 0)
