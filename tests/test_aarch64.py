@@ -101,6 +101,16 @@ def test_neon_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
     assert " 0 failures" in r.stdout
 
 
+@pytest.mark.parametrize("cpu", list(CPUS))
+def test_neon_q4_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
+    """tests/c/colibri_q4_test.c under qemu-aarch64: the I4 reference kernels against the format's
+    definition, the NEON ones against the reference (int8 activations bit for bit)."""
+    r = qemu(cpu, str(aarch64_drivers / "colibri_q4_test"), CPUS[cpu])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kernels: {CPUS[cpu]}" in r.stdout
+    assert f"{CPUS[cpu]} vs reference: f32-act" in r.stdout and " 0 failures" in r.stdout, r.stdout
+
+
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal bit for bit, NaN matching NaN (x86-64 and AArch64 make different default NaNs)."""
     nan = np.isnan(a)

@@ -13,6 +13,8 @@
  *   kernels/colibri_kernels_f16.c     reference: f16 weights, f32 activations
  *   kernels/colibri_kernels_q8.c      reference: int8 weights with f32 or
  *                                     int8 activations, the quantiser
+ *   kernels/colibri_kernels_q4.c      reference: int4 weights in groups, f32
+ *                                     or int8 activations
  *   kernels/colibri_kernels_select.c  the table: reference, then the backend
  *   kernels/<backend>/                an optimised backend (x86, neon, cmsis),
  *                                     compiled to nothing unless selected
@@ -39,7 +41,7 @@
  * colibri_q8_scale(), colibri_q8_compensate() and colibri_q8_has_terms()
  * below (or their four-row forms colibri_q8_scale4(), colibri_q8_compensate4()). */
 typedef struct colibri_matrix {
-    uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16 or _I8 */
+    uint8_t dtype;             /* COLIBRI_DTYPE_F32, _F16, _I8 or _I4 */
     /* I8 only, else 0; beside dtype so no padding sits inside the plan's copies. */
     uint8_t q8_f16;            /* 1: scale (and bias) are f16 bits, 0: f32 */
     uint8_t q8_bias;           /* 1: a bias [rows] follows the scales (v2) */
@@ -56,6 +58,15 @@ typedef struct colibri_matrix {
                                 * row_ptr[i] .. row_ptr[i+1]-1 */
     const uint16_t *col;       /* [nnz] input column of each entry, < cols */
     const uint16_t *val;       /* [nnz] f16 bits of each entry */
+    /* I4 only (from the Q4_PARAMS companion, format v5), else NULL / 0. At
+     * the end, so the I8 fields and their offsets stay as they were. For I4,
+     * data is the packed nibbles (colibri_q4_row), scale the f16 group scales
+     * [rows · q4_groups] (colibri_q4_scales), q8_f16 = 1, q8_bias = 0, and
+     * q8_ptr, q8_nnz, row_ptr, col, val describe E exactly as for I8, so
+     * colibri_q8_terms() and colibri_q8_compensate() serve both. */
+    const uint16_t *q4_bias;   /* [rows] f16 companion bias, or NULL */
+    uint32_t q4_group_log2;    /* columns per scale = 1 << this (3..8) */
+    uint32_t q4_groups;        /* G = ceil(cols / group) */
 } colibri_matrix;
 
 /* Int8 activations of the n rows one call reads (colibri_quantize_rows):
@@ -77,7 +88,7 @@ typedef struct colibri_qrows {
 /* y[i, :] = x[r, :] Wᵀ + b with r = rows ? rows[i] : i, for i < n.
  * x [*, in], b [out] or NULL, y [n, out] with in = w->cols, out = w->rows;
  * y must not overlap x. xq: NULL for f32 activations, or the int8 rows of
- * x[r] (i < n) for an I8 matrix with INT8_ACT; ignored for other dtypes.
+ * x[r] (i < n) for an I8 or I4 matrix with INT8_ACT; ignored for other dtypes.
  * The n rows are one small GEMM: a backend reuses each weight load across them. */
 typedef void (*colibri_linear_fn)(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
                                   const float *b, const colibri_qrows *xq, float *restrict y);
@@ -203,6 +214,20 @@ void colibri_matvec_q8(const colibri_matrix *w, const float *x, const float *b,
  * v_o = (float)(Σ_j Q_oj · xq_j in int32) · (s_o · a) + Σ_E e · x_j + b_o,
  * E applied to the unquantised x. */
 void colibri_matvec_q8q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
+                         const float *b, int acc, float s, float *restrict y);
+
+/* I4 (format v5), f32 activations: with s_g the f16 scale of row o's
+ * group g (1 << q4_group_log2 columns, the last maybe partial),
+ * v_o = Σ_g (Σ_{c in g} (float)Q_oc · x_c) · s_g, each group's sum in column
+ * order and the groups in order, + Σ_E e · x_c + bias_o (the companion's,
+ * f16), then colibri_emit. */
+void colibri_matvec_q4(const colibri_matrix *w, const float *x, const float *b,
+                       int acc, float s, float *restrict y);
+
+/* I4, int8 activations xq [w->cols] with scale a:
+ * v_o = (Σ_g (float)(Σ_{c in g} Q_oc · xq_c in int32) · s_g) · a
+ *       + Σ_E e · x_c + bias_o, E applied to the unquantised x. */
+void colibri_matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
                          const float *b, int acc, float s, float *restrict y);
 
 /* The end of every matvec kernel for output o: add the bias, then either
@@ -548,6 +573,48 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_compensate4(const colibri_matrix *w
         v[2] += b[2];
         v[3] += b[3];
     }
+}
+
+/* ---- I4 (format v5: docs/model-format.md "Quantised weights: I4 with
+ * Q4_PARAMS"), read through these accessors, colibri_q8_terms() (E) and
+ * colibri_q4_epilogue() only. ---- */
+
+/* Row o's packed nibbles: ceil(cols / 2) bytes, column c in byte c >> 1, the
+ * low nibble for even c. When cols is odd the last byte's high nibble is 0. */
+static COLIBRI_ALWAYS_INLINE const uint8_t *colibri_q4_row(const colibri_matrix *w, size_t o)
+{
+    return (const uint8_t *)w->data + o * (((size_t)w->cols + 1u) >> 1);
+}
+
+/* Column c of a row: a signed two's-complement int4, -8..7. */
+static COLIBRI_ALWAYS_INLINE int colibri_q4_nibble(const uint8_t *row, size_t c)
+{
+    const unsigned nib = (unsigned)(row[c >> 1] >> ((c & 1u) << 2)) & 0xFu;
+    return (int)nib - (int)((nib & 8u) << 1);
+}
+
+/* Row o's q4_groups scales as f16 bits (validated ±0 or normal: exact to
+ * widen with colibri_q8_half or any f16 conversion). */
+static COLIBRI_ALWAYS_INLINE const uint16_t *colibri_q4_scales(const colibri_matrix *w, size_t o)
+{
+    return (const uint16_t *)w->scale + o * (size_t)w->q4_groups;
+}
+
+/* The additive terms of row o after the groups' sum v (and, for int8
+ * activations, · a), in this order: + Σ e · x[col] over row o's
+ * compensation entries in storage order, then + the companion's f16 bias
+ * when the matrix has one. A vector backend may do the same through
+ * colibri_q8_terms() and w->q4_bias. */
+static COLIBRI_ALWAYS_INLINE float colibri_q4_epilogue(const colibri_matrix *w, size_t o, const float *x, float v)
+{
+    if (w->q8_ptr) {
+        uint32_t k, end;
+        colibri_q8_terms(w, o, &k, &end);
+        v = colibri_q8_add_terms(w, k, end, x, v);
+    }
+    if (w->q4_bias)
+        v += colibri_q8_half(w->q4_bias[o]);
+    return v;
 }
 
 #endif /* COLIBRI_KERNELS_H */

@@ -1000,6 +1000,7 @@ static void quantize_rows_cmsis(const float *x, const uint16_t *rows, size_t n, 
 
 /* ---- The linear kernels: one token at a time, weights by dtype ---- */
 
+
 static void matvec(const colibri_matrix *w, const float *x, const int8_t *xq, float a, const float *b, int acc,
                    float s, float *y)
 {
@@ -1089,6 +1090,39 @@ static __attribute__((noinline)) void linear_acc_tokens(const float *x, size_t n
                y + (rows ? rows[i] : i) * out);
 }
 
+/* I4 weights: token by token, out of line (the dispatch to them is one
+ * test of the dtype in linear_cmsis and linear_acc_cmsis, after the f32
+ * batch-1 paths and before the token loops of the other dtypes, which
+ * stay as they were). */
+static __attribute__((noinline)) void linear_i4(const float *x, const uint16_t *rows, size_t n,
+                                                const colibri_matrix *w, const float *b, const colibri_qrows *xq,
+                                                float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        if (xq)
+            colibri_matvec_q4q8(w, xi, xq->q + i * in, xq->a[i], b, 0, 1.0f, y + i * out);
+        else
+            colibri_matvec_q4(w, xi, b, 0, 1.0f, y + i * out);
+    }
+}
+
+static __attribute__((noinline)) void linear_acc_i4(const float *x, size_t n, const colibri_matrix *w,
+                                                    const float *b, const uint16_t *rows, const float *scale,
+                                                    const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++) {
+        float *yi = y + (rows ? rows[i] : i) * out;
+        const float s = scale ? scale[i] : 1.0f;
+        if (xq)
+            colibri_matvec_q4q8(w, x + i * in, xq->q + i * in, xq->a[i], b, 1, s, yi);
+        else
+            colibri_matvec_q4(w, x + i * in, b, 1, s, yi);
+    }
+}
+
 /* The linear kernels: one token of a matrix in whole 8 x 8 F32 blocks goes
  * straight to f32_blocks8 (the common case of a small model at batch 1,
  * kept free of the general path's frame); everything else token by token
@@ -1113,6 +1147,10 @@ static void linear_cmsis(const float *x, const uint16_t *rows, size_t n, const c
         return;
     }
 #endif
+    if (w->dtype == COLIBRI_DTYPE_I4) {
+        linear_i4(x, rows, n, w, b, xq, y);
+        return;
+    }
     linear_tokens(x, rows, n, w, b, xq, y);
 }
 
@@ -1126,6 +1164,10 @@ static void linear_acc_cmsis(const float *x, size_t n, const colibri_matrix *w, 
         return;
     }
 #endif
+    if (w->dtype == COLIBRI_DTYPE_I4) {
+        linear_acc_i4(x, n, w, b, rows, scale, xq, y);
+        return;
+    }
     linear_acc_tokens(x, n, w, b, rows, scale, xq, y);
 }
 

@@ -482,6 +482,14 @@ static void rows_any(const colibri_matrix *w, const float *b, const neon_tokens 
         else
             rows_q8q8(w, b, tk, T, acc);
         break;
+    case COLIBRI_DTYPE_I4: /* token by token through the reference kernels */
+        for (size_t t = 0; t < T; t++) {
+            if (int8_act)
+                colibri_matvec_q4q8(w, tk->x[t], tk->q[t], tk->a[t], b, acc, tk->s[t], tk->y[t]);
+            else
+                colibri_matvec_q4(w, tk->x[t], b, acc, tk->s[t], tk->y[t]);
+        }
+        break;
     default: /* F32; weight dtypes are validated */
         rows_f32(w, b, tk, T, acc);
         break;

@@ -623,6 +623,22 @@ static X86_GEMM512VNNI __attribute__((noinline)) void gemm_q8q8_vnni(const gemm_
     gemm_dt_vnni(g, DT_I8, n);
 }
 
+/* I4 weights: token by token through the reference kernels. */
+static void gemm_q4(const gemm_args *g, size_t n)
+{
+    const colibri_matrix *w = g->w;
+    const size_t in = w->cols, out = w->rows;
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
+        float *yi = g->y + (g->yrows ? g->yrows[i] : i) * out;
+        const float s = g->scale ? g->scale[i] : 1.0f;
+        if (g->xq)
+            colibri_matvec_q4q8(w, xi, g->xq->q + i * in, g->xq->a[i], g->b, g->acc, s, yi);
+        else
+            colibri_matvec_q4(w, xi, g->b, g->acc, s, yi);
+    }
+}
+
 /* avx512: 0 AVX2, 1 AVX-512F, 2 AVX-512F and VNNI. */
 static void gemm(const gemm_args *g, size_t n, int avx512)
 {
@@ -645,6 +661,9 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
         else
             gemm_i8_avx2(g, n);
         break;
+    case COLIBRI_DTYPE_I4:
+        gemm_q4(g, n);
+        break;
     default: /* F32; weight dtypes are validated */
         if (avx512)
             gemm_f32_avx512(g, n);
@@ -658,14 +677,14 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
     static void linear_##SFX(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,         \
                              const float *b, const colibri_qrows *xq, float *restrict y)                      \
     {                                                                                                         \
-        const gemm_args g = {x, rows, NULL, NULL, w->dtype == COLIBRI_DTYPE_I8 ? xq : NULL, w, b, y, 0};      \
+        const gemm_args g = {x, rows, NULL, NULL, w->dtype == COLIBRI_DTYPE_I8 || w->dtype == COLIBRI_DTYPE_I4 ? xq : NULL, w, b, y, 0};      \
         gemm(&g, n, AVX512);                                                                                  \
     }                                                                                                         \
     static void linear_acc_##SFX(const float *x, size_t n, const colibri_matrix *w, const float *b,           \
                                  const uint16_t *rows, const float *scale, const colibri_qrows *xq,           \
                                  float *restrict y)                                                           \
     {                                                                                                         \
-        const gemm_args g = {x, NULL, rows, scale, w->dtype == COLIBRI_DTYPE_I8 ? xq : NULL, w, b, y, 1};     \
+        const gemm_args g = {x, NULL, rows, scale, w->dtype == COLIBRI_DTYPE_I8 || w->dtype == COLIBRI_DTYPE_I4 ? xq : NULL, w, b, y, 1};     \
         gemm(&g, n, AVX512);                                                                                  \
     }
 X86_DEFINE_LINEAR(avx2, 0)
