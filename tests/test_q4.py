@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+import colibri
 from colibri import _engine, image, reference
 from colibri import format as F
 from colibri.errors import ExportError
@@ -16,6 +17,7 @@ from colibri.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight
 from colibri.quantize import quantize, quantize_q4, weight_slots
 
 import lmmodels
+import test_quantize as TQ
 
 
 def _graph(seed: int = 0, cols: int = 33, hidden: int = 40) -> Graph:
@@ -393,3 +395,64 @@ def test_reference_int8_path_is_exact_integer_groups() -> None:
                 acc = int(np.dot(xq[i, 8 * g : 8 * g + 8], w.q[o, 8 * g : 8 * g + 8].astype(np.int64)))
                 v = np.float32(v + np.float32(acc) * np.float32(w.scale[o, g]))
             assert y[i, o] == np.float32(v * a[i])
+
+
+# --- the C engine (CPython binding) against the reference ------------------------------------------
+Q4_VARIANTS: dict[str, dict] = {
+    "q4": {},
+    "q4-g8-noE": {"group": 8, "compensation": 0.0},
+    "q4-g256-E2%": {"group": 256, "compensation": 0.02},
+    "q4-int8act": {"int8_act": ["layers.*"]},
+    "q4-q8-mixed-int8act": {"q8": ["layers.0"], "int8_act": ["layers.*"]},
+}
+
+
+@pytest.mark.parametrize("variant", Q4_VARIANTS)
+@pytest.mark.parametrize("model", ["quickstart", "random-0", "random-1", "random-2", "odd"])
+def test_engine_matches_reference(model: str, variant: str) -> None:
+    graph = _graph(5) if model == "odd" else TQ.ENGINE_MODELS[model]()
+    img = image.write(quantize(graph, "q4", **Q4_VARIANTS[variant]))
+    assert img[4] == F.Q4_VERSION
+    for batch in sorted({1, graph.max_batch}):
+        x = TQ.inputs(batch, graph.input_size, seed=6 + batch)
+        TQ.assert_engine_matches(img, x)
+        want = reference.run(img, x)
+        for kernels in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
+            got = kernels.forward(x)
+            assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
+
+
+def test_reference_kernels_on_linear_layers_with_compensation() -> None:
+    """With E on several entries a row the numpy reference adds E as a matrix product, the engine
+    entry by entry: within a few ulps, f32 and int8 activations alike."""
+    rng = np.random.default_rng(7)
+    layers = [Linear(rng.standard_normal((24, 45)).astype(np.float32), rng.standard_normal(24).astype(np.float32)),
+              Linear(rng.standard_normal((9, 24)).astype(np.float32))]
+    for int8_act in ([], ["layers.*"]):
+        g = quantize(Graph(layers, 45, 9, max_batch=8), "q4", group=16, compensation=0.05, int8_act=int8_act)
+        img = image.write(g)
+        x = rng.standard_normal((8, 45)).astype(np.float32)
+        got, want = colibri.Model(img, reference_kernels=True).forward(x), reference.run(img, x)
+        assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
+
+
+def test_int8_path_bit_exact_without_compensation() -> None:
+    rng = np.random.default_rng(8)
+    g = quantize(Graph([Linear(rng.standard_normal((17, 70)).astype(np.float32),
+                               rng.standard_normal(17).astype(np.float32))], 70, 17, max_batch=4),
+                 "q4", group=32, compensation=0.0, int8_act=["layers.0"])
+    img = image.write(g)
+    x = rng.standard_normal((4, 70)).astype(np.float32)
+    for m in (colibri.Model(img, reference_kernels=True), colibri.Model(img)):
+        np.testing.assert_array_equal(m.forward(x), reference.run(img, x))
+
+
+@pytest.mark.parametrize("int8_act", [[], ["layers.*"]])
+def test_token_model_runs_q4(int8_act: list[str]) -> None:
+    data = image.write(quantize(lmmodels.token_model(2), "q4", group=8, int8_act=int8_act))
+    assert data[4] == F.Q4_VERSION
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    for reference_kernels in (False, True):
+        got = colibri.LM(data, reference_kernels=reference_kernels).forward_tokens(ids)
+        want = reference.LMState(data).forward_tokens(ids)
+        assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max())
