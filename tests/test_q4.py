@@ -456,3 +456,28 @@ def test_token_model_runs_q4(int8_act: list[str]) -> None:
         got = colibri.LM(data, reference_kernels=reference_kernels).forward_tokens(ids)
         want = reference.LMState(data).forward_tokens(ids)
         assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max())
+
+
+# --- issue 14's targets that need no trained cache (the rest: scripts/measure.py group q4) ------------
+
+
+def test_q4_image_is_at_most_0_16_of_f32_on_wide_layers() -> None:
+    """test_image_size_ratios' weight-dominated MoE (d 128, 8 SwiGLU experts of 512): int4 + group
+    scales + E (0.5 %) + row pointers."""
+    import torch
+
+    from colibri import nn as cnn
+
+    torch.manual_seed(5)
+    g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
+    ratio = len(image.write(quantize(g, "q4"))) / len(image.write(g))
+    print(f"q4 / f32 image bytes: {ratio:.4f}")
+    assert ratio <= 0.16
+
+
+def test_trained_digits_q4_accuracy_within_one_point() -> None:
+    trained = TQ.digits_classifier(seed=0)
+    acc = {name: TQ.accuracy(colibri.Model(image.write(g)).forward(trained.x_test), trained.y_test)
+           for name, g in (("f32", trained.graph), ("q4", quantize(trained.graph, "q4")))}
+    print(f"digits: f32 {acc['f32']:.4f}, q4 {acc['q4']:.4f}")
+    assert acc["f32"] >= 0.93 and acc["q4"] >= acc["f32"] - 0.01

@@ -18,10 +18,13 @@
  *      before its header is read; in v2 its parameter dtype, flags and
  *      reserved bits are BAD_QUANT; then the size formula, and cols <= 65536
  *      when nnz > 0, BAD_TENSOR);
- *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
- *      a Q8_PARAMS of the same rows and cols), v1's reserved word, its
+ *   4. pass 2, every I8 and I4 tensor in index order: its companion (aux
+ *      in range, a Q8_PARAMS, for I4 a Q4_PARAMS, of the same rows and
+ *      cols), v1's reserved word, for I4 the unused nibbles of odd rows, its
  *      scales and f16 biases (BAD_QUANT), then its compensation term: padding, row
- *      pointers, columns, values (BAD_COMPENSATION);
+ *      pointers, columns, values (BAD_COMPENSATION); (a Q4_PARAMS record's
+ *      header codes are BAD_QUANT and its size BAD_TENSOR in pass 1, as a
+ *      v2 Q8_PARAMS's);
  *   5. the layer program, top to bottom: a layer's fields, flags included
  *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
  *      I8 weight (BAD_LAYER); a MOE layer names a MoE record (in range and
