@@ -481,3 +481,25 @@ def test_trained_digits_q4_accuracy_within_one_point() -> None:
            for name, g in (("f32", trained.graph), ("q4", quantize(trained.graph, "q4")))}
     print(f"digits: f32 {acc['f32']:.4f}, q4 {acc['q4']:.4f}")
     assert acc["f32"] >= 0.93 and acc["q4"] >= acc["f32"] - 0.01
+
+
+def test_cli_quantize_q4_and_info(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from colibri.cli import main
+
+    src, out = tmp_path / "model.clb", tmp_path / "q4.clb"
+    src.write_bytes(image.write(_graph()))
+    runner = CliRunner()
+    r = runner.invoke(main, ["quantize", str(src), str(out), "--dtype", "q4", "--group", "16", "--q8", "layers.2",
+                             "--report"])
+    assert r.exit_code == 0, r.output
+    assert "int4 group scales" in r.output and "format v5" in r.output
+    back = image.read(out.read_bytes())
+    assert isinstance(back.layers[0].weight, Q4Weight) and back.layers[0].weight.group == 16
+    assert isinstance(back.layers[2].weight, Q8Weight)
+    info = runner.invoke(main, ["info", str(out)])
+    assert info.exit_code == 0, info.output
+    assert "q4/g16+E" in info.output and "q8+E" in info.output
+    bad = runner.invoke(main, ["quantize", str(src), str(tmp_path / "x.clb"), "--dtype", "q4", "--group", "12"])
+    assert bad.exit_code != 0 and "power of two" in bad.output and not (tmp_path / "x.clb").exists()
