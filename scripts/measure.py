@@ -342,7 +342,7 @@ def group_tiny_lm() -> list[Figure]:
 
 
 def group_tiny_lm_engine() -> list[Figure]:
-    """The tiny King James model through the C engine (examples/tiny_lm/evaluate.py): f32, f16 and q8
+    """The tiny King James model through the C engine (examples/tiny_lm/evaluate.py): f32, f16, q8 and q4
     images with a 256-position f32 KV cache at max_batch 1, each scored on all the held-out text as
     PyTorch is. Perplexities are given a 1e-4 relative tolerance: the optimised kernels' sums may take
     another order on another CPU (AVX-512 or not), which moves the last printed digit at most."""

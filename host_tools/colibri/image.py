@@ -877,7 +877,7 @@ def _q4(buf: memoryview, t_recs: list[tuple], i: int, packed: np.ndarray, work: 
     params_end = at["bias" if has_bias else "scale"] + 2 * rows * (1 if has_bias else groups)
     row_ptr, col, val = _compensation(buf, off, at, i, rows, cols, nnz, F.q8_row_ptr_bytes(2, nnz), params_end, work)
     return Q4Weight(q=q4_unpack(packed, cols), scale=scale.reshape(rows, groups), group=1 << g_log2,
-                    row_ptr=row_ptr, col=col, val=val, bias=bias)
+                    row_ptr=row_ptr, col=col, val=val, bias=bias, packed=packed)
 
 
 def _compensation(buf: memoryview, off: int, at: dict[str, int], i: int, rows: int, cols: int, nnz: int,

@@ -71,6 +71,9 @@ class Q4Weight:
     col: np.ndarray  # uint16 [nnz], increasing within a row
     val: np.ndarray  # float16 [nnz]
     bias: np.ndarray | None = None  # float16 [rows] or None
+    # The image's packed nibbles [rows, ceil(cols/2)] (a view) when read from an image: where the
+    # engine's kernels and an expert hook see this weight.
+    packed: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
