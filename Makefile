@@ -5,12 +5,13 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-exec \
-        libs install bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
+        libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
 	./scripts/setup.sh
 
-# The C engine: host library, sanitizer builds, the Cortex-M7 and the AArch64 (NEON) libraries.
+# The C engine: host library, sanitizer builds, the Cortex-M7, the AArch64 (NEON) and the RISC-V
+# (RVV, and scalar rv64gc) libraries.
 engine:
 	$(MAKE) -C $(CORE)
 
@@ -30,6 +31,8 @@ c-tests: engine-all
 	$(MAKE) -C tests/c VARIANT=asan
 	$(MAKE) -C tests/c VARIANT=tsan
 	$(MAKE) -C tests/c VARIANT=aarch64
+	$(MAKE) -C tests/c VARIANT=riscv64
+	$(MAKE) -C tests/c VARIANT=riscv64gc
 
 # The runner firmware: QEMU's mps2-an500 (the test target) and the NUCLEO-H743ZI.
 firmware: engine-all
@@ -64,8 +67,12 @@ demo-lm: setup
 evaluate-tiny-lm: setup
 	$(PY) examples/tiny_lm/evaluate.py
 
-test: setup c-tests firmware fuzz-smoke
-	.venv/bin/pytest -n 2
+# The builds, the C drivers' compile and the CI-sized fuzz runs side by side on every core (they
+# are independent once setup is done), each target's output kept together; then pytest on 2 workers.
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+test: setup
+	$(MAKE) -j$(NPROC) --output-sync=target c-tests firmware fuzz-smoke
+	.venv/bin/pytest -n 2 --durations=25
 
 # Fuzzing (fuzz/README.md): the engine, the runner's frame handler and the
 # C-vs-Python validator comparison, each for a stated number of executions.
@@ -85,6 +92,11 @@ BENCH_CFLAGS := -std=c11 -Wall -Wextra -Werror -pedantic -O2 -D_POSIX_C_SOURCE=2
 build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 	mkdir -p build/bench
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+# Instructions per multiply-accumulate of the meter and edge models' linear layers under
+# qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.
+bench-riscv-insns: setup
+	$(PY) bench/riscv_insns.py
 
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:

@@ -438,6 +438,29 @@ def group_m7() -> list[Figure]:
     return figures + lm_on_qemu()
 
 
+def group_riscv() -> list[Figure]:
+    """The edge model's widest expert matrix (256->1024) over 8 token rows under qemu-riscv64
+    (bench/riscv_insns.py): instructions per multiply-accumulate of one linear call with the RVV kernels
+    at VLEN 128 and 256 and with the scalar rv64gc build (emulated instructions, not cycles)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import riscv_insns as rv
+
+    drivers, plugin = rv.build()
+    n_in, n_out, n = 256, 1024, 8
+    macs = n_in * n_out * n
+    reps = max(1, rv.MACS_PER_RUN // macs)
+    figures = []
+    for dtype, arg in (("f32", "f32"), ("f16", "f16"), ("q8", "q8"), ("q8i8", "q8q8")):
+        for target, key in (("rv64gc", "scalar"), ("RVV 128", "vlen128"), ("RVV 256", "vlen256")):
+            variant, cpu, kernels = rv.TARGETS[target]
+            shape = [str(n_in), str(n_out), str(n)]
+            one = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, "1"])
+            more = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, str(1 + reps)])
+            figures.append(fig(f"riscv.edge_w1.{dtype}.{key}", (more - one) / reps / macs,
+                               f"edge expert 256->1024, 8 rows, {dtype}: {target} instructions per MAC", "{:.3f}"))
+    return figures
+
+
 def lm_on_qemu() -> list[Figure]:
     """Token models (docs/lm.md; tests/lmmodels.py's random decoder: vocab 64, 2 layers, 4 heads over 2 KV
     heads, max_seq_len 64, f32) generating on the emulated Cortex-M7 with the runner's GENERATE: a 4-token
@@ -612,6 +635,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "tiny_lm": group_tiny_lm,
     "tiny_lm_engine": group_tiny_lm_engine,
     "m7_tiny_lm": group_m7_tiny_lm,
+    "riscv": group_riscv,
     "q4": group_q4,
 }
 
@@ -619,7 +643,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
 KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "meter.": "smart_meter",
-    "m7.": "m7", "tiny_lm.": "tiny_lm",
+    "m7.": "m7", "tiny_lm.": "tiny_lm", "riscv.": "riscv",
     "tiny_lm.engine.": "tiny_lm_engine", "m7.tiny_lm.": "m7_tiny_lm", "q4.": "q4",
 }
 
@@ -651,6 +675,8 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"a 3-expert MoE", "design: forecaster.build_moe"),
     (r"dual 16-bit MACs", "hardware: the Cortex-M7's SIMD multiply-accumulate"),
     (r"x86-64|AVX-512|32-bit Arm", "names of instruction sets and architectures"),
+    (r"RVV 1\.0|VLEN 128( and 256)?|VLEN 256", "the RISC-V vector extension's version and the vector lengths tested"),
+    (r"matrix \(256→1024, 8 token rows\)", "design: the edge model's expert w1 shape and the batch group_riscv measures"),
     (r"1–2 MB of flash", "design: the target class (STM32H7-class parts)"),
     (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quantize.DEFAULT_COMPENSATION"),
     (r"exit status 1", "design: the CLI's failure status"),

@@ -10,10 +10,13 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok ins
 # clang-16 + libclang-rt-16-dev: libFuzzer and the sanitizers for fuzz/ (make fuzz, make fuzz-smoke).
 # gcc-aarch64-linux-gnu + libc6-dev-arm64-cross + qemu-user: the AArch64 NEON build and its
 # C test drivers under qemu-aarch64 (tests/test_aarch64.py). pkgconf: colibri.pc (tests/test_libcolibri.py).
+# gcc-riscv64-linux-gnu + libc6-dev-riscv64-cross: the sysroot and binutils of the RISC-V builds
+# (compiled by clang-16: GCC 12 has no RVV intrinsics), run under qemu-riscv64 (tests/test_riscv.py).
 # bible-kjv: the King James text (bible-kjv-text) and the `bible` program that decompresses it,
 # the tiny language model's training and held-out text (examples/tiny_lm, tests/test_tiny_lm.py).
 for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm \
            clang-16 libclang-rt-16-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user pkgconf \
+           gcc-riscv64-linux-gnu libc6-dev-riscv64-cross \
            bible-kjv bible-kjv-text; do
     have "$pkg" || need_pkgs+=("$pkg")
 done

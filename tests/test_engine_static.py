@@ -21,10 +21,10 @@ WRITABLE = (".data", ".bss", ".sdata", ".sbss", ".tbss", ".tdata")
 def _build(variant: str) -> list[Path]:
     """Builds the engine library for a variant and returns its object files.
 
-    The Cortex-M7 and AArch64 (NEON) objects are rebuilt from scratch so the compiler's output can be
-    checked for warnings (the Makefile also passes -Werror); nothing else uses them.
+    The Cortex-M7, AArch64 (NEON) and RISC-V (RVV, rv64gc) objects are rebuilt from scratch so the
+    compiler's output can be checked for warnings (the Makefile also passes -Werror).
     """
-    if variant in ("cm7", "aarch64"):
+    if variant in ("cm7", "aarch64", "riscv64", "riscv64gc"):
         make("-C", str(CORE), f"clean-{variant}")
     r = make("-C", str(CORE), variant)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -34,12 +34,14 @@ def _build(variant: str) -> list[Path]:
     return objs
 
 
-@pytest.mark.parametrize("variant", ["host", "cm7", "aarch64"])
+@pytest.mark.parametrize("variant", ["host", "cm7", "aarch64", "riscv64", "riscv64gc"])
 def test_warning_free_build_without_heap_or_writable_data(variant: str) -> None:
     if variant == "cm7" and not shutil.which("arm-none-eabi-gcc"):
         pytest.fail("arm-none-eabi-gcc missing: run scripts/setup.sh")
     if variant == "aarch64" and not shutil.which("aarch64-linux-gnu-gcc"):
         pytest.fail("aarch64-linux-gnu-gcc missing: run scripts/setup.sh")
+    if variant.startswith("riscv64") and not (shutil.which("clang-16") and Path("/usr/riscv64-linux-gnu/include").is_dir()):
+        pytest.fail("clang-16 or the riscv64 cross sysroot (libc6-dev-riscv64-cross) missing: run scripts/setup.sh")
     for obj in _build(variant):
         with open(obj, "rb") as fh:
             elf = ELFFile(fh)

@@ -5,7 +5,9 @@ to colibri.h (colibri-sys/tests/drift.rs). Cargo's target directory is build/rus
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -15,11 +17,14 @@ import torch
 
 import colibri
 from colibri import image
+from colibri import nn as cnn
 from colibri.exporter import export
+from colibri.quantize import quantize
 
 import lmmodels
 from conftest import CORE, make
 from randmodels import random_model
+from test_accelerator_hook import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, _net
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "bindings" / "rust"
@@ -65,10 +70,71 @@ def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float
     return f"lm {name} {temperature!r} {top_k} {top_p!r} {sample_seed} {new}"
 
 
+def _write_hook(out: Path, name: str, data: bytes, d_in: int) -> str:
+    """A model for the accelerator hook tests (colibri/tests/hook.rs): the Rust device must match the
+    engine within the tolerance tests/test_accelerator_hook.py holds the numpy and C devices to."""
+    x = (np.random.default_rng(len(name)).standard_normal((HOOK_BATCH, d_in)) * 2).astype(np.float32)
+    (out / f"{name}.bin").write_bytes(data)
+    (out / f"{name}.in.f32").write_bytes(x.tobytes())
+    (out / f"{name}.ref.f32").write_bytes(colibri.Model(data, reference_kernels=True).forward(x).tobytes())
+    (out / f"{name}.opt.f32").write_bytes(colibri.Model(data).forward(x).tobytes())
+    return f"hook {name} {HOOK_BATCH} {HOOK_TOLERANCE!r}"
+
+
+def _hook_models(out: Path) -> list[str]:
+    # The hook test's network (GLU and MLP experts, a gated shared expert) in every weight dtype, then
+    # MLP experts with each activation the exporter writes.
+    cases = [_write_hook(out, f"hook-{dtype}", export(_net(), None, max_batch=HOOK_BATCH, **options).image, 10)
+             for dtype, options in HOOK_DTYPES.items()]
+    # Format version 1's int8 companions (f32 scales, 4-byte row pointers, biases as tensors).
+    f32_graph = export(_net(), None, max_batch=HOOK_BATCH).graph
+    v1 = image.write(quantize(f32_graph, "q8", compact=False), version=1)
+    cases.append(_write_hook(out, "hook-q8-v1", v1, 10))
+    torch.manual_seed(3)
+    for act in cnn.ACTIVATIONS:
+        net = torch.nn.Sequential(cnn.MoE(10, 3, 17, top_k=2, routing="softmax_topk", activation=act)).eval()
+        cases.append(_write_hook(out, f"hook-mlp-{act}", export(net, None, max_batch=HOOK_BATCH).image, 10))
+    return cases
+
+
+# The image records the Rust hook view reads (colibri::layout), field names as docs/model-format.md.
+RECORD_FIELDS = {
+    "header": (colibri.format.HEADER, ["magic", "version", "header_size", "crc32", "image_size", "flags", "input_size",
+                                       "output_size", "max_batch", "tensor_count", "tensor_table_offset",
+                                       "layer_count", "layer_table_offset", "moe_count", "moe_table_offset",
+                                       "expert_count", "expert_table_offset"]),
+    "tensor": (colibri.format.TENSOR, ["offset", "nbytes", "rows", "cols", "dtype", "ndim", "reserved", "aux"]),
+    "expert": (colibri.format.EXPERT, ["kind", "activation", "flags", "hidden", "w1", "b1", "w2", "b2", "w3", "b3"]),
+}
+
+
+def _field_offsets(record: struct.Struct) -> list[int]:
+    """Byte offset of each field of a little-endian, unpadded struct format (pad bytes `Nx` skipped)."""
+    offsets, at = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", record.format.lstrip("<")):
+        size = struct.calcsize("<" + code) * int(count or 1)
+        if code != "x":
+            offsets.append(at)
+        at += size
+    assert at == record.size
+    return offsets
+
+
+def _write_layout(out: Path) -> None:
+    lines = []
+    for name, (record, fields) in RECORD_FIELDS.items():
+        offsets = _field_offsets(record)
+        assert len(offsets) == len(fields), name
+        lines += [f"{name} {field} {offset}" for field, offset in zip(fields, offsets)]
+    (out / "layout.txt").write_text("\n".join(lines) + "\n")
+
+
 def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cases = [_write_feature(tmp_path, *m) for m in FEATURE_MODELS]
     cases += [_write_lm(tmp_path, *m) for m in LM_MODELS]
+    cases += _hook_models(tmp_path)
+    _write_layout(tmp_path)
     (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
     # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
     # other pytest workers take, leaves build.rs's own `make` nothing to write.
@@ -80,5 +146,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8): none filtered out or missing.
-    assert passed >= 10, result.stdout
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (13): none
+    # filtered out or missing.
+    assert passed >= 23, result.stdout

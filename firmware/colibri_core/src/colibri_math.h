@@ -12,7 +12,8 @@
  *   engine promises no mutable state outside the caller's arena.
  *
  * Accuracy is glibc's: every function works in `real_t`, double where the
- * FPU has double precision (x86-64, AArch64, Cortex-M7 with FPv5-D16), so
+ * FPU has double precision (x86-64, AArch64, RISC-V with the D extension,
+ * Cortex-M7 with FPv5-D16), so
  * only the final rounding to float is left (max error about 0.5 ulp,
  * test_engine_math_accuracy in tests/test_nonfinite.py); float on single-precision FPUs (Cortex-M4F),
  * where double would be emulated in software, with errors of one or two ulp.
@@ -37,7 +38,8 @@
 
 #if defined(COLIBRI_MATH_FLOAT_ONLY)
 #define COLIBRI_REAL_IS_DOUBLE 0
-#elif defined(__x86_64__) || defined(__aarch64__) || (defined(__ARM_FP) && (__ARM_FP & 8))
+#elif defined(__x86_64__) || defined(__aarch64__) || (defined(__ARM_FP) && (__ARM_FP & 8)) || \
+    (defined(__riscv_flen) && __riscv_flen >= 64)
 #define COLIBRI_REAL_IS_DOUBLE 1
 #else
 #define COLIBRI_REAL_IS_DOUBLE 0

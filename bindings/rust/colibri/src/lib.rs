@@ -14,6 +14,11 @@
 //! model.forward(&input, &mut output, 1)?;
 //! # Ok(()) }
 //! ```
+//!
+//! [`Model::forward_ex`] takes [`Exec`] options: an accelerator hook that may
+//! run any expert on the caller's device ([`ExpertCall`], [`ExpertOutcome`]),
+//! a routing callback ([`Route`]) and a caller's pool of workers
+//! ([`ParallelFor`]), all borrowed for the call.
 #![no_std]
 
 use core::ffi::{c_void, CStr};
@@ -23,6 +28,15 @@ use core::ptr;
 
 pub use colibri_sys as sys;
 pub use sys::colibri_model_info as ModelInfo;
+
+mod exec;
+mod expert;
+
+pub use exec::{Exec, ExpertFn, Parallel, ParallelFor, Route, RouteFn, Serial, SharedExpertFn};
+pub use expert::layout;
+pub use expert::{
+    f16_to_f32, Activation, Compensation, ExpertCall, ExpertKind, ExpertOutcome, Matrix, Params, Q8Matrix, Weight,
+};
 
 /// A failed call: every negative `colibri_status` of `colibri_format.h`.
 /// `Display` is the engine's own text (`colibri_strerror`).
@@ -190,8 +204,19 @@ pub fn validate(image: &[u8]) -> Result<(), Status> {
 pub struct Model<'a> {
     ctx: *mut sys::colibri_ctx,
     info: ModelInfo,
-    _borrows: PhantomData<(&'a [u8], &'a mut [u8])>,
+    /// The accelerator hook types each expert's weights from the image.
+    image: &'a [u8],
+    _arena: PhantomData<&'a mut [u8]>,
 }
+
+// SAFETY: a context has no tie to the thread that built it (no thread-local
+// state, no OS handles): moving a model to another thread, with its borrows,
+// is sound. Calls that write the context take &mut self, so one thread at a
+// time runs them, as colibri.h requires. The &self calls (model_info,
+// kernels_name, lm_position) only read the context, so sharing &Model
+// between threads is sound too.
+unsafe impl Send for Model<'_> {}
+unsafe impl Sync for Model<'_> {}
 
 impl<'a> Model<'a> {
     /// The exact arena bytes [`Model::new`] needs for this image (`colibri_model_size`).
@@ -229,7 +254,7 @@ impl<'a> Model<'a> {
                 image.len(),
             )
         })?;
-        Ok(Model { ctx, info, _borrows: PhantomData })
+        Ok(Model { ctx, info, image, _arena: PhantomData })
     }
 
     /// Runs `batch` tokens: `input` is `[batch, input_size]`, `output`
@@ -241,6 +266,33 @@ impl<'a> Model<'a> {
         check(unsafe {
             sys::colibri_forward(self.ctx, batch, input.as_ptr(), input.len(), output.as_mut_ptr(), output.len())
         })
+    }
+
+    /// The exact arena bytes for running this image with up to `workers`
+    /// workers of a [`ParallelFor`] pool (`colibri_model_size_ex`): the
+    /// single-threaded size plus each extra worker's scratch.
+    pub fn arena_size_for(image: &[u8], workers: usize) -> Result<usize, Status> {
+        let mut size = 0usize;
+        // SAFETY: reads at most image.len() bytes, writes one usize.
+        check(unsafe { sys::colibri_model_size_ex(image.as_ptr().cast(), image.len(), workers, &mut size) })?;
+        Ok(size)
+    }
+
+    /// [`Model::forward`] with caller-supplied options (`colibri_forward_ex`):
+    /// an accelerator hook that may run any expert on the caller's device,
+    /// a routing callback, a pool of workers. [`Status::BadExec`] for more
+    /// workers than the arena holds; a hook's `Failed(status)` or a
+    /// callback's `Err(status)` stops the pass and is returned here.
+    /// `Exec::new()` with nothing set is exactly `forward`.
+    pub fn forward_ex<M>(
+        &mut self,
+        exec: &mut Exec<'_, M>,
+        input: &[f32],
+        output: &mut [f32],
+        batch: usize,
+    ) -> Result<(), Status> {
+        // SAFETY: the live context over self.image, borrowed exclusively.
+        check(unsafe { exec::forward_ex(self.ctx, self.image, exec, input, output, batch) })
     }
 
     /// The model's description, as [`Model::info`] on its image.

@@ -30,5 +30,7 @@ void colibri_kernels_optimised(colibri_kernels *k)
     colibri_kernels_neon(k);
 #elif defined(COLIBRI_BACKEND_CMSIS)
     colibri_kernels_cmsis(k);
+#elif defined(COLIBRI_BACKEND_RVV)
+    colibri_kernels_rvv(k);
 #endif
 }
