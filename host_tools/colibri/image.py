@@ -498,7 +498,8 @@ def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, ch
 
 
 def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> Graph:
-    """Parse and validate an image. Weights are numpy views into `data` (zero copy).
+    """Parse and validate an image. Weights are numpy views into `data` (zero copy), except int4
+    values, unpacked into one int8 each (`Q4Weight.packed` is the view of their bytes).
 
     `work`, if given, is increased by the records and payload entries visited. `check="structure"`
     leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE."""
