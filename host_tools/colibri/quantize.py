@@ -1,5 +1,6 @@
-"""Weight quantisation of a layer graph: f16, and int8 per output channel with
-a sparse f16 compensation term (W ≈ Q·S + E).
+"""Weight quantisation of a layer graph: f16, int8 per output channel with
+a sparse f16 compensation term (W ≈ Q·S + E), and int4 in groups of columns
+with f16 scales and the same E (format v5).
 
 Every weight matrix has a name (`weight_names`): `layers.3` for a Linear,
 `layers.5.router`, `layers.5.shared_gate`, `layers.5.experts.2.w1`,
