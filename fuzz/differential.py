@@ -5,7 +5,7 @@
 Each input is an image (seeded from fuzz/corpus/differential: real exports of
 every dtype and option). The header CRC is rewritten over the mutated bytes
 when image_size lies within the input, so mutations reach the table and
-record checks instead of stopping at BAD_CRC (format v3: the payload CRCs too). Then the engine
+record checks instead of stopping at BAD_CRC (format v3 and later: the payload CRCs too). Then the engine
 (`colibri._engine.validate`, the C code) and `colibri.image.read` (the
 executable specification) must return the same status, at the full level and at the structure level
 (`colibri._engine.validate_structure`, `image.status(check="structure")`); any disagreement, or
@@ -47,7 +47,7 @@ def fixed_crc(data: bytes) -> bytes:
         return data
     buf = bytearray(data)
     end = int.from_bytes(data[12:16], "little")
-    if int.from_bytes(data[4:6], "little") == F.TENSOR_CRC_VERSION:
+    if F.TENSOR_CRC_VERSION <= int.from_bytes(data[4:6], "little") <= F.MAX_READ_VERSION:  # v3 and later
         end = int.from_bytes(data[64:68], "little")
         if F.CRC_START <= end <= len(data):
             _fix_tensor_crcs(buf, end)

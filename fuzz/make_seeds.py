@@ -1,10 +1,11 @@
 """Writes the fuzzers' seed images: small real exports of every dtype and option.
 
-    .venv/bin/python fuzz/make_seeds.py [OUT_DIR]    (default fuzz/seeds)
+    .venv/bin/python fuzz/make_seeds.py [OUT_DIR [NAME_PART]]    (default fuzz/seeds; only the seeds whose
+    name holds NAME_PART)
 
 Each model is tiny on purpose (about 1-2 KB; 9 KB page-aligned) so that libFuzzer's mutations reach
 every record quickly; together they cover every weight dtype (f32, f16, q8,
-q8 with int8 activations), every routing mode, shared experts with and
+q8 with int8 activations, q4), every routing mode, shared experts with and
 without a gate, pruned experts, GLU and MLP experts, every activation,
 LayerNorm, RMSNorm, residual blocks, a PAGE_ALIGNED image and int8 weights
 of one input column. q8 comes in both model image formats: version 2 (what
@@ -66,6 +67,7 @@ def _narrow() -> torch.nn.Module:
 
 
 Q8 = {"dtype": "q8", "compensation": 0.05, "keep": ["*.router"]}
+Q4 = {"dtype": "q4", "compensation": 0.05, "group": 8}
 Q8_ACT = {**Q8, "int8_act": ["layers.6", "layers.3.experts.*", "layers.3.shared.*"]}
 
 # name: (model factory, export options); each model is built under its own torch seed.
@@ -94,6 +96,16 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
         lambda: _moe_model(routing="dense", router_bias=True, num_shared=1), {**Q8_ACT, "prune": [0]}),
     "wide-e-q8": (_wide_e, {"dtype": "q8", "compensation": 0.85}),
     "big-bias-q8-f32-params": (_big_bias, {"dtype": "q8", "compensation": 0.2}),
+    # Format version 5: int4 weights in groups with f16 scales (Q4_PARAMS), odd columns (a zero high
+    # nibble ends each row), biases in the companions, E of 1- and 2-byte row pointers, q4 mixed with q8,
+    # int8 activations over int4 weights.
+    "glu-q4-int8act": (
+        lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, shared_gate=True),
+        {**Q4, "int8_act": ["layers.6", "layers.3.experts.*", "layers.3.shared.*"]}),
+    "mlp-q4-odd-columns": (_mlp, {**Q4, "group": 16}),
+    "wide-e-q4": (_wide_e, {"dtype": "q4", "compensation": 0.85, "group": 8}),
+    "mixed-q4-q8": (lambda: _moe_model(routing="softmax_topk", top_k=2, renormalize=True),
+                    {**Q4, "q8": ["layers.0", "layers.3.experts.0.*"]}),
     # Format version 1 (quantised with compact=False, written as version 1).
     "softmax-topk-q8-v1": (
         lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), {**Q8, "version": 1}),
@@ -116,16 +128,20 @@ def seed_image(factory: Callable[[], torch.nn.Module], opts: dict) -> bytes:
     return image.write(quantize(graph, compact=False, **opts), version=version)
 
 
-def main(out: Path) -> None:
+def main(out: Path, only: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, (factory, opts) in MODELS.items():
+        if only not in name:
+            continue
         torch.manual_seed(zlib.crc32(name.encode()))
         data = seed_image(factory, opts)
         (out / f"{name}.clb").write_bytes(data)
         print(f"{name}.clb: {len(data)} bytes")
     # The runner fuzzer boots this one from its emulated flash slot.
-    (out / "runner-model.clb").write_bytes((out / "top1-f32.clb").read_bytes())
+    if (out / "top1-f32.clb").exists():
+        (out / "runner-model.clb").write_bytes((out / "top1-f32.clb").read_bytes())
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "seeds")
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "seeds",
+         sys.argv[2] if len(sys.argv) > 2 else "")

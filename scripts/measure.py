@@ -449,7 +449,7 @@ def group_tiny_lm() -> list[Figure]:
 
 
 def group_tiny_lm_engine() -> list[Figure]:
-    """The tiny King James model through the C engine (examples/tiny_lm/evaluate.py): f32, f16 and q8
+    """The tiny King James model through the C engine (examples/tiny_lm/evaluate.py): f32, f16, q8 and q4
     images with a 256-position f32 KV cache at max_batch 1, each scored on all the held-out text as
     PyTorch is. Perplexities are given a 1e-4 relative tolerance: the optimised kernels' sums may take
     another order on another CPU (AVX-512 or not), which moves the last printed digit at most."""
@@ -510,7 +510,8 @@ def weight_dominated_ratios() -> dict[str, float]:
     g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
     base = len(image.write(g))
     return {name: len(image.write(quantize(g, dtype, **kw))) / base
-            for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8_noE", "q8", {"compensation": 0.0}))}
+            for name, dtype, kw in (("f16", "f16", {}), ("q8", "q8", {}), ("q8_noE", "q8", {"compensation": 0.0}),
+                                    ("q4", "q4", {}), ("q4_noE", "q4", {"compensation": 0.0}))}
 
 
 def group_m7() -> list[Figure]:
@@ -599,6 +600,66 @@ def lm_on_qemu() -> list[Figure]:
     return figures
 
 
+# Smart meter under q4: its default (every weight but the router int4, groups of 32) misses issue 14's
+# 3 % MAE target; the input and output Linears kept int8 with groups of 16 elsewhere meet it (group_q4).
+Q4_METER_SETTINGS = {"q8": ["layers.0", "layers.4"], "group": 16}
+
+
+def group_q4() -> list[Figure]:
+    """int4 weights (format v5) against f32, issue 14's targets: image bytes on the weight-dominated
+    model (d 128, 8 SwiGLU experts of 512; target <= 0.16 of f32), the trained digits classifier's
+    held-out accuracy (target: within 1 point), the smart meter MoE's held-out MAE (target: within 3 %),
+    at the default settings (groups of 32, E = 0.5 %, routers f32) and, for the meter, the settings
+    that meet its target (Q4_METER_SETTINGS). Accuracy and MAE through the C engine. The tiny LM's q4
+    perplexity is group tiny_lm_engine's (tiny_lm.engine.q4.*)."""
+    import numpy as np
+    import torch
+
+    import colibri
+    import demo
+    import forecaster as FC
+    import test_quantize as TQ
+    from colibri import image
+    from colibri.exporter import build_graph
+    from colibri.quantize import quantize
+
+    torch.set_num_threads(1)
+    ratio = weight_dominated_ratios()
+    trained = TQ.digits_classifier(seed=0)
+    acc = {name: TQ.accuracy(colibri.Model(image.write(g)).forward(trained.x_test), trained.y_test)
+           for name, g in (("f32", trained.graph), ("q4", quantize(trained.graph, "q4")))}
+
+    out = ROOT / "build" / "smart_meter"
+    out.mkdir(parents=True, exist_ok=True)
+    data = FC.dataset()
+    moe, _ = demo.trained_models(out, retrain=False)
+    graph, _ = build_graph(moe, max_batch=7)
+    meter = {}
+    for name, g in (("f32", graph), ("q4", quantize(graph, "q4")), ("tuned", quantize(graph, "q4", **Q4_METER_SETTINGS))):
+        img = image.write(g)
+        model = colibri.Model(img)
+        pred = np.concatenate([model.forward(data.x_test[i : i + 7]) for i in range(0, len(data.x_test), 7)])
+        meter[name] = (FC.mae_mw(pred, data), len(img))
+    trained_tol = 0.03  # trained weights: reproducible on one machine, not across CPUs (module docstring)
+    vs = lambda name: 100 * (meter[name][0] / meter["f32"][0] - 1)  # noqa: E731
+    return [
+        fig("q4.ratio", ratio["q4"], "image bytes / f32, weight-dominated model, q4 (groups of 32, E 0.5 %)", "{:.3f}"),
+        fig("q4.ratio.noE", ratio["q4_noE"], "image bytes / f32, q4 without E", "{:.3f}"),
+        fig("q4.digits.f32", 100 * acc["f32"], "digits held-out accuracy, f32, C engine", "{:.2f}%"),
+        fig("q4.digits.q4", 100 * acc["q4"], "digits held-out accuracy, q4, C engine", "{:.2f}%"),
+        fig("q4.digits.delta", 100 * (acc["q4"] - acc["f32"]), "digits accuracy q4 - f32, points", "{:+.2f}"),
+        fig("q4.meter.f32", meter["f32"][0], "smart meter MoE MAE (MW), f32, C engine", "{:.0f}", trained_tol),
+        fig("q4.meter.q4", meter["q4"][0], "smart meter MoE MAE (MW), q4 defaults", "{:.0f}", trained_tol),
+        fig("q4.meter.q4_vs_f32", vs("q4"), "smart meter q4 defaults MAE vs f32, percent", "{:+.1f}%", 0.2),
+        fig("q4.meter.tuned", meter["tuned"][0], "smart meter MAE (MW), q4 with Q4_METER_SETTINGS", "{:.0f}",
+            trained_tol),
+        fig("q4.meter.tuned_vs_f32", vs("tuned"), "smart meter tuned q4 MAE vs f32, percent", "{:+.1f}%", 0.5),
+        fig("q4.meter.image.f32", meter["f32"][1], "smart meter f32 image bytes"),
+        fig("q4.meter.image.q4", meter["q4"][1], "smart meter q4 image bytes"),
+        fig("q4.meter.image.tuned", meter["tuned"][1], "smart meter tuned q4 image bytes"),
+    ]
+
+
 def group_m7_tiny_lm() -> list[Figure]:
     """The trained tiny King James model (examples/tiny_lm; images of examples/tiny_lm/evaluate.py: 256-position
     KV cache, max_batch 1) generating on the emulated Cortex-M7 (tests/tiny_lm_m7.py: q8 booted from flash
@@ -684,6 +745,7 @@ GROUPS: dict[str, Callable[[], list[Figure]]] = {
     "tiny_lm_engine": group_tiny_lm_engine,
     "m7_tiny_lm": group_m7_tiny_lm,
     "riscv": group_riscv,
+    "q4": group_q4,
 }
 
 # Which group measures a key: the longest matching prefix.
@@ -691,7 +753,7 @@ KEY_GROUPS = {
     "tests.": "tests", "engine.": "engine", "runner.": "runner", "quickstart.": "quickstart", "plan.": "plan",
     "quant.": "quantisation", "digits.": "quantisation", "quant.q8.random.": "random_q8", "quant.routing.": "routing",
     "budget.": "budget", "meter.": "smart_meter", "m7.": "m7", "tiny_lm.": "tiny_lm", "riscv.": "riscv",
-    "tiny_lm.engine.": "tiny_lm_engine", "m7.tiny_lm.": "m7_tiny_lm",
+    "tiny_lm.engine.": "tiny_lm_engine", "m7.tiny_lm.": "m7_tiny_lm", "q4.": "q4",
 }
 
 

@@ -21,7 +21,7 @@ import colibri
 from colibri import nn as cnn
 from colibri import reference
 from colibri.exporter import export
-from colibri.ir import F16Weight, Q8Weight
+from colibri.ir import F16Weight, Q4Weight, Q8Weight, dense
 
 from conftest import build_c_tests
 
@@ -45,7 +45,7 @@ def _net() -> torch.nn.Module:
 
 # q8-int8act: the first MoE's routed experts (torch's layers.1) compute with int8 activations, which the numpy device declines.
 DTYPES = {"f32": {}, "f16": {"dtype": "f16"}, "q8": {"dtype": "q8"},
-          "q8-int8act": {"dtype": "q8", "int8_act": ["layers.1.experts.*"]}}
+          "q8-int8act": {"dtype": "q8", "int8_act": ["layers.1.experts.*"]}, "q4": {"dtype": "q4", "group": 8}}
 
 
 @pytest.fixture(scope="module", params=list(DTYPES))
@@ -65,12 +65,14 @@ def _dense(w) -> np.ndarray:
         return w.data.astype(np.float32)
     if isinstance(w, Q8Weight):
         return w.q.astype(np.float32) * w.scale.astype(np.float32)[:, None] + w.compensation()
+    if isinstance(w, Q4Weight):
+        return dense(w)
     return w
 
 
 def _linear(v: np.ndarray, w, b: np.ndarray | None) -> np.ndarray:
     y = v @ _dense(w).T
-    if isinstance(w, Q8Weight) and w.bias is not None:  # the bias travels in the int8 companion
+    if isinstance(w, (Q8Weight, Q4Weight)) and w.bias is not None:  # the bias travels in the companion
         y += w.bias.astype(np.float32)
     return y if b is None else y + b
 
@@ -235,7 +237,7 @@ def hook_images(tmp_path_factory) -> list:
 
 def test_second_thread_device_in_c(c_drivers, hook_images) -> None:
     """tests/c/colibri_hook_test.c: the hook hands each expert to a device thread with its own code (double
-    sums from the F32/F16 payloads in place; I8 declined), single-threaded and over a 2-worker pool, within
+    sums from the F32/F16 payloads in place; I8 and I4 declined), single-threaded and over a 2-worker pool, within
     its TOLERANCE (1e-6 of 1 + max|y|); failing on an expert returns the status, the next forward is exact."""
     paths = hook_images
     r = subprocess.run([str(c_drivers / "colibri_hook_test"), *map(str, paths)], capture_output=True, text=True,
@@ -243,7 +245,8 @@ def test_second_thread_device_in_c(c_drivers, hook_images) -> None:
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert f"hook ok: {len(paths)} images" in r.stdout
     ran = [line for line in r.stdout.splitlines() if "device ran" in line]
-    assert all("ran 0 " not in line for line in ran if "q8" not in line)  # f32/f16 experts ran on the device
+    # f32/f16 experts ran on the device (it declines I8 and I4)
+    assert all("ran 0 " not in line for line in ran if "q8" not in line and "q4" not in line)
     print(r.stdout.splitlines()[-1])
 
 

@@ -13,7 +13,10 @@ from colibri import image
 from colibri.errors import ImageError
 from colibri.exporter import export
 
+from colibri.quantize import quantize
+
 from conftest import CORE
+
 import lmmodels
 
 
@@ -90,5 +93,10 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
         image.read(data)
         colibri.validate(data)
     # v4 holds token models only (docs/lm.md; the reader's checks: tests/test_lm_format.py)
-    assert F.MAX_READ_VERSION == F.LM_VERSION
     assert image.write(lmmodels.token_model(0))[4] == F.LM_VERSION
+    # v5 is written for int4 weights only (the reader's checks: tests/test_q4.py)
+    assert F.MAX_READ_VERSION == F.Q4_VERSION
+    data = image.write(quantize(image.read(tiny_image), "q4"))
+    assert data[4] == F.Q4_VERSION
+    image.read(data)
+    colibri.validate(data)

@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+import colibri
 from colibri import format as F
 from colibri import image, quantize, reference
 from colibri.errors import ImageError
@@ -188,8 +189,11 @@ def test_embed_table_q8_without_bias() -> None:
 
 def test_token_model_header(lm_image: bytes) -> None:
     assert _status(_patched(lm_image, 24, "<I", 41)) == Status.BAD_HEADER  # output_size != input_size
-    # a newer format than this reader: UNSUPPORTED_VERSION, the next version being 5
-    assert _status(_patched(lm_image, 4, "<H", F.LM_VERSION + 1)) == Status.UNSUPPORTED_VERSION
+    # a newer format than this reader: UNSUPPORTED_VERSION
+    assert _status(_patched(lm_image, 4, "<H", F.MAX_READ_VERSION + 1)) == Status.UNSUPPORTED_VERSION
+    # version 5 (int4 weights) keeps v4's header: a token model relabelled v5 is still one
+    relabelled = _patched(lm_image, 4, "<H", F.Q4_VERSION)
+    assert image.read(relabelled).is_token_model and colibri.validate(relabelled) is None
 
 
 def test_token_ops_need_version_4() -> None:

@@ -52,6 +52,8 @@ DTYPES = {
     "f16": {"dtype": "f16"},
     "q8": {"dtype": "q8"},
     "q8-int8-act": {"dtype": "q8", "int8_act": ["layers.*"]},
+    "q4": {"dtype": "q4", "group": 8, "compensation": 0.02},
+    "q4-int8-act": {"dtype": "q4", "group": 8, "int8_act": ["layers.*"]},
 }
 # routing -> (activation before the norm, expert activation, gated, norm, shared experts):
 # every activation the engine has runs somewhere, through the natmod's own math functions.

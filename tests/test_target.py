@@ -28,6 +28,9 @@ DTYPES = {
     "f16": {"dtype": "f16"},
     "q8": {"dtype": "q8"},
     "q8-int8-act": {"dtype": "q8", "int8_act": ["layers.*"]},
+    # int4 weights (format v5): groups of 8 so the 12- and 16-wide layers have several
+    "q4": {"dtype": "q4", "group": 8, "compensation": 0.02},
+    "q4-int8-act": {"dtype": "q4", "group": 8, "int8_act": ["layers.*"]},
 }
 
 

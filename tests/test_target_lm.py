@@ -277,7 +277,7 @@ def tiny_lm_dir(tmp_path_factory, colibri_target):
 
 @pytest.mark.parametrize("dtype", tiny_lm_m7.SLOT_DTYPES + tiny_lm_m7.LINKED_DTYPES)
 def test_trained_tiny_lm_generates_the_host_engines_text(tiny_lm_dir, dtype: str) -> None:
-    """The trained byte-level Qwen3-MoE (q8 booted from flash slot A, f16 linked into the firmware): a prefill's
+    """The trained byte-level Qwen3-MoE (q8 and q4 booted from flash slot A, f16 linked into the firmware): a prefill's
     logits are the host engine's bit for bit with the reference kernels on both sides and within
     OPTIMISED_RTOL with the device's cmsis kernels; greedy GENERATE gives colibri.LM's bytes with either."""
     data = tiny_lm_m7.image(dtype)

@@ -33,7 +33,7 @@ import evaluate  # noqa: E402
 
 PROMPT = "And God said, "
 NEW_TOKENS = 24  # greedy bytes generated on the target
-SLOT_DTYPES = ("q8",)  # small enough for one 512 KB slot
+SLOT_DTYPES = ("q8", "q4")  # small enough for one 512 KB slot
 # A slot is too small: linked into the firmware. f32 (1.55 MB) fits the emulator's 4 MB code memory, not a
 # NUCLEO's 1 MB bank 1; it is checked on the emulator only, and its build costs about 20 s.
 LINKED_DTYPES = ("f16", "f32")

@@ -1,7 +1,7 @@
 """The tiny King James model through the Colibri C engine: held-out perplexity per weight dtype,
 image and arena bytes, and host decode speed.
 
-Exports model/ (Hugging Face Qwen3-MoE) to f32, f16 and q8 token-model images with a 256-position
+Exports model/ (Hugging Face Qwen3-MoE) to f32, f16, q8 and q4 token-model images with a 256-position
 KV cache (cached in build/tiny_lm/, re-made when the weights or the exporter change), then scores
 the held-out text exactly as train.held_out_nll does — consecutive 256-byte windows, each from an
 empty context, every byte but a window's first predicted once — with colibri.LM's logits.
@@ -32,7 +32,7 @@ from train import CONTEXT, METRICS, MODEL_DIR  # noqa: E402
 import colibri  # noqa: E402
 
 CACHE_DIR = ROOT / "build" / "tiny_lm"
-DTYPES = ("f32", "f16", "q8")
+DTYPES = ("f32", "f16", "q8", "q4")
 # The deployment shape: one token a forward call, as the firmware decodes; the prompt is fed a
 # token at a time too. A larger max_batch only grows the arena (activation rows), not the result.
 MAX_BATCH = 1

@@ -260,18 +260,23 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
     options that tune it."""
     if fn is None:
         return lambda f: _quant_options(f, dtype_required=dtype_required)
-    from .quantize import DEFAULT_COMPENSATION, DTYPES
+    from .quantize import DEFAULT_COMPENSATION, DTYPES, Q4_DEFAULT_GROUP
 
+    kinds = ("f16, q8 (int8 per output channel + sparse f16 compensation), or q4 (int4 in groups of --group "
+             "columns with f16 scales + the same compensation; routers stay f32, embedding tables q8)")
     dtype = (click.option("--dtype", type=click.Choice(DTYPES),
-                          help="Weight storage: f16, or q8 (int8 per output channel + sparse f16 compensation); "
-                               "required unless --target chooses per weight.")
+                          help=f"Weight storage: {kinds}; required unless --target chooses per weight.")
              if dtype_required else
              click.option("--dtype", type=click.Choice(DTYPES), default="f32", show_default=True,
-                          help="Weight storage: f32, f16, or q8 (int8 per output channel + sparse f16 compensation)."))
+                          help=f"Weight storage: f32, {kinds}."))
     options = [
         dtype,
         click.option("--compensation", type=float, default=DEFAULT_COMPENSATION, show_default=True,
-                     help="q8: share of each tensor's weights kept exactly in the f16 term E (0 turns E off)."),
+                     help="q8, q4: share of each tensor's weights kept exactly in the f16 term E (0 turns E off)."),
+        click.option("--group", type=int, default=Q4_DEFAULT_GROUP, show_default=True,
+                     help="q4: columns per f16 scale, a power of two from 8 to 256."),
+        click.option("--q8", "q8", multiple=True, metavar="PATTERN",
+                     help="q4: store matching weights as q8 instead, e.g. 'layers.0' (repeatable)."),
         click.option("--keep", multiple=True, metavar="PATTERN",
                      help="Leave matching weights in f32, e.g. '*.router' or 'layers.0' (repeatable)."),
         click.option("--int8-act", multiple=True, metavar="PATTERN",
@@ -299,7 +304,7 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
 @_quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
-           keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
+           group: int, q8: tuple[str, ...], keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
     """Export MODEL (a torch.save'd module or package.module:factory) to a model image.
 
     MODEL is a file written by torch.save(model, path), or package.module:factory, a function
@@ -321,7 +326,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
         calib = _load_inputs(calibration, width, calibration=True)
     result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
-                       keep=keep, int8_act=int8_act, check=not no_check)
+                       keep=keep, int8_act=int8_act, check=not no_check, group=group, q8=q8)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, result.image)
     for line in result.pruned.lines():
@@ -334,12 +339,14 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
 
 def _storage(weights: list) -> str:
-    """Weight storage of a layer: f32, f16, q8 (+E nnz), or a mix."""
-    from .ir import F16Weight, Q8Weight
+    """Weight storage of a layer: f32, f16, q8 (+E), q4/g<group> (+E), or a mix."""
+    from .ir import F16Weight, Q4Weight, Q8Weight
 
     kinds = set()
     for w in weights:
-        if isinstance(w, Q8Weight):
+        if isinstance(w, Q4Weight):
+            kinds.add(f"q4/g{w.group}" + ("+E" if w.nnz else ""))
+        elif isinstance(w, Q8Weight):
             kinds.add("q8+E" if w.nnz else "q8")
         elif isinstance(w, F16Weight):
             kinds.add("f16")
@@ -598,7 +605,8 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
 @click.option("--clip", is_flag=True,
               help="q8: search each row's scale for the least squared error (clipping), weighted by the --calibration "
                    "inputs' activation statistics when given, which also rank the compensation E.")
-def quantize(source: Path, output: Path, dtype: str | None, compensation: float, keep: tuple[str, ...],
+def quantize(source: Path, output: Path, dtype: str | None, compensation: float, group: int, q8: tuple[str, ...],
+             keep: tuple[str, ...],
              int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
              page_aligned: bool, target: str | None, quantize_routers: bool, router_inputs: str | None,
              clip: bool) -> None:
@@ -637,7 +645,7 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
     else:
         quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
                                quantize_routers=quantize_routers, clip=clip, calibration=weighting,
-                               router_inputs=router_inputs)
+                               router_inputs=router_inputs, group=group, q8=q8)
     if target is not None:
         if page_aligned:
             raise click.UsageError("--page-aligned has no effect with --target: a board boots its slot in place, "

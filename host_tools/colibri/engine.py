@@ -10,7 +10,7 @@ import numpy as np
 from . import _engine, sources
 from .errors import error_for
 from .format import Status
-from .ir import Expert, F16Weight, Q8Weight
+from .ir import Expert, F16Weight, Q4Weight, Q8Weight
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
@@ -121,7 +121,7 @@ class ExpertCall:
     """One expert over a ring of tokens, as the engine offers it to the accelerator hook
     (colibri_expert_call, include/colibri.h). Nothing is copied: `spec` is the image's expert
     record with its weights as numpy views of the image (`w1`, `w2`, `w3`: float32 arrays,
-    `F16Weight` or `Q8Weight` with its companion's scales, bias and compensation; `b1`..`b3`;
+    `F16Weight`, `Q8Weight` or `Q4Weight` (its `q` unpacked, `packed` the view) with its companion's scales, bias and compensation; `b1`..`b3`;
     `kind`, `act`, `int8_act`), `x` [rows, d] and `y` [rows, d] (writable) are the engine's rows.
     The hook adds, for i < n, gate[i] · expert(x[x_rows[i]]) into y[y_rows[i]] (an index list
     None meaning 0 .. n-1, gate None meaning 1). The views are valid during the call only."""
@@ -149,7 +149,8 @@ def _experts_by_w1(image) -> dict[int, Expert]:
     out: dict[int, Expert] = {}
     for moe in read(image, check="structure").moe_layers():
         for e in (*moe.experts, *moe.shared):
-            w1 = e.w1.q if isinstance(e.w1, Q8Weight) else e.w1.data if isinstance(e.w1, F16Weight) else e.w1
+            w1 = (e.w1.q if isinstance(e.w1, Q8Weight) else e.w1.packed if isinstance(e.w1, Q4Weight)
+                  else e.w1.data if isinstance(e.w1, F16Weight) else e.w1)
             out[w1.ctypes.data - base] = e
     return out
 

@@ -464,7 +464,7 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
     f32: the numpy reference and the C engine vs PyTorch. f16: both vs PyTorch
     with its weight matrices rounded to f16 (with `keep`, that comparison uses
     the all-f16 image, and the written image's engine run is held to its
-    reference). q8: the C engine vs the numpy reference of the same image (the
+    reference). q8 and q4: the C engine vs the numpy reference of the same image (the
     kernels' stated tolerance, CHECK_RTOL); the error against f32 is only
     reported. `rows` (after pruning) selects the tokens PyTorch comparisons
     use; with none left, the engine is held to the reference instead.
@@ -474,7 +474,7 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
     some = "" if rows.all() else f" on {int(rows.sum())} of {len(rows)} tokens (the others chose a pruned expert)"
     checks: list[Comparison] = []
     engine = _engine_output(data, flat)
-    if dtype == "q8" or not rows.any():
+    if dtype in ("q8", "q4") or not rows.any():
         checks.append(compare(f"C engine vs numpy reference ({dtype} image)", engine, got_ref))
     elif dtype == "f16":
         rounded_want = _torch_forward(_f16_rounded(module), x, graph.output_size)[rows]
@@ -534,12 +534,15 @@ def export(
     keep: Sequence[str] = (),
     int8_act: Sequence[str] = (),
     check: bool = True,
+    group: int = quantize.Q4_DEFAULT_GROUP,
+    q8: Sequence[str] = (),
 ) -> ExportResult:
     """Export a PyTorch model to a Colibri model image (written to `path` if given).
 
-    `dtype` stores the weight matrices as f32, f16 or q8 (int8 per output
+    `dtype` stores the weight matrices as f32, f16, q8 (int8 per output
     channel plus a sparse f16 compensation of `compensation` share of the
-    weights); `keep` and `int8_act` are colibri.quantize patterns.
+    weights) or q4 (int4 in groups of `group` columns, the same E; format v5);
+    `keep`, `int8_act` and `q8` (weights kept int8 in a q4 model) are colibri.quantize patterns.
 
     The graph is validated before anything is written (widths, residual
     nesting, finite weights, q8 compensation within f16); a refusal is an
@@ -558,7 +561,8 @@ def export(
         )
         check_finite(f32_graph)
         check_limits(f32_graph)
-        graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act)
+        graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                                  group=group, q8=q8)
         data = image.write(graph, page_aligned=page_aligned)
         _engine_validate(data)
         err, checks = None, []

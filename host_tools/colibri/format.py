@@ -14,7 +14,7 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 4  # 4: token models (docs/lm.md)
+MAX_READ_VERSION = 5  # 4: token models (docs/lm.md); 5: int4 weights
 # Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
 # tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
 # reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").
@@ -45,6 +45,11 @@ V3_FIELDS_OFFSET = 64
 LM_VERSION = 4
 V4_FIELDS = struct.Struct("<II")  # v4: attention_count, attention_table_offset at header offset 72
 V4_FIELDS_OFFSET = 72
+# Version 5 (issue 14, docs/model-format.md "Quantised weights: I4 with Q4_PARAMS"): a v4 image that
+# may also hold I4 weights with their Q4_PARAMS companions. Written only when a graph holds an I4
+# tensor, so every other image stays what older engines read. The header is v4's (a feature model's
+# attention table is empty).
+Q4_VERSION = 5
 # One self-attention block: d_model, n_heads, n_kv_heads, head_dim; tensor refs q_w, q_b, k_w, k_b,
 # v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype; reserved.
 ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIB15x")
@@ -60,11 +65,54 @@ class DType(enum.IntEnum):
     I8 = 3  # per-output-channel int8; `aux` names its Q8_PARAMS companion
     I32 = 4
     Q8_PARAMS = 5  # scales + sparse f16 compensation of one I8 tensor
+    I4 = 6  # packed signed int4, two per byte, row stride ceil(cols/2); `aux` names its Q4_PARAMS (v5)
+    Q4_PARAMS = 7  # group scales, optional bias, sparse f16 compensation of one I4 tensor (v5)
 
 
 # Bytes per element; Q8_PARAMS has its own layout (docs/model-format.md).
 DTYPE_SIZE = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
 Q8_PARAMS_HEADER = 8  # v1: u32 nnz, u32 reserved; v2: u32 nnz, u8 param dtype, u8 flags, u16 reserved
+
+
+Q4_PARAMS_HEADER = 8  # u32 nnz, u8 group_log2, u8 flags, u16 reserved
+Q4_GROUP_LOG2_MIN = 3  # groups of 8 .. 256 columns share one f16 scale
+Q4_GROUP_LOG2_MAX = 8
+
+
+class Q4Flag(enum.IntFlag):
+    """Q4_PARAMS flags byte."""
+
+    BIAS = 1  # an f16 bias [rows] follows the scales
+
+
+def q4_row_bytes(cols: int) -> int:
+    """Bytes of one packed I4 row: two columns a byte, the last high nibble unused for odd cols."""
+    return (cols + 1) // 2
+
+
+def q4_groups(cols: int, group_log2: int) -> int:
+    """Scales per row: G = ceil(cols / 2^group_log2)."""
+    return (cols + (1 << group_log2) - 1) >> group_log2
+
+
+def q4_layout(rows: int, cols: int, nnz: int, group_log2: int, bias: bool = False) -> dict[str, int]:
+    """Byte offsets of a Q4_PARAMS payload's fields: scale (f16 [rows·G]), bias (f16 [rows], with
+    BIAS), then row_ptr, col, val as in a v2 Q8_PARAMS (only with nnz > 0), and its size."""
+    at = {"scale": Q4_PARAMS_HEADER}
+    pos = Q4_PARAMS_HEADER + 2 * rows * q4_groups(cols, group_log2)
+    if bias:
+        at["bias"] = pos
+        pos += 2 * rows
+    ptr = q8_row_ptr_bytes(2, nnz)
+    if ptr:
+        at["row_ptr"] = pos = _up(pos, ptr)
+        pos += ptr * (rows + 1)
+        at["col"] = pos = _up(pos, 2)
+        pos += 2 * nnz
+        at["val"] = pos = _up(pos, 2)
+        pos += 2 * nnz
+    at["size"] = pos
+    return at
 
 
 class Q8Flag(enum.IntFlag):
@@ -217,7 +265,7 @@ STATUS_TEXT = {
     Status.BAD_BATCH: "batch must be between 1 and the model's max_batch",
     Status.BUFFER_SIZE: "input or output buffer length does not match batch x features",
     Status.BAD_CONTEXT: "context is not initialised or was freed",
-    Status.BAD_QUANT: "invalid int8 quantisation parameters (companion, parameter dtype or flags, NaN or negative scale)",
+    Status.BAD_QUANT: "invalid int8 or int4 quantisation parameters (companion, parameter dtype, group or flags, NaN or negative scale, padding nibble)",
     Status.BAD_COMPENSATION: "invalid sparse compensation term (row pointers, column indices out of range or unsorted, non-finite values)",
     Status.UNSUPPORTED_VERSION: "unsupported model image format version (not in COLIBRI_FORMAT_VERSION_MIN..MAX)",
     Status.BAD_EXEC: "invalid execution options (colibri_exec: struct_size, unknown fields or more workers than the arena holds)",
@@ -264,6 +312,11 @@ def c_header() -> str:
         f"#define COLIBRI_LM_VERSION {LM_VERSION}u",
         f"#define COLIBRI_Q8_PARAMS_HEADER {Q8_PARAMS_HEADER}u",
         f"#define COLIBRI_Q8_FLAG_BIAS {int(Q8Flag.BIAS)}u",
+        f"#define COLIBRI_Q4_VERSION {Q4_VERSION}u",
+        f"#define COLIBRI_Q4_PARAMS_HEADER {Q4_PARAMS_HEADER}u",
+        f"#define COLIBRI_Q4_FLAG_BIAS {int(Q4Flag.BIAS)}u",
+        f"#define COLIBRI_Q4_GROUP_LOG2_MIN {Q4_GROUP_LOG2_MIN}u",
+        f"#define COLIBRI_Q4_GROUP_LOG2_MAX {Q4_GROUP_LOG2_MAX}u",
         "",
     ]
     for name, rec in _RECORDS.items():

@@ -307,9 +307,11 @@ def export_lm(
     keep: Sequence[str] = (),
     int8_act: Sequence[str] = (),
     check: bool = True,
+    group: int = quantize.Q4_DEFAULT_GROUP,
+    q8: Sequence[str] = (),
 ) -> ExportResult:
     """Export a Hugging Face MoE causal LM or a colibri.nn.MoETransformer to a token-model image
-    (format v4, docs/lm.md).
+    (format v4, docs/lm.md; v5 with q4 weights).
 
     `max_seq_len` sizes the KV cache (positions), `max_batch` the most tokens one forward call
     takes (the prefill chunk), `kv_dtype` the cache's storage (f32, or f16 to halve it), `dtype` the
@@ -328,7 +330,8 @@ def export_lm(
         f32_graph = build(model, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
     check_finite(f32_graph)
     check_limits(f32_graph)
-    graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act)
+    graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                              group=group, q8=q8)
     data = image.write(graph)
     image.read(data)  # the reader is the validator's twin (tests/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))

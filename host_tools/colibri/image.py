@@ -17,8 +17,8 @@ from . import format as F
 from .errors import ColibriError, error_for
 from .format import Act, DType, ExpertKind, Op, Routing, Status
 from .ir import (
-    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd,
-    ResidualPush, RMSNorm, Weight,
+    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
+    QuantWeight, ResidualAdd, ResidualPush, RMSNorm, Weight,
 )
 
 NONE = F.NONE
@@ -74,6 +74,61 @@ def q8_params_payload(w: Q8Weight, version: int = F.VERSION) -> bytes:
     return bytes(buf)
 
 
+def q4_pack(q: np.ndarray) -> bytes:
+    """An I4 payload: row-major, ceil(cols/2) bytes a row, column c in byte c >> 1, the low nibble
+    for even c, the high nibble for odd c, two's complement; an odd row's last high nibble zero."""
+    q = np.asarray(q)
+    if q.ndim != 2 or q.size == 0:
+        raise ValueError(f"int4 weights must be a non-empty matrix, got shape {q.shape}")
+    if q.min() < -8 or q.max() > 7:
+        raise ValueError(f"int4 weights must lie in -8..7, got {int(q.min())}..{int(q.max())}")
+    rows, cols = q.shape
+    nib = np.zeros((rows, cols + cols % 2), dtype=np.uint8)
+    nib[:, :cols] = q.astype(np.int16) & 0xF
+    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def q4_unpack(packed: np.ndarray, cols: int) -> np.ndarray:
+    """The int4 values [rows, cols] (as int8) of packed I4 rows [rows, ceil(cols/2)] (uint8)."""
+    lo = (packed & 0xF).astype(np.int8)
+    hi = (packed >> 4).astype(np.int8)
+    both = np.empty((packed.shape[0], 2 * packed.shape[1]), dtype=np.int8)
+    both[:, 0::2], both[:, 1::2] = lo, hi
+    both = np.where(both >= 8, both - 16, both).astype(np.int8)
+    return np.ascontiguousarray(both[:, :cols])
+
+
+def q4_params_payload(w: Q4Weight) -> bytes:
+    """The Q4_PARAMS blob (docs/model-format.md "Quantised weights: I4 with Q4_PARAMS"): its header,
+    the f16 group scales [rows·G] (row o's G scales contiguous), the f16 bias with BIAS, then the CSR
+    compensation as a v2 Q8_PARAMS holds it."""
+    rows, cols = w.q.shape
+    g_log2 = w.group_log2
+    if w.group != 1 << g_log2 or not F.Q4_GROUP_LOG2_MIN <= g_log2 <= F.Q4_GROUP_LOG2_MAX:
+        raise ValueError(f"int4 group must be a power of two from {1 << F.Q4_GROUP_LOG2_MIN} to "
+                         f"{1 << F.Q4_GROUP_LOG2_MAX}, got {w.group}")
+    if w.scale.dtype != np.float16 or w.scale.shape != (rows, F.q4_groups(cols, g_log2)):
+        raise ValueError(f"int4 scales must be float16 [{rows}, {F.q4_groups(cols, g_log2)}], "
+                         f"got {w.scale.dtype} {w.scale.shape}")
+    if w.bias is not None and (w.bias.dtype != np.float16 or w.bias.shape != (rows,)):
+        raise ValueError(f"an int4 weight's bias must be float16 [{rows}], got {w.bias.dtype} {w.bias.shape}")
+    at = F.q4_layout(rows, cols, w.nnz, g_log2, w.bias is not None)
+    buf = bytearray(at["size"])
+    flags = F.Q4Flag.BIAS if w.bias is not None else 0
+    buf[0:8] = struct.pack("<IBBH", w.nnz, g_log2, int(flags), 0)
+    fields = [("scale", w.scale.astype("<f2"))]
+    if w.bias is not None:
+        fields.append(("bias", w.bias.astype("<f2")))
+    if w.nnz:
+        width = F.q8_row_ptr_bytes(2, w.nnz)
+        fields += [("row_ptr", w.row_ptr.astype(f"<u{width}")), ("col", w.col.astype("<u2")),
+                   ("val", w.val.astype("<f2"))]
+    for name, arr in fields:
+        data = arr.tobytes()
+        buf[at[name] : at[name] + len(data)] = data
+    return bytes(buf)
+
+
 class _Tensors:
     """Collects tensors in reference order."""
 
@@ -96,6 +151,11 @@ class _Tensors:
             index = self._push(_Entry(np.ascontiguousarray(arr.q, dtype=np.int8).tobytes(), DType.I8, rows, cols, 2, page=page))
             self.entries[index].aux = self._push(_Entry(q8_params_payload(arr, self.version), DType.Q8_PARAMS, rows, cols, 2))
             return index
+        if isinstance(arr, Q4Weight):
+            rows, cols = arr.shape
+            index = self._push(_Entry(q4_pack(arr.q), DType.I4, rows, cols, 2, page=page))
+            self.entries[index].aux = self._push(_Entry(q4_params_payload(arr), DType.Q4_PARAMS, rows, cols, 2))
+            return index
         if isinstance(arr, F16Weight):
             dtype, arr = DType.F16, arr.data
         np_dtype = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}[dtype]
@@ -109,10 +169,17 @@ class _Tensors:
 def needed_version(graph: Graph) -> int:
     """The lowest format version that holds `graph`: 1 without int8 weights (such an image is the
     same in versions 1 and 2, so engines and firmware that read only version 1 run it), else
-    F.VERSION (compact Q8_PARAMS)."""
+    F.VERSION (compact Q8_PARAMS); F.Q4_VERSION with an int4 weight."""
     from .quantize import weight_slots
 
-    return F.VERSION if any(isinstance(getattr(o, a), Q8Weight) for _, o, a in weight_slots(graph)) else 1
+    kinds = {type(getattr(o, a)) for _, o, a in weight_slots(graph)}
+    return F.Q4_VERSION if Q4Weight in kinds else F.VERSION if Q8Weight in kinds else 1
+
+
+def has_int4(graph: Graph) -> bool:
+    from .quantize import weight_slots
+
+    return any(isinstance(getattr(o, a), Q4Weight) for _, o, a in weight_slots(graph))
 
 
 def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None,
@@ -129,7 +196,15 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
     token_model = any(isinstance(layer, (Embedding, Attention)) for layer in graph.layers)
-    if token_model:  # docs/lm.md: token models are version 4, which always has per-tensor CRCs
+    if has_int4(graph):  # int4 weights are format version 5, which keeps v4's header and CRCs
+        if version not in (None, F.Q4_VERSION):
+            raise ValueError(f"a graph with int4 weights is format version {F.Q4_VERSION}, not {version}")
+        if tensor_crc is False:
+            raise ValueError(f"format version {F.Q4_VERSION} (int4 weights) always has per-tensor CRCs")
+        version, tensor_crc = F.Q4_VERSION, True
+    elif version == F.Q4_VERSION:
+        raise ValueError(f"format version {F.Q4_VERSION} is written only for graphs with int4 weights")
+    elif token_model:  # docs/lm.md: token models are version 4, which always has per-tensor CRCs
         if version not in (None, F.LM_VERSION):
             raise ValueError(f"a token model (EMBED/ATTENTION layers) is format version {F.LM_VERSION}, not {version}")
         if tensor_crc is False:
@@ -260,7 +335,7 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, meta_size, crc_off)
         for i, (off, data) in enumerate(placed):
             struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(data) & 0xFFFFFFFF)
-    if token_model:
+    if version >= F.LM_VERSION:  # v5 feature models too: an empty attention table
         F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(attention_recs), attention_off)
     set_crc(buf)
     return bytes(buf)
@@ -379,7 +454,8 @@ class _Reader:
             _fail(Status.BAD_HEADER, f"max_batch {max_batch}")
         if h[11] == 0:
             _fail(Status.BAD_HEADER, "no layers")
-        if version == F.LM_VERSION and n_in != n_out:
+        self.token = is_token_model(version, self.buf)
+        if self.token and n_in != n_out:
             _fail(Status.BAD_HEADER, f"a token model's input_size and output_size are both vocab_size, got {n_in} "
                                      f"and {n_out}")
         self.size = size
@@ -393,6 +469,14 @@ class _Reader:
                                        + (f"metadata of {limit} bytes" if self.meta else f"image of {limit} bytes"))
         self.work.visits += count
         return [rec.unpack_from(self.buf, offset + i * rec.size) for i in range(count)]
+
+
+def is_token_model(version: int, header: bytes | bytearray | memoryview) -> bool:
+    """Whether an image is a token model (docs/lm.md): every version 4 image; a version 5 image when
+    its attention table is not empty (v5 holds feature models with int4 weights too)."""
+    if version == F.LM_VERSION:
+        return True
+    return version >= F.Q4_VERSION and F.V4_FIELDS.unpack_from(header, F.V4_FIELDS_OFFSET)[0] != 0
 
 
 class _Owners:
@@ -414,7 +498,8 @@ def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, ch
 
 
 def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> Graph:
-    """Parse and validate an image. Weights are numpy views into `data` (zero copy).
+    """Parse and validate an image. Weights are numpy views into `data` (zero copy), except int4
+    values, unpacked into one int8 each (`Q4Weight.packed` is the view of their bytes).
 
     `work`, if given, is increased by the records and payload entries visited. `check="structure"`
     leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE."""
@@ -428,9 +513,9 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
     l_recs = r.table(n_l, l_off, F.LAYER)
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
-    token_model = h[1] == F.LM_VERSION
+    token_model = r.token
     a_recs: list[tuple] = []
-    if token_model:
+    if h[1] >= F.LM_VERSION:
         n_a, a_off = F.V4_FIELDS.unpack_from(r.buf, F.V4_FIELDS_OFFSET)
         a_recs = r.table(n_a, a_off, F.ATTENTION)
         a_reserved = [bytes(r.buf[a_off + i * F.ATTENTION.size + 65 : a_off + (i + 1) * F.ATTENTION.size])
@@ -452,16 +537,20 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             _fail(Status.BAD_REF, f"{what}: expected {shape} {np.dtype(dtype)}, got {_describe(obj, ref, n_t)}")
         return obj
 
-    def weight(ref: int, shape: tuple[int, int], what: str, *, optional: bool = False) -> Weight | None:
-        """A weight matrix: f32, f16 or int8 with its companion."""
+    def weight(ref: int, shape: tuple[int, int], what: str, *, optional: bool = False,
+               int4: bool = True) -> Weight | None:
+        """A weight matrix: f32, f16, int8 with its companion, or int4 with its companion where
+        `int4` (not routers, shared gates or embedding tables: BAD_REF)."""
         if ref == NONE and optional:
             return None
         obj = objs[ref] if ref < n_t else None
         work.visits += ref < n_t
         is_f32 = isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4")
         # The record's rank, not the array's: int8 payloads are always viewed as [rows, cols].
-        if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape or t_recs[ref][5] != 2:
-            _fail(Status.BAD_REF, f"{what}: expected weight {shape}, got {_describe(obj, ref, n_t)}")
+        kinds = (F16Weight, Q8Weight, Q4Weight) if int4 else (F16Weight, Q8Weight)
+        if not (is_f32 or isinstance(obj, kinds)) or obj.shape != shape or t_recs[ref][5] != 2:
+            _fail(Status.BAD_REF, f"{what}: expected weight {shape}" + ("" if int4 else " (f32, f16 or int8)")
+                  + f", got {_describe(obj, ref, n_t)}")
         return obj
 
     def expert(j: int, d: int, where: str) -> Expert:
@@ -488,8 +577,8 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         )
         if e.int8_act:
             work.visits += 2 + glu
-        if e.int8_act and not all(isinstance(w, Q8Weight) for w in (e.w1, e.w2, e.w3) if w is not None):
-            _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 weights")
+        if e.int8_act and not all(isinstance(w, QuantWeight) for w in (e.w1, e.w2, e.w3) if w is not None):
+            _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 or int4 weights")
         return e
 
     seq_len: list[int] = []  # max_seq_len of the first attention record read: every other must match
@@ -525,7 +614,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             obj = objs[ref] if ref < n_t else None
             work.visits += ref < n_t
             is_f32 = isinstance(obj, np.ndarray) and obj.dtype == np.dtype("<f4")
-            if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight))) or obj.shape != shape or t_recs[ref][5] != 2:
+            if not (is_f32 or isinstance(obj, (F16Weight, Q8Weight, Q4Weight))) or obj.shape != shape or t_recs[ref][5] != 2:
                 bad(f"{what}: expected a weight {shape}, got {_describe(obj, ref, n_t)}")
             return obj
 
@@ -583,7 +672,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             b = tensor(t1, (out_f,), f"{where} bias", optional=True)
             layers.append(Linear(w, b, int8_act=bool(l_flags & F.LayerFlag.INT8_ACT)))
         elif op == Op.EMBED:
-            table = weight(t0, (in_f, out_f), f"{where} table")
+            table = weight(t0, (in_f, out_f), f"{where} table", int4=False)
             if isinstance(table, Q8Weight) and table.bias is not None:
                 _fail(Status.BAD_REF, f"{where} table: an int8 table whose Q8_PARAMS holds a bias (rows have none)")
             layers.append(Embedding(table))
@@ -621,8 +710,8 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             owners.moe = t0 + 1
         if l_flags:
             work.visits += 1
-            if not isinstance(layers[-1].weight, Q8Weight):
-                _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs an int8 weight")
+            if not isinstance(layers[-1].weight, QuantWeight):
+                _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs an int8 or int4 weight")
         width = out_f
     if depth_widths:
         _fail(Status.BAD_LAYER, "residual push without add at end of program")
@@ -637,7 +726,7 @@ def _describe(obj, ref: int, n_t: int) -> str:
     if ref >= n_t:
         return f"tensor {ref} of {n_t}"
     if obj is None:
-        return "a Q8_PARAMS companion"
+        return "a quantisation companion"
     return f"{type(obj).__name__} {obj.shape}" + (f" {obj.dtype}" if isinstance(obj, np.ndarray) else "")
 
 
@@ -664,13 +753,28 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
                 f" inside the metadata (ends at {r.meta})" if off < r.meta else ""))
         if r.meta and r.full and zlib.crc32(buf[off : off + nbytes]) & 0xFFFFFFFF != r.crcs[i][0]:
             _fail(Status.BAD_PAYLOAD_CRC, f"tensor {i} at {off}+{nbytes}")
-        if dtype not in iter(DType):
-            _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}")
+        if dtype not in iter(DType) or (dtype in (DType.I4, DType.Q4_PARAMS) and version < F.Q4_VERSION):
+            _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}" + (
+                f" (int4 tensors are format version {F.Q4_VERSION})" if dtype in iter(DType) else ""))
         if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res:
             _fail(Status.BAD_TENSOR, f"tensor {i} shape {rows}x{cols} ndim {ndim}")
-        if aux != NONE and dtype != DType.I8:
-            _fail(Status.BAD_TENSOR, f"tensor {i}: only int8 tensors have a companion")
-        if dtype == DType.Q8_PARAMS:
+        if aux != NONE and dtype not in (DType.I8, DType.I4):
+            _fail(Status.BAD_TENSOR, f"tensor {i}: only int8 and int4 tensors have a companion")
+        if dtype == DType.Q4_PARAMS:
+            if nbytes < F.Q4_PARAMS_HEADER:
+                _fail(Status.BAD_TENSOR, f"tensor {i}: Q4_PARAMS of {nbytes} bytes")
+            nnz, g_log2, bias, ok = _q4_header(buf, off)
+            if not ok:
+                _fail(Status.BAD_QUANT, f"tensor {i}: Q4_PARAMS header {bytes(buf[off + 4 : off + 8]).hex()} (group_log2 "
+                                        f"{F.Q4_GROUP_LOG2_MIN}..{F.Q4_GROUP_LOG2_MAX}, flags BIAS only, reserved zero)")
+            want = F.q4_layout(rows, cols, nnz, g_log2, bias)["size"]
+            if want != nbytes or (nnz and cols > 65536):
+                _fail(Status.BAD_TENSOR, f"tensor {i}: Q4_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}, "
+                                         f"group {1 << g_log2}")
+        elif dtype == DType.I4:
+            if nbytes != rows * F.q4_row_bytes(cols):
+                _fail(Status.BAD_TENSOR, f"tensor {i}: I4 of {nbytes} bytes for {rows}x{cols}")
+        elif dtype == DType.Q8_PARAMS:
             if nbytes < F.Q8_PARAMS_HEADER:
                 _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes")
             nnz, param, bias, ok = _q8_header(buf, off, version)
@@ -688,8 +792,11 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
     for i, (off, nbytes, rows, cols, dtype, ndim, _, aux) in enumerate(t_recs):
         r.work.visits += 1
         shape = (rows, cols) if ndim == 2 else (rows,)
-        if dtype == DType.Q8_PARAMS:
+        if dtype in (DType.Q8_PARAMS, DType.Q4_PARAMS):
             objs.append(None)
+        elif dtype == DType.I4:
+            packed = np.frombuffer(buf, dtype=np.uint8, count=rows * F.q4_row_bytes(cols), offset=off)
+            objs.append(_q4(buf, t_recs, i, packed.reshape(rows, F.q4_row_bytes(cols)), r.work))
         elif dtype == DType.I8:
             q = np.frombuffer(buf, dtype=np.int8, count=rows * cols, offset=off).reshape(rows, cols)
             objs.append(_q8(buf, t_recs, i, q, r.work, version))
@@ -728,14 +835,63 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work,
         work.visits += rows
         if not np.all(np.isfinite(bias)) or _subnormal(bias):
             _fail(Status.BAD_QUANT, f"tensor {i}: f16 biases must be 0 or normal numbers")
-    width = F.q8_row_ptr_bytes(version, nnz)
+    params_end = at["bias" if has_bias else "scale"] + param * rows
+    row_ptr, col, val = _compensation(buf, off, at, i, rows, cols, nnz, F.q8_row_ptr_bytes(version, nnz),
+                                      params_end, work)
+    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=bias)
+
+
+def _q4_header(buf: memoryview, off: int) -> tuple[int, int, bool, bool]:
+    """(nnz, group_log2, BIAS, header codes valid) of the Q4_PARAMS payload at off."""
+    nnz, g_log2, flags, reserved = struct.unpack_from("<IBBH", buf, off)
+    ok = F.Q4_GROUP_LOG2_MIN <= g_log2 <= F.Q4_GROUP_LOG2_MAX and not flags & ~int(F.Q4Flag.BIAS) and not reserved
+    return nnz, g_log2, bool(flags & F.Q4Flag.BIAS), ok
+
+
+def _q4(buf: memoryview, t_recs: list[tuple], i: int, packed: np.ndarray, work: Work) -> Q4Weight:
+    """The int4 tensor i with its Q4_PARAMS companion, validated in the C validator's order: the
+    companion (BAD_QUANT), the unused nibbles of odd rows, the group scales and the bias (BAD_QUANT),
+    then E (BAD_COMPENSATION)."""
+    rows, cols = t_recs[i][2:4]
+    aux = t_recs[i][7]
+    if aux >= len(t_recs) or t_recs[aux][4] != DType.Q4_PARAMS or t_recs[aux][2:4] != (rows, cols):
+        _fail(Status.BAD_QUANT, f"tensor {i}: companion {aux} is not a Q4_PARAMS tensor of {rows}x{cols}")
+    work.visits += 1
+    if cols % 2:
+        work.visits += rows
+        if np.any(packed[:, -1] & 0xF0):
+            _fail(Status.BAD_QUANT, f"tensor {i}: the unused high nibble of a row's last byte (odd cols {cols}) is not zero")
+    off = t_recs[aux][0]
+    nnz, g_log2, has_bias, _ = _q4_header(buf, off)
+    groups = F.q4_groups(cols, g_log2)
+    at = F.q4_layout(rows, cols, nnz, g_log2, has_bias)
+    work.visits += rows * groups
+    scale = np.frombuffer(buf, dtype="<f2", count=rows * groups, offset=off + at["scale"])
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0) or _subnormal(scale):
+        _fail(Status.BAD_QUANT, f"tensor {i}: int4 group scales must be finite, >= 0, and 0 or normal f16")
+    bias = None
+    if has_bias:
+        work.visits += rows
+        bias = np.frombuffer(buf, dtype="<f2", count=rows, offset=off + at["bias"])
+        if not np.all(np.isfinite(bias)) or _subnormal(bias):
+            _fail(Status.BAD_QUANT, f"tensor {i}: f16 biases must be 0 or normal numbers")
+    params_end = at["bias" if has_bias else "scale"] + 2 * rows * (1 if has_bias else groups)
+    row_ptr, col, val = _compensation(buf, off, at, i, rows, cols, nnz, F.q8_row_ptr_bytes(2, nnz), params_end, work)
+    return Q4Weight(q=q4_unpack(packed, cols), scale=scale.reshape(rows, groups), group=1 << g_log2,
+                    row_ptr=row_ptr, col=col, val=val, bias=bias, packed=packed)
+
+
+def _compensation(buf: memoryview, off: int, at: dict[str, int], i: int, rows: int, cols: int, nnz: int,
+                  width: int, params_end: int, work: Work) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CSR term E of a companion at off (row_ptr, col, val), validated: BAD_COMPENSATION for
+    nonzero padding, row pointers not 0 .. nnz non-decreasing, columns out of range or not increasing
+    within a row, non-finite values."""
     empty = np.zeros(0, dtype="<u2")
     row_ptr = np.frombuffer(buf, dtype=f"<u{width}", count=rows + 1, offset=off + at["row_ptr"]) if nnz else np.zeros(0, "<u4")
     col = np.frombuffer(buf, dtype="<u2", count=nnz, offset=off + at["col"]) if nnz else empty
     val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=off + at["val"]) if nnz else empty.view("<f2")
     if nnz:
         work.visits += rows + 1 + 2 * nnz
-        params_end = at["bias" if has_bias else "scale"] + param * rows
         gaps = [(params_end, at["row_ptr"]), (at["row_ptr"] + width * (rows + 1), at["col"]),
                 (at["col"] + 2 * nnz, at["val"])]
         padded = any(any(buf[off + a : off + b]) for a, b in gaps)
@@ -747,7 +903,7 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work,
         if (padded or ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != nnz or not cols_ok or not increasing
                 or not np.all(np.isfinite(val))):
             _fail(Status.BAD_COMPENSATION, f"tensor {i}: malformed compensation term")
-    return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=bias)
+    return row_ptr, col, val
 
 
 def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int, owners: _Owners, work: Work) -> MoE:
@@ -776,11 +932,11 @@ def _moe(rec: tuple, width: int, where: str, tensor, weight, expert, n_e: int, o
     owners.expert, owners.emap = first + n + n_shared, emap + 1
     return MoE(
         routing=Routing(routing), top_k=k,
-        router_weight=weight(rw, (r_count, d), f"{where} router weight"),
+        router_weight=weight(rw, (r_count, d), f"{where} router weight", int4=False),
         router_bias=tensor(rb, (r_count,), f"{where} router bias", optional=True),
         expert_map=emap_arr,
         renormalize=renorm,
         experts=[expert(first + i, d, f"{where} expert {i}") for i in range(n)],
         shared=[expert(first + n + i, d, f"{where} shared expert {i}") for i in range(n_shared)],
-        shared_gate=weight(gate, (1, d), f"{where} shared gate", optional=True),
+        shared_gate=weight(gate, (1, d), f"{where} shared gate", optional=True, int4=False),
     )

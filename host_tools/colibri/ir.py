@@ -54,13 +54,65 @@ class Q8Weight:
         return e
 
 
-Weight = np.ndarray | F16Weight | Q8Weight
+@dataclass
+class Q4Weight:
+    """W ≈ Q·S + E with Q signed int4 (-8..7) and one f16 scale per `group` columns of a row
+    (format v5, docs/model-format.md "Quantised weights: I4 with Q4_PARAMS").
+
+    `q` holds the int4 values unpacked, one per int8 (the image packs two per byte); `scale` is
+    float16 [rows, G] with G = ceil(cols / group); `bias` (f16 [rows]) is the layer's bias when it
+    travels in the companion; E is a CSR term exactly as Q8Weight's.
+    y = Σ_g (Σ_{c in g} q·x)·s_g + E·x + bias."""
+
+    q: np.ndarray  # int8 [rows, cols], each in -8..7
+    scale: np.ndarray  # float16 [rows, G]
+    group: int  # columns per scale: a power of two, 8..256
+    row_ptr: np.ndarray  # unsigned [rows + 1]
+    col: np.ndarray  # uint16 [nnz], increasing within a row
+    val: np.ndarray  # float16 [nnz]
+    bias: np.ndarray | None = None  # float16 [rows] or None
+    # The image's packed nibbles [rows, ceil(cols/2)] (a view) when read from an image: where the
+    # engine's kernels and an expert hook see this weight.
+    packed: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col.size)
+
+    @property
+    def group_log2(self) -> int:
+        return int(self.group).bit_length() - 1
+
+    @property
+    def groups(self) -> int:
+        return -(-self.q.shape[1] // self.group)
+
+    def scale_per_column(self) -> np.ndarray:
+        """The scale of every weight, float32 [rows, cols] (each group's scale repeated)."""
+        return np.repeat(self.scale.astype(np.float32), self.group, axis=1)[:, : self.q.shape[1]]
+
+    def compensation(self) -> np.ndarray:
+        """E as a dense float32 [rows, cols] matrix."""
+        e = np.zeros(self.q.shape, dtype=np.float32)
+        rows = np.repeat(np.arange(self.q.shape[0]), np.diff(self.row_ptr.astype(np.int64)))
+        e[rows, self.col.astype(np.int64)] = self.val.astype(np.float32)
+        return e
+
+
+Weight = np.ndarray | F16Weight | Q8Weight | Q4Weight
+QuantWeight = (Q8Weight, Q4Weight)  # the integer weights: a companion, INT8_ACT allowed
 
 
 def dense(w: Weight) -> np.ndarray:
-    """The float32 matrix a weight stands for (Q·S + E for int8)."""
+    """The float32 matrix a weight stands for (Q·S + E for int8 and int4)."""
     if isinstance(w, F16Weight):
         return w.data.astype(np.float32)
+    if isinstance(w, Q4Weight):
+        return (w.q.astype(np.float32) * w.scale_per_column() + w.compensation()).astype(np.float32)
     if isinstance(w, Q8Weight):
         return (w.q.astype(np.float32) * w.scale.astype(np.float32)[:, None] + w.compensation()).astype(np.float32)
     return w

@@ -1,5 +1,6 @@
-"""Weight quantisation of a layer graph: f16, and int8 per output channel with
-a sparse f16 compensation term (W ≈ Q·S + E).
+"""Weight quantisation of a layer graph: f16, int8 per output channel with
+a sparse f16 compensation term (W ≈ Q·S + E), and int4 in groups of columns
+with f16 scales and the same E (format v5).
 
 Every weight matrix has a name (`weight_names`): `layers.3` for a Linear,
 `layers.5.router`, `layers.5.shared_gate`, `layers.5.experts.2.w1`,
@@ -22,9 +23,9 @@ import numpy as np
 from rich.progress import track
 
 from .errors import ExportError
-from .ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q8Weight, Weight
+from .ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
 
-DTYPES = ("f32", "f16", "q8")
+DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
 F16_MAX = 65504.0
 
@@ -165,6 +166,108 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
     return Q8Weight(q=q, scale=scale, row_ptr=row_ptr, col=col, val=val, bias=b)
 
 
+Q4_DEFAULT_GROUP = 32  # columns per f16 scale, as the ESP32 LLM ports' int4
+# Clip search: each group's scale is alpha · max|w| / 7 for the alpha of this grid with the least
+# squared error over the group's weights (those set aside for E excluded).
+Q4_CLIP_GRID = np.linspace(1.0, 0.5, 26, dtype=np.float32)
+
+
+def _f16_scale(s: np.ndarray) -> np.ndarray:
+    """Scales as stored (f16, ±0 or normal): below f16's normal range a nonzero scale becomes the
+    smallest normal (coarser steps, never a subnormal the format refuses)."""
+    return np.where((s > 0) & (s < F16_MIN_NORMAL), np.float32(F16_MIN_NORMAL), s).astype(np.float16)
+
+
+def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, group: int = Q4_DEFAULT_GROUP,
+                bias: np.ndarray | None = None, clip_search: bool = True) -> Q4Weight:
+    """Symmetric int4 (-8..7) in groups of `group` columns of a row, one f16 scale each, plus the
+    sparse f16 compensation E of q8 (`quantize_q8`): the `compensation` share of largest residuals.
+
+    As in q8, the largest-magnitude weights are set aside first so they do not stretch their group's
+    scale, and E then stores the largest residuals W − Q·S, mostly those outliers. With
+    `clip_search`, each group's scale is the MSE-optimal clip of `Q4_CLIP_GRID` over the group's
+    other weights; otherwise max|w| / 7. The int4 values are those of the f16 scales as stored.
+
+    `bias` (the layer's, [rows]) travels as f16 in the companion when its rounding moves no output by
+    more than F16_BIAS_SHARE of its row's smallest weight step; otherwise the result has none and the
+    caller keeps the f32 bias (`Q4Weight.bias is None`)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.size == 0:
+        raise ExportError(f"int4 weights need a non-empty matrix, got shape {w.shape}")
+    if group < 8 or group > 256 or group & (group - 1):
+        raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
+    if not np.all(np.isfinite(w)):
+        raise ExportError("weights hold NaN or inf: q4 has no int4 form of them")
+    rows, cols = w.shape
+    n_groups = -(-cols // group)
+    n_e = int(round(compensation * w.size)) if cols <= 65536 else 0
+    kept = np.ones(w.shape, dtype=bool)  # weights the scales are fitted to
+    if n_e:
+        outliers = np.argpartition(np.abs(w).ravel(), w.size - n_e)[w.size - n_e :]
+        kept.ravel()[outliers] = False
+
+    # Groups as [rows, G, group], padded with zeros (which quantise to 0, adding no error).
+    padded = np.zeros((rows, n_groups * group), dtype=np.float32)
+    padded[:, :cols] = w
+    g = padded.reshape(rows, n_groups, group)
+    mask = np.zeros(padded.shape, dtype=bool)
+    mask[:, :cols] = kept
+    m = mask.reshape(g.shape)
+    amax = np.where(m, np.abs(g), 0).max(axis=2)
+    if float(amax.max(initial=0)) / 7 > F16_MAX:
+        raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q4: a group scale would "
+                          f"exceed the f16 range ({F16_MAX:g})")
+
+    def fit(alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
+        s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
+        safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+        q = np.clip(np.rint(g / safe), -8, 7)
+        q[s == 0] = 0
+        err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
+        return s, err
+
+    scale, best = fit(np.float32(1))
+    if clip_search:
+        for alpha in Q4_CLIP_GRID[1:]:
+            s, err = fit(alpha)
+            better = err < best
+            scale[better], best[better] = s[better], err[better]
+    safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
+    q = np.clip(np.rint(g / safe), -8, 7)
+    q[scale == 0] = 0
+    q = q.reshape(rows, -1)[:, :cols].astype(np.int8)
+    per_col = np.repeat(scale, group, axis=1)[:, :cols]
+    residual = w - q.astype(np.float32) * per_col
+
+    row_ptr = np.zeros(rows + 1, dtype=np.uint32)
+    col = np.zeros(0, dtype=np.uint16)
+    val = np.zeros(0, dtype=np.float16)
+    if n_e:
+        flat = np.argpartition(np.abs(residual).ravel(), w.size - n_e)[w.size - n_e :]
+        big = np.abs(residual.ravel()[flat]).max(initial=0)
+        if big > F16_MAX:
+            raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q4: its compensation "
+                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
+        values = residual.ravel()[flat].astype(np.float16)
+        keep = values != 0
+        flat, values = flat[keep], values[keep]
+        order = np.argsort(flat, kind="stable")  # row-major: rows, then columns increasing
+        flat, values = flat[order], values[order]
+        r, c = np.divmod(flat, cols)
+        row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
+        col, val = c.astype(np.uint16), values
+    b16 = None
+    if bias is not None:
+        b = np.asarray(bias, dtype=np.float32)
+        if np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX):
+            step = np.where(scale > 0, scale, np.float32(np.inf)).min(axis=1)
+            step = np.where(np.isfinite(step), step, np.float32(0))  # an all-zero row: the bias exactly
+            cand = _f16_bias(b)
+            if np.all(np.abs(cand.astype(np.float32) - b) <= step * F16_BIAS_SHARE):
+                b16 = cand
+    return Q4Weight(q=q, scale=scale.astype(np.float16), group=group, row_ptr=row_ptr, col=col, val=val, bias=b16)
+
+
 def quantize_f16(w: np.ndarray) -> F16Weight:
     w = np.asarray(w, dtype=np.float32)
     if np.abs(w).max(initial=0) > F16_MAX:
@@ -260,8 +363,15 @@ def quantize(
     calibration: np.ndarray | None = None,
     dtypes: Mapping[str, str] | None = None,
     router_inputs: str | None = None,
+    group: int = Q4_DEFAULT_GROUP,
+    q8: Sequence[str] = (),
 ) -> Graph:
-    """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8).
+    """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8, q4).
+
+    q4 (format v5, `quantize_q4`): int4 in groups of `group` columns with f16 scales and the same
+    sparse E as q8, each bias in the companion where f16 holds it. Routers and shared gates stay f32
+    and embedding tables (with a tied head) become q8: the format has no int4 form of them
+    (docs/model-format.md). `q8` patterns name further weights to store as q8 instead of q4.
 
     q8 with `compact` (format v2, the default): each int8 matrix's bias moves into its
     Q8_PARAMS companion, and scales and bias are f16 where the error budget allows
@@ -300,9 +410,15 @@ def quantize(
         from .calibrate import input_moments
 
         importance = input_moments(graph, calibration)
-    for pattern in list(keep) + list(int8_act):
+    if q8 and dtype != "q4":
+        raise ExportError("q8 patterns choose int8 weights inside a q4 model: use them with dtype='q4'")
+    if "q4" in (dtype, *(dtypes or {}).values()) and (group < 8 or group > 256 or group & (group - 1)):
+        raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
+    tables = {id(layer.table) for layer in out.layers if isinstance(layer, Embedding)}
+    for pattern in list(keep) + list(int8_act) + list(q8):
         if not any(_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
+
     def dtype_of(name: str) -> str:
         if dtypes is not None and name in dtypes:
             return dtypes[name]
@@ -323,11 +439,22 @@ def quantize(
                 setattr(owner, attr, done[id(w)])
                 continue
             want = dtype_of(name)
+            if want == "q4" and (id(w) in tables or _matches(name, q8) or _matches(name, ROUTER_PATTERNS)):
+                # The format has no int4 embedding table or router (docs/model-format.md); q8 patterns
+                # choose int8 for chosen weights inside a q4 model.
+                want = "q8"
             if want == "f32":
                 done[id(w)] = w  # kept in f32: a tied head stays f32 with it
                 continue
             try:
-                if want == "q8":
+                if want == "q4":
+                    b_attr = _BIAS_OF.get(attr)
+                    bias = getattr(owner, b_attr) if b_attr else None
+                    qw = quantize_q4(w, compensation, group=group, bias=bias)
+                    setattr(owner, attr, qw)
+                    if qw.bias is not None:
+                        setattr(owner, b_attr, None)
+                elif want == "q8":
                     b_attr = _BIAS_OF.get(attr)
                     bias = getattr(owner, b_attr) if compact and b_attr else None
                     setattr(owner, attr, quantize_q8(w, compensation, bias=bias, compact=compact, clip=clip,
@@ -344,7 +471,7 @@ def quantize(
         if not _matches(name, int8_act):
             continue
         weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
-        if not all(isinstance(w, Q8Weight) for w in weights):
-            raise ExportError(f"{name}: int8 activations need int8 weights (q8, not kept in f32)")
+        if not all(isinstance(w, QuantWeight) for w in weights):
+            raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
         target.int8_act = True
     return out

@@ -15,7 +15,8 @@ from . import image as image_mod
 from .errors import error_for
 from .format import Act, DType, ExpertKind, Routing, Status
 from .ir import (
-    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q8Weight, ResidualAdd,
+    Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
+    ResidualAdd,
     ResidualPush, RMSNorm, Weight, dense,
 )
 
@@ -125,7 +126,25 @@ def _matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y
 
 
-def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight) -> np.ndarray:
+def _q4_groups(x: np.ndarray, w: Q4Weight, int8_act: bool) -> np.ndarray:
+    """Σ_g p_g · s_g for every row and output, the groups added in order (docs/model-format.md
+    "Quantised weights: I4 with Q4_PARAMS"): p_g the group's f32 dot product of q and x, or with int8
+    activations its exact integer dot product of q and xq (then times a, per row)."""
+    n, (rows, cols) = x.shape[0], w.shape
+    scale = w.scale.astype(f32)  # f16 scales widen exactly
+    xq, a = quantize_rows(x) if int8_act else (None, None)
+    v = np.zeros((n, rows), dtype=f32)
+    for g in range(w.groups):
+        cs = slice(g * w.group, min(cols, (g + 1) * w.group))
+        if int8_act:  # |Σ| <= 256 · 8 · 127 < 2^24: exact in f32, as the engine's int32 to float
+            p = (xq[:, cs] @ w.q[:, cs].astype(np.int64).T).astype(f32)
+        else:
+            p = _matmul(x[:, cs], w.q[:, cs].astype(f32))
+        v = (v + (p * scale[None, :, g]).astype(f32)).astype(f32)
+    return (v * a[:, None]).astype(f32) if int8_act else v
+
+
+def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight | Q4Weight) -> np.ndarray:
     """y + x Eᵀ; rows at risk add each stored entry in storage order, as the engine does, so a zero
     of E never meets an inf of x."""
     e = w.compensation()
@@ -144,7 +163,14 @@ def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight) -> np.ndarray:
 def _linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False) -> np.ndarray:
     """y = x Wᵀ + b for every weight storage, by the formulas of docs/model-format.md."""
     x = np.asarray(x, dtype=f32)
-    if isinstance(w, Q8Weight):
+    if isinstance(w, Q4Weight):
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf propagate as in the engine
+            y = _q4_groups(x, w, int8_act)
+        if w.nnz:
+            y = _add_compensation(y, x, w)
+        if w.bias is not None:  # the companion's f16 bias, after E, before the layer's own
+            y = (y + w.bias.astype(f32)).astype(f32)
+    elif isinstance(w, Q8Weight):
         scale = w.scale.astype(f32)  # f16 scales widen exactly
         if int8_act:
             xq, a = quantize_rows(x)

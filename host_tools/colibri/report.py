@@ -20,14 +20,14 @@ from .quantize import weight_slots
 # Where an image's bytes go
 
 BYTE_PARTS = {
-    "weights": "weights (weight matrices: int8, f16 or f32)",
-    "scales": "int8 scales",
+    "weights": "weights (weight matrices: int4, int8, f16 or f32)",
+    "scales": "int8 scales, int4 group scales",
     "e_row_ptr": "compensation E: row pointers",
     "e_col": "compensation E: columns",
     "e_val": "compensation E: values",
     "biases": "biases",
     "other": "norm parameters, expert maps",
-    "tables": "header, records, Q8_PARAMS headers, alignment padding",
+    "tables": "header, records, companion headers, alignment padding",
 }
 
 
@@ -53,7 +53,7 @@ class ImageBytes:
             if key == "weights" and self.weight_dtypes:
                 extra = " (" + ", ".join(f"{k} {v:,}" for k, v in self.weight_dtypes.items()) + ")"
             elif key == "biases" and self.companion_biases:
-                extra = f" ({self.companion_biases:,} in Q8_PARAMS)"
+                extra = f" ({self.companion_biases:,} in Q8_PARAMS/Q4_PARAMS)"
             out.append(f"  {what:<56} {n:>10,} {100 * n / self.total:6.2f}%{extra}")
         return out
 
@@ -109,6 +109,17 @@ def image_bytes(data: bytes | bytearray | memoryview) -> ImageBytes:
                 in_companions += param * rows
             if nnz:
                 parts["e_row_ptr"] += F.q8_row_ptr_bytes(version, nnz) * (rows + 1)
+                parts["e_col"] += 2 * nnz
+                parts["e_val"] += 2 * nnz
+            continue
+        if dtype == F.DType.Q4_PARAMS:  # f16 group scales, f16 bias, E (v5)
+            nnz, g_log2, flags = struct.unpack_from("<IBB", buf, off)
+            parts["scales"] += 2 * rows * F.q4_groups(recs[i][3], g_log2)
+            if flags & F.Q4Flag.BIAS:
+                parts["biases"] += 2 * rows
+                in_companions += 2 * rows
+            if nnz:
+                parts["e_row_ptr"] += F.q8_row_ptr_bytes(2, nnz) * (rows + 1)
                 parts["e_col"] += 2 * nnz
                 parts["e_val"] += 2 * nnz
             continue

@@ -210,8 +210,9 @@ static const float *f32_tensor(const uint8_t *image, const colibri_header *hdr, 
 #define NOINLINE
 #endif
 
-/* Fills *w, the kernel's view of weight tensor `index` (F32, F16 or I8,
- * validated), an I8 one with its Q8_PARAMS scales and compensation term;
+/* Fills *w, the kernel's view of weight tensor `index` (F32, F16, I8 or I4,
+ * validated), an I8 one with its Q8_PARAMS scales and compensation term, an
+ * I4 one with its Q4_PARAMS group scales, bias and compensation term;
  * all zero for COLIBRI_NONE. The plan entries are written in place, field
  * by field, so init needs no struct-sized temporaries on a small stack;
  * not inlined, so its record buffer sits in one frame, not in plan_expert's
@@ -254,6 +255,37 @@ static NOINLINE void weight(colibri_matrix *w, const uint8_t *image, const colib
             pos += 2u * nnz;
             if (!v2) /* v1 pads the columns to 4 bytes */
                 pos = (pos + 3u) & ~(size_t)3u;
+            w->val = (const uint16_t *)(const void *)(p + pos);
+        }
+    } else if (t.dtype == COLIBRI_DTYPE_I4) {
+        /* docs/model-format.md "Quantised weights: I4 with Q4_PARAMS": the
+         * header, f16 scales [rows · G], the f16 bias [rows] (BIAS), then E
+         * laid out as a v2 Q8_PARAMS's; the offsets colibri_q4_layout_of()
+         * validated. The bias goes through q4_bias, so q8_bias stays 0 and
+         * colibri_q8_compensate() adds E only. */
+        colibri_read_tensor(image, hdr, t.aux, &t);
+        const uint8_t *p = image + t.offset;
+        const size_t rows = w->rows, nnz = colibri_rd_u32(p);
+        const uint32_t g_log2 = p[4];
+        const size_t groups = ((size_t)w->cols + ((size_t)1 << g_log2) - 1u) >> g_log2;
+        w->q8_f16 = 1;
+        w->q8_ptr = nnz == 0 ? 0u : nnz > 0xFFFFu ? 4u : nnz > 0xFFu ? 2u : 1u;
+        w->q8_nnz = (uint32_t)nnz;
+        w->q4_group_log2 = g_log2;
+        w->q4_groups = (uint32_t)groups;
+        w->scale = p + COLIBRI_Q4_PARAMS_HEADER;
+        size_t pos = COLIBRI_Q4_PARAMS_HEADER + 2u * rows * groups;
+        if (p[5] & COLIBRI_Q4_FLAG_BIAS) {
+            w->q4_bias = (const uint16_t *)(const void *)(p + pos);
+            pos += 2u * rows;
+        }
+        if (nnz) {
+            const size_t ptr = w->q8_ptr;
+            pos = (pos + ptr - 1u) & ~(ptr - 1u);
+            w->row_ptr = p + pos;
+            pos = (pos + ptr * (rows + 1u) + 1u) & ~(size_t)1u;
+            w->col = (const uint16_t *)(const void *)(p + pos);
+            pos += 2u * nnz;
             w->val = (const uint16_t *)(const void *)(p + pos);
         }
     }

@@ -18,10 +18,13 @@
  *      before its header is read; in v2 its parameter dtype, flags and
  *      reserved bits are BAD_QUANT; then the size formula, and cols <= 65536
  *      when nnz > 0, BAD_TENSOR);
- *   4. pass 2, every I8 tensor in index order: its companion (aux in range,
- *      a Q8_PARAMS of the same rows and cols), v1's reserved word, its
+ *   4. pass 2, every I8 and I4 tensor in index order: its companion (aux
+ *      in range, a Q8_PARAMS, for I4 a Q4_PARAMS, of the same rows and
+ *      cols), v1's reserved word, for I4 the unused nibbles of odd rows, its
  *      scales and f16 biases (BAD_QUANT), then its compensation term: padding, row
- *      pointers, columns, values (BAD_COMPENSATION);
+ *      pointers, columns, values (BAD_COMPENSATION); (a Q4_PARAMS record's
+ *      header codes are BAD_QUANT and its size BAD_TENSOR in pass 1, as a
+ *      v2 Q8_PARAMS's);
  *   5. the layer program, top to bottom: a layer's fields, flags included
  *      (BAD_LAYER), its tensor references (BAD_REF), then INT8_ACT needs an
  *      I8 weight (BAD_LAYER); a MOE layer names a MoE record (in range and
@@ -241,8 +244,9 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
         h->input_size == 0 || h->output_size == 0 ||
         h->max_batch == 0 || h->max_batch > COLIBRI_MAX_BATCH_LIMIT || h->layer_count == 0)
         return COLIBRI_E_BAD_HEADER;
-    /* A token model (v4): token ids in, one logit per vocabulary entry out. */
-    if (h->version >= COLIBRI_LM_VERSION && h->input_size != h->output_size)
+    /* A token model (v4, or v5 with attention records): token ids in, one
+     * logit per vocabulary entry out. */
+    if (colibri_token_model(h) && h->input_size != h->output_size)
         return COLIBRI_E_BAD_HEADER;
     return COLIBRI_OK;
 }
@@ -372,6 +376,44 @@ static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version
 }
 
 
+/* The layout of the Q4_PARAMS payload p (at least COLIBRI_Q4_PARAMS_HEADER
+ * bytes) of an I4 tensor [rows, cols], as colibri.format.q4_layout computes
+ * it: f16 scales [rows * G], the f16 bias [rows] with BIAS, then E as a v2
+ * Q8_PARAMS holds it (param is 2, scale and bias_at as there). Returns 0 if
+ * its header codes are invalid (group_log2 outside 3..8, unknown flags,
+ * reserved bits). *groups receives G. */
+static ALWAYS_INLINE int colibri_q4_layout_of(const uint8_t *p, uint64_t rows, uint64_t cols, colibri_q8_layout *l,
+                                              uint64_t *groups)
+{
+    const uint8_t g_log2 = p[4], flags = p[5];
+    const int ok = g_log2 >= COLIBRI_Q4_GROUP_LOG2_MIN && g_log2 <= COLIBRI_Q4_GROUP_LOG2_MAX &&
+                   (flags & ~COLIBRI_Q4_FLAG_BIAS) == 0 && colibri_rd_u16(p + 6) == 0;
+    /* An invalid group_log2 still gives a defined shift (< 64) and a size. */
+    const unsigned shift = g_log2 & 63u;
+    l->nnz = colibri_rd_u32(p);
+    l->param = 2;
+    l->bias = (flags & COLIBRI_Q4_FLAG_BIAS) != 0;
+    l->ptr = l->nnz == 0 ? 0u : l->nnz > 0xFFFFu ? 4u : l->nnz > 0xFFu ? 2u : 1u;
+    *groups = (cols + (1ull << shift) - 1u) >> shift;
+    uint64_t pos = COLIBRI_Q4_PARAMS_HEADER + 2u * rows * *groups;
+    l->scale = COLIBRI_Q4_PARAMS_HEADER;
+    l->bias_at = (uint32_t)pos;
+    if (l->bias)
+        pos += 2u * rows;
+    l->row_ptr = l->col = l->val = (uint32_t)pos;
+    if (l->ptr) {
+        pos = colibri_up(pos, l->ptr);
+        l->row_ptr = (uint32_t)pos;
+        pos = colibri_up(pos + (uint64_t)l->ptr * (rows + 1u), 2u);
+        l->col = (uint32_t)pos;
+        pos += 2u * (uint64_t)l->nnz;
+        l->val = (uint32_t)pos;
+        pos += 2u * (uint64_t)l->nnz;
+    }
+    l->size = pos;
+    return ok;
+}
+
 /* Pass 1: one tensor record on its own: TENSOR_BOUNDS (inside the image,
  * aligned, at or after the end of the previous tensor's payload, prev_end),
  * then BAD_TENSOR (dtype, rank and shape, reserved, aux, nbytes). */
@@ -402,16 +444,38 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
         break;
     case COLIBRI_DTYPE_Q8_PARAMS:
         break;
+    case COLIBRI_DTYPE_I4: /* int4 weights and their companions: format v5 */
+    case COLIBRI_DTYPE_Q4_PARAMS:
+        if (h->version < COLIBRI_Q4_VERSION)
+            return COLIBRI_E_BAD_TENSOR;
+        break;
     default:
         return COLIBRI_E_BAD_TENSOR;
     }
     if ((t->ndim != 1 && t->ndim != 2) || (t->ndim == 1 && t->cols != 1) || t->rows == 0 ||
         t->cols == 0 || t->reserved != 0)
         return COLIBRI_E_BAD_TENSOR;
-    /* Only an I8 tensor names a companion (checked in pass 2). */
-    if (t->dtype != COLIBRI_DTYPE_I8 && t->aux != COLIBRI_NONE)
+    /* Only an I8 or I4 tensor names a companion (checked in pass 2). */
+    if (t->dtype != COLIBRI_DTYPE_I8 && t->dtype != COLIBRI_DTYPE_I4 && t->aux != COLIBRI_NONE)
         return COLIBRI_E_BAD_TENSOR;
 
+    if (t->dtype == COLIBRI_DTYPE_I4) {
+        /* ceil(cols / 2) bytes a row; < 2^63, and above 2^32 it cannot match nbytes. */
+        const uint64_t size = (uint64_t)t->rows * (((uint64_t)t->cols + 1u) / 2u);
+        return size == t->nbytes ? COLIBRI_OK : COLIBRI_E_BAD_TENSOR;
+    }
+    if (t->dtype == COLIBRI_DTYPE_Q4_PARAMS) {
+        /* As Q8_PARAMS below: the header's codes BAD_QUANT, the size BAD_TENSOR. */
+        if (t->nbytes < COLIBRI_Q4_PARAMS_HEADER)
+            return COLIBRI_E_BAD_TENSOR;
+        colibri_q8_layout l;
+        uint64_t groups;
+        if (!colibri_q4_layout_of(image + t->offset, t->rows, t->cols, &l, &groups))
+            return COLIBRI_E_BAD_QUANT;
+        if (t->nbytes != l.size || (l.nnz != 0 && t->cols > 65536u))
+            return COLIBRI_E_BAD_TENSOR;
+        return COLIBRI_OK;
+    }
     if (t->dtype != COLIBRI_DTYPE_Q8_PARAMS) {
         /* Exact: rows * cols < 2^64, and above 2^32 it cannot match nbytes. */
         const uint64_t count = (uint64_t)t->rows * t->cols;
@@ -451,56 +515,28 @@ static int scale_ok(const uint8_t *p, uint8_t param)
     return isfinite(s) && s >= 0.0f;
 }
 
-/* Pass 2: the Q8_PARAMS companion of I8 tensor t (pass 1 has checked every
- * record, so the companion's header codes are valid and its payload has
- * exactly the size they imply): BAD_QUANT for the reference, v1's reserved
- * word and the scales, then BAD_COMPENSATION for the sparse term E (its
- * padding bytes included). An f32 bias is any value, as an F32 bias tensor;
- * an f16 bias ±0 or normal. Not inlined (see NOINLINE above). */
-static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
+/* The sparse term E of a companion at p whose layout l is valid (Q8_PARAMS
+ * or Q4_PARAMS, of an int tensor [rows, cols]): BAD_COMPENSATION for nonzero
+ * padding before row_ptr, col and val, row pointers not running 0 .. nnz
+ * non-decreasing, a column out of range or not increasing within its row, a
+ * non-finite value. Inlined into both companions' checks. */
+static ALWAYS_INLINE colibri_status check_terms(checker *ck, const uint8_t *p, const colibri_q8_layout *l,
+                                                uint32_t rows, uint32_t cols)
 {
-    if (t->aux >= ck->h->tensor_count)
-        return COLIBRI_E_BAD_QUANT;
-    colibri_tensor c;
-    read_tensor(ck, t->aux, &c);
-    if (c.dtype != COLIBRI_DTYPE_Q8_PARAMS || c.rows != t->rows || c.cols != t->cols)
-        return COLIBRI_E_BAD_QUANT;
-
-    /* Each scan below visits at most rows * cols + rows + 1 entries, no more
-     * than the I8 tensor's own (non-overlapping) payload holds bytes. */
-    const uint8_t *p = ck->image + c.offset;
-    const uint32_t rows = c.rows;
-    colibri_q8_layout l;
-    (void)colibri_q8_layout_of(p, ck->h->version, rows, &l);
-    const uint32_t nnz = l.nnz;
-    if (ck->h->version < 2u && colibri_rd_u32(p + 4) != 0)
-        return COLIBRI_E_BAD_QUANT;
-    /* Offsets fit size_t even on 32-bit targets: all lie within nbytes. */
-    const uint8_t *scale = p + (size_t)l.scale;
-    ck->work += rows;
-    for (uint32_t i = 0; i < rows; i++)
-        if (!scale_ok(scale + (size_t)l.param * i, l.param))
-            return COLIBRI_E_BAD_QUANT;
-    /* An f16 bias: ±0 or normal (an f32 bias is any value, as an F32 tensor). */
-    if (l.bias && l.param == 2u) {
-        ck->work += rows;
-        for (uint32_t i = 0; i < rows; i++)
-            if (!half_ok(colibri_rd_u16(p + (size_t)l.bias_at + 2u * (size_t)i)))
-                return COLIBRI_E_BAD_QUANT;
-    }
+    const uint32_t nnz = l->nnz;
     if (nnz == 0)
         return COLIBRI_OK;
 
-    const uint8_t *row_ptr = p + (size_t)l.row_ptr, *col = p + (size_t)l.col, *val = p + (size_t)l.val;
-    const uint8_t w = l.ptr;
+    const uint8_t *row_ptr = p + (size_t)l->row_ptr, *col = p + (size_t)l->col, *val = p + (size_t)l->val;
+    const uint8_t w = l->ptr;
 
     /* The gaps before row_ptr, col and val (each field starts at a multiple
      * of its element size): zero bytes. */
-    const size_t params_end = (size_t)l.bias_at + (l.bias ? (size_t)l.param * rows : 0u);
-    const size_t ptr_end = (size_t)l.row_ptr + (size_t)w * ((size_t)rows + 1u);
-    const size_t col_end = (size_t)l.col + 2u * (size_t)nnz;
-    if (any_set(p + params_end, (size_t)l.row_ptr - params_end) || any_set(p + ptr_end, (size_t)l.col - ptr_end) ||
-        any_set(p + col_end, (size_t)l.val - col_end))
+    const size_t params_end = (size_t)l->bias_at + (l->bias ? (size_t)l->param * rows : 0u);
+    const size_t ptr_end = (size_t)l->row_ptr + (size_t)w * ((size_t)rows + 1u);
+    const size_t col_end = (size_t)l->col + 2u * (size_t)nnz;
+    if (any_set(p + params_end, (size_t)l->row_ptr - params_end) || any_set(p + ptr_end, (size_t)l->col - ptr_end) ||
+        any_set(p + col_end, (size_t)l->val - col_end))
         return COLIBRI_E_BAD_COMPENSATION;
 
     /* row_ptr: 0, non-decreasing, nnz; so every row's range lies in [0, nnz). */
@@ -523,7 +559,7 @@ static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
         for (uint32_t last = 0, first = 1; k < end; k++, first = 0) {
             ck->work++;
             const uint32_t j = colibri_rd_u16(col + 2u * (size_t)k);
-            if (j >= c.cols || (!first && j <= last))
+            if (j >= cols || (!first && j <= last))
                 return COLIBRI_E_BAD_COMPENSATION;
             last = j;
         }
@@ -536,10 +572,93 @@ static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
     return COLIBRI_OK;
 }
 
+/* Pass 2: the Q8_PARAMS companion of I8 tensor t (pass 1 has checked every
+ * record, so the companion's header codes are valid and its payload has
+ * exactly the size they imply): BAD_QUANT for the reference, v1's reserved
+ * word and the scales, then BAD_COMPENSATION for the sparse term E (its
+ * padding bytes included). An f32 bias is any value, as an F32 bias tensor;
+ * an f16 bias ±0 or normal. Not inlined (see NOINLINE above). */
+static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
+{
+    if (t->aux >= ck->h->tensor_count)
+        return COLIBRI_E_BAD_QUANT;
+    colibri_tensor c;
+    read_tensor(ck, t->aux, &c);
+    if (c.dtype != COLIBRI_DTYPE_Q8_PARAMS || c.rows != t->rows || c.cols != t->cols)
+        return COLIBRI_E_BAD_QUANT;
+
+    /* Each scan below visits at most rows * cols + rows + 1 entries, no more
+     * than the I8 tensor's own (non-overlapping) payload holds bytes. */
+    const uint8_t *p = ck->image + c.offset;
+    const uint32_t rows = c.rows;
+    colibri_q8_layout l;
+    (void)colibri_q8_layout_of(p, ck->h->version, rows, &l);
+    if (ck->h->version < 2u && colibri_rd_u32(p + 4) != 0)
+        return COLIBRI_E_BAD_QUANT;
+    /* Offsets fit size_t even on 32-bit targets: all lie within nbytes. */
+    const uint8_t *scale = p + (size_t)l.scale;
+    ck->work += rows;
+    for (uint32_t i = 0; i < rows; i++)
+        if (!scale_ok(scale + (size_t)l.param * i, l.param))
+            return COLIBRI_E_BAD_QUANT;
+    /* An f16 bias: ±0 or normal (an f32 bias is any value, as an F32 tensor). */
+    if (l.bias && l.param == 2u) {
+        ck->work += rows;
+        for (uint32_t i = 0; i < rows; i++)
+            if (!half_ok(colibri_rd_u16(p + (size_t)l.bias_at + 2u * (size_t)i)))
+                return COLIBRI_E_BAD_QUANT;
+    }
+    return check_terms(ck, p, &l, rows, c.cols);
+}
+
+/* Pass 2: the Q4_PARAMS companion of I4 tensor t (its header codes and size
+ * checked in pass 1): BAD_QUANT for the reference (aux, a Q4_PARAMS of the
+ * same rows and cols), the unused high nibble of each row's last byte when
+ * cols is odd, the group scales (±0 or positive normal f16) and the f16 bias
+ * (±0 or normal), then BAD_COMPENSATION for E as in Q8_PARAMS. */
+static NOINLINE colibri_status check_q4(checker *ck, const colibri_tensor *t)
+{
+    if (t->aux >= ck->h->tensor_count)
+        return COLIBRI_E_BAD_QUANT;
+    colibri_tensor c;
+    read_tensor(ck, t->aux, &c);
+    if (c.dtype != COLIBRI_DTYPE_Q4_PARAMS || c.rows != t->rows || c.cols != t->cols)
+        return COLIBRI_E_BAD_QUANT;
+    const uint32_t rows = c.rows;
+    if (t->cols & 1u) {
+        const size_t stride = ((size_t)t->cols + 1u) / 2u;
+        const uint8_t *last = ck->image + t->offset + stride - 1u;
+        ck->work += rows;
+        for (uint32_t i = 0; i < rows; i++)
+            if (last[(size_t)i * stride] & 0xF0u)
+                return COLIBRI_E_BAD_QUANT;
+    }
+    const uint8_t *p = ck->image + c.offset;
+    colibri_q8_layout l;
+    uint64_t groups;
+    (void)colibri_q4_layout_of(p, rows, c.cols, &l, &groups);
+    /* rows * groups scales lie inside the payload (its size was checked). */
+    const size_t n_scales = (size_t)rows * (size_t)groups;
+    ck->work += n_scales;
+    for (size_t i = 0; i < n_scales; i++)
+        if (!scale_ok(p + l.scale + 2u * i, 2u))
+            return COLIBRI_E_BAD_QUANT;
+    if (l.bias) {
+        ck->work += rows;
+        for (uint32_t i = 0; i < rows; i++)
+            if (!half_ok(colibri_rd_u16(p + (size_t)l.bias_at + 2u * (size_t)i)))
+                return COLIBRI_E_BAD_QUANT;
+    }
+    return check_terms(ck, p, &l, rows, c.cols);
+}
+
 /* Bit sets of dtypes a tensor role accepts. */
 #define DT(d) (1u << (d))
 enum {
+    /* Routers, shared gates and embedding tables: no int4 form. */
     WEIGHT_DTYPES = DT(COLIBRI_DTYPE_F32) | DT(COLIBRI_DTYPE_F16) | DT(COLIBRI_DTYPE_I8),
+    /* LINEAR weights, experts' w1/w2/w3 and attention projections. */
+    MATMUL_DTYPES = WEIGHT_DTYPES | DT(COLIBRI_DTYPE_I4),
     F32_ONLY = DT(COLIBRI_DTYPE_F32),
     I32_ONLY = DT(COLIBRI_DTYPE_I32),
 };
@@ -558,16 +677,23 @@ static colibri_status check_ref(checker *c, uint32_t index, ref_need need, unsig
         return COLIBRI_E_BAD_REF;
     colibri_tensor t;
     read_tensor(c, index, &t);
-    /* dtype <= COLIBRI_DTYPE_Q8_PARAMS (pass 1), so the shift is defined. */
+    /* dtype <= COLIBRI_DTYPE_Q4_PARAMS (pass 1), so the shift is defined. */
     if (!(dtypes & DT(t.dtype)) || t.ndim != ndim || t.rows != rows || t.cols != cols)
         return COLIBRI_E_BAD_REF;
     return COLIBRI_OK;
 }
 
-/* A weight matrix [rows, cols]: F32, F16 or I8. */
+/* A weight matrix [rows, cols]: F32, F16 or I8 (a router, shared gate or
+ * embedding table). */
 static colibri_status check_matrix(checker *c, uint32_t index, ref_need need, uint32_t rows, uint32_t cols)
 {
     return check_ref(c, index, need, WEIGHT_DTYPES, 2, rows, cols);
+}
+
+/* A weight a matrix product reads [rows, cols]: F32, F16, I8 or I4. */
+static colibri_status check_matmul(checker *c, uint32_t index, ref_need need, uint32_t rows, uint32_t cols)
+{
+    return check_ref(c, index, need, MATMUL_DTYPES, 2, rows, cols);
 }
 
 /* A bias or norm parameter [n]: F32. */
@@ -582,6 +708,15 @@ static int is_i8(checker *c, uint32_t index)
     colibri_tensor t;
     read_tensor(c, index, &t);
     return t.dtype == COLIBRI_DTYPE_I8;
+}
+
+/* Is tensor `index` (a checked reference) int8 or int4: may it run with
+ * int8 activations (INT8_ACT)? */
+static int is_int(checker *c, uint32_t index)
+{
+    colibri_tensor t;
+    read_tensor(c, index, &t);
+    return t.dtype == COLIBRI_DTYPE_I8 || t.dtype == COLIBRI_DTYPE_I4;
 }
 
 /* Does I8 tensor `index` (checked, its companion too) carry a bias in its
@@ -626,17 +761,17 @@ static colibri_status check_expert(checker *c, uint32_t index, uint32_t d)
 
     const uint32_t hid = e.hidden;
     colibri_status st;
-    if ((st = check_matrix(c, e.w1, REQUIRED, hid, d)) != COLIBRI_OK ||
+    if ((st = check_matmul(c, e.w1, REQUIRED, hid, d)) != COLIBRI_OK ||
         (st = check_vector(c, e.b1, OPTIONAL, hid)) != COLIBRI_OK ||
-        (st = check_matrix(c, e.w2, REQUIRED, d, hid)) != COLIBRI_OK ||
+        (st = check_matmul(c, e.w2, REQUIRED, d, hid)) != COLIBRI_OK ||
         (st = check_vector(c, e.b2, OPTIONAL, d)) != COLIBRI_OK ||
-        (st = check_matrix(c, e.w3, OPTIONAL, hid, d)) != COLIBRI_OK || /* present iff GLU, above */
+        (st = check_matmul(c, e.w3, OPTIONAL, hid, d)) != COLIBRI_OK || /* present iff GLU, above */
         (st = check_vector(c, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
         return st;
 
-    /* INT8_ACT: every weight int8 (the references are valid by now). */
+    /* INT8_ACT: every weight int8 or int4 (the references are valid by now). */
     if (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) {
-        if (!is_i8(c, e.w1) || !is_i8(c, e.w2) || (glu && !is_i8(c, e.w3)))
+        if (!is_int(c, e.w1) || !is_int(c, e.w2) || (glu && !is_int(c, e.w3)))
             return COLIBRI_E_BAD_MOE;
         widen(&c->m->qwidth, d); /* quantised rows: x for w1 (w3), then the hidden for w2 */
         widen(&c->m->qwidth, hid);
@@ -795,13 +930,13 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
 
     const uint32_t d = a.d_model, qw = heads * hd, kvw = kv_heads * hd;
     colibri_status st;
-    if ((st = check_matrix(c, a.q_w, REQUIRED, qw, d)) != COLIBRI_OK ||
+    if ((st = check_matmul(c, a.q_w, REQUIRED, qw, d)) != COLIBRI_OK ||
         (st = check_vector(c, a.q_b, OPTIONAL, qw)) != COLIBRI_OK ||
-        (st = check_matrix(c, a.k_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
+        (st = check_matmul(c, a.k_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
         (st = check_vector(c, a.k_b, OPTIONAL, kvw)) != COLIBRI_OK ||
-        (st = check_matrix(c, a.v_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
+        (st = check_matmul(c, a.v_w, REQUIRED, kvw, d)) != COLIBRI_OK ||
         (st = check_vector(c, a.v_b, OPTIONAL, kvw)) != COLIBRI_OK ||
-        (st = check_matrix(c, a.o_w, REQUIRED, d, qw)) != COLIBRI_OK ||
+        (st = check_matmul(c, a.o_w, REQUIRED, d, qw)) != COLIBRI_OK ||
         (st = check_vector(c, a.o_b, OPTIONAL, d)) != COLIBRI_OK ||
         (st = check_qk_norm(c, a.q_norm, hd, heads)) != COLIBRI_OK ||
         (st = check_qk_norm(c, a.k_norm, hd, kv_heads)) != COLIBRI_OK)
@@ -835,11 +970,11 @@ static const uint8_t op_rules[] = {
 };
 
 /* A layer's own fields, against the current width. The token-model ops
- * exist from format version 4 on: in an older image they are unknown. */
-static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width, uint16_t version)
+ * exist in token models only (colibri_token_model): elsewhere they are unknown. */
+static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width, int token_model)
 {
     unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
-    if ((rules & TOKEN_OP) && version < COLIBRI_LM_VERSION)
+    if ((rules & TOKEN_OP) && !token_model)
         rules = 0;
     if (!(rules & KNOWN) || l->reserved_set || (l->flags & ~COLIBRI_LAYER_FLAG_INT8_ACT) ||
         ((l->flags & COLIBRI_LAYER_FLAG_INT8_ACT) && l->op != COLIBRI_OP_LINEAR) ||
@@ -866,26 +1001,27 @@ static colibri_status check_program(checker *c)
     uint32_t stack[COLIBRI_MAX_RESIDUAL_DEPTH]; /* widths pushed */
     uint32_t depth = 0;
     colibri_status st;
+    const int token = colibri_token_model(h);
 
     m->width = width;
     for (uint32_t i = 0; i < h->layer_count; i++) {
         colibri_layer l;
         c->work++;
         colibri_read_layer(c->image, h, i, &l);
-        if ((st = check_layer_fields(&l, width, h->version)) != COLIBRI_OK)
+        if ((st = check_layer_fields(&l, width, token)) != COLIBRI_OK)
             return st;
-        /* A token model (v4) starts with its EMBED layer, its only one. */
-        if (h->version >= COLIBRI_LM_VERSION && (i == 0) != (l.op == COLIBRI_OP_EMBED))
+        /* A token model starts with its EMBED layer, its only one. */
+        if (token && (i == 0) != (l.op == COLIBRI_OP_EMBED))
             return COLIBRI_E_BAD_LAYER;
 
         const uint32_t in = l.in_features, out = l.out_features;
         switch (l.op) {
         case COLIBRI_OP_LINEAR:
-            if ((st = check_matrix(c, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
+            if ((st = check_matmul(c, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
                 (st = check_vector(c, l.t1, OPTIONAL, out)) != COLIBRI_OK)
                 return st;
             if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) {
-                if (!is_i8(c, l.t0))
+                if (!is_int(c, l.t0))
                     return COLIBRI_E_BAD_LAYER;
                 widen(&m->qwidth, in);
             }
@@ -940,7 +1076,7 @@ static colibri_status check_program(checker *c)
             m->width = width;
     }
     /* A token model attends: without ATTENTION it has no sequence to run over. */
-    if (depth != 0 || (h->version >= COLIBRI_LM_VERSION && m->attn_layers == 0) || width != h->output_size)
+    if (depth != 0 || (token && m->attn_layers == 0) || width != h->output_size)
         return COLIBRI_E_BAD_LAYER;
     return COLIBRI_OK;
 }
@@ -981,15 +1117,18 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         if ((st = check_tensor(p, h, &t, prev_end, i, level)) != COLIBRI_OK)
             break;
         prev_end = (uint64_t)t.offset + t.nbytes;
-        if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8)
+        if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8 ||
+            t.dtype == COLIBRI_DTYPE_I4)
             m->parameters += (uint64_t)t.rows * t.cols;
     }
-    /* Pass 2: every I8 tensor's companion. */
+    /* Pass 2: every I8 and I4 tensor's companion, in index order. */
     for (uint32_t i = 0; st == COLIBRI_OK && i < h->tensor_count; i++) {
         colibri_tensor t;
         read_tensor(&c, i, &t);
         if (t.dtype == COLIBRI_DTYPE_I8)
             st = check_quant(&c, &t);
+        else if (t.dtype == COLIBRI_DTYPE_I4)
+            st = check_q4(&c, &t);
     }
     if (st == COLIBRI_OK)
         st = check_program(&c);

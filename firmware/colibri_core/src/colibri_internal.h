@@ -53,6 +53,14 @@ typedef struct colibri_header {
     int reserved_set;   /* nonzero if any reserved byte is nonzero */
 } colibri_header;
 
+/* A token model (docs/lm.md): every version 4 image, and a version 5 one
+ * whose attention table is not empty (v5 = v4 + int4 weights, for feature
+ * models too, whose attention table is empty). */
+static inline int colibri_token_model(const colibri_header *h)
+{
+    return h->version == COLIBRI_LM_VERSION || (h->version >= COLIBRI_Q4_VERSION && h->attention_count != 0);
+}
+
 typedef struct colibri_tensor {
     uint32_t offset, nbytes, rows, cols;
     uint8_t dtype, ndim;
