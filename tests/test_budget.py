@@ -93,7 +93,7 @@ def test_the_trained_smart_meter_fits_a_tight_board_with_calibration() -> None:
 def test_an_oversized_model_is_refused_with_what_does_not_fit() -> None:
     torch.manual_seed(0)
     big = graph_of(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64)))
-    with pytest.raises(BudgetError, match=r"with every weight at its smallest dtype \(q8; routers f32\) the image needs "
+    with pytest.raises(BudgetError, match=r"with every weight at its smallest dtype \(q4; routers f32, embedding tables q8\) the image needs "
                                           r"about [\d,]+ B, nucleo_h743zi's model slot holds 524,256 B: the model is "
                                           r"[\d,]+ B too large"):
         budget.plan(big, "nucleo_h743zi")

@@ -28,10 +28,10 @@ import numpy as np
 
 from . import engine, image, slots, sources
 from .errors import ColibriError, ExportError
-from .format import PAYLOAD_ALIGN, TENSOR, q8_layout
-from .ir import F16Weight, Graph, Q8Weight, dense
-from .quantize import (DEFAULT_COMPENSATION, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize, quantize_f16,
-                       quantize_q8, router_feeders, weight_slots)
+from .format import PAYLOAD_ALIGN, TENSOR, q4_layout, q4_row_bytes, q8_layout
+from .ir import Embedding, F16Weight, Graph, Q4Weight, Q8Weight, dense
+from .quantize import (DEFAULT_COMPENSATION, Q4_DEFAULT_GROUP, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize,
+                       quantize_f16, quantize_q4, quantize_q8, router_feeders, weight_slots)
 
 
 class BudgetError(ColibriError):
@@ -64,9 +64,14 @@ def _aligned(n: int) -> int:
 
 def stored_bytes(w, moved_bias: np.ndarray | None = None) -> int:
     """Image bytes of one weight matrix as stored: its payload(s) aligned, and the records they take.
-    A q8 matrix's companion holds its bias (compact format): the f32 bias tensor it replaces is
-    counted for the other dtypes through `moved_bias`."""
+    A q8 matrix's companion holds its bias (compact format), a q4 one's where f16 holds it: the f32
+    bias tensor it replaces is counted otherwise, through `moved_bias`."""
     bias = 0 if moved_bias is None else _aligned(4 * moved_bias.size) + TENSOR.size
+    if isinstance(w, Q4Weight):
+        rows, cols = w.shape
+        layout = q4_layout(rows, cols, w.nnz, w.group.bit_length() - 1, w.bias is not None)
+        return (_aligned(rows * q4_row_bytes(cols)) + _aligned(layout["size"]) + 2 * TENSOR.size
+                + (0 if w.bias is not None else bias))
     if isinstance(w, Q8Weight):
         rows = w.q.shape[0]
         layout = q8_layout(2, rows, w.nnz, w.scale.dtype.itemsize, w.bias is not None)
@@ -119,24 +124,28 @@ class Plan:
         return out
 
 
-# The dtypes a plan chooses among, smallest first (q4 joins when the planner builds and sizes it).
-PLANNED = ("q8", "f16", "f32")
+# The dtypes a plan chooses among, smallest first.
+PLANNED = ("q4", "q8", "f16", "f32")
 
 
-def _ladder(name: str, quantize_routers: bool, floor: str | None) -> tuple[str, ...]:
+def _ladder(name: str, quantize_routers: bool, floor: str | None, table: bool) -> tuple[str, ...]:
     """The dtypes a matrix may take, smallest first: routers and shared gates only f32 by default; a
-    matrix feeding a router (`floor`: router_inputs) nothing narrower than that."""
-    if not quantize_routers and _matches(name, ROUTER_PATTERNS):
+    matrix feeding a router (`floor`: router_inputs) nothing narrower than that; no int4 for an
+    embedding table or a router (the format has none, docs/model-format.md)."""
+    router = _matches(name, ROUTER_PATTERNS)
+    if not quantize_routers and router:
         return ("f32",)
-    return PLANNED[PLANNED.index(floor):] if floor else PLANNED
+    ladder = PLANNED[PLANNED.index(floor):] if floor else PLANNED
+    return tuple(d for d in ladder if d != "q4") if table or router else ladder
 
 
 def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = None,
          compensation: float = DEFAULT_COMPENSATION, quantize_routers: bool = False, clip: bool = False,
-         keep: Sequence[str] = (), router_inputs: str | None = None) -> Plan:
+         keep: Sequence[str] = (), router_inputs: str | None = None, group: int = Q4_DEFAULT_GROUP) -> Plan:
     """The dtypes of `graph`'s weight matrices that fit `target` with the least summed error (module
     docstring); raises BudgetError when even the smallest dtypes do not fit. `router_inputs` (f16 or
-    f32): the matrices feeding a router (colibri.quantize.router_feeders) take at least that."""
+    f32): the matrices feeding a router (colibri.quantize.router_feeders) take at least that. `group`:
+    the columns per scale of the q4 matrices."""
     if router_inputs not in (None, "f32", "f16"):
         raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
     feeders = set(router_feeders(graph)) if router_inputs else set()
@@ -158,6 +167,7 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     # One option list per distinct matrix: a tied head is its embedding table (one tensor in the image).
     units: list[tuple[str, list[Choice]]] = []
     seen: set[int] = set()
+    tables = {id(layer.table) for layer in graph.layers if isinstance(layer, Embedding)}
     for name, owner, attr in weight_slots(graph):
         w = getattr(owner, attr)
         if id(w) in seen:
@@ -166,7 +176,8 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
         b_attr = _BIAS_OF.get(attr)
         bias = getattr(owner, b_attr) if b_attr else None
         ladder = ("f32",) if _matches(name, keep) else _ladder(name, quantize_routers,
-                                                                 router_inputs if name in feeders else None)
+                                                                 router_inputs if name in feeders else None,
+                                                                 id(w) in tables)
         options = []
         for dtype in ladder:
             try:
@@ -174,6 +185,8 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
                     stored = w
                 elif dtype == "f16":
                     stored = quantize_f16(w)
+                elif dtype == "q4":
+                    stored = quantize_q4(w, compensation, group=group, bias=bias)
                 else:
                     stored = quantize_q8(w, compensation, bias=bias, compact=True, clip=clip,
                                          importance=moments.get(name))
@@ -187,7 +200,8 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     fixed = len(f32_image) - sum(options[-1].bytes for _, options in units)  # tables, norms, biases of f32 rows
     used = fixed + sum(options[0].bytes for _, options in units)
     if used > b.flash:
-        raise BudgetError(f"with every weight at its smallest dtype ({PLANNED[0]}; routers f32) the image needs about "
+        raise BudgetError(f"with every weight at its smallest dtype ({PLANNED[0]}; routers f32, embedding tables q8) "
+                          f"the image needs about "
                           f"{used:,} B, {b.name}'s model slot holds {b.flash:,} B: the model is "
                           f"{used - b.flash:,} B too large for this board")
     while True:
@@ -210,7 +224,7 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
     while True:
         choices = [options[level[i]] for i, (_, options) in enumerate(units)]
         quantised = quantize(graph, "f32", compensation=compensation, clip=clip, calibration=calibration,
-                             dtypes={c.name: c.dtype for c in choices}, quantize_routers=True)
+                             dtypes={c.name: c.dtype for c in choices}, quantize_routers=True, group=group)
         data = image.write(quantised)
         if len(data) <= b.flash:
             break

@@ -594,7 +594,7 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
               help="Put each expert's tensors on 4 KiB pages of their own, with one CRC per tensor (format v3); "
                    "implied when SOURCE is page-aligned.")
 @click.option("--target", type=click.Choice(sorted(_SLOT_BOARDS)),
-              help="Choose each weight's dtype (f32/f16/q8, routers f32) to fit this board's model slot and runner "
+              help="Choose each weight's dtype (f32/f16/q8/q4, routers f32) to fit this board's model slot and runner "
                    "arena with the least error (weighted by --calibration inputs), and print the plan.")
 @click.option("--quantize-routers", is_flag=True,
               help="Quantise routers and shared-expert gates too (by default they stay f32: a quantised router "
@@ -629,6 +629,8 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
 
     if (dtype is None) == (target is None):
         raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
+    if target is not None and q8:
+        raise click.UsageError("--q8 has no effect with --target (the plan chooses each weight's dtype)")
     if target is not None and int8_act:
         raise click.UsageError("--int8-act has no effect with --target (the plan keeps f32 activations)")
     # Calibration inputs weigh the weights' errors (clip search, E, the plan) only when asked to: a --report
@@ -638,7 +640,8 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         from .budget import plan
 
         chosen = plan(graph, target, calibration=weighting, compensation=compensation,
-                      quantize_routers=quantize_routers, clip=clip, keep=keep, router_inputs=router_inputs)
+                      quantize_routers=quantize_routers, clip=clip, keep=keep, router_inputs=router_inputs,
+                      group=group)
         for line in chosen.lines():
             click.echo(line)
         quantised = chosen.graph
