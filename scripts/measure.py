@@ -369,13 +369,14 @@ def group_budget() -> list[Figure]:
     from colibri import budget, image
 
     p = budget.plan(image.read(evaluate.image_path("f32").read_bytes()), "nucleo_h743zi")
-    count = {d: sum(c.dtype == d for c in p.choices) for d in ("f32", "f16", "q8")}
+    count = {d: sum(c.dtype == d for c in p.choices) for d in budget.PLANNED}
     return [
         fig("budget.tiny_lm.image", len(p.image), "tiny LM planned image bytes for a NUCLEO-H743ZI slot"),
         fig("budget.tiny_lm.slot", p.board.flash, "NUCLEO-H743ZI slot capacity (bytes)"),
         fig("budget.tiny_lm.arena", p.arena, "tiny LM planned arena bytes (64-bit host)"),
         fig("budget.tiny_lm.f16", count["f16"], "weight matrices the plan stores in f16"),
         fig("budget.tiny_lm.q8", count["q8"], "weight matrices the plan stores in q8"),
+        fig("budget.tiny_lm.q4", count["q4"], "weight matrices the plan stores in q4"),
         fig("budget.tiny_lm.f32", count["f32"], "weight matrices the plan keeps f32 (routers)"),
     ]
 
@@ -786,6 +787,9 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"x86-64|AVX-512|32-bit Arm", "names of instruction sets and architectures"),
     (r"RVV 1\.0|VLEN 128( and 256)?|VLEN 256", "the RISC-V vector extension's version and the vector lengths tested"),
     (r"matrix \(256→1024, 8 token rows\)", "design: the edge model's expert w1 shape and the batch group_riscv measures"),
+    (r"4-bit weights|a power of two from 8 to 256", "design: the q4 format (docs/model-format.md, group_log2 3..8)"),
+    (r"groups of 32, E 0\.5%", "design: quantize_q4's defaults (Q4_DEFAULT_GROUP, DEFAULT_COMPENSATION)"),
+    (r"the 3% target issue 14 set|layers q8 with groups of 16", "design: issue 14's meter target and Q4_METER_SETTINGS"),
     (r"1–2 MB of flash", "design: the target class (STM32H7-class parts)"),
     (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quantize.DEFAULT_COMPENSATION"),
     (r"exit status 1", "design: the CLI's failure status"),
