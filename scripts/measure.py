@@ -381,13 +381,23 @@ def group_budget() -> list[Figure]:
     ]
 
 
+def smart_meter_demo():
+    """examples/smart_meter/demo.py by its path: examples/tiny_lm has a demo module too, and the groups run
+    in one process put either folder first on sys.path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smart_meter_demo", ROOT / "examples" / "smart_meter" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def group_smart_meter() -> list[Figure]:
     """`make demo`'s figures: its trained models (cached in build/smart_meter, or trained as the demo does)."""
     import numpy as np
     import torch
 
     import colibri
-    import demo
     import forecaster as FC
     from colibri import quantize as Q
     from colibri.exporter import build_graph
@@ -396,7 +406,7 @@ def group_smart_meter() -> list[Figure]:
     out = ROOT / "build" / "smart_meter"
     out.mkdir(parents=True, exist_ok=True)
     data = FC.dataset()
-    moe, dense = demo.trained_models(out, retrain=False)
+    moe, dense = smart_meter_demo().trained_models(out, retrain=False)
     trained = 0.03  # MAE of a model trained on this CPU (see the module docstring)
     routed = 0.01   # instructions: the trained weights choose the experts each day runs
     with torch.no_grad():
@@ -617,7 +627,6 @@ def group_q4() -> list[Figure]:
     import torch
 
     import colibri
-    import demo
     import forecaster as FC
     import test_quantize as TQ
     from colibri import image
@@ -633,7 +642,7 @@ def group_q4() -> list[Figure]:
     out = ROOT / "build" / "smart_meter"
     out.mkdir(parents=True, exist_ok=True)
     data = FC.dataset()
-    moe, _ = demo.trained_models(out, retrain=False)
+    moe, _ = smart_meter_demo().trained_models(out, retrain=False)
     graph, _ = build_graph(moe, max_batch=7)
     meter = {}
     for name, g in (("f32", graph), ("q4", quantize(graph, "q4")), ("tuned", quantize(graph, "q4", **Q4_METER_SETTINGS))):
