@@ -75,6 +75,33 @@ def _clip_scales(w: np.ndarray, top: np.ndarray, importance: np.ndarray | None, 
     return best
 
 
+def _compensation(w: np.ndarray, residual: np.ndarray, n_e: int, importance: np.ndarray | None,
+                  dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sparse f16 term E (CSR: row_ptr, col, val) of a q8 or q4 matrix: the n_e largest residuals
+    W - Q·S (weighted by the inputs' mean squares `importance` when given), rows then columns in
+    increasing order, entries that round to zero in f16 dropped."""
+    rows, cols = w.shape
+    row_ptr = np.zeros(rows + 1, dtype=np.uint32)
+    col = np.zeros(0, dtype=np.uint16)
+    val = np.zeros(0, dtype=np.float16)
+    if n_e:
+        weight = np.abs(residual) if importance is None else np.abs(residual) * np.sqrt(importance)[None, :]
+        flat = np.argpartition(weight.ravel(), w.size - n_e)[w.size - n_e :]
+        big = np.abs(residual.ravel()[flat]).max(initial=0)
+        if big > F16_MAX:
+            raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for {dtype}: its compensation "
+                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
+        values = residual.ravel()[flat].astype(np.float16)
+        keep = values != 0
+        flat, values = flat[keep], values[keep]
+        order = np.argsort(flat, kind="stable")  # row-major: rows, then columns increasing
+        flat, values = flat[order], values[order]
+        r, c = np.divmod(flat, cols)
+        row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
+        col, val = c.astype(np.uint16), values
+    return row_ptr, col, val
+
+
 def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bias: np.ndarray | None = None,
                 compact: bool = False, clip: bool = False, importance: np.ndarray | None = None) -> Q8Weight:
     """int8 per output channel; E takes the `compensation` share of largest residuals.
@@ -141,24 +168,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
             return quantize_q8(w, compensation, bias=bias, compact=False, clip=clip, importance=importance)
         scale = s16.astype(np.float32)
         residual = w - q.astype(np.float32) * scale[:, None]
-    row_ptr = np.zeros(rows + 1, dtype=np.uint32)
-    col = np.zeros(0, dtype=np.uint16)
-    val = np.zeros(0, dtype=np.float16)
-    if n_e:
-        weight = np.abs(residual) if importance is None else np.abs(residual) * np.sqrt(importance)[None, :]
-        flat = np.argpartition(weight.ravel(), w.size - n_e)[w.size - n_e :]
-        big = np.abs(residual.ravel()[flat]).max(initial=0)
-        if big > F16_MAX:
-            raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q8: its compensation "
-                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
-        values = residual.ravel()[flat].astype(np.float16)
-        keep = values != 0
-        flat, values = flat[keep], values[keep]
-        order = np.argsort(flat, kind="stable")  # row-major: rows, then columns increasing
-        flat, values = flat[order], values[order]
-        r, c = np.divmod(flat, cols)
-        row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
-        col, val = c.astype(np.uint16), values
+    row_ptr, col, val = _compensation(w, residual, n_e, importance, "q8")
     b = None if bias is None else np.asarray(bias, dtype=np.float32)
     if compact:
         return Q8Weight(q=q, scale=scale.astype(np.float16), row_ptr=row_ptr, col=col, val=val,
@@ -239,23 +249,7 @@ def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, gr
     per_col = np.repeat(scale, group, axis=1)[:, :cols]
     residual = w - q.astype(np.float32) * per_col
 
-    row_ptr = np.zeros(rows + 1, dtype=np.uint32)
-    col = np.zeros(0, dtype=np.uint16)
-    val = np.zeros(0, dtype=np.float16)
-    if n_e:
-        flat = np.argpartition(np.abs(residual).ravel(), w.size - n_e)[w.size - n_e :]
-        big = np.abs(residual.ravel()[flat]).max(initial=0)
-        if big > F16_MAX:
-            raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q4: its compensation "
-                              f"value {big:.3g} exceeds the f16 range ({F16_MAX:g})")
-        values = residual.ravel()[flat].astype(np.float16)
-        keep = values != 0
-        flat, values = flat[keep], values[keep]
-        order = np.argsort(flat, kind="stable")  # row-major: rows, then columns increasing
-        flat, values = flat[order], values[order]
-        r, c = np.divmod(flat, cols)
-        row_ptr[1:] = np.cumsum(np.bincount(r, minlength=rows))
-        col, val = c.astype(np.uint16), values
+    row_ptr, col, val = _compensation(w, residual, n_e, None, "q4")
     b16 = None
     if bias is not None:
         b = np.asarray(bias, dtype=np.float32)
