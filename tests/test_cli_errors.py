@@ -143,7 +143,7 @@ def test_quantize_bad_calibration_writes_nothing(work: Path) -> None:
 
 def test_quantize_needs_dtype(work: Path) -> None:
     r = colibri_cmd("quantize", "model.clb", "copy.clb", cwd=work)
-    assert_one_line_error(r, "Missing option '--dtype'. Choose from: f32, f16, q8")
+    assert_one_line_error(r, "give either --dtype or --target (which chooses a dtype per weight)")
     assert not (work / "copy.clb").exists()
 
 

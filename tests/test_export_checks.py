@@ -250,7 +250,8 @@ def test_check_passes_per_dtype(dtype: str, keep: tuple[str, ...]) -> None:
         assert result.max_abs_error > tol  # rounding error, beyond the f32 tolerance: reported, not failed
     if dtype == "f16":
         assert "C engine vs PyTorch (weights rounded to f16)" in whats
-        assert ("C engine vs numpy reference (f16 image with f32 weights kept)" in whats) == bool(keep)
+        # the MoE's router stays f32 (the default), so the image always keeps some f32 weights
+        assert "C engine vs numpy reference (f16 image with f32 weights kept)" in whats
     if dtype == "q8":
         assert whats == ["C engine vs numpy reference (q8 image)"]
 

@@ -167,8 +167,13 @@ def test_flash_image_refuses_a_version_the_firmware_does_not_read(model_file: Pa
 
     from colibri import image
 
-    # relabelled from a version-3 layout (metadata CRC), which every version since keeps
-    data = image.write(image.read(model_file.read_bytes()), version=F.TENSOR_CRC_VERSION)
+    # relabelled from the newest layout (v5: a feature model with int4 weights), so a reader of the
+    # next version reads it as this one would
+    from colibri.exporter import export
+
+    torch.manual_seed(0)
+    data = export(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                  dtype="q4", group=8).image
     newer = with_version(data, F.MAX_READ_VERSION + 1)
     with pytest.raises(ImageError) as exc:  # newer than the engine packaged with this colibri
         flash_image(newer, tmp_path / "a")

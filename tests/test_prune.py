@@ -80,7 +80,10 @@ def test_export_check_after_pruning_uses_the_unaffected_tokens(routing: str, dty
     if routing == "dense":  # every token uses every expert: nothing to compare with PyTorch
         assert [c.what for c in result.checks] == [f"C engine vs numpy reference ({dtype} image)"]
     else:
-        used = [int(t.split(" of ")[0].split(" on ")[-1]) for t in (c.what for c in result.checks)]
+        # the PyTorch comparisons name the tokens they used (an f16 image also holds its f32 router to
+        # the reference, over every token)
+        used = [int(t.split(" of ")[0].split(" on ")[-1]) for t in (c.what for c in result.checks) if "PyTorch" in t]
+        assert used
         assert all(0 < n < 64 for n in used), [c.what for c in result.checks]
     assert result.max_abs_error > 1e-3  # the affected tokens changed: reported, not checked
 

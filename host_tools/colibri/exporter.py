@@ -482,7 +482,8 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
         ref16, engine16 = got_ref, engine
         if kept_f32:
             checks.append(compare("C engine vs numpy reference (f16 image with f32 weights kept)", engine, got_ref))
-            all16 = image.write(quantize.quantize(f32_graph, "f16", int8_act=int8_act))
+            # Every matrix in f16, routers too, as _f16_rounded rounds every Linear.
+            all16 = image.write(quantize.quantize(f32_graph, "f16", int8_act=int8_act, quantize_routers=True))
             ref16, engine16 = reference.run(all16, flat), _engine_output(all16, flat)
         checks.append(compare(f"numpy reference vs PyTorch (weights rounded to f16){some}", ref16[rows],
                               rounded_want))
