@@ -100,3 +100,22 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
     assert data[4] == F.Q4_VERSION
     image.read(data)
     colibri.validate(data)
+
+
+@pytest.mark.parametrize("compensation", [0.0, 0.05])
+def test_a_read_q8_weight_dequantises_as_written(compensation: float) -> None:
+    """The reader gives the quantiser's weights back, E or none: row pointers [rows + 1] even without E,
+    so dense() (the report, the planner, the hook's views) works on a read image."""
+    import numpy as np
+
+    from colibri.ir import dense
+    from colibri.quantize import weight_slots
+
+    torch.manual_seed(0)
+    result = export(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4)),
+                    dtype="q8", compensation=compensation)
+    read = image.read(result.image)
+    for (name, owner, attr), (_, wrote, _) in zip(weight_slots(read), weight_slots(result.graph)):
+        w = getattr(owner, attr)
+        assert w.row_ptr.shape == (w.q.shape[0] + 1,), name
+        np.testing.assert_array_equal(dense(w), dense(getattr(wrote, attr)), err_msg=name)

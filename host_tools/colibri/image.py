@@ -887,7 +887,9 @@ def _compensation(buf: memoryview, off: int, at: dict[str, int], i: int, rows: i
     nonzero padding, row pointers not 0 .. nnz non-decreasing, columns out of range or not increasing
     within a row, non-finite values."""
     empty = np.zeros(0, dtype="<u2")
-    row_ptr = np.frombuffer(buf, dtype=f"<u{width}", count=rows + 1, offset=off + at["row_ptr"]) if nnz else np.zeros(0, "<u4")
+    # No E: all-zero row pointers [rows + 1], as the quantiser makes them (ir.Q8Weight's contract).
+    row_ptr = (np.frombuffer(buf, dtype=f"<u{width}", count=rows + 1, offset=off + at["row_ptr"]) if nnz
+               else np.zeros(rows + 1, "<u4"))
     col = np.frombuffer(buf, dtype="<u2", count=nnz, offset=off + at["col"]) if nnz else empty
     val = np.frombuffer(buf, dtype="<f2", count=nnz, offset=off + at["val"]) if nnz else empty.view("<f2")
     if nnz:
