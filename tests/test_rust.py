@@ -163,6 +163,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (13): none
-    # filtered out or missing.
-    assert passed >= 23, result.stdout
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook and the
+    # image layouts it reads (14): none filtered out or missing.
+    assert passed >= 24, result.stdout

@@ -765,3 +765,19 @@ pub(crate) unsafe fn expert_call<'c>(
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::nibble;
+
+    /// Every byte's two nibbles read as the two's-complement int4 the format stores: the low one
+    /// for even columns.
+    #[test]
+    fn nibbles_are_signed_int4() {
+        for byte in 0..=255u8 {
+            let int4 = |n: u8| if n >= 8 { n as i8 - 16 } else { n as i8 };
+            assert_eq!(nibble(&[0, byte], 2), int4(byte & 0xF), "{byte:#04x}");
+            assert_eq!(nibble(&[0, byte], 3), int4(byte >> 4), "{byte:#04x}");
+        }
+    }
+}
