@@ -105,7 +105,17 @@ RECORD_FIELDS = {
                                        "expert_count", "expert_table_offset"]),
     "tensor": (colibri.format.TENSOR, ["offset", "nbytes", "rows", "cols", "dtype", "ndim", "reserved", "aux"]),
     "expert": (colibri.format.EXPERT, ["kind", "activation", "flags", "hidden", "w1", "b1", "w2", "b2", "w3", "b3"]),
+    "q4_params": (colibri.format.Q4_PARAMS_FIELDS, ["nnz", "group_log2", "flags", "reserved"]),
 }
+
+# (rows, cols, nnz, group_log2, bias) of the Q4_PARAMS payloads whose layout the Rust view must place as
+# format.q4_layout does: odd and even columns, partial last groups, each row pointer width, with and
+# without the bias and E.
+Q4_LAYOUTS = [(rows, cols, nnz, g, bias)
+              for rows, cols in [(1, 1), (3, 10), (40, 24), (7, 257)]
+              for nnz in [0, 1, 255, 256, 65535, 65536]
+              for g in [3, 5, 8]
+              for bias in [False, True]]
 
 
 def _field_offsets(record: struct.Struct) -> list[int]:
@@ -127,6 +137,13 @@ def _write_layout(out: Path) -> None:
         assert len(offsets) == len(fields), name
         lines += [f"{name} {field} {offset}" for field, offset in zip(fields, offsets)]
     (out / "layout.txt").write_text("\n".join(lines) + "\n")
+    # q4_layout.txt: rows cols nnz group_log2 bias(0/1) scale bias row_ptr col val size (-1: no such field).
+    q4 = []
+    for rows, cols, nnz, g, bias in Q4_LAYOUTS:
+        at = colibri.format.q4_layout(rows, cols, nnz, g, bias)
+        fields = [at.get(f, -1) for f in ("scale", "bias", "row_ptr", "col", "val", "size")]
+        q4.append(" ".join(map(str, [rows, cols, nnz, g, int(bias), *fields])))
+    (out / "q4_layout.txt").write_text("\n".join(q4) + "\n")
 
 
 def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
@@ -146,6 +163,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook (13): none
-    # filtered out or missing.
-    assert passed >= 23, result.stdout
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook and the
+    # image layouts it reads (14): none filtered out or missing.
+    assert passed >= 24, result.stdout

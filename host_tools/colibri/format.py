@@ -75,6 +75,7 @@ Q8_PARAMS_HEADER = 8  # v1: u32 nnz, u32 reserved; v2: u32 nnz, u8 param dtype, 
 
 
 Q4_PARAMS_HEADER = 8  # u32 nnz, u8 group_log2, u8 flags, u16 reserved
+Q4_PARAMS_FIELDS = struct.Struct("<IBBH")  # the header: nnz, group_log2, flags, reserved
 Q4_GROUP_LOG2_MIN = 3  # groups of 8 .. 256 columns share one f16 scale
 Q4_GROUP_LOG2_MAX = 8
 

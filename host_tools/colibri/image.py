@@ -115,7 +115,7 @@ def q4_params_payload(w: Q4Weight) -> bytes:
     at = F.q4_layout(rows, cols, w.nnz, g_log2, w.bias is not None)
     buf = bytearray(at["size"])
     flags = F.Q4Flag.BIAS if w.bias is not None else 0
-    buf[0:8] = struct.pack("<IBBH", w.nnz, g_log2, int(flags), 0)
+    buf[0:F.Q4_PARAMS_HEADER] = F.Q4_PARAMS_FIELDS.pack(w.nnz, g_log2, int(flags), 0)
     fields = [("scale", w.scale.astype("<f2"))]
     if w.bias is not None:
         fields.append(("bias", w.bias.astype("<f2")))
@@ -843,7 +843,7 @@ def _q8(buf: memoryview, t_recs: list[tuple], i: int, q: np.ndarray, work: Work,
 
 def _q4_header(buf: memoryview, off: int) -> tuple[int, int, bool, bool]:
     """(nnz, group_log2, BIAS, header codes valid) of the Q4_PARAMS payload at off."""
-    nnz, g_log2, flags, reserved = struct.unpack_from("<IBBH", buf, off)
+    nnz, g_log2, flags, reserved = F.Q4_PARAMS_FIELDS.unpack_from(buf, off)
     ok = F.Q4_GROUP_LOG2_MIN <= g_log2 <= F.Q4_GROUP_LOG2_MAX and not flags & ~int(F.Q4Flag.BIAS) and not reserved
     return nnz, g_log2, bool(flags & F.Q4Flag.BIAS), ok
 

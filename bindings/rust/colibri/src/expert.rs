@@ -34,8 +34,11 @@ pub mod layout {
     pub const EXPERT_W1: usize = 8;
     pub const EXPERT_W2: usize = 16;
     pub const EXPERT_W3: usize = 24;
+    pub const Q4_PARAMS_NNZ: usize = 0;
+    pub const Q4_PARAMS_GROUP_LOG2: usize = 4;
+    pub const Q4_PARAMS_FLAGS: usize = 5;
     /// (record, field, offset) of every constant above, for the drift test.
-    pub const ALL: [(&str, &str, usize); 15] = [
+    pub const ALL: [(&str, &str, usize); 18] = [
         ("header", "version", HEADER_VERSION),
         ("header", "tensor_count", HEADER_TENSOR_COUNT),
         ("header", "tensor_table_offset", HEADER_TENSOR_TABLE_OFFSET),
@@ -51,7 +54,49 @@ pub mod layout {
         ("expert", "w1", EXPERT_W1),
         ("expert", "w2", EXPERT_W2),
         ("expert", "w3", EXPERT_W3),
+        ("q4_params", "nnz", Q4_PARAMS_NNZ),
+        ("q4_params", "group_log2", Q4_PARAMS_GROUP_LOG2),
+        ("q4_params", "flags", Q4_PARAMS_FLAGS),
     ];
+
+    /// Byte offsets of the fields of a `Q4_PARAMS` payload (format.py's
+    /// `q4_layout`): f16 scales `[rows · G]` after the 8-byte header, the f16
+    /// bias `[rows]` with `BIAS`, then, with `nnz > 0`, E exactly as a
+    /// version-2 `Q8_PARAMS` lays it out.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Q4Payload {
+        pub scale: usize,
+        pub bias: Option<usize>,
+        /// (row_ptr, row pointer width in bytes, col, val), with nnz > 0 only.
+        pub compensation: Option<(usize, usize, usize, usize)>,
+        pub size: usize,
+    }
+
+    /// Scales per row: `G = ceil(cols / 2^group_log2)`.
+    pub fn q4_groups(cols: usize, group_log2: u32) -> usize {
+        cols.div_ceil(1 << group_log2)
+    }
+
+    /// The layout of a `Q4_PARAMS` payload; `None` if a size overflows.
+    pub fn q4_payload(rows: usize, cols: usize, nnz: usize, group_log2: u32, bias: bool) -> Option<Q4Payload> {
+        let scale = crate::sys::COLIBRI_Q4_PARAMS_HEADER as usize;
+        let mut pos = scale.checked_add(rows.checked_mul(q4_groups(cols, group_log2))?.checked_mul(2)?)?;
+        let bias = if bias {
+            let at = pos;
+            pos = pos.checked_add(rows.checked_mul(2)?)?;
+            Some(at)
+        } else {
+            None
+        };
+        let compensation = if nnz == 0 {
+            None
+        } else {
+            let (at, end) = super::compensation_layout(pos, rows, nnz, 2)?;
+            pos = end;
+            Some(at)
+        };
+        Some(Q4Payload { scale, bias, compensation, size: pos })
+    }
 }
 use layout::*;
 
@@ -159,7 +204,20 @@ impl RowPtr<'_> {
     }
 }
 
-/// The sparse f16 compensation term E of an int8 matrix (CSR by rows).
+/// Where the CSR arrays of E start, the first at or after `pos`: the row
+/// pointers (`rows + 1` of them, 4 bytes wide in version 1, else the narrowest
+/// of 1/2/4 that holds `nnz`), the u16 columns and the f16 values, each at a
+/// multiple of its element size (a version-1 `Q8_PARAMS` puts the values at a
+/// multiple of 4). Returns ((row_ptr, width, col, val), end).
+fn compensation_layout(pos: usize, rows: usize, nnz: usize, version: u32) -> Option<((usize, usize, usize, usize), usize)> {
+    let width = if version < 2 || nnz > 0xFFFF { 4 } else if nnz > 0xFF { 2 } else { 1 };
+    let row_ptr = pos.checked_next_multiple_of(width)?;
+    let col = row_ptr.checked_add(width.checked_mul(rows.checked_add(1)?)?)?.checked_next_multiple_of(2)?;
+    let val = col.checked_add(nnz.checked_mul(2)?)?.checked_next_multiple_of(if version < 2 { 4 } else { 2 })?;
+    Some(((row_ptr, width, col, val), val.checked_add(nnz.checked_mul(2)?)?))
+}
+
+/// The sparse f16 compensation term E of an int8 or int4 matrix (CSR by rows).
 #[derive(Clone, Copy, Debug)]
 pub struct Compensation<'c> {
     row_ptr: RowPtr<'c>,
@@ -168,6 +226,18 @@ pub struct Compensation<'c> {
 }
 
 impl<'c> Compensation<'c> {
+    /// E of a `rows`-row matrix with `nnz` entries in `params`, its arrays
+    /// where [`compensation_layout`] put them.
+    fn parse(params: &'c [u8], (ptr, width, col, val): (usize, usize, usize, usize), rows: usize, nnz: usize)
+        -> Option<Compensation<'c>> {
+        let row_ptr = match width {
+            1 => RowPtr::U8(view(params, ptr, rows + 1)?),
+            2 => RowPtr::U16(view(params, ptr, rows + 1)?),
+            _ => RowPtr::U32(view(params, ptr, rows + 1)?),
+        };
+        Some(Compensation { row_ptr, col: view(params, col, nnz)?, value: view(params, val, nnz)? })
+    }
+
     /// Row `i`'s entries as (column, value), in storage order.
     pub fn row(&self, i: usize) -> impl Iterator<Item = (usize, f32)> + 'c {
         let (start, end) = (self.row_ptr.get(i), self.row_ptr.get(i + 1));
@@ -230,23 +300,104 @@ impl Q8Matrix<'_> {
         } else {
             None
         };
-        let compensation = if nnz == 0 {
-            None
-        } else {
-            let width = if version < 2 || nnz > 0xFFFF { 4 } else if nnz > 0xFF { 2 } else { 1 };
-            pos = pos.next_multiple_of(width);
-            let row_ptr = match width {
-                1 => RowPtr::U8(view(params, pos, rows + 1)?),
-                2 => RowPtr::U16(view(params, pos, rows + 1)?),
-                _ => RowPtr::U32(view(params, pos, rows + 1)?),
-            };
-            pos = (pos + width * (rows + 1)).next_multiple_of(2);
-            let col = view(params, pos, nnz)?;
-            pos = (pos + 2 * nnz).next_multiple_of(if version < 2 { 4 } else { 2 });
-            let value = view(params, pos, nnz)?;
-            Some(Compensation { row_ptr, col, value })
-        };
+        let compensation = if nnz == 0 { None } else { Some(Compensation::parse(params, compensation_layout(pos, rows, nnz, version)?.0, rows, nnz)?) };
         Some(Q8Matrix { q, scale, bias, compensation })
+    }
+}
+
+/// Column `c` of a packed int4 row, sign-extended: the nibble is moved into
+/// the high half of an i8 and shifted back arithmetically.
+fn nibble(row: &[u8], c: usize) -> i8 {
+    (((row[c >> 1] >> ((c & 1) * 4)) << 4) as i8) >> 4
+}
+
+/// An int4 matrix with its `Q4_PARAMS` companion (docs/model-format.md
+/// "Quantised weights: I4 with Q4_PARAMS"): `W ≈ Q·S + E`, each row's columns
+/// in groups of `2^group_log2` sharing one f16 scale, so for f32 activations
+/// `y_o = Σ_g s_(o,g) · Σ_(c∈g) Q_oc x_c + Σ_(c,e)∈E_o e·x_c + bias_o`.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4Matrix<'c> {
+    pub rows: usize,
+    pub cols: usize,
+    /// `rows · ceil(cols/2)` bytes, row-major: column c of a row in byte
+    /// `c >> 1`, the low nibble for even c; a nibble is a signed int4 (−8..7).
+    pub packed: &'c [u8],
+    /// 3..=8: `1 << group_log2` columns share a scale.
+    pub group_log2: u32,
+    /// f16 bits `[rows · groups()]`, row o's scales contiguous.
+    pub scale: &'c [u16],
+    /// The f16 bias carried by the companion, if any; the expert's own bias
+    /// (`b1`, `b2`, `b3`) is separate and also added.
+    pub bias: Option<Params<'c>>,
+    pub compensation: Option<Compensation<'c>>,
+}
+
+impl<'c> Q4Matrix<'c> {
+    /// Scales per row, `ceil(cols / group)`.
+    pub fn groups(&self) -> usize {
+        q4_groups(self.cols, self.group_log2)
+    }
+
+    /// Row `i`'s packed bytes, `ceil(cols/2)` of them.
+    pub fn packed_row(&self, i: usize) -> &'c [u8] {
+        let stride = self.cols.div_ceil(2);
+        &self.packed[i * stride..(i + 1) * stride]
+    }
+
+    /// The int4 value of column `c` in row `i`.
+    pub fn q(&self, i: usize, c: usize) -> i8 {
+        nibble(self.packed_row(i), c)
+    }
+
+    /// The scale of group `g` of row `i`, widened exactly.
+    pub fn scale(&self, i: usize, g: usize) -> f32 {
+        f16_to_f32(self.scale[i * self.groups() + g])
+    }
+
+    /// Row `i` of `Q·S + E` in f32 (its length must be `cols`): the
+    /// dequantised weights, for a device that computes in floating point.
+    /// Each `q·s` is exact in f32 (a 4-bit integer times an f16).
+    pub fn dequantise_row(&self, i: usize, out: &mut [f32]) {
+        let row = self.packed_row(i);
+        let group = 1usize << self.group_log2;
+        let scales = &self.scale[i * self.groups()..(i + 1) * self.groups()];
+        for (g, (chunk, &s)) in out[..self.cols].chunks_mut(group).zip(scales).enumerate() {
+            let s = f16_to_f32(s);
+            for (k, o) in chunk.iter_mut().enumerate() {
+                *o = nibble(row, g * group + k) as f32 * s;
+            }
+        }
+        if let Some(e) = &self.compensation {
+            for (j, v) in e.row(i) {
+                out[j] += v;
+            }
+        }
+    }
+
+    /// Parses the companion payload `params` of the packed int4 matrix
+    /// `packed` of `rows × cols`. `None` if the header's codes are outside
+    /// the format's or a field does not fit the payload.
+    fn parse(rows: usize, cols: usize, packed: &'c [u8], params: &'c [u8]) -> Option<Q4Matrix<'c>> {
+        let nnz = u32_at(params, Q4_PARAMS_NNZ)? as usize;
+        let group_log2 = *params.get(Q4_PARAMS_GROUP_LOG2)? as u32;
+        let flags = *params.get(Q4_PARAMS_FLAGS)? as u32;
+        if !(sys::COLIBRI_Q4_GROUP_LOG2_MIN..=sys::COLIBRI_Q4_GROUP_LOG2_MAX).contains(&group_log2)
+            || flags & !sys::COLIBRI_Q4_FLAG_BIAS != 0
+            || packed.len() != rows.checked_mul(cols.div_ceil(2))?
+        {
+            return None;
+        }
+        let at = q4_payload(rows, cols, nnz, group_log2, flags & sys::COLIBRI_Q4_FLAG_BIAS != 0)?;
+        let scale = view(params, at.scale, rows.checked_mul(q4_groups(cols, group_log2))?)?;
+        let bias = match at.bias {
+            Some(b) => Some(Params::F16(view(params, b, rows)?)),
+            None => None,
+        };
+        let compensation = match at.compensation {
+            Some(arrays) => Some(Compensation::parse(params, arrays, rows, nnz)?),
+            None => None,
+        };
+        Some(Q4Matrix { rows, cols, packed, group_log2, scale, bias, compensation })
     }
 }
 
@@ -257,6 +408,7 @@ pub enum Weight<'c> {
     /// f16 bits; see [`f16_to_f32`].
     F16(Matrix<'c, u16>),
     I8(Q8Matrix<'c>),
+    I4(Q4Matrix<'c>),
 }
 
 impl Weight<'_> {
@@ -265,6 +417,7 @@ impl Weight<'_> {
             Weight::F32(m) => m.rows,
             Weight::F16(m) => m.rows,
             Weight::I8(m) => m.q.rows,
+            Weight::I4(m) => m.rows,
         }
     }
 
@@ -273,6 +426,7 @@ impl Weight<'_> {
             Weight::F32(m) => m.cols,
             Weight::F16(m) => m.cols,
             Weight::I8(m) => m.q.cols,
+            Weight::I4(m) => m.cols,
         }
     }
 
@@ -287,13 +441,14 @@ impl Weight<'_> {
                 }
             }
             Weight::I8(m) => m.dequantise_row(i, out),
+            Weight::I4(m) => m.dequantise_row(i, out),
         }
     }
 
-    /// The bias this weight carries itself (an int8 companion's), for row `i`.
+    /// The bias this weight carries itself (an int8 or int4 companion's), for row `i`.
     pub fn own_bias(&self, i: usize) -> Option<f32> {
         match self {
-            Weight::I8(Q8Matrix { bias: Some(b), .. }) => Some(b.get(i)),
+            Weight::I8(Q8Matrix { bias: Some(b), .. }) | Weight::I4(Q4Matrix { bias: Some(b), .. }) => Some(b.get(i)),
             _ => None,
         }
     }
@@ -357,7 +512,7 @@ impl ExpertOutcome {
 /// One expert over a ring of tokens, offered to the hook: for `i < rows()`,
 /// `y[y_row(i)] += gate(i) · expert(x[x_row(i)])`, where
 /// `expert(v) = act(v W1ᵀ + b1) (⊙ (v W3ᵀ + b3) if GLU) W2ᵀ + b2`
-/// (an int8 weight adds its companion's bias too: [`Weight::own_bias`]).
+/// (an int8 or int4 weight adds its companion's bias too: [`Weight::own_bias`]).
 ///
 /// `x` and `y` are the engine's rows in place (the layer input, the layer
 /// output or a worker's staging rows), the weights the image's payloads in
@@ -483,6 +638,22 @@ unsafe fn opt_slice<'c, T>(p: *const T, len: usize) -> Option<&'c [T]> {
     (!p.is_null()).then(|| unsafe { slice::from_raw_parts(p, len) })
 }
 
+/// The payload of the companion that the tensor record at byte `rec` names
+/// in its `aux`, which must be of `dtype`.
+fn companion(image: &[u8], rec: usize, dtype: u32) -> Option<&[u8]> {
+    let table = u32_at(image, HEADER_TENSOR_TABLE_OFFSET)? as usize;
+    let aux = u32_at(image, rec + TENSOR_AUX)?;
+    if aux >= u32_at(image, HEADER_TENSOR_COUNT)? {
+        return None;
+    }
+    let prec = table + aux as usize * sys::COLIBRI_TENSOR_SIZE as usize;
+    if *image.get(prec + TENSOR_DTYPE)? as u32 != dtype {
+        return None;
+    }
+    let (poff, plen) = (u32_at(image, prec + TENSOR_OFFSET)? as usize, u32_at(image, prec + TENSOR_NBYTES)? as usize);
+    image.get(poff..poff.checked_add(plen)?)
+}
+
 /// The image's tensor record `index` as a weight of `rows × cols`, whose
 /// payload must be at `ptr`.
 fn weight<'c>(image: &'c [u8], version: u32, index: u32, ptr: *const core::ffi::c_void) -> Option<Weight<'c>> {
@@ -505,13 +676,12 @@ fn weight<'c>(image: &'c [u8], version: u32, index: u32, ptr: *const core::ffi::
         sys::COLIBRI_DTYPE_F16 => Weight::F16(Matrix { rows, cols, data: view(payload, 0, n)? }),
         sys::COLIBRI_DTYPE_I8 => {
             let q = Matrix { rows, cols, data: view(payload, 0, n)? };
-            let aux = u32_at(image, rec + TENSOR_AUX)?;
-            if aux >= count {
-                return None;
-            }
-            let prec = table + aux as usize * sys::COLIBRI_TENSOR_SIZE as usize;
-            let (poff, plen) = (u32_at(image, prec + TENSOR_OFFSET)? as usize, u32_at(image, prec + TENSOR_NBYTES)? as usize);
-            Weight::I8(Q8Matrix::parse(q, image.get(poff..poff.checked_add(plen)?)?, version)?)
+            let params = companion(image, rec, sys::COLIBRI_DTYPE_Q8_PARAMS)?;
+            Weight::I8(Q8Matrix::parse(q, params, version)?)
+        }
+        sys::COLIBRI_DTYPE_I4 => {
+            let params = companion(image, rec, sys::COLIBRI_DTYPE_Q4_PARAMS)?;
+            Weight::I4(Q4Matrix::parse(rows, cols, payload, params)?)
         }
         _ => return None,
     })
@@ -593,5 +763,21 @@ pub(crate) unsafe fn expert_call<'c>(
             y: if y_len == 0 { &mut [] } else { slice::from_raw_parts_mut(call.y, y_len) },
             y_rows,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nibble;
+
+    /// Every byte's two nibbles read as the two's-complement int4 the format stores: the low one
+    /// for even columns.
+    #[test]
+    fn nibbles_are_signed_int4() {
+        for byte in 0..=255u8 {
+            let int4 = |n: u8| if n >= 8 { n as i8 - 16 } else { n as i8 };
+            assert_eq!(nibble(&[0, byte], 2), int4(byte & 0xF), "{byte:#04x}");
+            assert_eq!(nibble(&[0, byte], 3), int4(byte >> 4), "{byte:#04x}");
+        }
     }
 }

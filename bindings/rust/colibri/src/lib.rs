@@ -35,7 +35,7 @@ mod expert;
 pub use exec::{Exec, ExpertFn, Parallel, ParallelFor, Route, RouteFn, Serial, SharedExpertFn};
 pub use expert::layout;
 pub use expert::{
-    f16_to_f32, Activation, Compensation, ExpertCall, ExpertKind, ExpertOutcome, Matrix, Params, Q8Matrix, Weight,
+    f16_to_f32, Activation, Compensation, ExpertCall, ExpertKind, ExpertOutcome, Matrix, Params, Q4Matrix, Q8Matrix, Weight,
 };
 
 /// A failed call: every negative `colibri_status` of `colibri_format.h`.

@@ -389,7 +389,7 @@ fn a_thread_pool_runs_the_hook_on_its_workers() {
 #[test]
 fn weights_are_typed_by_the_images_dtype() {
     for case in hook_cases() {
-        let want = if case.name.contains("f16") { "f16" } else if case.name.contains("q8") { "q8" } else { "f32" };
+        let want = ["f16", "q8", "q4"].into_iter().find(|d| case.name.contains(d)).unwrap_or("f32");
         let image = case.image();
         let span = image.as_ptr_range();
         with_model(&case, 1, |model| {
@@ -400,6 +400,7 @@ fn weights_are_typed_by_the_images_dtype() {
                         Weight::F32(m) => ("f32", m.data.as_ptr().cast::<u8>()),
                         Weight::F16(m) => ("f16", m.data.as_ptr().cast()),
                         Weight::I8(m) => ("q8", m.q.data.as_ptr().cast()),
+                        Weight::I4(m) => ("q4", m.packed.as_ptr()),
                     };
                     assert!(span.contains(&start), "weights in place in the image");
                     kinds.insert(kind);
@@ -518,4 +519,27 @@ fn image_layout_matches_format_py() {
     for (record, field, offset) in colibri::layout::ALL {
         assert_eq!(python.get(&(record.to_string(), field.to_string())), Some(&offset), "{record}.{field}");
     }
+}
+
+/// The Rust view places a Q4_PARAMS payload's fields where format.py's q4_layout does
+/// (q4_layout.txt: rows cols nnz group_log2 bias, then scale bias row_ptr col val size, -1 for none).
+#[test]
+fn q4_payload_layout_matches_format_py() {
+    let text = std::fs::read_to_string(fixtures().join("q4_layout.txt")).unwrap();
+    let mut checked = 0;
+    for line in text.lines() {
+        let f: Vec<i64> = line.split_whitespace().map(|v| v.parse().unwrap()).collect();
+        let [rows, cols, nnz, g, bias] = [f[0], f[1], f[2], f[3], f[4]].map(|v| v as usize);
+        let at = colibri::layout::q4_payload(rows, cols, nnz, g as u32, bias == 1).unwrap();
+        let opt = |v: Option<usize>| v.map_or(-1, |v| v as i64);
+        let e = at.compensation;
+        let got = [at.scale as i64, opt(at.bias), opt(e.map(|e| e.0)), opt(e.map(|e| e.2)), opt(e.map(|e| e.3)),
+                   at.size as i64];
+        assert_eq!(got[..], f[5..], "{line}");
+        if let Some((_, width, _, _)) = e {
+            assert_eq!(width, if nnz > 0xFFFF { 4 } else if nnz > 0xFF { 2 } else { 1 }, "{line}");
+        }
+        checked += 1;
+    }
+    assert!(checked >= 100, "q4_layout.txt: only {checked} layouts");
 }
