@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
+.PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
         libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
@@ -73,6 +73,15 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 test: setup
 	$(MAKE) -j$(NPROC) --output-sync=target c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2 --durations=25
+
+# What a developer runs after each change: the host engine, the format, export and
+# quantisation, the reference, the CLI and the bindings on the host, in a few minutes. It leaves out the
+# tests pyproject.toml marks as slow or needing QEMU, a cross toolchain, a sanitizer build, MicroPython,
+# cargo, PlatformIO or upstream trees; `make test` runs those too.
+CHECK_MARKERS := not slow and not qemu and not cross and not sanitizer and not micropython and not rust \
+                 and not platformio and not upstream
+check: setup
+	.venv/bin/pytest -n 2 -q -m "$(CHECK_MARKERS)" --durations=15
 
 # Fuzzing (fuzz/README.md): the engine, the runner's frame handler and the
 # C-vs-Python validator comparison, each for a stated number of executions.

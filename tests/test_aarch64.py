@@ -17,61 +17,24 @@ fallbacks) and `-cpu max` (SDOT and fp16), each asserting which kernels colibri_
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import colibri
-from colibri import nn as cnn
-from colibri.exporter import export
-from conftest import ROOT, build_c_tests
 
-SYSROOT = "/usr/aarch64-linux-gnu"
+from helpers.build import build_c_tests
+from helpers.qemu_user import BATCH, E2E_RTOL, corpus_images, qemu_aarch64, same_bits
+
+pytestmark = [pytest.mark.qemu, pytest.mark.cross]
+
 CPUS = {"cortex-a72": "aarch64 neon", "max": "aarch64 neon+dotprod"}
-BATCH = 9  # blocks of 4 tokens plus a tail, and expert rings of 1..9 tokens
-
-# NEON vs reference over a whole model: |opt - ref| <= E2E_RTOL * (1 + |ref|) elementwise.
-# The kernels' own bound is the dot-product reordering error (about in · 2^-24 relative to
-# Σ|w·x|); through a few layers, norms and the gate it stays below 1e-6 on these models.
-E2E_RTOL = 2e-5
-
-
-def qemu(cpu: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["qemu-aarch64", "-cpu", cpu, "-L", SYSROOT, *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def aarch64_drivers() -> Path:
     return build_c_tests("aarch64")
-
-
-def _model(routing: str, index: int) -> torch.nn.Module:
-    torch.manual_seed(100 + index)
-    acts = cnn.ACTIVATIONS
-    d_in, d, out = 37, 53, 19
-    moe = cnn.MoE(d, 5, 67, top_k=2 if routing != "top1" else 1, routing=routing,
-                  renormalize=routing == "softmax_topk" and index % 2 == 0,
-                  activation=acts[index % len(acts)], gated=index % 2 == 1,
-                  num_shared=index % 3 == 0 and 1 or 0, shared_hidden=21,
-                  shared_gate=index % 3 == 0 and index % 2 == 0)
-    layers = [torch.nn.Linear(d_in, d), torch.nn.LayerNorm(d), moe,
-              cnn.make_activation(acts[(index + 3) % len(acts)]), torch.nn.RMSNorm(d), torch.nn.Linear(d, out)]
-    return torch.nn.Sequential(*layers).eval()
-
-
-def _images() -> list[tuple[str, bytes]]:
-    images = [(p.stem, p.read_bytes()) for p in sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))]
-    variants = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
-                ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2.experts.*", "layers.5"]})]
-    for i, routing in enumerate(cnn.ROUTINGS):
-        for j, (name, kw) in enumerate(variants):
-            model = _model(routing, i * len(variants) + j)
-            images.append((f"gen-{routing}-{name}", bytes(export(model, None, max_batch=BATCH, **kw).image)))
-    return images
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +43,7 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     folder = tmp_path_factory.mktemp("aarch64-corpus")
     rng = np.random.default_rng(10)
     expected = {}
-    for k, (name, img) in enumerate(_images()):
+    for k, (name, img) in enumerate(corpus_images()):
         host = colibri.Model(img, reference_kernels=True)
         batch = min(BATCH, host.max_batch)
         x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
@@ -95,7 +58,7 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_neon_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
-    r = qemu(cpu, str(aarch64_drivers / "colibri_kernel_test"), CPUS[cpu])
+    r = qemu_aarch64(cpu, str(aarch64_drivers / "colibri_kernel_test"), CPUS[cpu])
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"kernels: {CPUS[cpu]}" in r.stdout
     assert " 0 failures" in r.stdout
@@ -105,16 +68,10 @@ def test_neon_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
 def test_neon_q4_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
     """tests/c/colibri_q4_test.c under qemu-aarch64: the I4 reference kernels against the format's
     definition, the NEON ones against the reference (int8 activations bit for bit)."""
-    r = qemu(cpu, str(aarch64_drivers / "colibri_q4_test"), CPUS[cpu])
+    r = qemu_aarch64(cpu, str(aarch64_drivers / "colibri_q4_test"), CPUS[cpu])
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"kernels: {CPUS[cpu]}" in r.stdout
     assert f"{CPUS[cpu]} vs reference: f32-act" in r.stdout and " 0 failures" in r.stdout, r.stdout
-
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal bit for bit, NaN matching NaN (x86-64 and AArch64 make different default NaNs)."""
-    nan = np.isnan(a)
-    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -124,14 +81,14 @@ def test_neon_end_to_end(aarch64_drivers: Path, corpus, tmp_path: Path, cpu: str
         if f.suffix in (".clb", ".in"):
             shutil.copy(f, tmp_path / f.name)
     paths = [str(tmp_path / f"{name}.clb") for name in expected]
-    r = qemu(cpu, str(aarch64_drivers / "colibri_kernels_e2e"), CPUS[cpu], *paths)
+    r = qemu_aarch64(cpu, str(aarch64_drivers / "colibri_kernels_e2e"), CPUS[cpu], *paths)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(f"kernels {CPUS[cpu]}") == len(paths)
     worst = 0.0
     for name, want in expected.items():
         ref = np.fromfile(tmp_path / f"{name}.clb.ref.out", dtype=np.float32).reshape(want.shape)
         opt = np.fromfile(tmp_path / f"{name}.clb.opt.out", dtype=np.float32).reshape(want.shape)
-        assert _same_bits(ref, want), f"{name}: aarch64 reference kernels differ from the x86-64 host's"
+        assert same_bits(ref, want), f"{name}: aarch64 reference kernels differ from the x86-64 host's"
         assert np.array_equal(np.isnan(opt), np.isnan(ref)), f"{name}: NaN where the reference has none (or v.v.)"
         fin = np.isfinite(ref)
         assert np.array_equal(opt[~fin & ~np.isnan(ref)], ref[~fin & ~np.isnan(ref)]), f"{name}: ±inf differs"

@@ -23,34 +23,13 @@ from colibri import reference
 from colibri.exporter import export
 from colibri.ir import F16Weight, Q4Weight, Q8Weight, dense
 
-from conftest import build_c_tests
-
-BATCH = 12
-# |hook - engine| <= TOLERANCE · (1 + max |engine output|), per model. The numpy device sums in
-# another order than the engine's kernels (and widens f16 / dequantises int8 once, up front), so
-# only f32 rounding separates them. Measured (-s prints it): 1.3e-8 for each dtype, optimised and
-# reference kernels alike, i.e. one rounding of an output of 0.17; the bound leaves ~80x of margin.
-TOLERANCE = 1e-6
-
-
-def _net() -> torch.nn.Module:
-    torch.manual_seed(13)
-    return torch.nn.Sequential(
-        torch.nn.Linear(10, 24),
-        cnn.MoE(24, 5, 40, top_k=2, routing="topk_softmax", activation="silu", gated=True,
-                num_shared=1, shared_hidden=16, shared_gate=True),
-        cnn.MoE(24, 4, 20, top_k=1, routing="top1", activation="gelu"),
-        torch.nn.Linear(24, 6)).eval()
-
-
-# q8-int8act: the first MoE's routed experts (torch's layers.1) compute with int8 activations, which the numpy device declines.
-DTYPES = {"f32": {}, "f16": {"dtype": "f16"}, "q8": {"dtype": "q8"},
-          "q8-int8act": {"dtype": "q8", "int8_act": ["layers.1.experts.*"]}, "q4": {"dtype": "q4", "group": 8}}
+from helpers.build import build_c_tests
+from helpers.hook_models import BATCH, DTYPES, TOLERANCE, hook_net
 
 
 @pytest.fixture(scope="module", params=list(DTYPES))
 def model(request) -> tuple[str, colibri.Model]:
-    image = bytes(export(_net(), None, max_batch=BATCH, **DTYPES[request.param]).image)
+    image = bytes(export(hook_net(), None, max_batch=BATCH, **DTYPES[request.param]).image)
     return request.param, colibri.Model(image)
 
 
@@ -127,7 +106,7 @@ def test_numpy_device_matches_the_engine(model, x) -> None:
 
 
 def test_reference_kernels_match_the_numpy_device(x) -> None:
-    m = colibri.Model(bytes(export(_net(), None, max_batch=BATCH).image), reference_kernels=True)
+    m = colibri.Model(bytes(export(hook_net(), None, max_batch=BATCH).image), reference_kernels=True)
     err = _within(m.forward(x, expert=numpy_device), m.forward(x))
     print(f"f32 reference kernels vs numpy device: {err:.3g}")
     assert err <= TOLERANCE
@@ -215,7 +194,7 @@ def test_a_failing_expert_stops_the_pass(model, x) -> None:
 
 
 def test_bad_hooks() -> None:
-    m = colibri.Model(bytes(export(_net(), None, max_batch=BATCH).image))
+    m = colibri.Model(bytes(export(hook_net(), None, max_batch=BATCH).image))
     with pytest.raises(TypeError, match="expert must be callable"):
         m.forward(np.zeros((1, 10), np.float32), expert=3)
 
@@ -226,7 +205,7 @@ def hook_images(tmp_path_factory) -> list:
     paths = []
     for name, kw in DTYPES.items():
         paths.append(tmp_path / f"{name}.clb")
-        export(_net(), paths[-1], max_batch=BATCH, **kw)
+        export(hook_net(), paths[-1], max_batch=BATCH, **kw)
     torch.manual_seed(3)  # MLP experts, every activation the exporter writes, no shared expert
     for act in cnn.ACTIVATIONS:
         paths.append(tmp_path / f"mlp-{act}.clb")
@@ -250,6 +229,7 @@ def test_second_thread_device_in_c(c_drivers, hook_images) -> None:
     print(r.stdout.splitlines()[-1])
 
 
+@pytest.mark.sanitizer
 def test_second_thread_device_under_threadsanitizer(hook_images) -> None:
     """The device thread, the pool's workers and the engine share the rows only through the hook's
     handshake: ThreadSanitizer finds no race."""
@@ -264,7 +244,7 @@ def test_a_mapped_model_file(tmp_path, x) -> None:
     """A model mapped from its file (weights verified on first use through on_route) offers the mapping's
     payloads to the hook in the same way."""
     path = tmp_path / "m.clb"
-    export(_net(), path, max_batch=BATCH, dtype="f16")
+    export(hook_net(), path, max_batch=BATCH, dtype="f16")
     m = colibri.Model(path)
     assert m.file is not None
     assert _within(m.forward(x, expert=numpy_device), m.forward(x)) <= TOLERANCE

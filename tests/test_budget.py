@@ -19,7 +19,7 @@ from colibri.budget import Board, BudgetError
 from colibri.ir import F16Weight, Q8Weight
 from colibri.quantize import quantize, weight_slots
 
-from conftest import ROOT
+from helpers.build import ROOT
 from test_quantize import graph_of, inputs
 
 sys.path[:0] = [str(ROOT / "examples" / "tiny_lm"), str(ROOT / "examples" / "smart_meter")]

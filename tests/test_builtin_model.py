@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import pytest
 
 import colibri
 from colibri.device import Device
@@ -11,10 +12,12 @@ from colibri.exporter import export
 from colibri.pack import c_array
 from colibri.qemu import Qemu
 
-from conftest import ROOT, make
+from helpers.build import ROOT, make
 
 sys.path.insert(0, str(ROOT / "examples" / "smart_meter"))
 import forecaster as F  # noqa: E402
+
+pytestmark = [pytest.mark.qemu, pytest.mark.cross]
 
 
 def test_linked_in_model_answers_like_the_host(tmp_path) -> None:

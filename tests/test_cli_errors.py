@@ -23,7 +23,7 @@ from colibri import cli as colibri_cli
 from colibri import nn as cnn
 from colibri.exporter import export
 
-from conftest import ROOT, make
+from helpers.build import ROOT, make
 
 COLIBRI = str(Path(sys.executable).parent / "colibri")
 RUNNER_ELF = ROOT / "firmware" / "runner" / "build" / "mps2_an500" / "runner.elf"
@@ -264,6 +264,8 @@ def runner_elf() -> Path:
     return build_runner()
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 def test_hil_with_firmware_for_another_board_reports_qemu_reason(work: Path) -> None:
     r = make("-C", str(ROOT / "firmware" / "runner"), "BOARD=nucleo_h743zi")  # the real board's runner
     assert r.returncode == 0, r.stdout + r.stderr
@@ -284,6 +286,7 @@ def test_firmware_that_is_no_arm_elf_is_refused(work: Path, command: str, firmwa
     assert time.monotonic() - start < 60  # refused up front, not after the 10 s serial timeout
 
 
+@pytest.mark.qemu
 def test_qemu_reports_why_it_stopped(no_qemu_left_behind) -> None:
     from colibri.device import Device
     from colibri.qemu import Qemu, QemuError
@@ -313,6 +316,8 @@ BLOCK_PYTEST = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 def test_cli_does_not_need_pytest(work: Path, runner_elf: Path) -> None:
     def no_pytest(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", BLOCK_PYTEST, *args], capture_output=True, text=True,
@@ -338,6 +343,8 @@ def test_fixtures_and_options(request, colibri_target):
 '''
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 @pytest.mark.parametrize("spelling", ["entry point", "-p", "pytest_plugins"])
 def test_plugin_loads_under_every_spelling(tmp_path: Path, spelling: str) -> None:
     (tmp_path / "test_plugin_use.py").write_text(PLUGIN_TEST)

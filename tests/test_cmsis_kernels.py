@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, make
+from helpers.build import ROOT, make
+
+pytestmark = [pytest.mark.qemu, pytest.mark.cross]
 
 CM7 = ROOT / "tests" / "c" / "cm7"
 

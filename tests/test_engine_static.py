@@ -12,7 +12,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from conftest import CORE, make
+from helpers.build import CORE, make
 
 HEAP = {"malloc", "calloc", "realloc", "free", "aligned_alloc", "posix_memalign", "_sbrk", "sbrk"}
 WRITABLE = (".data", ".bss", ".sdata", ".sbss", ".tbss", ".tdata")
@@ -34,7 +34,8 @@ def _build(variant: str) -> list[Path]:
     return objs
 
 
-@pytest.mark.parametrize("variant", ["host", "cm7", "aarch64", "riscv64", "riscv64gc"])
+@pytest.mark.parametrize("variant", ["host", *(pytest.param(v, marks=pytest.mark.cross)
+                                               for v in ("cm7", "aarch64", "riscv64", "riscv64gc"))])
 def test_warning_free_build_without_heap_or_writable_data(variant: str) -> None:
     if variant == "cm7" and not shutil.which("arm-none-eabi-gcc"):
         pytest.fail("arm-none-eabi-gcc missing: run scripts/setup.sh")
@@ -84,6 +85,7 @@ def _runner(board: str) -> Path:
     return RUNNER / "build" / board / "runner.elf"
 
 
+@pytest.mark.cross
 @pytest.mark.parametrize("board", BOARD_STATICS)
 def test_linked_runner_has_no_errno_and_no_foreign_writable_data(board: str) -> None:
     """The README's "no mutable globals" for the firmware as linked: the engine's math never reaches
@@ -104,6 +106,7 @@ def test_linked_runner_has_no_errno_and_no_foreign_writable_data(board: str) -> 
     assert RUNNER_STATICS <= set(writable), "the runner's statics were not found: is the symbol table stripped?"
 
 
+@pytest.mark.cross
 @pytest.mark.parametrize("board", BOARD_STATICS)
 def test_linked_runner_fuses_only_in_the_cmsis_kernels(board: str) -> None:
     """-ffp-contract=off reaches every object of the firmware: no VFMA/VFMS anywhere but in the functions
@@ -130,6 +133,7 @@ def test_linked_runner_fuses_only_in_the_cmsis_kernels(board: str) -> None:
     assert where <= cmsis_functions, f"{board}: fused multiply-adds outside the cmsis kernels: {where - cmsis_functions}"
 
 
+@pytest.mark.cross
 def test_gnu11_without_the_contract_would_fuse() -> None:
     """Why the flag is needed: the same kernels built as -std=gnu11 (PlatformIO, MicroPython ports)
     without -ffp-contract=off contain fused multiply-adds on the Cortex-M7; with it, none."""

@@ -14,7 +14,7 @@ import torch
 from colibri import nn as cnn
 from colibri.exporter import export
 
-from conftest import ROOT, build_c_tests
+from helpers.build import ROOT, build_c_tests
 
 BATCH = 16
 VARIANTS = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
@@ -60,6 +60,7 @@ def test_forward_ex_matches_forward(c_drivers: Path, images: list[Path]) -> None
     assert f"exec ok: {len(images)} images" in r.stdout
 
 
+@pytest.mark.sanitizer
 def test_pool_under_threadsanitizer(images: list[Path]) -> None:
     drivers = build_c_tests("tsan")
     r = subprocess.run([str(drivers / "colibri_exec_test"), *map(str, images)], capture_output=True, text=True,
@@ -68,6 +69,8 @@ def test_pool_under_threadsanitizer(images: list[Path]) -> None:
     assert "ThreadSanitizer" not in r.stderr
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 @pytest.mark.skipif(shutil.which("qemu-aarch64") is None or shutil.which("aarch64-linux-gnu-gcc") is None,
                     reason="needs qemu-user and gcc-aarch64-linux-gnu (scripts/setup.sh)")
 def test_forward_ex_matches_forward_on_aarch64(images: list[Path]) -> None:

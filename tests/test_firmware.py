@@ -14,7 +14,9 @@ from elftools.elf.elffile import ELFFile
 from colibri import nn as cnn
 from colibri.exporter import export
 
-from conftest import ROOT, make
+from helpers.build import ROOT, make
+
+pytestmark = pytest.mark.cross
 
 RUNNER = ROOT / "firmware" / "runner"
 COLIBRI = str(Path(sys.executable).parent / "colibri")
@@ -68,6 +70,7 @@ def model_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.qemu
 def test_colibri_hil_prints_error_work_and_footprint(model_file: Path) -> None:
     runs = []
     for _ in range(2):
@@ -81,6 +84,7 @@ def test_colibri_hil_prints_error_work_and_footprint(model_file: Path) -> None:
     assert "target kernels: cmsis" in r.stdout  # the runner's default on the Cortex-M7
 
 
+@pytest.mark.qemu
 def test_colibri_hil_reference_kernels_bit_for_bit(model_file: Path) -> None:
     """--reference-kernels: the target runs the reference kernels and must equal the host's bit for bit."""
     r = subprocess.run([COLIBRI, "hil", "--reference-kernels", str(model_file)], capture_output=True, text=True,
@@ -98,6 +102,7 @@ def test_colibri_footprint(model_file: Path) -> None:
     assert re.search(r"stack high-water [\d,]+ B", r.stdout)
 
 
+@pytest.mark.qemu
 def test_runner_reports_and_enforces_format_versions(model_file: Path, no_qemu_left_behind) -> None:
     """HELLO says which image format versions the runner's engine reads; an image of a newer version
     is refused over serial with the engine's UNSUPPORTED_VERSION, a corrupt version field with

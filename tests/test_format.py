@@ -15,7 +15,7 @@ from colibri.exporter import export
 
 from colibri.quantize import quantize
 
-from conftest import CORE
+from helpers.build import CORE
 
 import lmmodels
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import colibri
-from conftest import ROOT
+from helpers.build import ROOT
 
 FREERTOS = ROOT / "examples" / "freertos"
 KERNELS = [Path(p).resolve() for p in os.environ.get("FREERTOS_KERNEL_PATH", "").split(os.pathsep) if p.strip()]
@@ -152,6 +152,8 @@ def kernel_id(kernel: Path) -> str:
     return kernel.name
 
 
+@pytest.mark.upstream
+@pytest.mark.cross
 @needs_kernel
 @pytest.mark.skipif(ARM_GCC is None, reason="arm-none-eabi-gcc is not installed (scripts/setup.sh installs it)")
 @pytest.mark.parametrize("kernel", KERNELS, ids=kernel_id)
@@ -219,6 +221,9 @@ def run_qemu(elf: Path, tmp: Path, timeout: float = 300) -> tuple[int, str, str]
     return proc.returncode, serial.read_text(errors="replace"), err
 
 
+@pytest.mark.upstream
+@pytest.mark.cross
+@pytest.mark.qemu
 @needs_kernel
 @pytest.mark.skipif(ARM_GCC is None or QEMU is None, reason="needs arm-none-eabi-gcc and qemu-system-arm "
                                                          "(scripts/setup.sh installs them)")

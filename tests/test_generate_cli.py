@@ -21,7 +21,7 @@ from colibri import image, reference
 from colibri import tokenizer as tok
 
 import lmmodels
-from conftest import ROOT
+from helpers.build import ROOT
 
 VOCAB = 300  # the byte ids plus room for a BPE tokenizer's merges
 MAX_SEQ_LEN = 40

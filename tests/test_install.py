@@ -19,6 +19,8 @@ import pytest
 import colibri
 from colibri import sources
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 NAME = "colibri_moe-0.1.0"

@@ -20,7 +20,7 @@ import colibri
 from colibri import nn as cnn
 from colibri.exporter import export
 
-from conftest import CORE, ROOT, make
+from helpers.build import CORE, ROOT, make
 
 EXAMPLE = ROOT / "examples" / "libcolibri"
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -48,7 +48,7 @@ def build_example(variant: str) -> Path:
     return EXAMPLE / "build" / variant
 
 
-@pytest.mark.parametrize("variant", ["host", pytest.param("aarch64", marks=NEEDS_AARCH64)])
+@pytest.mark.parametrize("variant", ["host", pytest.param("aarch64", marks=[NEEDS_AARCH64, pytest.mark.cross])])
 def test_only_the_public_api_is_exported(variant: str) -> None:
     build_example(variant)
     lib = CORE / "build" / variant / f"libcolibri.so.{version()}"
@@ -133,6 +133,8 @@ def test_dlopen_example_runs_a_model(model, tmp_path: Path) -> None:
     assert one.tobytes() == two.tobytes()  # the thread pool: the same bits
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 @NEEDS_AARCH64
 def test_dlopen_example_on_aarch64(model, tmp_path: Path) -> None:
     image, inp, expected = model

@@ -27,7 +27,7 @@ from colibri import format as F
 from colibri import nn as cnn
 from colibri.exporter import export, write_atomically
 
-from conftest import ROOT, make
+from helpers.build import ROOT, make
 
 EXAMPLE = ROOT / "examples" / "linux_edge"
 MAX_LINE = 1 << 20  # colibri_edge.c
@@ -289,6 +289,8 @@ def test_requests_streaming_across_reloads_get_whole_answers_in_order(service, i
     svc.stop()
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 @NEEDS_AARCH64
 def test_aarch64_build_answers_over_stdin_under_qemu(images, tmp_path: Path) -> None:
     b = build("aarch64")

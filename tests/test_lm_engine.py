@@ -15,8 +15,8 @@ from colibri.errors import ImageError, InputError
 from colibri.format import DType, Status
 
 import lmmodels
-from test_lm_format import BAD_RECORDS, _attention_offset, _patched
-from test_robustness import check
+from helpers.lm_records import BAD_RECORDS, attention_offset, patched
+from helpers.c_drivers import check
 
 # max|engine - reference| <= TOL · (1 + max|reference|) at every position. The reference kernels sum
 # as the numpy reference does but for RoPE's angles (the engine's own log/exp/cos/sin, docs/lm.md)
@@ -219,9 +219,9 @@ def test_info_and_kv_cache_bytes() -> None:
 
 def test_validator_agrees_with_the_python_reader(lm_data: bytes) -> None:
     assert colibri._engine.validate(lm_data) == 0 == image.status(lm_data)
-    off = _attention_offset(lm_data)
+    off = attention_offset(lm_data)
     for what, at, fmt, value in BAD_RECORDS:
-        bad = _patched(lm_data, off + at, fmt, value)
+        bad = patched(lm_data, off + at, fmt, value)
         assert colibri._engine.validate(bad) == image.status(bad) == Status.BAD_ATTENTION, what
     # Every single-byte change of the metadata: the same status from both readers.
     meta = struct.unpack_from("<I", lm_data, 64)[0]

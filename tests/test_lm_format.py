@@ -2,7 +2,6 @@
 every status the reader gives a broken attention table, EMBED layer or header."""
 from __future__ import annotations
 
-import math
 import struct
 
 import numpy as np
@@ -16,6 +15,7 @@ from colibri.format import DType, Op, Status
 from colibri.ir import Attention, Embedding, Graph, Linear, Q8Weight
 
 import lmmodels
+from helpers.lm_records import BAD_RECORDS, attention_offset, patched
 
 
 def _arrays_equal(a, b) -> bool:
@@ -84,17 +84,6 @@ def _layer_records(data: bytes) -> list[tuple]:
     return [F.LAYER.unpack_from(data, h[12] + i * F.LAYER.size) for i in range(h[11])]
 
 
-def _attention_offset(data: bytes, j: int = 0) -> int:
-    return F.V4_FIELDS.unpack_from(data, F.V4_FIELDS_OFFSET)[1] + j * F.ATTENTION.size
-
-
-def _patched(data: bytes, offset: int, fmt: str, *values) -> bytes:
-    buf = bytearray(data)
-    struct.pack_into(fmt, buf, offset, *values)
-    image.set_crc(buf)  # metadata only: the payload CRCs still hold
-    return bytes(buf)
-
-
 def _status(data: bytes) -> Status:
     with pytest.raises(ImageError) as exc:
         image.read(data)
@@ -112,73 +101,48 @@ def _layer_field(data: bytes, index: int, field: int) -> int:
     return _header(data)[12] + index * F.LAYER.size + at
 
 
-# (what, offset within the attention record, struct format, value)
-BAD_RECORDS = [
-    ("d_model", 0, "<I", 15),
-    ("no heads", 4, "<H", 0),
-    ("no kv heads", 6, "<H", 0),
-    ("kv heads do not divide heads", 6, "<H", 3),
-    ("odd head_dim", 8, "<I", 5),
-    ("zero head_dim", 8, "<I", 0),
-    ("q_w missing", 12, "<I", F.NONE),
-    ("q_w out of range", 12, "<I", 10**6),
-    ("q_w names a bias", 12, "<I", 1),
-    ("k_w names q_w (wrong shape)", 20, "<I", 0),
-    ("o_b names a matrix", 40, "<I", 0),
-    ("q_norm of the wrong size", 44, "<I", 1),
-    ("rope_theta zero", 52, "<f", 0.0),
-    ("rope_theta negative", 52, "<f", -1.0),
-    ("rope_theta inf", 52, "<f", math.inf),
-    ("rope_theta NaN", 52, "<f", math.nan),
-    ("qk_norm_eps zero with norms", 56, "<f", 0.0),
-    ("qk_norm_eps NaN", 56, "<f", math.nan),
-    ("max_seq_len zero", 60, "<I", 0),
-    ("kv_dtype I8", 64, "<B", int(DType.I8)),
-    ("kv_dtype zero", 64, "<B", 0),
-    ("reserved byte", 79, "<B", 1),
-]
 
 
 @pytest.mark.parametrize("what,at,fmt,value", BAD_RECORDS, ids=[b[0] for b in BAD_RECORDS])
 def test_bad_attention_fields(lm_image: bytes, what: str, at: int, fmt: str, value) -> None:
-    assert _status(_patched(lm_image, _attention_offset(lm_image) + at, fmt, value)) == Status.BAD_ATTENTION
+    assert _status(patched(lm_image, attention_offset(lm_image) + at, fmt, value)) == Status.BAD_ATTENTION
 
 
 def test_max_seq_len_differs_between_records(lm_image: bytes) -> None:
-    assert _status(_patched(lm_image, _attention_offset(lm_image, 1) + 60, "<I", 25)) == Status.BAD_ATTENTION
+    assert _status(patched(lm_image, attention_offset(lm_image, 1) + 60, "<I", 25)) == Status.BAD_ATTENTION
 
 
 def test_eps_without_norms() -> None:
     data = image.write(lmmodels.token_model(6))
-    assert _status(_patched(data, _attention_offset(data) + 56, "<f", 1e-6)) == Status.BAD_ATTENTION
+    assert _status(patched(data, attention_offset(data) + 56, "<f", 1e-6)) == Status.BAD_ATTENTION
 
 
 def test_attention_table_bounds(lm_image: bytes) -> None:
     meta = F.V3_FIELDS.unpack_from(lm_image, F.V3_FIELDS_OFFSET)[0]
-    assert _status(_patched(lm_image, 76, "<I", _attention_offset(lm_image) + 2)) == Status.TABLE_BOUNDS
-    assert _status(_patched(lm_image, 76, "<I", meta - F.ATTENTION.size + 4)) == Status.TABLE_BOUNDS
-    assert _status(_patched(lm_image, 72, "<I", 10**6)) == Status.TABLE_BOUNDS
+    assert _status(patched(lm_image, 76, "<I", attention_offset(lm_image) + 2)) == Status.TABLE_BOUNDS
+    assert _status(patched(lm_image, 76, "<I", meta - F.ATTENTION.size + 4)) == Status.TABLE_BOUNDS
+    assert _status(patched(lm_image, 72, "<I", 10**6)) == Status.TABLE_BOUNDS
 
 
 def test_attention_layer_references(lm_image: bytes) -> None:
     attention_layers = [i for i, rec in enumerate(_layer_records(lm_image)) if rec[0] == Op.ATTENTION]
     second = attention_layers[1]
-    assert _status(_patched(lm_image, _layer_field(lm_image, second, 5), "<I", 2)) == Status.BAD_REF
-    assert _status(_patched(lm_image, _layer_field(lm_image, second, 5), "<I", 0)) == Status.BAD_REF  # record reused
-    assert _status(_patched(lm_image, _layer_field(lm_image, second, 6), "<I", 0)) == Status.BAD_LAYER  # t1 set
-    assert _status(_patched(lm_image, _layer_field(lm_image, second, 7), "<f", 1e-5)) == Status.BAD_LAYER  # eps set
-    assert _status(_patched(lm_image, _layer_field(lm_image, second, 4), "<I", 17)) == Status.BAD_LAYER  # out != in
+    assert _status(patched(lm_image, _layer_field(lm_image, second, 5), "<I", 2)) == Status.BAD_REF
+    assert _status(patched(lm_image, _layer_field(lm_image, second, 5), "<I", 0)) == Status.BAD_REF  # record reused
+    assert _status(patched(lm_image, _layer_field(lm_image, second, 6), "<I", 0)) == Status.BAD_LAYER  # t1 set
+    assert _status(patched(lm_image, _layer_field(lm_image, second, 7), "<f", 1e-5)) == Status.BAD_LAYER  # eps set
+    assert _status(patched(lm_image, _layer_field(lm_image, second, 4), "<I", 17)) == Status.BAD_LAYER  # out != in
 
 
 def test_embed_layer_rules(lm_image: bytes) -> None:
     # EMBED only as layer 0, and layer 0 always EMBED
-    assert _status(_patched(lm_image, _layer_field(lm_image, 1, 0), "<B", int(Op.EMBED))) == Status.BAD_LAYER
-    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 0), "<B", int(Op.LINEAR))) == Status.BAD_LAYER
+    assert _status(patched(lm_image, _layer_field(lm_image, 1, 0), "<B", int(Op.EMBED))) == Status.BAD_LAYER
+    assert _status(patched(lm_image, _layer_field(lm_image, 0, 0), "<B", int(Op.LINEAR))) == Status.BAD_LAYER
     # the table's shape is [vocab, d_model]
-    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 4), "<I", 15)) in (Status.BAD_REF, Status.BAD_LAYER)
-    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 5), "<I", 1)) == Status.BAD_REF
-    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 6), "<I", 0)) == Status.BAD_LAYER  # t1
-    assert _status(_patched(lm_image, _layer_field(lm_image, 0, 2), "<H", 1)) == Status.BAD_LAYER  # INT8_ACT
+    assert _status(patched(lm_image, _layer_field(lm_image, 0, 4), "<I", 15)) in (Status.BAD_REF, Status.BAD_LAYER)
+    assert _status(patched(lm_image, _layer_field(lm_image, 0, 5), "<I", 1)) == Status.BAD_REF
+    assert _status(patched(lm_image, _layer_field(lm_image, 0, 6), "<I", 0)) == Status.BAD_LAYER  # t1
+    assert _status(patched(lm_image, _layer_field(lm_image, 0, 2), "<H", 1)) == Status.BAD_LAYER  # INT8_ACT
 
 
 def test_embed_table_q8_without_bias() -> None:
@@ -188,11 +152,11 @@ def test_embed_table_q8_without_bias() -> None:
 
 
 def test_token_model_header(lm_image: bytes) -> None:
-    assert _status(_patched(lm_image, 24, "<I", 41)) == Status.BAD_HEADER  # output_size != input_size
+    assert _status(patched(lm_image, 24, "<I", 41)) == Status.BAD_HEADER  # output_size != input_size
     # a newer format than this reader: UNSUPPORTED_VERSION
-    assert _status(_patched(lm_image, 4, "<H", F.MAX_READ_VERSION + 1)) == Status.UNSUPPORTED_VERSION
+    assert _status(patched(lm_image, 4, "<H", F.MAX_READ_VERSION + 1)) == Status.UNSUPPORTED_VERSION
     # version 5 (int4 weights) keeps v4's header: a token model relabelled v5 is still one
-    relabelled = _patched(lm_image, 4, "<H", F.Q4_VERSION)
+    relabelled = patched(lm_image, 4, "<H", F.Q4_VERSION)
     assert image.read(relabelled).is_token_model and colibri.validate(relabelled) is None
 
 
@@ -200,7 +164,7 @@ def test_token_ops_need_version_4() -> None:
     feature = image.write(Graph(layers=[Linear(np.eye(3, dtype=np.float32)), Linear(np.eye(3, dtype=np.float32))],
                                 input_size=3, output_size=3), version=3)
     for op in (Op.EMBED, Op.ATTENTION):
-        assert _status(_patched(feature, _layer_field(feature, 1, 0), "<B", int(op))) == Status.BAD_LAYER
+        assert _status(patched(feature, _layer_field(feature, 1, 0), "<B", int(op))) == Status.BAD_LAYER
 
 
 def test_token_model_needs_attention() -> None:
@@ -211,5 +175,5 @@ def test_token_model_needs_attention() -> None:
 
 def test_statuses_match_image_status(lm_image: bytes) -> None:
     assert image.status(lm_image) == 0
-    bad = _patched(lm_image, _attention_offset(lm_image) + 52, "<f", 0.0)
+    bad = patched(lm_image, attention_offset(lm_image) + 52, "<f", 0.0)
     assert image.status(bad) == int(Status.BAD_ATTENTION)

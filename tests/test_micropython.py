@@ -36,9 +36,11 @@ import colibri
 from colibri import nn as cnn
 from colibri.engine import arena_size
 from colibri.format import STATUS_TEXT, Status
-from conftest import ROOT
+from helpers.build import ROOT
 from nonfinite_inputs import nonfinite_rows
 from test_natmod import MICROPYTHON, build_mpy, shared_build_dir
+
+pytestmark = pytest.mark.micropython
 
 # COLIBRI_MICROPYTHON_BUILTIN=1: the interpreter has `colibri` compiled in as a user C module (it then
 # shadows the .mpy on MICROPYPATH), built with the host's default kernels (x86-64: the AVX backend, as
@@ -719,6 +721,7 @@ MICROPYTHON_CFLAGS = ["-std=gnu99", "-Wall", "-Werror", "-Wextra", "-Wno-unused-
                       "-Wdouble-promotion", "-Wfloat-conversion", "-Os"]
 
 
+@pytest.mark.cross
 def test_micropython_mk_lists_the_engine(tmp_path: Path) -> None:
     """Without a MicroPython checkout, include micropython.mk the way py/py.mk does and check what it adds:
     the binding, every engine source, and include flags under which the engine builds with the ports' flags."""

@@ -20,6 +20,8 @@ from colibri.format import STATUS_TEXT, Status
 from test_lm_engine import CONFIGS, _graph
 from test_micropython import BUILTIN, after, assert_same_bits, mp_script, mpy_dir, repl, run_mp  # noqa: F401
 
+pytestmark = pytest.mark.micropython
+
 # A spread of the engine's LM paths: GQA, MQA with biases, q/k norms, an f16 KV cache, f16 and q8 weights.
 LM_CONFIGS = ("f32-gqa", "f32-mqa-bias", "f32-qknorm-all", "f16kv", "f16", "q8-tied-f16kv")
 # Each sequence goes through a different kind of id container, every one of them used.
@@ -175,7 +177,7 @@ def test_tiny_lm_writes_the_hosts_text_at_the_repl(mpy_dir: Path, tmp_path: Path
     MicroPython REPL the bytes the host engine generates: greedy into a bytearray, and sampled."""
     import sys
 
-    from conftest import ROOT
+    from helpers.build import ROOT
     sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
     try:
         import evaluate

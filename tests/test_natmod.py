@@ -19,11 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers.build import ROOT
+
+pytestmark = pytest.mark.micropython
 
 COLIBRI = str(Path(sys.executable).parent / "colibri")
 FIXTURES = ROOT / "tests" / "natmod_fixtures"
 ARCH_CODES = {"x64": 2, "armv7emsp": 7, "armv7emdp": 8}
+
+
+def on_arch(arch: str):
+    """A parameter for an architecture: the ARM ones need the cross compiler."""
+    return pytest.param(arch, marks=pytest.mark.cross) if arch.startswith("arm") else arch
+
+
 WORD = {"x64": 8, "armv7emsp": 4, "armv7emdp": 4}
 MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
 # The MicroPython interpreter the tests run: the PyPI unix build, or one named by COLIBRI_MICROPYTHON
@@ -180,7 +189,7 @@ def test_parser_rejects_a_cut_stream() -> None:
 # --------------------------------------------------------------------------- 5. the built modules
 
 
-@pytest.fixture(scope="module", params=list(ARCH_CODES))
+@pytest.fixture(scope="module", params=[on_arch(a) for a in ARCH_CODES])
 def built(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, build_mpy(request.param, shared_build_dir(tmp_path_factory))
 
@@ -221,6 +230,7 @@ def test_read_mpy_agrees(built: tuple[str, Path]) -> None:
     assert [(r.section, r.word, r.dest) for r in theirs.relocations] == words
 
 
+@pytest.mark.cross
 def test_sp_and_dp_carry_the_same_module(tmp_path_factory) -> None:
     """Both Cortex-M7 flavours carry the same module: same names, same exported API, their own arch code."""
     root = shared_build_dir(tmp_path_factory)
@@ -229,6 +239,8 @@ def test_sp_and_dp_carry_the_same_module(tmp_path_factory) -> None:
     assert sp.qstrs == dp.qstrs
 
 
+@pytest.mark.qemu
+@pytest.mark.cross
 @pytest.mark.parametrize("arch", ["armv7emsp", "armv7emdp"])
 def test_arm_module_runs_on_a_cortex_m7(arch: str, tmp_path_factory) -> None:
     """No ARM MicroPython runs here, so a stand-in loader on QEMU's Cortex-M7 applies the relocation
@@ -285,7 +297,7 @@ def compile_fixture(name: str, arch: str, out_dir: Path) -> Path:
     return natmod.compile_c(FIXTURES / f"{name}.c", arch, out_dir / arch / f"{name}.o", extra)
 
 
-@pytest.mark.parametrize("arch", REFUSAL_ARCHS)
+@pytest.mark.parametrize("arch", [on_arch(a) for a in REFUSAL_ARCHS])
 def test_minimal_module_links(arch: str, tmp_path: Path) -> None:
     """The control for the refusals: entry.c alone links, to a module whose one relocation is mp_fun_table."""
     from colibri import natmod
@@ -309,7 +321,7 @@ def test_minimal_module_imports(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fixture", REFUSALS)
-@pytest.mark.parametrize("arch", REFUSAL_ARCHS)
+@pytest.mark.parametrize("arch", [on_arch(a) for a in REFUSAL_ARCHS])
 def test_linker_refuses(fixture: str, arch: str, tmp_path: Path) -> None:
     """Each input that once crashed at run time is refused at build time, naming the symbol and the object."""
     from colibri import natmod

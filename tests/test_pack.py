@@ -14,7 +14,7 @@ from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.pack import c_array
 
-from conftest import CORE, build_c_tests
+from helpers.build import CORE, build_c_tests
 
 COLIBRI = str(Path(sys.executable).parent / "colibri")
 
@@ -137,13 +137,14 @@ def fake_firmware(path: Path, formats: tuple[int, int] | None) -> Path:
 
 @pytest.fixture(scope="module")
 def runner_elf() -> Path:
-    from conftest import ROOT, make
+    from helpers.build import ROOT, make
 
     r = make("-C", str(ROOT / "firmware" / "runner"), "BOARD=nucleo_h743zi")
     assert r.returncode == 0, r.stdout + r.stderr
     return ROOT / "firmware" / "runner" / "build" / "nucleo_h743zi" / "runner.elf"
 
 
+@pytest.mark.cross
 def test_firmware_formats_from_elf_bin_and_hex(runner_elf: Path, tmp_path: Path) -> None:
     """The runner carries the versions its engine reads; found in each file kind a programmer takes."""
     from colibri import format as F
@@ -159,6 +160,7 @@ def test_firmware_formats_from_elf_bin_and_hex(runner_elf: Path, tmp_path: Path)
     assert firmware_formats(fake_firmware(tmp_path / "old.bin", None)) == (1, 1)  # before the record: format 1
 
 
+@pytest.mark.cross
 def test_flash_image_refuses_a_version_the_firmware_does_not_read(model_file: Path, tmp_path: Path,
                                                                   runner_elf: Path, monkeypatch) -> None:
     from colibri import format as F

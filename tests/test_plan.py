@@ -24,9 +24,9 @@ import colibri
 from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.format import Status
-from conftest import ROOT
+from helpers.build import ROOT
 from randmodels import random_model
-from test_robustness import check
+from helpers.c_drivers import check
 from test_quantize import quickstart_model
 
 
@@ -111,6 +111,7 @@ def test_arena_grows_by_the_plan_entries() -> None:
     assert _arena(extra_moe=True) - base == grows("layer", 4) + grows("moe", 2) + grows("expert", 6)
 
 
+@pytest.mark.cross
 def test_model_format_quotes_the_plan_entry_sizes() -> None:
     """docs/model-format.md "Arena" gives each plan entry's bytes on both word sizes: they are the
     compilers' layouts (gcc for the host, arm-none-eabi-gcc with the engine's Cortex-M7 flags)."""

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.platformio
+
 ROOT = Path(__file__).resolve().parents[1]
 PIO = Path(sys.executable).parent / "pio"
 FREERTOS = ROOT / "examples" / "freertos"

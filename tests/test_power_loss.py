@@ -35,7 +35,7 @@ from colibri.qemu import POWER_CUT, Qemu
 
 from test_slots import other, runs, small_model
 
-pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
+pytestmark = [pytest.mark.qemu, pytest.mark.cross, pytest.mark.usefixtures("no_qemu_left_behind")]
 
 NEW = 2  # small_model seed of the update's image
 

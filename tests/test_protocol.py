@@ -7,7 +7,7 @@ import pytest
 
 from colibri import protocol as P
 
-from conftest import ROOT
+from helpers.build import ROOT
 
 
 def _c_defines() -> dict[str, int]:

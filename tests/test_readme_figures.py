@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers.build import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import measure  # noqa: E402
@@ -23,6 +23,9 @@ import measure  # noqa: E402
 README = (ROOT / "README.md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.cross
+@pytest.mark.qemu
 @pytest.mark.parametrize("group", measure.GROUPS)
 def test_readme_figures_match_the_code(group: str, tmp_path: Path) -> None:
     out = tmp_path / f"{group}.json"

@@ -177,7 +177,7 @@ def test_quantize_report_prints_the_bytes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers.build import ROOT
 
     src = tmp_path / "f32.clb"
     src.write_bytes(image.write(_linear_graph(24, 32)))

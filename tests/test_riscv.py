@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +27,10 @@ import numpy as np
 import pytest
 
 import colibri
-from conftest import ROOT, build_c_tests
-from test_aarch64 import BATCH, E2E_RTOL, _images, _same_bits
+from helpers.build import ROOT, build_c_tests
+from helpers.qemu_user import BATCH, E2E_RTOL, corpus_images, qemu_riscv64, same_bits
+
+pytestmark = [pytest.mark.qemu, pytest.mark.cross]
 
 # (tests/c variant, qemu -cpu, the kernel set colibri_init must choose)
 TARGETS = {
@@ -37,11 +38,6 @@ TARGETS = {
     "rvv-vlen256": ("riscv64", "rv64,v=true,vlen=256", "riscv rvv"),
     "rv64gc": ("riscv64gc", "rv64,v=false", "reference"),
 }
-
-
-def qemu(cpu: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    # The drivers are static: no sysroot needed at run time.
-    return subprocess.run(["qemu-riscv64", "-cpu", cpu, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     folder = tmp_path_factory.mktemp("riscv-corpus")
     rng = np.random.default_rng(11)
     expected = {}
-    for k, (name, img) in enumerate(_images()):
+    for k, (name, img) in enumerate(corpus_images()):
         host = colibri.Model(img, reference_kernels=True)
         batch = min(BATCH, host.max_batch)
         x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
@@ -71,14 +67,14 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 def test_rvv_build_uses_vector_instructions(riscv_drivers: dict[str, Path]) -> None:
     """The rv64gcv engine executes RVV instructions: on a CPU without the V extension it dies of
     an illegal instruction (the rv64gc build passes there: test_riscv_kernels_match_reference)."""
-    r = qemu("rv64,v=false", str(riscv_drivers["riscv64"] / "colibri_kernel_test"))
+    r = qemu_riscv64("rv64,v=false", str(riscv_drivers["riscv64"] / "colibri_kernel_test"))
     assert r.returncode == -signal.SIGILL, (r.returncode, r.stdout + r.stderr)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_riscv_kernels_match_reference(riscv_drivers: dict[str, Path], target: str) -> None:
     variant, cpu, kernels = TARGETS[target]
-    r = qemu(cpu, str(riscv_drivers[variant] / "colibri_kernel_test"), kernels)
+    r = qemu_riscv64(cpu, str(riscv_drivers[variant] / "colibri_kernel_test"), kernels)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"kernels: {kernels}" in r.stdout
     assert " 0 failures" in r.stdout
@@ -92,16 +88,16 @@ def test_riscv_end_to_end(riscv_drivers: dict[str, Path], corpus, tmp_path: Path
         if f.suffix in (".clb", ".in"):
             shutil.copy(f, tmp_path / f.name)
     paths = [str(tmp_path / f"{name}.clb") for name in expected]
-    r = qemu(cpu, str(riscv_drivers[variant] / "colibri_kernels_e2e"), kernels, *paths)
+    r = qemu_riscv64(cpu, str(riscv_drivers[variant] / "colibri_kernels_e2e"), kernels, *paths)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(f"kernels {kernels}") == len(paths)
     worst = 0.0
     for name, want in expected.items():
         ref = np.fromfile(tmp_path / f"{name}.clb.ref.out", dtype=np.float32).reshape(want.shape)
         opt = np.fromfile(tmp_path / f"{name}.clb.opt.out", dtype=np.float32).reshape(want.shape)
-        assert _same_bits(ref, want), f"{name}: {target} reference kernels differ from the x86-64 host's"
+        assert same_bits(ref, want), f"{name}: {target} reference kernels differ from the x86-64 host's"
         if kernels == "reference":
-            assert _same_bits(opt, ref), f"{name}: {target} optimised set (the reference) differs from itself"
+            assert same_bits(opt, ref), f"{name}: {target} optimised set (the reference) differs from itself"
             continue
         assert np.array_equal(np.isnan(opt), np.isnan(ref)), f"{name}: NaN where the reference has none (or v.v.)"
         fin = np.isfinite(ref)

@@ -9,7 +9,6 @@ same status as the engine.
 from __future__ import annotations
 
 import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +21,7 @@ from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.format import Status
 
-END = 0xFFFFFFFF
-
-
-def check(drivers: Path, images: list[bytes]) -> list[dict[str, str]]:
-    """Runs colibri_check over a batch of images; one dict of fields per image."""
-    stream = b"".join(struct.pack("<I", len(b)) + b for b in images) + struct.pack("<I", END)
-    r = subprocess.run([str(drivers / "colibri_check")], input=stream, capture_output=True, timeout=600)
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
-    lines = r.stdout.decode().splitlines()
-    assert len(lines) == len(images), r.stderr.decode()[-3000:]
-    return [dict(f.split("=", 1) for f in line.split()) for line in lines]
+from helpers.c_drivers import check, status
 
 
 def _small_model() -> torch.nn.Module:
@@ -77,10 +66,6 @@ def q8_image_of(version: int) -> bytes:
 @pytest.fixture(scope="module", params=[1, 2], ids=["v1", "v2"])
 def q8_image(request) -> bytes:
     return q8_image_of(request.param)
-
-
-def status(fields: dict[str, str], key: str = "validate") -> int:
-    return int(fields[key].split(":")[0])
 
 
 def test_good_image_runs(c_drivers: Path, small_image: bytes) -> None:

@@ -22,17 +22,17 @@ from colibri.exporter import export
 from colibri.quantize import quantize
 
 import lmmodels
-from conftest import CORE, make
+from helpers.build import CORE, make
 from randmodels import random_model
-from test_accelerator_hook import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, _net
+from helpers.hook_models import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, hook_net
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / "bindings" / "rust"
 CARGO = shutil.which("cargo") or next(
     (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None)
 
-pytestmark = pytest.mark.skipif(
-    CARGO is None, reason="cargo is not installed (scripts/setup.sh says how: rustup, https://rustup.rs)")
+pytestmark = [pytest.mark.rust, pytest.mark.skipif(
+    CARGO is None, reason="cargo is not installed (scripts/setup.sh says how: rustup, https://rustup.rs)")]
 
 # (name, random_model seed, weight dtype)
 FEATURE_MODELS = [("feat0-f32", 0, "f32"), ("feat1-f16", 1, "f16"), ("feat2-q8", 2, "q8")]
@@ -84,10 +84,10 @@ def _write_hook(out: Path, name: str, data: bytes, d_in: int) -> str:
 def _hook_models(out: Path) -> list[str]:
     # The hook test's network (GLU and MLP experts, a gated shared expert) in every weight dtype, then
     # MLP experts with each activation the exporter writes.
-    cases = [_write_hook(out, f"hook-{dtype}", export(_net(), None, max_batch=HOOK_BATCH, **options).image, 10)
+    cases = [_write_hook(out, f"hook-{dtype}", export(hook_net(), None, max_batch=HOOK_BATCH, **options).image, 10)
              for dtype, options in HOOK_DTYPES.items()]
     # Format version 1's int8 companions (f32 scales, 4-byte row pointers, biases as tensors).
-    f32_graph = export(_net(), None, max_batch=HOOK_BATCH).graph
+    f32_graph = export(hook_net(), None, max_batch=HOOK_BATCH).graph
     v1 = image.write(quantize(f32_graph, "q8", compact=False), version=1)
     cases.append(_write_hook(out, "hook-q8-v1", v1, 10))
     torch.manual_seed(3)

@@ -55,7 +55,7 @@ def other(name: str) -> str:
     return "B" if name == "A" else "A"
 
 
-pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
+pytestmark = [pytest.mark.qemu, pytest.mark.cross, pytest.mark.usefixtures("no_qemu_left_behind")]
 
 
 def test_models_differ() -> None:

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import torch
 
-from conftest import ROOT
+from helpers.build import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "smart_meter"))
 import forecaster as F  # noqa: E402

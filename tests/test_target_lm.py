@@ -21,9 +21,9 @@ from colibri.format import Status
 
 import lmmodels
 import tiny_lm_m7
-from test_target import assert_bits_equal, assert_close_to_reference, model_image
+from helpers.target import assert_bits_equal, assert_close_to_reference, model_image
 
-pytestmark = pytest.mark.usefixtures("no_qemu_left_behind")
+pytestmark = [pytest.mark.qemu, pytest.mark.cross, pytest.mark.usefixtures("no_qemu_left_behind")]
 
 VOCAB, D_MODEL, MAX_SEQ_LEN, MAX_BATCH = 64, 32, 64, 8
 

@@ -11,7 +11,7 @@ import pytest
 import colibri
 from colibri.exporter import export
 
-from conftest import build_c_tests
+from helpers.build import build_c_tests
 from randmodels import random_model
 
 
@@ -27,6 +27,7 @@ def images(tmp_path_factory) -> list[Path]:
     return paths
 
 
+@pytest.mark.sanitizer
 def test_contexts_in_threads_under_threadsanitizer(images: list[Path]) -> None:
     drivers = build_c_tests("tsan")
     r = subprocess.run([str(drivers / "colibri_threads"), "8", "25", *map(str, images)],

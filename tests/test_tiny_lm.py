@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers.build import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
 import corpus  # noqa: E402

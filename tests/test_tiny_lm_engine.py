@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import colibri
 from colibri import cli as colibri_cli
 
-from conftest import ROOT
+from helpers.build import ROOT
 
 sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
 import corpus  # noqa: E402

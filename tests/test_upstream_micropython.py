@@ -37,12 +37,12 @@ from pathlib import Path
 import pytest
 
 import colibri
-from conftest import ROOT
+from helpers.build import ROOT
 
 MP = Path(os.environ["MICROPYTHON_PATH"]).resolve() if os.environ.get("MICROPYTHON_PATH") else None
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.upstream, pytest.mark.micropython, pytest.mark.qemu, pytest.mark.cross, pytest.mark.skipif(
     MP is None, reason="MICROPYTHON_PATH is not set (a MicroPython checkout; README.md 'Upstream checks': "
-                       "make upstream-check MICROPYTHON_PATH=...)")
+                       "make upstream-check MICROPYTHON_PATH=...)")]
 UNIX_OPTIONS = ["MICROPY_PY_FFI=0", "MICROPY_PY_SSL=0", "MICROPY_PY_BTREE=0", "FROZEN_MANIFEST="]
 QEMU_BOARD = "MPS2_AN500"
 MP_TESTS = ["tests/test_micropython.py", "tests/test_micropython_lm.py", "tests/test_natmod.py::test_minimal_module_imports"]

@@ -20,7 +20,7 @@ from colibri import format as F
 from colibri import image
 from colibri.format import DType, Op, Routing, Status
 
-from test_robustness import check, status
+from helpers.c_drivers import check, status
 
 NONE = F.NONE
 END = 0xFFFFFFFF
