@@ -1,5 +1,5 @@
 """Token-model accuracy against Hugging Face (issue 12): for each architecture's tiny random config
-(the ones tests/test_hf_lm.py checks), the reference's f32 logits against the model's over an
+(tests/helpers/hf_lm_models.py, the ones the tests check), the reference's f32 logits against the model's over an
 8-token prefill and 40 single-token steps, and f16 / q8 exports' relative error and greedy
 agreement with the f32 image. Deterministic (fixed seeds); prints one line per architecture.
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import colibri  # noqa: E402
 from colibri import hf_lm  # noqa: E402
 from colibri.reference import LMState  # noqa: E402
-from test_hf_lm import ARCHS, MAX_SEQ_LEN  # noqa: E402
+from helpers.hf_lm_models import ARCHS, MAX_SEQ_LEN  # noqa: E402
 
 PROMPT = [3, 17, 42, 5, 9, 77]
 

@@ -6,12 +6,19 @@ from pathlib import Path
 import pytest
 
 from helpers.build import build_c_tests
+from helpers.micropython import build_mpy, shared_build_dir
 
 
 @pytest.fixture(scope="session", params=["host", pytest.param("asan", marks=pytest.mark.sanitizer)])
 def c_drivers(request) -> Path:
     """The test drivers built normally and with AddressSanitizer + UndefinedBehaviorSanitizer."""
     return build_c_tests(request.param)
+
+
+@pytest.fixture(scope="session")
+def mpy_dir(tmp_path_factory) -> Path:
+    """The folder holding the x64 colibri.mpy, built once per session."""
+    return build_mpy("x64", shared_build_dir(tmp_path_factory)).parent
 
 
 def _qemu_children() -> list[int]:

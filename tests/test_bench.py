@@ -27,6 +27,7 @@ def c_driver():
     return bench.c_driver()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["meter", "smart_meter"])
 def test_every_installed_engine_matches_pytorch(tmp_path, c_driver, name):
     skipped: dict[str, str] = {}

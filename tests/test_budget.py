@@ -66,6 +66,7 @@ def test_the_trained_tiny_lm_fits_the_nucleo_with_f16_where_q8_leaves_room(tiny_
     assert nll["f32"] <= nll["plan"] + 1e-4 and nll["plan"] <= nll["q8"]
 
 
+@pytest.mark.slow
 def test_the_trained_smart_meter_fits_a_tight_board_with_calibration() -> None:
     """The smart meter fits a NUCLEO slot whole in f32 (the plan keeps f32: least error); on a board
     with room for a little more than its q8 image, the calibration-weighted plan mixes dtypes and the

@@ -1,9 +1,8 @@
 """The `colibri` command from a fresh shell: export, info, run, and one-line errors."""
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,13 +12,11 @@ import torch
 
 import colibri
 
+from helpers.cli import cli as run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
-COLIBRI = str(Path(sys.executable).parent / "colibri")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples"))
-    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+# `quickstart:build_model` and the other examples resolve from examples/.
+cli = functools.partial(run_cli, pythonpath=ROOT / "examples")
 
 
 @pytest.fixture(scope="module")

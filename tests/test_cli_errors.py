@@ -5,7 +5,6 @@ of its own, without PYTHONPATH tricks (the factory module sits in the current fo
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -24,8 +23,8 @@ from colibri import nn as cnn
 from colibri.exporter import export
 
 from helpers.build import ROOT, make
+from helpers.cli import COLIBRI, assert_one_line_error, cli, user_env
 
-COLIBRI = str(Path(sys.executable).parent / "colibri")
 RUNNER_ELF = ROOT / "firmware" / "runner" / "build" / "mps2_an500" / "runner.elf"
 
 FACTORIES = '''
@@ -63,24 +62,8 @@ torch.save(Net(), "main.pt")
 '''
 
 
-def user_env() -> dict[str, str]:
-    """The environment of a user's shell: no PYTHONPATH, no pytest variables, no debug switch."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "COLIBRI_DEBUG") and not k.startswith("PYTEST_")}
-
-
 def colibri_cmd(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, cwd=cwd, env=env or user_env(),
-                          timeout=300)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *texts: str) -> None:
-    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
-    assert r.stdout == "", r.stdout
-    assert r.stderr.startswith("colibri: error: ") and r.stderr.count("\n") == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    for text in texts:
-        assert text in r.stderr, r.stderr
+    return cli(*args, cwd=cwd, env=env or user_env())
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,6 @@ with the figure and the tolerance; both through colibri.export and through
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,22 +20,7 @@ from colibri import nn as cnn
 from colibri.errors import ExportCheckError, ExportError
 from colibri.ir import Q8Weight, dense
 
-COLIBRI = str(Path(sys.executable).parent / "colibri")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(cwd))
-    return subprocess.run([COLIBRI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, pattern: str) -> None:
-    import re
-
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert re.search(pattern, lines[0]), lines[0]
-
+from helpers.cli import assert_one_line_error, cli
 
 def nested(depth: int, width: int = 4) -> nn.Module:
     m: nn.Module = nn.Linear(width, width)
@@ -109,7 +91,7 @@ def test_refusal_through_cli(case: str, tmp_path: Path) -> None:
     torch.save(build(), tmp_path / "m.pt")
     extra = ["--dtype", options["dtype"]] if "dtype" in options else []
     r = cli("export", "m.pt", "m.clb", *extra, cwd=tmp_path)
-    assert_one_line_error(r, pattern)
+    assert_one_line_error(r, pattern=pattern)
     assert not (tmp_path / "m.clb").exists()
 
 
@@ -266,7 +248,7 @@ def test_check_through_cli(tmp_path: Path) -> None:
         "    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), Doubled(8, 3))\n"
     )
     r = cli("export", "doubled:build", "m.clb", "--input-size", "6", "--max-batch", "4", cwd=tmp_path)
-    assert_one_line_error(r, r"export check failed, numpy reference vs PyTorch \(f32\): max \|Δ\| \S+ > "
+    assert_one_line_error(r, pattern=r"export check failed, numpy reference vs PyTorch \(f32\): max \|Δ\| \S+ > "
                              r"tolerance \S+; nothing written")
     assert not (tmp_path / "m.clb").exists()
     r = cli("export", "doubled:build", "m.clb", "--input-size", "6", "--max-batch", "4", "--no-check", cwd=tmp_path)

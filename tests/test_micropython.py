@@ -21,7 +21,6 @@ and with `colibri` compiled in as a user C module: COLIBRI_MICROPYTHON_BUILTIN=1
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -33,19 +32,15 @@ import pytest
 import torch
 
 import colibri
-from colibri import nn as cnn
 from colibri.engine import arena_size
 from colibri.format import STATUS_TEXT, Status
 from helpers.build import ROOT
+from helpers.micropython import (BUILTIN, ROUTINGS, after, assert_same_bits, make_model, mp_script, repl,
+                                 run_mp)
 from nonfinite_inputs import nonfinite_rows
-from test_natmod import MICROPYTHON, build_mpy, shared_build_dir
 
 pytestmark = pytest.mark.micropython
 
-# COLIBRI_MICROPYTHON_BUILTIN=1: the interpreter has `colibri` compiled in as a user C module (it then
-# shadows the .mpy on MICROPYPATH), built with the host's default kernels (x86-64: the AVX backend, as
-# the CPython binding's default), so the bit-for-bit comparisons use the host's default kernels too.
-BUILTIN = os.environ.get("COLIBRI_MICROPYTHON_BUILTIN") == "1"
 FORECAST = ROOT / "examples" / "micropython" / "forecast.py"
 MAX_BATCH = 4
 BATCHES = (1, 3, MAX_BATCH)
@@ -57,33 +52,10 @@ DTYPES = {
     "q4": {"dtype": "q4", "group": 8, "compensation": 0.02},
     "q4-int8-act": {"dtype": "q4", "group": 8, "int8_act": ["layers.*"]},
 }
-# routing -> (activation before the norm, expert activation, gated, norm, shared experts):
-# every activation the engine has runs somewhere, through the natmod's own math functions.
-ROUTINGS = {
-    "top1": ("relu", "gelu", False, torch.nn.LayerNorm, 0),
-    "topk_softmax": ("tanh", "silu", True, torch.nn.RMSNorm, 1),
-    "softmax_topk": ("sigmoid", "gelu_tanh", False, torch.nn.LayerNorm, 1),
-    "dense": ("gelu_tanh", "tanh", True, torch.nn.RMSNorm, 1),
-}
 SOURCES = ("bytes", "bytearray", "memoryview")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def run_mp(script: Path | None, *args: str | int | Path, mpy_dir: Path, cwd: Path, flags: tuple[str, ...] = (),
-           stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Runs the interpreter on a script (or `-i` with stdin) with the built module on MICROPYPATH."""
-    cmd = [str(MICROPYTHON), *flags, *([str(script)] if script else []), *map(str, args)]
-    env = dict(os.environ, MICROPYPATH=str(mpy_dir))
-    return subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout)
-
-
-def mp_script(tmp: Path, name: str, code: str) -> Path:
-    """Writes a MicroPython script next to its data (the interpreter puts the script's folder on sys.path)."""
-    path = tmp / name
-    path.write_text(code)
-    return path
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -92,29 +64,6 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     err = float(np.abs(got - want).max())
     tol = 1e-6 * (1 + float(np.abs(want).max()))
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
-
-
-def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """The host engine's float32 bits, and NaN exactly where it has NaN."""
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    nan = np.isnan(want)
-    diff = np.flatnonzero((np.isnan(got) != nan) | (~nan & (got.view(np.uint32) != want.view(np.uint32))))
-    assert not len(diff), (f"{what}: {len(diff)} of {got.size} outputs differ, first at {diff[0]}: "
-                           f"{got.flat[diff[0]]!r} != {want.flat[diff[0]]!r}")
-
-
-def make_model(routing: str, seed: int = 0) -> torch.nn.Module:
-    """A small model (d ≤ 16) whose layers and activations depend on the routing mode."""
-    pre, act, gated, norm, shared = ROUTINGS[routing]
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(12, 16),
-        cnn.make_activation(pre),
-        norm(16),
-        cnn.Residual(cnn.MoE(16, 4, 24, top_k=2, routing=routing, renormalize=routing == "softmax_topk",
-                             gated=gated, activation=act, num_shared=shared, shared_gate=bool(shared))),
-        torch.nn.Linear(16, 6),
-    ).eval()
 
 
 def quickstart_model() -> torch.nn.Module:
@@ -141,12 +90,6 @@ def floats(text: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def mpy_dir(tmp_path_factory) -> Path:
-    """The folder holding the x64 colibri.mpy, built once per session."""
-    return build_mpy("x64", shared_build_dir(tmp_path_factory)).parent
 
 
 @pytest.fixture(scope="module")
@@ -397,19 +340,6 @@ m.forward(array("f", [0.0] * 47), y)
 m.forward(x, y)
 y[23]
 """
-
-
-def repl(mpy_dir: Path, cwd: Path, session: str) -> str:
-    """Feeds a session to `micropython -i` on stdin. Piped stdin without -i runs as a script, silently;
-    with -i this build prints the banner and echoes every line after its '>>> ' prompt, as at a terminal."""
-    r = run_mp(None, mpy_dir=mpy_dir, cwd=cwd, flags=("-i",), stdin=session)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
-def after(transcript: str, line: str) -> str:
-    """What the REPL printed in answer to one input line."""
-    return transcript.split(f">>> {line}\n", 1)[1].split(">>> ", 1)[0]
 
 
 def test_repl_session(mpy_dir: Path, quickstart: Path, tmp_path: Path) -> None:

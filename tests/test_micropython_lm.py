@@ -18,7 +18,7 @@ import colibri
 from colibri import image
 from colibri.format import STATUS_TEXT, Status
 from test_lm_engine import CONFIGS, _graph
-from test_micropython import BUILTIN, after, assert_same_bits, mp_script, mpy_dir, repl, run_mp  # noqa: F401
+from helpers.micropython import BUILTIN, after, assert_same_bits, make_model, mp_script, repl, run_mp
 
 pytestmark = pytest.mark.micropython
 
@@ -390,7 +390,6 @@ BAD_CALLS: dict[str, tuple[str, Status | None]] = {
 
 @pytest.fixture(scope="module")
 def lm_bad_calls(mpy_dir: Path, lm_images: dict[str, Path], tmp_path_factory) -> dict[str, tuple[str, str]]:
-    from test_micropython import make_model
 
     tmp = tmp_path_factory.mktemp("lm_bad")
     colibri.export(make_model("top1"), tmp / "feature.clb", max_batch=2)

@@ -2,24 +2,25 @@
 
 MicroPython's own tools cannot run here (no MicroPython source tree from any
 registry), so the project links native modules itself. These tests parse the
-files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with an
-independent reader of the .mpy layout (/work/shared/facts), compare it with
-`colibri.natmod.read_mpy`, and check every refusal the linker must make: each
+files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with a
+reader of the .mpy layout written apart from colibri.natmod, from the order in
+which MicroPython's loader reads a file (tests/helpers/mpy_format.py), compare
+it with `colibri.natmod.read_mpy`, and check every refusal the linker must make: each
 refused input was a crash at run time when it was let through.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from helpers.build import ROOT
+from helpers.micropython import MICROPYTHON, build_mpy, shared_build_dir
+from helpers.mpy_format import Mpy, parse_mpy
 
 pytestmark = pytest.mark.micropython
 
@@ -35,10 +36,6 @@ def on_arch(arch: str):
 
 WORD = {"x64": 8, "armv7emsp": 4, "armv7emdp": 4}
 MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
-# The MicroPython interpreter the tests run: the PyPI unix build, or one named by COLIBRI_MICROPYTHON
-# (tests/test_upstream_micropython.py runs these tests again under MicroPython's unix port built from
-# source, with and without `colibri` compiled in as a user C module).
-MICROPYTHON = Path(os.environ.get("COLIBRI_MICROPYTHON") or Path(sys.executable).parent / "micropython")
 PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "output_size", "max_batch",
                 "arena_size",
                 # colibri.LM (tests/test_micropython_lm.py)
@@ -46,114 +43,7 @@ PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "out
                 "position", "temperature", "top_k", "top_p", "seed", "out"}
 
 
-# --------------------------------------------------------------------------- building, shared with test_micropython
-
-
-def shared_build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One folder per pytest run that every xdist worker sees, so each .mpy is built once a run."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "natmod-build"
-    root.mkdir(exist_ok=True)
-    return root
-
-
-def build_mpy(arch: str, root: Path) -> Path:
-    """`colibri natmod build --arch ARCH -o ...`, the user's command; under a lock, so that parallel
-    workers build each architecture once and never read a half-written file."""
-    out = root / arch / "colibri.mpy"
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            out.parent.mkdir(exist_ok=True)
-            r = subprocess.run([COLIBRI, "natmod", "build", "--arch", arch, "-o", str(out)],
-                               capture_output=True, text=True, timeout=300)
-            assert r.returncode == 0, r.stdout + r.stderr
-            assert out.exists(), r.stdout + r.stderr
-    return out
-
-
-# --------------------------------------------------------------------------- an independent .mpy reader
-
-
-@dataclass
-class Mpy:
-    arch: int
-    small_int_bits: int
-    qstrs: list[str]
-    n_obj: int
-    text: bytes
-    scope_flags: int
-    rodata_len: int = 0
-    bss_len: int = 0
-    # (destination, first word, in rodata?, words): the relocation stream, one tuple a run of adjustments
-    relocs: list[tuple[str, int, bool, int]] = field(default_factory=list)
-
-
-class _Bytes:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        assert self.pos < len(self.data), "file ends inside a record"
-        self.pos += 1
-        return self.data[self.pos - 1]
-
-    def take(self, n: int) -> bytes:
-        assert self.pos + n <= len(self.data), f"file ends inside a {n}-byte field"
-        self.pos += n
-        return self.data[self.pos - n : self.pos]
-
-    def vuint(self) -> int:
-        """Big-endian base-128, high bit set on every byte but the last."""
-        value = 0
-        while True:
-            b = self.byte()
-            value = value << 7 | (b & 0x7F)
-            if not b & 0x80:
-                return value
-
-
-def parse_mpy(data: bytes) -> Mpy:
-    """The .mpy layout written down in /work/shared/facts/micropython-natmod-abi.md, read to the last byte."""
-    r = _Bytes(data)
-    magic, version, features, small_int_bits = r.take(4)
-    assert (magic, version, features & 3) == (ord("M"), 6, 3), data[:4]
-    n_qstr, n_obj = r.vuint(), r.vuint()
-    qstrs = []
-    for _ in range(n_qstr):
-        n = r.vuint()
-        assert n & 1 == 0, "qstr marked as static: a native module lists its own"
-        qstrs.append(r.take(n >> 1).decode())
-        assert r.byte() == 0, "qstr not NUL-terminated"
-    kind_len = r.vuint()
-    assert kind_len & 7 == 2, f"raw code kind {kind_len & 7}, expected 2 (native viper, no children)"
-    text = r.take(kind_len >> 3)
-    m = Mpy(features >> 2, small_int_bits, qstrs, n_obj, text, r.vuint())
-    assert m.scope_flags & ~0x70 == 0, f"unknown scope flags {m.scope_flags:#x}"
-    if m.scope_flags & 0x20:
-        m.rodata_len = r.vuint()
-        r.take(m.rodata_len)
-    if m.scope_flags & 0x40:
-        m.bss_len = r.vuint()
-    if m.scope_flags & 0x10:
-        word_index, in_rodata = -1, False
-        while (op := r.byte()) != 0xFF:
-            if op & 1:
-                addr = r.vuint()
-                word_index, in_rodata = addr >> 1, bool(addr & 1)
-            else:
-                word_index += 1
-            d, n = op >> 1, 1
-            if d <= 5:
-                if d & 1:
-                    n = r.vuint()
-                dest = ("text", "rodata", "bss")[d >> 1] if d >> 1 < 3 else f"base{d >> 1}"
-            else:
-                dest = {6: "qstr_table", 7: "obj_table", 8: "fun_table"}.get(d, f"fun_table[{d - 9}]")
-            m.relocs.append((dest, word_index, in_rodata, n))
-            word_index += n - 1
-    assert r.pos == len(data), f"{len(data) - r.pos} bytes after the end of the module"
-    return m
+# --------------------------------------------------------------------------- the reader's own checks
 
 
 def check_relocations(m: Mpy, word: int) -> None:

@@ -198,7 +198,7 @@ def test_cli_pack_and_probe_refuse_versions(model_file: Path, tmp_path: Path) ->
 
     from colibri import format as F
 
-    from test_slots import FAKE_PYOCD
+    from helpers.slots import FAKE_PYOCD
 
     newer = tmp_path / "newer.clb"
     newer.write_bytes(with_version(model_file.read_bytes(), F.MAX_READ_VERSION + 1))

@@ -33,7 +33,7 @@ from colibri.device import Device, Slot
 from colibri.pytest_plugin import build_runner
 from colibri.qemu import POWER_CUT, Qemu
 
-from test_slots import other, runs, small_model
+from helpers.slots import other, runs, small_model
 
 pytestmark = [pytest.mark.qemu, pytest.mark.cross, pytest.mark.usefixtures("no_qemu_left_behind")]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from helpers.build import ROOT
@@ -21,6 +22,7 @@ def test_data_is_the_taylor_series() -> None:
     assert len(data.x_train) == len(series) - F.TEST_DAYS * F.STEPS_PER_DAY - F.HORIZON + 1 - F.WEEK
 
 
+@pytest.mark.slow
 def test_moe_beats_seasonal_naive_and_fits_the_budget() -> None:
     torch.set_num_threads(1)
     data = F.dataset()

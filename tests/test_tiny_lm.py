@@ -97,6 +97,7 @@ def test_generation_refuses_what_the_context_cannot_hold(model) -> None:
         G.generate(model, "")
 
 
+@pytest.mark.slow
 def test_training_is_seeded() -> None:
     """Two short runs from one seed end in the same weights; another seed does not."""
     a, _ = T.train(steps=2, seed=3, threads=1, progress=False)
