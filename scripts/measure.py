@@ -251,7 +251,7 @@ def group_random_q8() -> list[Figure]:
 
     import test_quantize as TQ
     from colibri.quantize import quantize
-    from randmodels import random_model
+    from helpers.randmodels import random_model
 
     torch.set_num_threads(1)
     many, agreement = {"default": [], "f16in": []}, {"default": [], "f16in": []}
@@ -588,7 +588,7 @@ def lm_on_qemu() -> list[Figure]:
     from colibri.device import Device
     from colibri.qemu import Qemu
 
-    import lmmodels  # tests/ is on sys.path
+    from helpers import lmmodels  # tests/ is on sys.path
 
     figures = []
     for d, hd in ((32, 8), (64, 16)):
@@ -682,7 +682,7 @@ def group_m7_tiny_lm() -> list[Figure]:
     from colibri.footprint import elf_footprint
     from colibri.slots import SLOT_HEADER_SIZE
 
-    import tiny_lm_m7  # tests/ is on sys.path
+    from helpers import tiny_lm_m7  # tests/ is on sys.path
 
     prompt = tiny_lm_m7.prompt_ids()
     figures = [fig("m7.tiny_lm.prompt_tokens", len(prompt), "tiny LM on the M7: prompt tokens (bytes)"),

@@ -12,7 +12,7 @@ import colibri
 from colibri import reference
 from colibri.exporter import export
 
-from randmodels import random_model
+from helpers.randmodels import random_model
 
 N_CONFIGS = 300
 

@@ -136,7 +136,7 @@ def test_q8_outlier_beyond_f16_stays_in_its_row_scale() -> None:
 
 
 def test_standalone_hf_block_with_nan_is_refused_with_path() -> None:
-    import hfblocks
+    from helpers import hfblocks
 
     block = hfblocks.mixtral(8, 6, 4, 2, "silu", seed=1)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from colibri.quantize import quantize
 
 from helpers.build import CORE
 
-import lmmodels
+from helpers import lmmodels
 
 
 def test_generated_header_is_up_to_date() -> None:

@@ -20,7 +20,7 @@ from colibri import cli as colibri_cli
 from colibri import image, reference
 from colibri import tokenizer as tok
 
-import lmmodels
+from helpers import lmmodels
 from helpers.build import ROOT
 
 VOCAB = 300  # the byte ids plus room for a BPE tokenizer's merges

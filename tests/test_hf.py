@@ -16,7 +16,7 @@ from colibri import exporter, hf, reference
 from colibri.errors import ExportError
 from colibri.format import Routing
 
-import hfblocks
+from helpers import hfblocks
 
 assert hf.CONVERTERS is exporter.CONVERTERS
 

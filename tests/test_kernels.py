@@ -20,7 +20,7 @@ import torch
 import colibri
 from colibri.exporter import export
 
-from randmodels import random_model
+from helpers.randmodels import random_model
 
 
 def cpu_has_avx2_fma_f16c() -> bool:

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import image, quantize, reference
+from colibri import image, reference
 from colibri.errors import ImageError, InputError
 from colibri.format import DType, Status
 
-import lmmodels
+from helpers import lmmodels
+from helpers.lmmodels import CONFIGS, config_graph
 from helpers.lm_records import BAD_RECORDS, attention_offset, patched
 from helpers.c_drivers import check
 
@@ -26,25 +27,6 @@ TOL_OPTIMISED = 5e-6
 # An f16 KV cache rounds each key and value: where the two sides' f32 values (within the tolerance
 # above) straddle an f16 rounding boundary, one cached value moves by an f16 step (2^-11 relative).
 TOL_F16_KV = 1e-3
-
-CONFIGS = {
-    "f32-gqa": dict(heads=4, kv_heads=2),
-    "f32-mqa-bias": dict(heads=4, kv_heads=1, bias=True),
-    "f32-mha-tied": dict(heads=3, kv_heads=3, tied=True),
-    "f32-qknorm-head": dict(qk_norm="head"),
-    "f32-qknorm-all": dict(qk_norm="all", bias=True),
-    "f16kv": dict(kv_dtype=DType.F16, qk_norm="head"),
-    "f16": dict(dtype="f16", tied=True),
-    "q8": dict(dtype="q8", qk_norm="all"),
-    "q8-tied-f16kv": dict(dtype="q8", tied=True, kv_dtype=DType.F16, heads=4, kv_heads=1),
-}
-
-
-def _graph(seed: int, kw: dict):
-    kw = dict(kw)
-    dtype = kw.pop("dtype", "f32")
-    g = lmmodels.token_model(seed, **kw)
-    return quantize.quantize(g, dtype) if dtype != "f32" else g
 
 
 def _steps(rng: np.random.Generator, vocab: int, max_batch: int, max_seq_len: int) -> list[list[int]]:
@@ -62,7 +44,7 @@ def test_logits_match_the_reference_at_every_position(name: str, reference_kerne
     if CONFIGS[name].get("kv_dtype") == DType.F16:
         tol = TOL_F16_KV
     for seed in range(2):
-        g = _graph(seed, CONFIGS[name])
+        g = config_graph(seed, CONFIGS[name])
         data = image.write(g)
         lm, twin = colibri.LM(data, reference_kernels=reference_kernels), reference.LMState(data)
         rng = np.random.default_rng(seed)
@@ -78,7 +60,7 @@ def test_logits_match_the_reference_at_every_position(name: str, reference_kerne
 
 
 def test_logits_do_not_depend_on_how_the_sequence_is_split() -> None:
-    data = image.write(_graph(3, CONFIGS["f32-gqa"]))
+    data = image.write(config_graph(3, CONFIGS["f32-gqa"]))
     ids = list(np.random.default_rng(3).integers(0, 40, 20))
     lm = colibri.LM(data, reference_kernels=True)
     whole = lm.forward_tokens(ids)
@@ -89,7 +71,7 @@ def test_logits_do_not_depend_on_how_the_sequence_is_split() -> None:
 
 @pytest.fixture(scope="module")
 def lm_data() -> bytes:
-    return image.write(_graph(6, dict(qk_norm="head", bias=True)))
+    return image.write(config_graph(6, dict(qk_norm="head", bias=True)))
 
 
 def test_sampler_is_the_references_bit_for_bit(lm_data: bytes) -> None:
@@ -235,7 +217,7 @@ def test_validator_agrees_with_the_python_reader(lm_data: bytes) -> None:
 
 
 def test_arena_is_exact_with_the_kv_cache(c_drivers: Path) -> None:
-    images = [image.write(_graph(s, kw)) for s, kw in enumerate(CONFIGS.values())]
+    images = [image.write(config_graph(s, kw)) for s, kw in enumerate(CONFIGS.values())]
     for data, f in zip(images, check(c_drivers, images)):
         assert f["validate"] == "0" and f["short"] == str(int(Status.ARENA_TOO_SMALL)), f
         assert f["init"] == "0" and f["fwd1"] == "0" and f["fwdN"] == "0" and f["sum"] != "nan", f

@@ -14,7 +14,7 @@ from colibri.errors import ImageError
 from colibri.format import DType, Op, Status
 from colibri.ir import Attention, Embedding, Graph, Linear, Q8Weight
 
-import lmmodels
+from helpers import lmmodels
 from helpers.lm_records import BAD_RECORDS, attention_offset, patched
 
 

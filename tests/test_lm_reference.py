@@ -16,7 +16,7 @@ from colibri.format import DType, Routing, Status
 from colibri.ir import Attention, Embedding, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm, dense
 from colibri.reference import LMState, Rng, engine_expf, sample
 
-import lmmodels
+from helpers import lmmodels
 
 CORE_SRC = Path(__file__).resolve().parents[1] / "firmware" / "colibri_core" / "src"
 

@@ -37,7 +37,7 @@ from colibri.format import STATUS_TEXT, Status
 from helpers.build import ROOT
 from helpers.micropython import (BUILTIN, ROUTINGS, after, assert_same_bits, make_model, mp_script, repl,
                                  run_mp)
-from nonfinite_inputs import nonfinite_rows
+from helpers.nonfinite_inputs import nonfinite_rows
 
 pytestmark = pytest.mark.micropython
 

@@ -17,7 +17,7 @@ import pytest
 import colibri
 from colibri import image
 from colibri.format import STATUS_TEXT, Status
-from test_lm_engine import CONFIGS, _graph
+from helpers.lmmodels import CONFIGS, config_graph
 from helpers.micropython import BUILTIN, after, assert_same_bits, make_model, mp_script, repl, run_mp
 
 pytestmark = pytest.mark.micropython
@@ -40,7 +40,7 @@ def lm_images(tmp_path_factory) -> dict[str, Path]:
     paths = {}
     for seed, name in enumerate(LM_CONFIGS):
         paths[name] = tmp / f"{name}.clb"
-        paths[name].write_bytes(image.write(_graph(seed + 3, CONFIGS[name])))
+        paths[name].write_bytes(image.write(config_graph(seed + 3, CONFIGS[name])))
     return paths
 
 

@@ -25,7 +25,7 @@ from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.format import Status
 from helpers.build import ROOT
-from randmodels import random_model
+from helpers.randmodels import random_model
 from helpers.c_drivers import check
 from test_quantize import quickstart_model
 

@@ -16,7 +16,7 @@ from colibri.format import Act, DType, ExpertKind, Routing, Status
 from colibri.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
 from colibri.quantize import quantize, quantize_q4, weight_slots
 
-import lmmodels
+from helpers import lmmodels
 import test_quantize as TQ
 
 

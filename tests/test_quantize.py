@@ -39,9 +39,9 @@ from colibri.format import Act, ExpertKind, Routing
 from colibri.ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, dense
 from colibri.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
 
-import hfblocks
-from randmodels import random_model
-from trained import TrainedClassifier, digits_classifier
+from helpers import hfblocks
+from helpers.randmodels import random_model
+from helpers.trained import TrainedClassifier, digits_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 256  # inputs per error measurement

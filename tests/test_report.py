@@ -12,7 +12,7 @@ from colibri.exporter import build_graph
 from colibri.quantize import quantize
 from colibri.report import quantisation_report, rel_l2
 
-from randmodels import random_model
+from helpers.randmodels import random_model
 
 SETTINGS = {
     "f16": {"dtype": "f16"},

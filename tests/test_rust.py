@@ -21,9 +21,9 @@ from colibri import nn as cnn
 from colibri.exporter import export
 from colibri.quantize import quantize
 
-import lmmodels
+from helpers import lmmodels
 from helpers.build import CORE, make
-from randmodels import random_model
+from helpers.randmodels import random_model
 from helpers.hook_models import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, hook_net
 
 ROOT = Path(__file__).resolve().parents[1]

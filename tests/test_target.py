@@ -19,7 +19,7 @@ from colibri import protocol as P
 from colibri.device import Device, DeviceError
 from colibri.exporter import export
 from colibri.format import Status
-from nonfinite_inputs import nonfinite_rows
+from helpers.nonfinite_inputs import nonfinite_rows
 
 from helpers.target import DTYPES, MAX_BATCH, assert_bits_equal, assert_close_to_reference, model_image
 

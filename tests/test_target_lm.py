@@ -19,8 +19,8 @@ from colibri import protocol as P
 from colibri.device import Device, DeviceError
 from colibri.format import Status
 
-import lmmodels
-import tiny_lm_m7
+from helpers import lmmodels
+from helpers import tiny_lm_m7
 from helpers.target import assert_bits_equal, assert_close_to_reference, model_image
 
 pytestmark = [pytest.mark.qemu, pytest.mark.cross, pytest.mark.usefixtures("no_qemu_left_behind")]

@@ -12,7 +12,7 @@ import colibri
 from colibri.exporter import export
 
 from helpers.build import build_c_tests
-from randmodels import random_model
+from helpers.randmodels import random_model
 
 
 @pytest.fixture(scope="module")

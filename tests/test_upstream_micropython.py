@@ -192,7 +192,7 @@ def test_qemu_firmware_runs_the_lm(qemu_firmware: tuple[Path, Path], tmp_path: P
         pytest.skip("qemu-system-arm is not installed")
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        import lmmodels
+        from helpers import lmmodels
     finally:
         sys.path.remove(str(ROOT / "tests"))
     from colibri import image as image_writer

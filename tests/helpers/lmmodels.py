@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri import quantize
 from colibri.format import Act, DType, ExpertKind, Routing
 from colibri.ir import Attention, Embedding, Expert, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
 
@@ -60,3 +61,25 @@ def token_model(seed: int = 0, *, vocab: int = 40, d: int = 16, layers: int = 2,
                 ResidualAdd(), ResidualPush(), RMSNorm(d, 1e-5, 1 + _v(rng, d)), ffn, ResidualAdd()]
     out += [RMSNorm(d, 1e-5, 1 + _v(rng, d)), Linear(table if tied else _w(rng, vocab, d))]
     return Graph(layers=out, input_size=vocab, output_size=vocab, max_batch=max_batch)
+
+
+# The engine's LM paths, by name: GQA, MQA with biases, tied embeddings, q/k norms, f16 KV cache, f16/q8 weights.
+CONFIGS = {
+    "f32-gqa": dict(heads=4, kv_heads=2),
+    "f32-mqa-bias": dict(heads=4, kv_heads=1, bias=True),
+    "f32-mha-tied": dict(heads=3, kv_heads=3, tied=True),
+    "f32-qknorm-head": dict(qk_norm="head"),
+    "f32-qknorm-all": dict(qk_norm="all", bias=True),
+    "f16kv": dict(kv_dtype=DType.F16, qk_norm="head"),
+    "f16": dict(dtype="f16", tied=True),
+    "q8": dict(dtype="q8", qk_norm="all"),
+    "q8-tied-f16kv": dict(dtype="q8", tied=True, kv_dtype=DType.F16, heads=4, kv_heads=1),
+}
+
+
+def config_graph(seed: int, kw: dict) -> Graph:
+    """token_model(seed, **kw), quantised to kw's `dtype` (default f32)."""
+    kw = dict(kw)
+    dtype = kw.pop("dtype", "f32")
+    g = token_model(seed, **kw)
+    return quantize.quantize(g, dtype) if dtype != "f32" else g

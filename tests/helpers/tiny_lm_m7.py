@@ -26,7 +26,8 @@ from colibri.device import Device
 from colibri.pack import c_array
 from colibri.qemu import FLASH_BASE, FLASH_SIZE, Qemu
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.build import ROOT
+
 RUNNER = ROOT / "firmware" / "runner"
 sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
 import evaluate  # noqa: E402
