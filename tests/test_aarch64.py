@@ -26,7 +26,7 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 from conftest import ROOT, build_c_tests
 
 SYSROOT = "/usr/aarch64-linux-gnu"

@@ -1,4 +1,4 @@
-"""Hugging Face MoE causal LMs exported as token models (colibri.hf_lm): the reference's f32 logits
+"""Hugging Face MoE causal LMs exported as token models (colibri.frontends.hf_lm): the reference's f32 logits
 against the model's over a prefill and single-token steps, and greedy continuations against
 `generate(do_sample=False)`, for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE from tiny random configs.
 
@@ -18,10 +18,11 @@ from transformers import (
 )
 
 import colibri
-from colibri import hf_lm, image
-from colibri.errors import ExportError
-from colibri.format import Routing
-from colibri.ir import MoE
+from colibri.frontends import hf_lm
+from colibri import image
+from colibri.model.errors import ExportError
+from colibri.model.format import Routing
+from colibri.model.ir import MoE
 from colibri.reference import LMState
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, max_position_embeddings=256,

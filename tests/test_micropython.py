@@ -34,8 +34,8 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.engine import arena_size
-from colibri.format import STATUS_TEXT, Status
+from colibri.runtime.engine import arena_size
+from colibri.model.format import STATUS_TEXT, Status
 from conftest import ROOT
 from nonfinite_inputs import nonfinite_rows
 from test_natmod import MICROPYTHON, build_mpy, shared_build_dir

@@ -16,7 +16,7 @@ import pytest
 
 import colibri
 from colibri import image
-from colibri.format import STATUS_TEXT, Status
+from colibri.model.format import STATUS_TEXT, Status
 from test_lm_engine import CONFIGS, _graph
 from test_micropython import BUILTIN, after, assert_same_bits, mp_script, mpy_dir, repl, run_mp  # noqa: F401
 
