@@ -1,10 +1,10 @@
-"""Builds colibri._engine, the CPython binding, from the engine's own sources.
+"""Builds colibri.runtime._engine, the CPython binding, from the engine's own sources.
 
 The source list is firmware/colibri_core/sources.txt, shared with the
 engine's Makefile, so `pip install .` needs no separate build step.
 
 The binding carries the hash of the sources it is built from (SOURCE_HASH;
-host_tools/colibri/sources.py), so a checkout refuses a stale build. The wheel
+host_tools/colibri/runtime/sources.py), so a checkout refuses a stale build. The wheel
 also carries the C sources the commands compile (sources.PACKAGED) under
 colibri/_src; the sdist carries them at their checkout paths (MANIFEST.in).
 """
@@ -19,15 +19,15 @@ ROOT = Path(__file__).resolve().parent
 CORE = Path("firmware/colibri_core")
 sources = [str(CORE / line.strip()) for line in (CORE / "sources.txt").read_text().splitlines() if line.strip()]
 
-# colibri/sources.py by path: the package itself cannot be imported before it is built.
-_spec = importlib.util.spec_from_file_location("colibri_sources", ROOT / "host_tools" / "colibri" / "sources.py")
+# colibri/runtime/sources.py by path: the package itself cannot be imported before it is built.
+_spec = importlib.util.spec_from_file_location("colibri_sources", ROOT / "host_tools" / "colibri" / "runtime" / "sources.py")
 src = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = src
 _spec.loader.exec_module(src)
 
 
 class BuildPyWithSources(build_py):
-    """Copies the C sources into colibri/_src, where colibri.sources finds them once installed."""
+    """Copies the C sources into colibri/_src, where colibri.runtime.sources finds them once installed."""
 
     def run(self):
         super().run()
@@ -43,9 +43,9 @@ setup(
     cmdclass={"build_py": BuildPyWithSources},
     ext_modules=[
         Extension(
-            "colibri._engine",
+            "colibri.runtime._engine",
             # The POSIX file layer (mmap, madvise, mlock) beside the core: colibri.Model(path) maps files.
-            sources=["host_tools/colibri/_engine.c", *sources, str(CORE / "posix" / "colibri_file.c")],
+            sources=["host_tools/colibri/runtime/_engine.c", *sources, str(CORE / "posix" / "colibri_file.c")],
             include_dirs=[str(CORE / "include"), str(CORE / "src"), str(CORE / "posix")],
             define_macros=[("COLIBRI_SOURCE_HASH", f'"{src.source_hash(ROOT)}"')],
             # -ffp-contract=off -fno-math-errno: the engine's floating-point contract

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import models as M  # noqa: E402
-from colibri.exporter import export  # noqa: E402
+from colibri.frontends.exporter import export  # noqa: E402
 
 CPUS = {"cortex-a72": "aarch64 neon", "max": "aarch64 neon+dotprod"}
 VARIANTS = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),

@@ -46,8 +46,8 @@ import numpy as np
 
 import colibri
 from colibri import image
-from colibri.format import Act, ExpertKind, Routing
-from colibri.ir import Expert, F16Weight, Graph, Linear, MoE
+from colibri.model.format import Act, ExpertKind, Routing
+from colibri.model.ir import Expert, F16Weight, Graph, Linear, MoE
 
 
 def build(layers: int, experts: int, d: int, hidden: int, seed: int = 0, skew: float = 0.0) -> Graph:

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import models  # noqa: PLC0415  (bench/models.py: torch)
-    from colibri.exporter import export  # noqa: PLC0415
+    from colibri.frontends.exporter import export  # noqa: PLC0415
 
     exe = build()
     batches = [b for b in args.batches.split(",") if b]

@@ -41,8 +41,8 @@ def plugin() -> Path:
 def run(elf: Path, image: bytes, x: np.ndarray, forwards: int, reference: bool) -> tuple[Counter, int]:
     """Per-pc instruction counts of a run that loads `image` and forwards x `forwards` times; and the
     work count (instructions inside colibri_forward, by the firmware's counter) of the last forward."""
-    from colibri.device import Device
-    from colibri.qemu import Qemu
+    from colibri.target.device import Device
+    from colibri.target.qemu import Qemu
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "prof.txt"
@@ -85,7 +85,7 @@ def main() -> None:
     import models
     from measure import runner_elf
 
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
 
     module = models.meter() if args.model == "meter" else models.smart_meter()[0]
     kw = {"f32": {}, "q8": {"dtype": "q8"}, "q8i8": {"dtype": "q8", "int8_act": ["*"]}}[args.dtype]

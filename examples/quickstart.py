@@ -56,7 +56,7 @@ def main() -> None:
 
     counts = np.zeros(4, dtype=int)
     moe = result.graph.moe_layers()[0]
-    h = reference.run(colibri.ir.Graph(result.graph.layers[:3], 48, 32, 16), x.numpy())
+    h = reference.run(colibri.model.ir.Graph(result.graph.layers[:3], 48, 32, 16), x.numpy())
     for sel in reference.route(moe, h):
         for slot, _ in sel:
             counts[slot] += 1

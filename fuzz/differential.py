@@ -6,9 +6,9 @@ Each input is an image (seeded from fuzz/corpus/differential: real exports of
 every dtype and option). The header CRC is rewritten over the mutated bytes
 when image_size lies within the input, so mutations reach the table and
 record checks instead of stopping at BAD_CRC (format v3 and later: the payload CRCs too). Then the engine
-(`colibri._engine.validate`, the C code) and `colibri.image.read` (the
+(`colibri.runtime._engine.validate`, the C code) and `colibri.image.read` (the
 executable specification) must return the same status, at the full level and at the structure level
-(`colibri._engine.validate_structure`, `image.status(check="structure")`); any disagreement, or
+(`colibri.runtime._engine.validate_structure`, `image.status(check="structure")`); any disagreement, or
 any exception from the reader other than a ColibriError, stops the run with
 the input saved as a crash-* file. Coverage guidance is over the Python reader
 (atheris instruments the colibri package).
@@ -22,8 +22,9 @@ import atheris
 
 with atheris.instrument_imports(include=["colibri"]):
     import colibri  # noqa: F401  (first import: the package gets instrumented)
-    from colibri import _engine, image
-    from colibri import format as F
+    from colibri.runtime import _engine
+    from colibri import image
+    from colibri.model import format as F
 
 
 def _fix_tensor_crcs(buf: bytearray, meta: int) -> None:

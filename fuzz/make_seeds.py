@@ -26,8 +26,8 @@ import torch
 
 from colibri import image
 from colibri import nn as cnn
-from colibri.exporter import build_graph, export
-from colibri.quantize import quantize
+from colibri.frontends.exporter import build_graph, export
+from colibri.quant.quantize import quantize
 
 
 def _moe_model(d: int = 4, experts: int = 3, hidden: int = 3, **moe) -> torch.nn.Module:

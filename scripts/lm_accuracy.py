@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import colibri  # noqa: E402
-from colibri import hf_lm  # noqa: E402
+from colibri.frontends import hf_lm  # noqa: E402
 from colibri.reference import LMState  # noqa: E402
 from helpers.hf_lm_models import ARCHS, MAX_SEQ_LEN  # noqa: E402
 

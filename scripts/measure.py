@@ -95,7 +95,7 @@ def group_tests() -> list[Figure]:
 
 def group_engine() -> list[Figure]:
     """The engine alone for Cortex-M7 (build/cm7/libcolibri.a, -O2, fpv5-d16): arm-none-eabi-size totals."""
-    from colibri.footprint import engine_footprint
+    from colibri.target.footprint import engine_footprint
 
     engine_footprint()  # builds the library if needed
     objs = sorted(str(p) for p in (CORE / "build" / "cm7" / "obj").glob("*.o"))
@@ -119,7 +119,7 @@ def runner_elf(board: str) -> Path:
 
 
 def group_runner() -> list[Figure]:
-    from colibri.footprint import elf_footprint
+    from colibri.target.footprint import elf_footprint
 
     return [fig("runner.flash.mps2_an500", elf_footprint(runner_elf("mps2_an500")).flash,
                 "runner firmware flash, mps2-an500 (code, read-only data, .data initialisers)"),
@@ -164,7 +164,7 @@ def group_quickstart() -> list[Figure]:
     import numpy as np
 
     import colibri
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
     from quickstart import build_model
 
     model = build_model()
@@ -197,7 +197,7 @@ def group_quantisation() -> list[Figure]:
     import test_quantize as TQ
     from colibri import image
     from colibri import nn as cnn
-    from colibri.quantize import DEFAULT_COMPENSATION, quantize
+    from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize
 
     torch.set_num_threads(1)
     f16 = [TQ.rel_l2(g, quantize(g, "f16"), TQ.inputs(TQ.TOKENS, g.input_size, seed=1))
@@ -250,7 +250,7 @@ def group_random_q8() -> list[Figure]:
     import torch
 
     import test_quantize as TQ
-    from colibri.quantize import quantize
+    from colibri.quant.quantize import quantize
     from helpers.randmodels import random_model
 
     torch.set_num_threads(1)
@@ -320,7 +320,7 @@ def group_routing() -> list[Figure]:
     import test_quantize as TQ
     import test_routing_quant as TR
     from colibri import image
-    from colibri.quantize import quantize
+    from colibri.quant.quantize import quantize
 
     sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples" / "tiny_lm")]
     import corpus
@@ -363,10 +363,11 @@ def group_routing() -> list[Figure]:
 
 def group_budget() -> list[Figure]:
     """`colibri quantize --target nucleo_h743zi` on the trained tiny LM's f32 image: the plan's dtypes and
-    footprint (colibri.budget)."""
+    footprint (colibri.target.budget)."""
     sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
     import evaluate
-    from colibri import budget, image
+    from colibri.target import budget
+    from colibri import image
 
     p = budget.plan(image.read(evaluate.image_path("f32").read_bytes()), "nucleo_h743zi")
     count = {d: sum(c.dtype == d for c in p.choices) for d in budget.PLANNED}
@@ -399,8 +400,8 @@ def group_smart_meter() -> list[Figure]:
 
     import colibri
     import forecaster as FC
-    from colibri import quantize as Q
-    from colibri.exporter import build_graph
+    from colibri.quant import quantize as Q
+    from colibri.frontends.exporter import build_graph
 
     torch.set_num_threads(1)
     out = ROOT / "build" / "smart_meter"
@@ -515,7 +516,7 @@ def weight_dominated_ratios() -> dict[str, float]:
     import test_quantize as TQ
     from colibri import image
     from colibri import nn as cnn
-    from colibri.quantize import quantize
+    from colibri.quant.quantize import quantize
 
     torch.manual_seed(5)  # test_image_size_ratios' model
     g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
@@ -535,7 +536,7 @@ def group_m7() -> list[Figure]:
     sys.path.insert(0, str(ROOT / "bench"))
     import models
 
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
 
     module = models.meter()
     macs = active_macs(module)
@@ -585,8 +586,8 @@ def lm_on_qemu() -> list[Figure]:
     prompt, 32 new tokens at temperature 0.8, top-k 20. Instructions (QEMU -icount, not cycles) of one
     decode step's colibri_lm_forward, averaged over positions 4..34, and of one colibri_lm_sample draw."""
     from colibri import image
-    from colibri.device import Device
-    from colibri.qemu import Qemu
+    from colibri.target.device import Device
+    from colibri.target.qemu import Qemu
 
     from helpers import lmmodels  # tests/ is on sys.path
 
@@ -630,8 +631,8 @@ def group_q4() -> list[Figure]:
     import forecaster as FC
     import test_quantize as TQ
     from colibri import image
-    from colibri.exporter import build_graph
-    from colibri.quantize import quantize
+    from colibri.frontends.exporter import build_graph
+    from colibri.quant.quantize import quantize
 
     torch.set_num_threads(1)
     ratio = weight_dominated_ratios()
@@ -679,8 +680,8 @@ def group_m7_tiny_lm() -> list[Figure]:
     and how the NUCLEO-H743ZI holds it (its built runner: arena, slot, flash bank 1 with the f16 linked in)."""
     import tempfile
 
-    from colibri.footprint import elf_footprint
-    from colibri.slots import SLOT_HEADER_SIZE
+    from colibri.target.footprint import elf_footprint
+    from colibri.target.slots import SLOT_HEADER_SIZE
 
     from helpers import tiny_lm_m7  # tests/ is on sys.path
 
@@ -719,8 +720,8 @@ def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False, reference_ke
     batch, reads STATS: the stack high-water covers the upload too, as a firmware's stack must."""
     import numpy as np
 
-    from colibri.device import Device
-    from colibri.qemu import Qemu
+    from colibri.target.device import Device
+    from colibri.target.qemu import Qemu
 
     with Qemu(runner_elf("mps2_an500")) as q, Device(q.url) as dev:
         if reference_kernels:
@@ -800,24 +801,24 @@ NOT_MEASURED: list[tuple[str, str]] = [
     (r"groups of 32, E 0\.5%", "design: quantize_q4's defaults (Q4_DEFAULT_GROUP, DEFAULT_COMPENSATION)"),
     (r"the 3% target issue 14 set|layers q8 with groups of 16", "design: issue 14's meter target and Q4_METER_SETTINGS"),
     (r"1–2 MB of flash", "design: the target class (STM32H7-class parts)"),
-    (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quantize.DEFAULT_COMPENSATION"),
+    (r"0\.5% of each tensor by default|E = 0\.5%", "design constant: colibri.quant.quantize.DEFAULT_COMPENSATION"),
     (r"exit status 1", "design: the CLI's failure status"),
     (r"10,000 forwards", "design: the count tests/test_micropython.py runs"),
-    (r"32-byte header", "design constant: colibri.slots.SLOT_HEADER_SIZE"),
+    (r"32-byte header", "design constant: colibri.target.slots.SLOT_HEADER_SIZE"),
     (r"CRC-32", "name of the checksum"),
     (r"480 MHz", "design: the NUCLEO-H743ZI's clock tree (boards/nucleo_h743zi)"),
     (r"max_batch 16|batch 1 and 16|at batch 1\b|at batch 16|batch-16", "the batch sizes a figure is for"),
     (r"64-bit host", "the host word size the arena figure is for"),
     (r"seeds 0–", "the first seed of the sweep"),
     (r"8–16 experts", "design: tests/randmodels.py draws 1-16 experts"),
-    (r"agreement ≥ 99% per MoE layer,\s+end-to-end relative L2 ≤ 1%", "design: colibri.report.ROUTING_TARGET, ERROR_TARGET"),
+    (r"agreement ≥ 99% per MoE layer,\s+end-to-end relative L2 ≤ 1%", "design: colibri.quant.report.ROUTING_TARGET, ERROR_TARGET"),
     (r"64-expert top-2 models \(d 16,", "design: tests/test_routing_quant.py's many_experts"),
     (r"0\.3-scaled", "design: branch_scale of Q8_MODELS in tests/test_quantize.py"),
     (r"\(d 128, 8 experts × hidden 512\)", "design: the model of test_image_size_ratios"),
-    (r"nested deeper than 16", "design constant: COLIBRI_MAX_RESIDUAL_DEPTH (colibri.format.MAX_RESIDUAL_DEPTH)"),
+    (r"nested deeper than 16", "design constant: COLIBRI_MAX_RESIDUAL_DEPTH (colibri.model.format.MAX_RESIDUAL_DEPTH)"),
     (r"transformers 5 block", "the transformers major version whose blocks start uninitialised"),
     (r"f16's 65504", "IEEE 754 half precision's largest finite value"),
-    (r"within 1e-5·\(1\+max\|y\|\)", "design constant: the export check's tolerance (colibri.exporter)"),
+    (r"within 1e-5·\(1\+max\|y\|\)", "design constant: the export check's tolerance (colibri.frontends.exporter)"),
     (r"1,000,000 executions each", "design constant: FUZZ_RUNS in the Makefile"),
     (r"100,000-execution smoke", "design constant: SMOKE_RUNS in the Makefile"),
     (r"About 7\.9 million\s+executions so far \(2026-\d\d-\d\d\)", "a log of fuzzing campaigns run (fuzz/README.md), dated"),

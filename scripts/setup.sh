@@ -58,7 +58,7 @@ fi
 # The CPython binding: rebuilt (only it, a few seconds) whenever the engine or
 # binding sources differ from those it was built from, e.g. after any C edit.
 if ! .venv/bin/python scripts/source_hash.py check >/dev/null; then
-    echo "setup: rebuilding the CPython binding (colibri._engine): its C sources changed"
+    echo "setup: rebuilding the CPython binding (colibri.runtime._engine): its C sources changed"
     .venv/bin/pip install -q --no-build-isolation --no-deps -e .
     .venv/bin/python scripts/source_hash.py check
 fi

@@ -20,8 +20,8 @@ import torch
 import colibri
 from colibri import nn as cnn
 from colibri import reference
-from colibri.exporter import export
-from colibri.ir import F16Weight, Q4Weight, Q8Weight, dense
+from colibri.frontends.exporter import export
+from colibri.model.ir import F16Weight, Q4Weight, Q8Weight, dense
 
 from helpers.build import build_c_tests
 from helpers.hook_models import BATCH, DTYPES, TOLERANCE, hook_net
@@ -56,7 +56,7 @@ def _linear(v: np.ndarray, w, b: np.ndarray | None) -> np.ndarray:
     return y if b is None else y + b
 
 
-def numpy_device(call: colibri.engine.ExpertCall) -> bool:
+def numpy_device(call: colibri.runtime.engine.ExpertCall) -> bool:
     """Runs the expert with numpy, as a device would: y[y_row(i)] += gate[i] · expert(x[x_row(i)])."""
     e = call.spec
     if e.int8_act:

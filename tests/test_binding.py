@@ -8,8 +8,8 @@ import torch
 import colibri
 from colibri import reference
 from colibri import nn as cnn
-from colibri.exporter import export
-from colibri.format import Status
+from colibri.frontends.exporter import export
+from colibri.model.format import Status
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,10 @@ def test_engine_checks_buffer_sizes_itself(exported: bytes) -> None:
     m = colibri.Model(exported)
     ctx = m._ctx
     out = np.empty((2, 2), np.float32)
-    with pytest.raises(colibri._engine.EngineError) as info:
+    with pytest.raises(colibri.runtime._engine.EngineError) as info:
         ctx.forward(np.zeros((2, 5), np.float32), out, 2)
     assert info.value.args[0] == Status.BUFFER_SIZE
-    with pytest.raises(colibri._engine.EngineError) as info:
+    with pytest.raises(colibri.runtime._engine.EngineError) as info:
         ctx.forward(np.zeros((5, 6), np.float32), np.empty((5, 2), np.float32), 5)
     assert info.value.args[0] == Status.BAD_BATCH
     with pytest.raises(TypeError, match="float32"):

@@ -1,7 +1,7 @@
-"""`colibri quantize --target BOARD` (colibri.budget): per-weight dtypes that fit a board's model slot and
+"""`colibri quantize --target BOARD` (colibri.target.budget): per-weight dtypes that fit a board's model slot and
 the runner's arena with the least error, or a clear refusal.
 
-The budgets are the board support's own: the slot capacity of colibri.slots.LAYOUTS and
+The budgets are the board support's own: the slot capacity of colibri.target.slots.LAYOUTS and
 RUNNER_ARENA_CAPACITY of boards/<board>/board.mk (what the runner is built with)."""
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from colibri import budget, engine, image, slots
-from colibri.budget import Board, BudgetError
-from colibri.ir import F16Weight, Q8Weight
-from colibri.quantize import quantize, weight_slots
+from colibri.target import budget, slots
+from colibri.runtime import engine
+from colibri import image
+from colibri.target.budget import Board, BudgetError
+from colibri.model.ir import F16Weight, Q8Weight
+from colibri.quant.quantize import quantize, weight_slots
 
 from helpers.build import ROOT
 from test_quantize import graph_of, inputs
@@ -74,7 +76,7 @@ def test_the_trained_smart_meter_fits_a_tight_board_with_calibration() -> None:
     import forecaster as FC
 
     from colibri import reference
-    from colibri.exporter import build_graph
+    from colibri.frontends.exporter import build_graph
 
     torch.set_num_threads(1)
     data = FC.dataset()

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.device import Device
-from colibri.exporter import export
-from colibri.pack import c_array
-from colibri.qemu import Qemu
+from colibri.target.device import Device
+from colibri.frontends.exporter import export
+from colibri.target.pack import c_array
+from colibri.target.qemu import Qemu
 
 from helpers.build import ROOT, make
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 
 def test_api_statuses(c_drivers: Path, tmp_path: Path) -> None:

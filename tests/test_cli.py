@@ -113,7 +113,7 @@ def test_quantize_with_report_and_plot(exported: Path) -> None:
     q8 = colibri.image.read((d / "q8.clb").read_bytes())
     moe = q8.moe_layers()[0]
     assert isinstance(moe.router_weight, np.ndarray)  # kept f32
-    assert isinstance(moe.experts[0].w1, colibri.ir.Q8Weight)
+    assert isinstance(moe.experts[0].w1, colibri.model.ir.Q8Weight)
     assert (d / "q8.clb").stat().st_size < exported.stat().st_size / 2
     info = cli("info", "q8.clb", cwd=d)
     assert info.returncode == 0, info.stderr
@@ -128,4 +128,4 @@ def test_export_f16(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "numpy reference vs PyTorch" in r.stdout
     m = colibri.image.read((tmp_path / "f16.clb").read_bytes())
-    assert isinstance(m.layers[0].weight, colibri.ir.F16Weight)
+    assert isinstance(m.layers[0].weight, colibri.model.ir.F16Weight)

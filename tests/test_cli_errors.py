@@ -18,9 +18,9 @@ import torch
 from click.testing import CliRunner
 
 import colibri
-from colibri import cli as colibri_cli
+from colibri.cli import app as colibri_cli
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import ROOT, make
 from helpers.cli import COLIBRI, assert_one_line_error, cli, user_env
@@ -242,7 +242,7 @@ def test_ctrl_c_is_one_line(work: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runner_elf() -> Path:
-    from colibri.firmware import build_runner
+    from colibri.target.firmware import build_runner
 
     return build_runner()
 
@@ -271,8 +271,8 @@ def test_firmware_that_is_no_arm_elf_is_refused(work: Path, command: str, firmwa
 
 @pytest.mark.qemu
 def test_qemu_reports_why_it_stopped(no_qemu_left_behind) -> None:
-    from colibri.device import Device
-    from colibri.qemu import Qemu, QemuError
+    from colibri.target.device import Device
+    from colibri.target.qemu import Qemu, QemuError
 
     with pytest.raises(QemuError, match=r"QEMU stopped \(killed by signal 6\) running /bin/ls: qemu: fatal: Lockup"):
         with Qemu("/bin/ls") as q, Device(q.url, timeout=5) as dev:

@@ -199,7 +199,7 @@ def test_every_build_sets_the_floating_point_contract(tmp_path: Path) -> None:
     args = [ast.literal_eval(kw.value) for node in ast.walk(setup) if isinstance(node, ast.Call)
             for kw in node.keywords if kw.arg == "extra_compile_args"]
     assert args and all(set(NUMERICS) <= set(a) for a in args), args
-    from colibri import natmod
+    from colibri.target import natmod
     for arch in natmod.ARCHS.values():
         assert set(NUMERICS) <= set(arch.cflags), arch.name
     ini = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",))

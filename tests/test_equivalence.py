@@ -10,7 +10,7 @@ import torch
 
 import colibri
 from colibri import reference
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.randmodels import random_model
 

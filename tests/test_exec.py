@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import ROOT, build_c_tests
 

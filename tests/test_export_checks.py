@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 import colibri
-from colibri import exporter, format, reference
+from colibri.frontends import exporter
+from colibri.model import format
+from colibri import reference
 from colibri import nn as cnn
-from colibri.errors import ExportCheckError, ExportError
-from colibri.ir import Q8Weight, dense
+from colibri.model.errors import ExportCheckError, ExportError
+from colibri.model.ir import Q8Weight, dense
 
 from helpers.cli import assert_one_line_error, cli
 

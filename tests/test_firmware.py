@@ -12,7 +12,7 @@ import torch
 from elftools.elf.elffile import ELFFile
 
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import ROOT, make
 
@@ -107,10 +107,10 @@ def test_runner_reports_and_enforces_format_versions(model_file: Path, no_qemu_l
     """HELLO says which image format versions the runner's engine reads; an image of a newer version
     is refused over serial with the engine's UNSUPPORTED_VERSION, a corrupt version field with
     BAD_VERSION, and the runner goes on with the next good image."""
-    from colibri import format as F
-    from colibri.device import Device, DeviceError
-    from colibri.pack import firmware_formats
-    from colibri.qemu import Qemu
+    from colibri.model import format as F
+    from colibri.target.device import Device, DeviceError
+    from colibri.target.pack import firmware_formats
+    from colibri.target.qemu import Qemu
 
     elf = build("mps2_an500")
     data = model_file.read_bytes()

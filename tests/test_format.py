@@ -1,4 +1,4 @@
-"""The format's constants exist once: the C header is generated from colibri.format."""
+"""The format's constants exist once: the C header is generated from colibri.model.format."""
 from __future__ import annotations
 
 import re
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import colibri
-from colibri import format as F
+from colibri.model import format as F
 from colibri import image
-from colibri.errors import ImageError
-from colibri.exporter import export
+from colibri.model.errors import ImageError
+from colibri.frontends.exporter import export
 
-from colibri.quantize import quantize
+from colibri.quant.quantize import quantize
 
 from helpers.build import CORE
 
@@ -22,7 +22,7 @@ from helpers import lmmodels
 
 def test_generated_header_is_up_to_date() -> None:
     text = (CORE / "include" / "colibri_format.h").read_text()
-    assert text == F.c_header(), "run `colibri gen-header` after changing colibri/format.py"
+    assert text == F.c_header(), "run `colibri gen-header` after changing colibri/model/format.py"
 
 
 def test_record_sizes_match_the_documented_layout() -> None:
@@ -108,8 +108,8 @@ def test_a_read_q8_weight_dequantises_as_written(compensation: float) -> None:
     so dense() (the report, the planner, the hook's views) works on a read image."""
     import numpy as np
 
-    from colibri.ir import dense
-    from colibri.quantize import weight_slots
+    from colibri.model.ir import dense
+    from colibri.quant.quantize import weight_slots
 
     torch.manual_seed(0)
     result = export(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4)),

@@ -124,8 +124,8 @@ def model_c(tmp_path_factory) -> Path:
         import forecaster as F
     finally:
         sys.path.remove(str(ROOT / "examples" / "smart_meter"))
-    from colibri import quantize as Q
-    from colibri.exporter import build_graph
+    from colibri.quant import quantize as Q
+    from colibri.frontends.exporter import build_graph
 
     import torch
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import colibri
 from colibri import cli as colibri_cli
 from colibri import image, reference
-from colibri import tokenizer as tok
+from colibri.runtime import tokenizer as tok
 
 from helpers import lmmodels
 from helpers.build import ROOT
@@ -126,7 +126,7 @@ def test_errors_are_one_line_and_status_1(token_model: Path, args: list[str], me
 def test_feature_model_is_refused_by_kind(tmp_path: Path) -> None:
     import torch
 
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
 
     export(torch.nn.Sequential(torch.nn.Linear(4, 3)), tmp_path / "f.clb", max_batch=1)
     code, out, err = generate(str(tmp_path / "f.clb"), "--prompt", "a")

@@ -1,4 +1,4 @@
-"""Hugging Face MoE blocks exported by colibri.hf match transformers' own forward.
+"""Hugging Face MoE blocks exported by colibri.frontends.hf match transformers' own forward.
 
 Every block is built from a small random config (no hub access), put in eval
 mode, run on a [batch, T, H] input, exported, and the numpy reference run of
@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import colibri
-from colibri import exporter, hf, reference
-from colibri.errors import ExportError
-from colibri.format import Routing
+from colibri.frontends import exporter, hf
+from colibri import reference
+from colibri.model.errors import ExportError
+from colibri.model.format import Routing
 
 from helpers import hfblocks
 

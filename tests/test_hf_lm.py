@@ -1,4 +1,4 @@
-"""Hugging Face MoE causal LMs exported as token models (colibri.hf_lm): the reference's f32 logits
+"""Hugging Face MoE causal LMs exported as token models (colibri.frontends.hf_lm): the reference's f32 logits
 against the model's over a prefill and single-token steps, and greedy continuations against
 `generate(do_sample=False)`, for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE from tiny random configs.
 
@@ -15,10 +15,11 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import colibri
-from colibri import hf_lm, image
-from colibri.errors import ExportError
-from colibri.format import Routing
-from colibri.ir import MoE
+from colibri.frontends import hf_lm
+from colibri import image
+from colibri.model.errors import ExportError
+from colibri.model.format import Routing
+from colibri.model.ir import MoE
 from colibri.reference import LMState
 
 from helpers.hf_lm_models import ARCHS, COMMON, MAX_SEQ_LEN, mixtral, olmoe, randomised

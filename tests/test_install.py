@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import sources
+from colibri.runtime import sources
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_wheel_carries_the_sources_and_the_binding(dist: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     packaged = {f"colibri/_src/{rel}" for rel in sources.files(ROOT, sources.PACKAGED)}
     assert packaged - names == set()
-    assert [n for n in names if re.fullmatch(r"colibri/_engine\..*\.so", n)]
+    assert [n for n in names if re.fullmatch(r"colibri/runtime/_engine\..*\.so", n)]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_every_command_from_the_installed_wheel(venv: Path, tmp_path: Path) -> N
     def colibri_cli(*args: str) -> str:
         return run([exe, *args], cwd=work, env=env).stdout
 
-    where = run([venv / "bin" / "python", "-c", "import colibri, colibri.sources as s; "
+    where = run([venv / "bin" / "python", "-c", "import colibri, colibri.runtime.sources as s; "
                  "print(colibri.__file__); print(s.checkout_root()); print(s.root())"], cwd=work, env=env).stdout
     file, checkout, root = where.splitlines()
     assert Path(file).is_relative_to(venv), file
@@ -145,6 +145,6 @@ def test_every_command_from_the_installed_wheel(venv: Path, tmp_path: Path) -> N
     assert list(cache.glob("colibri/src-*/firmware/colibri_core/build/cm7/libcolibri.a"))
     assert not list(venv.rglob("colibri/_src/**/build"))
 
-    # The maintainer's header check, where the CLI still has it: the packaged header matches colibri.format.
+    # The maintainer's header check, where the CLI still has it: the packaged header matches colibri.model.format.
     if subprocess.run([exe, "gen-header", "--help"], capture_output=True, cwd=work, env=env).returncode == 0:
         colibri_cli("gen-header", "--check")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import colibri
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.randmodels import random_model
 

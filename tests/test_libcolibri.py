@@ -18,7 +18,7 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import CORE, ROOT, make
 

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 import colibri
-from colibri import engine, image
-from colibri import format as F
+from colibri.runtime import engine
+from colibri import image
+from colibri.model import format as F
 from colibri import nn as cnn
-from colibri.exporter import export, write_atomically
+from colibri.frontends.exporter import export, write_atomically
 
 from helpers.build import ROOT, make
 

@@ -11,8 +11,8 @@ import pytest
 
 import colibri
 from colibri import image, reference
-from colibri.errors import ImageError, InputError
-from colibri.format import DType, Status
+from colibri.model.errors import ImageError, InputError
+from colibri.model.format import DType, Status
 
 from helpers import lmmodels
 from helpers.lmmodels import CONFIGS, config_graph
@@ -121,7 +121,7 @@ def test_statuses_and_failed_calls_change_nothing(lm_data: bytes) -> None:
         ids = np.array(ids, np.int32)
         try:
             raw.lm_forward(ids, np.empty(len(ids) * 40 if out_len is None else out_len, np.float32), len(ids))
-        except colibri._engine.EngineError as e:
+        except colibri.runtime._engine.EngineError as e:
             return e.args[0]
         return 0
 
@@ -156,7 +156,7 @@ def test_sampler_statuses(lm_data: bytes) -> None:
     def status(logits, t=1.0, k=0, p=1.0):
         try:
             lm._ctx.lm_sample(np.asarray(logits, np.float32), t, k, p, 1)
-        except colibri._engine.EngineError as e:
+        except colibri.runtime._engine.EngineError as e:
             return e.args[0]
         return 0
     assert status(row) == 0
@@ -173,19 +173,19 @@ def test_sampler_statuses(lm_data: bytes) -> None:
 def test_model_kind_both_ways(lm_data: bytes, tmp_path: Path) -> None:
     with pytest.raises(InputError, match="colibri.LM"):
         colibri.Model(lm_data)
-    ctx = colibri._engine.Context(lm_data)
-    with pytest.raises(colibri._engine.EngineError) as exc:
+    ctx = colibri.runtime._engine.Context(lm_data)
+    with pytest.raises(colibri.runtime._engine.EngineError) as exc:
         ctx.forward(np.zeros(40, np.float32), np.zeros(40, np.float32), 1)
     assert exc.value.args[0] == Status.MODEL_KIND
     import torch
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
     torch.manual_seed(0)
     feature = export(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)), None).image
     with pytest.raises(InputError, match="colibri.Model"):
         colibri.LM(feature)
-    fctx = colibri._engine.Context(feature)
+    fctx = colibri.runtime._engine.Context(feature)
     for call in (fctx.lm_reset, fctx.lm_position):
-        with pytest.raises(colibri._engine.EngineError) as exc:
+        with pytest.raises(colibri.runtime._engine.EngineError) as exc:
             call()
         assert exc.value.args[0] == Status.MODEL_KIND
 
@@ -200,11 +200,11 @@ def test_info_and_kv_cache_bytes() -> None:
 
 
 def test_validator_agrees_with_the_python_reader(lm_data: bytes) -> None:
-    assert colibri._engine.validate(lm_data) == 0 == image.status(lm_data)
+    assert colibri.runtime._engine.validate(lm_data) == 0 == image.status(lm_data)
     off = attention_offset(lm_data)
     for what, at, fmt, value in BAD_RECORDS:
         bad = patched(lm_data, off + at, fmt, value)
-        assert colibri._engine.validate(bad) == image.status(bad) == Status.BAD_ATTENTION, what
+        assert colibri.runtime._engine.validate(bad) == image.status(bad) == Status.BAD_ATTENTION, what
     # Every single-byte change of the metadata: the same status from both readers.
     meta = struct.unpack_from("<I", lm_data, 64)[0]
     for pos in range(0, meta, 3):
@@ -213,7 +213,7 @@ def test_validator_agrees_with_the_python_reader(lm_data: bytes) -> None:
             buf[pos] ^= xor
             if pos >= 12:  # past the CRC field: the header CRC made right, so the change itself is checked
                 image.set_crc(buf)
-            assert colibri._engine.validate(bytes(buf)) == image.status(bytes(buf)), (pos, xor)
+            assert colibri.runtime._engine.validate(bytes(buf)) == image.status(bytes(buf)), (pos, xor)
 
 
 def test_arena_is_exact_with_the_kv_cache(c_drivers: Path) -> None:
@@ -257,7 +257,7 @@ def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Pa
 def test_cli_info_describes_a_token_model(kw: dict) -> None:
     """`colibri info` on a token model: the embedding and attention rows carry their weights, a tied head
     counts none of its own, and the totals are the C engine's (parameters, arena, KV cache)."""
-    from colibri.cli import describe
+    from colibri.cli.app import describe
 
     data = image.write(lmmodels.token_model(3, **kw))
     d = describe(data)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import format as F
-from colibri import image, quantize, reference
-from colibri.errors import ImageError
-from colibri.format import DType, Op, Status
-from colibri.ir import Attention, Embedding, Graph, Linear, Q8Weight
+from colibri.model import format as F
+from colibri import image, reference
+from colibri.quant import quantize
+from colibri.model.errors import ImageError
+from colibri.model.format import DType, Op, Status
+from colibri.model.ir import Attention, Embedding, Graph, Linear, Q8Weight
 
 from helpers import lmmodels
 from helpers.lm_records import BAD_RECORDS, attention_offset, patched

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from colibri import image, reference
-from colibri.errors import ImageError, InputError
-from colibri.format import DType, Routing, Status
-from colibri.ir import Attention, Embedding, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm, dense
+from colibri.model.errors import ImageError, InputError
+from colibri.model.format import DType, Routing, Status
+from colibri.model.ir import Attention, Embedding, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm, dense
 from colibri.reference import LMState, Rng, engine_expf, sample
 
 from helpers import lmmodels

@@ -1,5 +1,5 @@
 """Issue 11, the file side: format v3 (one CRC per tensor), the POSIX file layer
-(firmware/colibri_core/posix/colibri_file.c through colibri._engine.File), colibri.Model(path)
+(firmware/colibri_core/posix/colibri_file.c through colibri.runtime._engine.File), colibri.Model(path)
 mapping instead of copying, page-aligned experts, hot model swap by rename and the truncation case."""
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import colibri
-from colibri import engine, image, reference
-from colibri import format as F
+from colibri.runtime import engine
+from colibri import image, reference
+from colibri.model import format as F
 from colibri import nn as cnn
-from colibri.errors import ImageError, ModelFileError
-from colibri.exporter import export, write_atomically
-from colibri.format import Status
+from colibri.model.errors import ImageError, ModelFileError
+from colibri.frontends.exporter import export, write_atomically
+from colibri.model.format import Status
 
 PAGE = 4096
 
@@ -213,7 +214,7 @@ def test_mlock_refused_reports_rlimit(paged: bytes, tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import resource, sys
         from colibri import engine
-        from colibri.format import Status
+        from colibri.model.format import Status
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, 4096))
         try:
             engine.open_file({str(path)!r}, lock="all")

@@ -32,8 +32,8 @@ import pytest
 import torch
 
 import colibri
-from colibri.engine import arena_size
-from colibri.format import STATUS_TEXT, Status
+from colibri.runtime.engine import arena_size
+from colibri.model.format import STATUS_TEXT, Status
 from helpers.build import ROOT
 from helpers.micropython import (BUILTIN, ROUTINGS, after, assert_same_bits, make_model, mp_script, repl,
                                  run_mp)

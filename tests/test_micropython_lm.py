@@ -16,7 +16,7 @@ import pytest
 
 import colibri
 from colibri import image
-from colibri.format import STATUS_TEXT, Status
+from colibri.model.format import STATUS_TEXT, Status
 from helpers.lmmodels import CONFIGS, config_graph
 from helpers.micropython import BUILTIN, after, assert_same_bits, make_model, mp_script, repl, run_mp
 

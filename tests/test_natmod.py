@@ -1,11 +1,11 @@
-"""The project's .o -> .mpy linker, `colibri.natmod`, and the native modules it builds.
+"""The project's .o -> .mpy linker, `colibri.target.natmod`, and the native modules it builds.
 
 MicroPython's own tools cannot run here (no MicroPython source tree from any
 registry), so the project links native modules itself. These tests parse the
 files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with a
-reader of the .mpy layout written apart from colibri.natmod, from the order in
+reader of the .mpy layout written apart from colibri.target.natmod, from the order in
 which MicroPython's loader reads a file (tests/helpers/mpy_format.py), compare
-it with `colibri.natmod.read_mpy`, and check every refusal the linker must make: each
+it with `colibri.target.natmod.read_mpy`, and check every refusal the linker must make: each
 refused input was a crash at run time when it was let through.
 """
 from __future__ import annotations
@@ -105,8 +105,8 @@ def test_module_parses_to_the_end(built: tuple[str, Path]) -> None:
 
 
 def test_read_mpy_agrees(built: tuple[str, Path]) -> None:
-    """colibri.natmod.read_mpy reports what the independent reader finds, word for word."""
-    from colibri import natmod
+    """colibri.target.natmod.read_mpy reports what the independent reader finds, word for word."""
+    from colibri.target import natmod
 
     arch, path = built
     mine = parse_mpy(path.read_bytes())
@@ -181,7 +181,7 @@ REFUSAL_ARCHS = ("x64", "armv7emdp")
 
 def compile_fixture(name: str, arch: str, out_dir: Path) -> Path:
     """A fixture compiled by natmod's own compile step, with the flags of the real module build."""
-    from colibri import natmod
+    from colibri.target import natmod
 
     extra = NON_PIC[arch] if name == "absolute" else []
     return natmod.compile_c(FIXTURES / f"{name}.c", arch, out_dir / arch / f"{name}.o", extra)
@@ -190,7 +190,7 @@ def compile_fixture(name: str, arch: str, out_dir: Path) -> Path:
 @pytest.mark.parametrize("arch", [on_arch(a) for a in REFUSAL_ARCHS])
 def test_minimal_module_links(arch: str, tmp_path: Path) -> None:
     """The control for the refusals: entry.c alone links, to a module whose one relocation is mp_fun_table."""
-    from colibri import natmod
+    from colibri.target import natmod
 
     out = tmp_path / "entry.mpy"
     natmod.link([compile_fixture("entry", arch, tmp_path)], arch, out)
@@ -202,7 +202,7 @@ def test_minimal_module_links(arch: str, tmp_path: Path) -> None:
 
 def test_minimal_module_imports(tmp_path: Path) -> None:
     """The x64 control module loads in the real interpreter: import runs mpy_init at text offset 0."""
-    from colibri import natmod
+    from colibri.target import natmod
 
     natmod.link([compile_fixture("entry", "x64", tmp_path)], "x64", tmp_path / "entry.mpy")
     r = subprocess.run([str(MICROPYTHON), "-c", "import entry; print('imported', entry.__name__)"],
@@ -214,7 +214,7 @@ def test_minimal_module_imports(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", [on_arch(a) for a in REFUSAL_ARCHS])
 def test_linker_refuses(fixture: str, arch: str, tmp_path: Path) -> None:
     """Each input that once crashed at run time is refused at build time, naming the symbol and the object."""
-    from colibri import natmod
+    from colibri.target import natmod
 
     symbol, what = REFUSALS[fixture]
     what = what.format(absolute_reloc=ABSOLUTE_RELOC[arch])

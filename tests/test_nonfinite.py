@@ -29,9 +29,9 @@ import torch
 import colibri
 from colibri import nn as cnn
 from colibri import reference
-from colibri.exporter import export
-from colibri.ir import dense
-from colibri.quantize import quantize_f16, quantize_q8
+from colibri.frontends.exporter import export
+from colibri.model.ir import dense
+from colibri.quant.quantize import quantize_f16, quantize_q8
 
 D = 8
 MAX_BATCH = 40

@@ -11,8 +11,8 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.exporter import export
-from colibri.pack import c_array
+from colibri.frontends.exporter import export
+from colibri.target.pack import c_array
 
 from helpers.build import CORE, build_c_tests
 
@@ -88,8 +88,8 @@ def test_cli_c_array(model_file: Path, tmp_path: Path) -> None:
 def test_flash_image_hex_round_trips(model_file: Path, tmp_path: Path, board: str, slot: str) -> None:
     from intelhex import IntelHex
 
-    from colibri import slots
-    from colibri.pack import flash_image
+    from colibri.target import slots
+    from colibri.target.pack import flash_image
 
     data = model_file.read_bytes()
     fi = flash_image(data, tmp_path / "slot", board=board, slot=slot, sequence=7)
@@ -105,7 +105,7 @@ def test_flash_image_hex_round_trips(model_file: Path, tmp_path: Path, board: st
 
 
 def test_flash_image_refusals(model_file: Path, tmp_path: Path) -> None:
-    from colibri.pack import flash_image
+    from colibri.target.pack import flash_image
 
     with pytest.raises(ValueError, match="unknown board"):
         flash_image(model_file.read_bytes(), tmp_path / "x", board="esp32")
@@ -128,7 +128,7 @@ def with_version(data: bytes, version: int) -> bytes:
 
 def fake_firmware(path: Path, formats: tuple[int, int] | None) -> Path:
     """A firmware file carrying runner.c's format record (or none, as every runner before it)."""
-    from colibri.pack import FORMATS_RECORD, FORMATS_TAG
+    from colibri.target.pack import FORMATS_RECORD, FORMATS_TAG
 
     record = FORMATS_RECORD.pack(FORMATS_TAG, *formats) if formats else b""
     path.write_bytes(b"\x00" * 256 + record + b"\xff" * 64)
@@ -147,8 +147,8 @@ def runner_elf() -> Path:
 @pytest.mark.cross
 def test_firmware_formats_from_elf_bin_and_hex(runner_elf: Path, tmp_path: Path) -> None:
     """The runner carries the versions its engine reads; found in each file kind a programmer takes."""
-    from colibri import format as F
-    from colibri.pack import firmware_formats
+    from colibri.model import format as F
+    from colibri.target.pack import firmware_formats
 
     want = (F.MIN_READ_VERSION, F.MAX_READ_VERSION)
     assert firmware_formats(runner_elf) == want
@@ -163,15 +163,15 @@ def test_firmware_formats_from_elf_bin_and_hex(runner_elf: Path, tmp_path: Path)
 @pytest.mark.cross
 def test_flash_image_refuses_a_version_the_firmware_does_not_read(model_file: Path, tmp_path: Path,
                                                                   runner_elf: Path, monkeypatch) -> None:
-    from colibri import format as F
-    from colibri.errors import ImageError
-    from colibri.pack import flash_image
+    from colibri.model import format as F
+    from colibri.model.errors import ImageError
+    from colibri.target.pack import flash_image
 
     from colibri import image
 
     # relabelled from the newest layout (v5: a feature model with int4 weights), so a reader of the
     # next version reads it as this one would
-    from colibri.exporter import export
+    from colibri.frontends.exporter import export
 
     torch.manual_seed(0)
     data = export(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
@@ -196,7 +196,7 @@ def test_cli_pack_and_probe_refuse_versions(model_file: Path, tmp_path: Path) ->
     anything is written: for this colibri's engine, or for the firmware named with --firmware."""
     import os
 
-    from colibri import format as F
+    from colibri.model import format as F
 
     from helpers.slots import FAKE_PYOCD
 
@@ -215,7 +215,7 @@ def test_cli_pack_and_probe_refuse_versions(model_file: Path, tmp_path: Path) ->
     from intelhex import IntelHex
 
     ih = IntelHex(str(good_hex.with_suffix(".hex")))
-    from colibri import slots
+    from colibri.target import slots
 
     raw = ih.tobinstr(start=ih.minaddr(), end=ih.maxaddr())
     newer_slot = slots.slot_image(with_version(raw[slots.SLOT_HEADER_SIZE:], F.MAX_READ_VERSION + 1), 3)

@@ -22,8 +22,8 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.exporter import export
-from colibri.format import Status
+from colibri.frontends.exporter import export
+from colibri.model.format import Status
 from helpers.build import ROOT
 from helpers.randmodels import random_model
 from helpers.c_drivers import check

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from colibri import protocol as P
-from colibri import slots
-from colibri.device import Device, Slot
-from colibri.pytest_plugin import build_runner
-from colibri.qemu import POWER_CUT, Qemu
+from colibri.target import protocol as P
+from colibri.target import slots
+from colibri.target.device import Device, Slot
+from colibri.target.pytest_plugin import build_runner
+from colibri.target.qemu import POWER_CUT, Qemu
 
 from helpers.slots import other, runs, small_model
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from colibri import protocol as P
+from colibri.target import protocol as P
 
 from helpers.build import ROOT
 

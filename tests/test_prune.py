@@ -8,8 +8,8 @@ import torch
 import colibri
 from colibri import nn as cnn
 from colibri import reference
-from colibri.errors import ExportError
-from colibri.exporter import export
+from colibri.model.errors import ExportError
+from colibri.frontends.exporter import export
 
 
 def _model(routing: str, seed: int = 0) -> torch.nn.Sequential:
@@ -38,7 +38,7 @@ def test_prune_by_list_drops_experts_and_remaps(routing: str) -> None:
     np.testing.assert_allclose(colibri.Model(result.image).forward(x), reference.run(result.image, x),
                                rtol=1e-5, atol=1e-5)
     # Pruned experts are never selected.
-    h = reference.run(colibri.ir.Graph(result.graph.layers[:1], 6, 12), x)
+    h = reference.run(colibri.model.ir.Graph(result.graph.layers[:1], 6, 12), x)
     for sel in reference.route(moe, h):
         assert all(0 <= slot < 5 for slot, _ in sel)
 
@@ -95,5 +95,5 @@ def test_export_check_after_pruning_still_catches_a_wrong_conversion() -> None:
 
     model = _model("topk_softmax", seed=2)
     model[2] = Doubled(12, 3)
-    with pytest.raises(colibri.errors.ExportCheckError, match=r"on \d+ of 64 tokens"):
+    with pytest.raises(colibri.model.errors.ExportCheckError, match=r"on \d+ of 64 tokens"):
         export(model, None, max_batch=8, example_input=torch.randn(64, 6), prune=[1, 5])

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import _engine, image, reference
-from colibri import format as F
-from colibri.errors import ExportError
-from colibri.format import Act, DType, ExpertKind, Routing, Status
-from colibri.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
-from colibri.quantize import quantize, quantize_q4, weight_slots
+from colibri.runtime import _engine
+from colibri import image, reference
+from colibri.model import format as F
+from colibri.model.errors import ExportError
+from colibri.model.format import Act, DType, ExpertKind, Routing, Status
+from colibri.model.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
+from colibri.quant.quantize import quantize, quantize_q4, weight_slots
 
 from helpers import lmmodels
 import test_quantize as TQ

@@ -1,4 +1,4 @@
-"""Accuracy, size and engine agreement of quantised weights (colibri.quantize).
+"""Accuracy, size and engine agreement of quantised weights (colibri.quant.quantize).
 
 Weights stored as f16, or as int8 per output channel with a sparse f16
 compensation term E (W ≈ Q·S + E), change a model's answers; these tests
@@ -33,11 +33,11 @@ import torch
 import colibri
 from colibri import image, reference
 from colibri import nn as cnn
-from colibri.errors import ExportError
-from colibri.exporter import build_graph
-from colibri.format import Act, ExpertKind, Routing
-from colibri.ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, dense
-from colibri.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
+from colibri.model.errors import ExportError
+from colibri.frontends.exporter import build_graph
+from colibri.model.format import Act, ExpertKind, Routing
+from colibri.model.ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, dense
+from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
 
 from helpers import hfblocks
 from helpers.randmodels import random_model
@@ -82,7 +82,7 @@ def graph_of(module: torch.nn.Module, max_batch: int = 16) -> Graph:
 
 def storage(graph: Graph) -> set[type]:
     """The storage types of the graph's weight matrices, to prove quantisation happened; routers and
-    shared gates stay f32 unless quantize_routers (colibri.quantize), so they are left out."""
+    shared gates stay f32 unless quantize_routers (colibri.quant.quantize), so they are left out."""
     return {type(getattr(owner, attr)) for name, owner, attr in weight_slots(graph)
             if not name.endswith((".router", ".shared_gate"))}
 
@@ -310,7 +310,7 @@ def test_compact_scales_are_the_nearest_f16_within_budget() -> None:
     """f16 scales are the nearest f16 to the f32 ones and the int8 weights those of the f32 scales
     (version 1's rounding): a per-row gain error of at most 2^-12; each row still reaches ±127;
     the bias moves into the companion as f16 within F16_BIAS_SHARE of the row's step."""
-    from colibri.quantize import F16_BIAS_SHARE
+    from colibri.quant.quantize import F16_BIAS_SHARE
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((24, 40)).astype(np.float32) * 0.1

@@ -8,9 +8,9 @@ import pytest
 
 import colibri
 from colibri import image, reference
-from colibri.exporter import build_graph
-from colibri.quantize import quantize
-from colibri.report import quantisation_report, rel_l2
+from colibri.frontends.exporter import build_graph
+from colibri.quant.quantize import quantize
+from colibri.quant.report import quantisation_report, rel_l2
 
 from helpers.randmodels import random_model
 
@@ -40,7 +40,7 @@ def test_report_matches_engine_and_reference(setting: str, tmp_path: Path) -> No
     assert rep.end_to_end_rel_l2 == pytest.approx(rel_l2(engine, rep.outputs_f32), rel=1e-3, abs=1e-7)
     assert rep.layers[-1].rel_l2 == pytest.approx(rep.end_to_end_rel_l2)
     assert len(rep.layers) == len(graph.layers) and rep.tokens == 300
-    assert set(rep.routing_agreement) == {i for i, layer in enumerate(graph.layers) if isinstance(layer, colibri.ir.MoE)}
+    assert set(rep.routing_agreement) == {i for i, layer in enumerate(graph.layers) if isinstance(layer, colibri.model.ir.MoE)}
     assert all(0.9 <= share <= 1 for share in rep.routing_agreement.values())
     assert any(line.startswith("end to end over 300 tokens") for line in rep.lines())
     rep.plot(tmp_path / "err.png")
@@ -51,7 +51,7 @@ def test_routing_agreement_counts_changed_expert_sets() -> None:
     """Negating the router reverses every token's ranking of the experts: the sets change."""
     model, d_in, max_batch = random_model(3)
     graph, _ = build_graph(model, max_batch=max_batch)
-    moe_index, moe = next((i, layer) for i, layer in enumerate(graph.layers) if isinstance(layer, colibri.ir.MoE))
+    moe_index, moe = next((i, layer) for i, layer in enumerate(graph.layers) if isinstance(layer, colibri.model.ir.MoE))
     broken = quantize(graph, "f32")
     broken.layers[moe_index].router_weight = -np.asarray(moe.router_weight)
     x = np.random.default_rng(6).standard_normal((200, d_in)).astype(np.float32)
@@ -137,8 +137,8 @@ def _linear_graph(rows: int, cols: int, *, bias: bool = True):
 def test_image_bytes_sum_to_the_image_and_follow_the_layout() -> None:
     """Each part is what docs/model-format.md gives for the companion: v2 with f16 scales and bias,
     1-byte row pointers (nnz <= 255); v1 with f32 scales, 4-byte row pointers, an f32 bias tensor."""
-    from colibri import format as F
-    from colibri.report import BYTE_PARTS, image_bytes
+    from colibri.model import format as F
+    from colibri.quant.report import BYTE_PARTS, image_bytes
 
     rows, cols = 40, 64
     graph = _linear_graph(rows, cols)
@@ -165,7 +165,7 @@ def test_image_bytes_sum_to_the_image_and_follow_the_layout() -> None:
 
 def test_image_bytes_without_compensation_or_bias() -> None:
     """nnz 0: no row pointers at all; no bias: none in the companion either."""
-    from colibri.report import image_bytes
+    from colibri.quant.report import image_bytes
 
     graph = _linear_graph(8, 16, bias=False)
     b = image_bytes(image.write(quantize(graph, "q8", compensation=0.0)))

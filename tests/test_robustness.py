@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from colibri import format as F
+from colibri.model import format as F
 from colibri import image
 from colibri import nn as cnn
-from colibri.exporter import export
-from colibri.format import Status
+from colibri.frontends.exporter import export
+from colibri.model.format import Status
 
 from helpers.c_drivers import check, status
 
@@ -55,8 +55,8 @@ def q8_image_of(version: int) -> bytes:
     scales, biases in the companions, narrow row pointers), or v1 (f32 scales, u32 row pointers)."""
     if version == F.VERSION:
         return export(_small_model(), None, max_batch=3, **QUANT["q8"]).image
-    from colibri.exporter import build_graph
-    from colibri.quantize import quantize
+    from colibri.frontends.exporter import build_graph
+    from colibri.quant.quantize import quantize
 
     graph, _ = build_graph(_small_model().eval(), max_batch=3)
     opts = {k: v for k, v in QUANT["q8"].items() if k != "dtype"}

@@ -1,6 +1,6 @@
 """Routing-safe quantisation (issue 14): routers stay f32 by default, and what removes the flips that
 remain, on the models the targets are stated for (routing agreement >= 99% per MoE layer, end-to-end
-relative L2 <= 1%; colibri.report.ROUTING_TARGET / ERROR_TARGET).
+relative L2 <= 1%; colibri.quant.report.ROUTING_TARGET / ERROR_TARGET).
 
 - Many-expert models (64 experts top-2, d 16, untrained): a router kept f32 still sees its input move by
   the upstream layer's q8 error, and with 64 experts near-tied 2nd/3rd scores are common: flips remain
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from colibri import nn as cnn
-from colibri.errors import ExportError
-from colibri.ir import F16Weight, Linear, MoE, Q8Weight, dense
-from colibri.quantize import quantize, quantize_q8, router_feeders
-from colibri.report import ERROR_TARGET, ROUTING_TARGET, quantisation_report
+from colibri.model.errors import ExportError
+from colibri.model.ir import F16Weight, Linear, MoE, Q8Weight, dense
+from colibri.quant.quantize import quantize, quantize_q8, router_feeders
+from colibri.quant.report import ERROR_TARGET, ROUTING_TARGET, quantisation_report
 
 from test_quantize import graph_of, hf_block, inputs
 

@@ -18,8 +18,8 @@ import torch
 import colibri
 from colibri import image
 from colibri import nn as cnn
-from colibri.exporter import export
-from colibri.quantize import quantize
+from colibri.frontends.exporter import export
+from colibri.quant.quantize import quantize
 
 from helpers import lmmodels
 from helpers.build import CORE, make
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.rust, pytest.mark.skipif(
 FEATURE_MODELS = [("feat0-f32", 0, "f32"), ("feat1-f16", 1, "f16"), ("feat2-q8", 2, "q8")]
 # (name, token_model seed and options, temperature, top_k, top_p, seed, new tokens)
 LM_MODELS = [("lm-greedy", 3, {}, 0.0, 0, 1.0, 0, 10),
-             ("lm-sampled", 4, dict(kv_dtype=colibri.format.DType.F16), 0.8, 12, 0.9, 1234, 12)]
+             ("lm-sampled", 4, dict(kv_dtype=colibri.model.format.DType.F16), 0.8, 12, 0.9, 1234, 12)]
 
 
 def _write_feature(out: Path, name: str, seed: int, dtype: str) -> str:
@@ -99,13 +99,13 @@ def _hook_models(out: Path) -> list[str]:
 
 # The image records the Rust hook view reads (colibri::layout), field names as docs/model-format.md.
 RECORD_FIELDS = {
-    "header": (colibri.format.HEADER, ["magic", "version", "header_size", "crc32", "image_size", "flags", "input_size",
+    "header": (colibri.model.format.HEADER, ["magic", "version", "header_size", "crc32", "image_size", "flags", "input_size",
                                        "output_size", "max_batch", "tensor_count", "tensor_table_offset",
                                        "layer_count", "layer_table_offset", "moe_count", "moe_table_offset",
                                        "expert_count", "expert_table_offset"]),
-    "tensor": (colibri.format.TENSOR, ["offset", "nbytes", "rows", "cols", "dtype", "ndim", "reserved", "aux"]),
-    "expert": (colibri.format.EXPERT, ["kind", "activation", "flags", "hidden", "w1", "b1", "w2", "b2", "w3", "b3"]),
-    "q4_params": (colibri.format.Q4_PARAMS_FIELDS, ["nnz", "group_log2", "flags", "reserved"]),
+    "tensor": (colibri.model.format.TENSOR, ["offset", "nbytes", "rows", "cols", "dtype", "ndim", "reserved", "aux"]),
+    "expert": (colibri.model.format.EXPERT, ["kind", "activation", "flags", "hidden", "w1", "b1", "w2", "b2", "w3", "b3"]),
+    "q4_params": (colibri.model.format.Q4_PARAMS_FIELDS, ["nnz", "group_log2", "flags", "reserved"]),
 }
 
 # (rows, cols, nnz, group_log2, bias) of the Q4_PARAMS payloads whose layout the Rust view must place as
@@ -140,7 +140,7 @@ def _write_layout(out: Path) -> None:
     # q4_layout.txt: rows cols nnz group_log2 bias(0/1) scale bias row_ptr col val size (-1: no such field).
     q4 = []
     for rows, cols, nnz, g, bias in Q4_LAYOUTS:
-        at = colibri.format.q4_layout(rows, cols, nnz, g, bias)
+        at = colibri.model.format.q4_layout(rows, cols, nnz, g, bias)
         fields = [at.get(f, -1) for f in ("scale", "bias", "row_ptr", "col", "val", "size")]
         q4.append(" ".join(map(str, [rows, cols, nnz, g, int(bias), *fields])))
     (out / "q4_layout.txt").write_text("\n".join(q4) + "\n")

@@ -19,9 +19,9 @@ import pytest
 
 import colibri
 from colibri import image as cimage
-from colibri import protocol as P
-from colibri import slots
-from colibri.device import Device, DeviceError
+from colibri.target import protocol as P
+from colibri.target import slots
+from colibri.target.device import Device, DeviceError
 
 from helpers.slots import FAKE_PYOCD, inputs, other, runs, small_model
 
@@ -235,8 +235,8 @@ def test_cli_flash_probe_runs_pyocd(model_files, tmp_path: Path, probe: str) -> 
     (bin_dir / "pyocd").write_text(FAKE_PYOCD.format(log=log, fail=fail))
     (bin_dir / "pyocd").chmod(0o755)
     # A stand-in firmware file carrying runner.c's format record: it reads the q8 model's format (v2).
-    from colibri import format as F
-    from colibri.pack import FORMATS_RECORD, FORMATS_TAG
+    from colibri.model import format as F
+    from colibri.target.pack import FORMATS_RECORD, FORMATS_TAG
 
     fw = tmp_path / "runner.bin"
     fw.write_bytes(b"\x00" * 64 + FORMATS_RECORD.pack(FORMATS_TAG, F.MIN_READ_VERSION, F.MAX_READ_VERSION))
@@ -257,11 +257,11 @@ def test_cli_flash_probe_runs_pyocd(model_files, tmp_path: Path, probe: str) -> 
 
 
 def test_host_built_slot_boots(colibri_target, tmp_path: Path) -> None:
-    """A slot image built on the host (colibri.slots, as colibri pack writes it), put into the emulated
+    """A slot image built on the host (colibri.target.slots, as colibri pack writes it), put into the emulated
     flash with QEMU's loader before reset, is found valid by the firmware at boot and run in place."""
     if not colibri_target.emulated:
         pytest.skip("writes the emulated flash directly")
-    from colibri.qemu import FLASH_BASE, FLASH_SIZE
+    from colibri.target.qemu import FLASH_BASE, FLASH_SIZE
 
     layout = slots.LAYOUTS["mps2_an500"]
     data = small_model(2)

@@ -35,8 +35,8 @@ def test_moe_beats_seasonal_naive_and_fits_the_budget() -> None:
     # q8 in the compact format (v2: f16 scales and biases, narrow row pointers) costs the forecast
     # about what q8 in version 1's layout does: its MAE within 1% of the f32 model's.
     from colibri import image, reference
-    from colibri.exporter import build_graph
-    from colibri.quantize import quantize
+    from colibri.frontends.exporter import build_graph
+    from colibri.quant.quantize import quantize
 
     graph, _ = build_graph(moe, max_batch=7)
     for compact, version in ((True, 2), (False, 1)):
@@ -49,9 +49,9 @@ def test_q8_image_fits_issue_10s_budget() -> None:
     follow from the shapes: scales and biases of a trained or an initialised model both fit f16's
     budget); version 1's layout took 0.34."""
     from colibri import image
-    from colibri.exporter import build_graph
-    from colibri.quantize import quantize
-    from colibri.report import image_bytes
+    from colibri.frontends.exporter import build_graph
+    from colibri.quant.quantize import quantize
+    from colibri.quant.report import image_bytes
 
     graph, _ = build_graph(F.build_moe().eval(), max_batch=7)
     f32 = len(image.write(graph))

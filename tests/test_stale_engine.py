@@ -1,6 +1,6 @@
 """The Python tests never run a binding built from older C sources than the checkout's.
 
-The binding carries SOURCE_HASH (colibri.sources.source_hash of what it was
+The binding carries SOURCE_HASH (colibri.runtime.sources.source_hash of what it was
 built from); importing colibri from a checkout whose sources differ refuses it,
 and scripts/setup.sh rebuilds it whenever they differ.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import colibri
-from colibri import _engine, sources
+from colibri.runtime import _engine, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -30,7 +30,7 @@ EDITS = {
     "public header": ("firmware/colibri_core/include/colibri.h", "\n/* edited */\n"),
     "internal header": ("firmware/colibri_core/src/colibri_internal.h", "\n/* edited */\n"),
     "source list": ("firmware/colibri_core/sources.txt", "src/kernels/colibri_kernels_new.c\n"),
-    "binding": ("host_tools/colibri/_engine.c", "\n/* edited */\n"),
+    "binding": ("host_tools/colibri/runtime/_engine.c", "\n/* edited */\n"),
     "build flags": ("setup.py", "\n# edited\n"),
     "new file": ("firmware/colibri_core/src/kernels/colibri_kernels_new.c", "int colibri_new;\n"),
 }
@@ -59,7 +59,7 @@ def edit(root: Path, what: str) -> None:
 
 def test_loaded_binding_is_built_from_this_checkout() -> None:
     assert sources.checkout_root() == ROOT
-    assert Path(_engine.__file__).parent == ROOT / "host_tools" / "colibri"
+    assert Path(_engine.__file__).parent == ROOT / "host_tools" / "colibri" / "runtime"
     assert _engine.SOURCE_HASH == sources.source_hash(ROOT)
 
 
@@ -73,7 +73,7 @@ def test_every_source_edit_calls_for_a_rebuild(checkout: Path, what: str) -> Non
 def test_other_files_do_not_call_for_a_rebuild(checkout: Path) -> None:
     (checkout / "firmware" / "colibri_core" / "build" / "host").mkdir(parents=True)
     (checkout / "firmware" / "colibri_core" / "build" / "host" / "libcolibri.a").write_bytes(b"!<arch>\n")
-    (checkout / "host_tools" / "colibri" / "cli.py").write_text("# python only\n", "utf-8")
+    (checkout / "host_tools" / "colibri" / "cli" / "app.py").write_text("# python only\n", "utf-8")
     (checkout / "firmware" / "colibri_core" / "src" / ".colibri_engine.c.swp").write_bytes(b"vim")
     assert not sources.needs_rebuild(checkout, _engine.SOURCE_HASH)
 
@@ -97,7 +97,7 @@ def test_import_refuses_a_binding_older_than_the_sources(checkout: Path) -> None
     r = _import_colibri(checkout)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("colibri.sources.StaleEngineError: colibri._engine"), r.stderr
+    assert last.startswith("colibri.runtime.sources.StaleEngineError: colibri.runtime._engine"), r.stderr
     assert "make setup" in last and "pip install --no-build-isolation --no-deps -e ." in last
 
 

@@ -15,10 +15,10 @@ import pytest
 import colibri
 from colibri import image
 from colibri import nn as cnn
-from colibri import protocol as P
-from colibri.device import Device, DeviceError
-from colibri.exporter import export
-from colibri.format import Status
+from colibri.target import protocol as P
+from colibri.target.device import Device, DeviceError
+from colibri.frontends.exporter import export
+from colibri.model.format import Status
 from helpers.nonfinite_inputs import nonfinite_rows
 
 from helpers.target import DTYPES, MAX_BATCH, assert_bits_equal, assert_close_to_reference, model_image
@@ -55,7 +55,7 @@ def test_hello(dut: Device) -> None:
     assert hello.model_capacity >= 64 * 1024 and hello.arena_capacity >= 16 * 1024
     assert hello.board
     if hello.work_kind == P.WorkKind.QEMU_INSTRUCTIONS:
-        assert f"icount_shift={colibri.qemu.ICOUNT_SHIFT}" in hello.build_flags
+        assert f"icount_shift={colibri.target.qemu.ICOUNT_SHIFT}" in hello.build_flags
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,9 +15,9 @@ import pytest
 
 import colibri
 from colibri import image
-from colibri import protocol as P
-from colibri.device import Device, DeviceError
-from colibri.format import Status
+from colibri.target import protocol as P
+from colibri.target.device import Device, DeviceError
+from colibri.model.format import Status
 
 from helpers import lmmodels
 from helpers import tiny_lm_m7
@@ -315,8 +315,8 @@ def test_trained_tiny_lm_fits_a_nucleo_h743zi(tmp_path) -> None:
     """As boards/nucleo_h743zi is laid out (its built ELF): the q8 image, larger than the RAM model buffer, fits a
     flash slot with its header and runs there in place; the f16 image links into flash bank 1 beside the runner.
     The arena with the KV cache against RUNNER_ARENA_CAPACITY is checked on the device, above."""
-    from colibri.footprint import elf_footprint
-    from colibri.slots import SLOT_HEADER_SIZE
+    from colibri.target.footprint import elf_footprint
+    from colibri.target.slots import SLOT_HEADER_SIZE
 
     nucleo = tiny_lm_m7.nucleo_layout(tiny_lm_m7.build_runner("nucleo_h743zi"))
     assert nucleo.arena == tiny_lm_m7.board_mk_capacity("RUNNER_ARENA_CAPACITY")

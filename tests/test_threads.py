@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import build_c_tests
 from helpers.randmodels import random_model

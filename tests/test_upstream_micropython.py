@@ -196,7 +196,7 @@ def test_qemu_firmware_runs_the_lm(qemu_firmware: tuple[Path, Path], tmp_path: P
     finally:
         sys.path.remove(str(ROOT / "tests"))
     from colibri import image as image_writer
-    from colibri.format import STATUS_TEXT, Status
+    from colibri.model.format import STATUS_TEXT, Status
 
     image = image_writer.write(lmmodels.token_model(5, vocab=24, d=8, layers=2, heads=2, kv_heads=1, hd=4,
                                                     max_seq_len=12, max_batch=2))

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri import format as F
+from colibri.model import format as F
 from colibri import image
-from colibri.format import DType, Op, Routing, Status
+from colibri.model.format import DType, Op, Routing, Status
 
 from helpers.c_drivers import check, status
 
@@ -205,7 +205,7 @@ def test_overlapping_payloads_are_tensor_bounds(c_drivers: Path) -> None:
 
 def _q8_weight(rows: int, cols: int, nnz: int, *, f16: bool, bias: bool, seed: int = 0):
     """A Q8Weight with nnz compensation entries spread over the rows (some rows empty)."""
-    from colibri.ir import Q8Weight
+    from colibri.model.ir import Q8Weight
 
     rng = np.random.default_rng(seed)
     flat = np.sort(rng.choice(rows * cols, size=nnz, replace=False))
@@ -220,7 +220,7 @@ def _q8_weight(rows: int, cols: int, nnz: int, *, f16: bool, bias: bool, seed: i
 
 
 def _q8_image(version: int, rows: int, cols: int, nnz: int, *, f16: bool = False, bias: bool = False) -> bytes:
-    from colibri.ir import Graph, Linear
+    from colibri.model.ir import Graph, Linear
 
     graph = Graph([Linear(_q8_weight(rows, cols, nnz, f16=f16, bias=bias))], input_size=cols, output_size=rows)
     return image.write(graph, version=version)

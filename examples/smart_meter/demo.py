@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import forecaster as F  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri import quantize as Q  # noqa: E402
-from colibri.exporter import build_graph  # noqa: E402
-from colibri.report import quantisation_report  # noqa: E402
+from colibri.quant import quantize as Q  # noqa: E402
+from colibri.frontends.exporter import build_graph  # noqa: E402
+from colibri.quant.report import quantisation_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_VERSION = 1  # bump when forecaster.py changes the model or the data split
@@ -64,10 +64,10 @@ def table(rows: list[tuple[str, str, float]]) -> None:
 def on_target(image: bytes, data: F.Dataset) -> dict:
     """Boots the runner in QEMU, flashes the model into a slot over the serial line
     (as `colibri flash` does), and forecasts the held-out days on the Cortex-M7."""
-    from colibri.device import Device
-    from colibri.footprint import elf_footprint
-    from colibri.firmware import build_runner
-    from colibri.qemu import Qemu
+    from colibri.target.device import Device
+    from colibri.target.footprint import elf_footprint
+    from colibri.target.firmware import build_runner
+    from colibri.target.qemu import Qemu
 
     elf = build_runner()
     with Qemu(elf) as q, Device(q.url) as dev:
@@ -108,7 +108,7 @@ print("forecast", n, "days on MicroPython", colibri.version())
 
 def on_micropython(image_path: Path, data: F.Dataset, out: Path) -> np.ndarray:
     """The same forecast from MicroPython: the native colibri.mpy in the real interpreter (unix port)."""
-    from colibri import natmod
+    from colibri.target import natmod
 
     mpy_dir = out / "mpy"
     natmod.build("x64", mpy_dir / "colibri.mpy")

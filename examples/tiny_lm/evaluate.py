@@ -45,8 +45,9 @@ def _export_key(dtype: str) -> str:
     h = hashlib.sha256()
     for f in (MODEL_DIR / "config.json", MODEL_DIR / "model.safetensors"):
         h.update(f.read_bytes())
-    for f in sorted((ROOT / "host_tools" / "colibri").glob("*.py")):
-        h.update(f.name.encode() + f.read_bytes())
+    package = ROOT / "host_tools" / "colibri"
+    for f in sorted(package.rglob("*.py")):
+        h.update(f.relative_to(package).as_posix().encode() + f.read_bytes())
     h.update(f"{dtype} {CONTEXT} {MAX_BATCH}".encode())
     return h.hexdigest()[:16]
 

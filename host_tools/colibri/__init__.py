@@ -8,10 +8,11 @@
 """
 from __future__ import annotations
 
-from . import format, image, ir, reference
-from .engine import LM, Model, arena_size, validate, version
-from .errors import ArenaError, ColibriError, ExportError, ImageError, InputError, ModelFileError, UnsupportedError
-from .format import Status
+from . import image, reference
+from .model import format, ir
+from .runtime.engine import LM, Model, arena_size, validate, version
+from .model.errors import ArenaError, ColibriError, ExportError, ImageError, InputError, ModelFileError, UnsupportedError
+from .model.format import Status
 
 __version__ = "0.1.0"
 
@@ -19,14 +20,14 @@ __version__ = "0.1.0"
 def export(model, *args, **kwargs):
     """Export a PyTorch model to a model image (imports torch on first use): a Hugging Face MoE
     causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or a colibri.nn.MoETransformer as a token model,
-    see colibri.hf_lm.export_lm
-    (`max_seq_len=` required); anything else see colibri.exporter.export."""
-    from . import hf  # noqa: F401  registers the Hugging Face block converters
-    from . import hf_lm
+    see colibri.frontends.hf_lm.export_lm
+    (`max_seq_len=` required); anything else see colibri.frontends.exporter.export."""
+    from .frontends import hf  # noqa: F401  registers the Hugging Face block converters
+    from .frontends import hf_lm
 
     if hf_lm.is_token_module(model):
         return hf_lm.export_lm(model, *args, **kwargs)
-    from .exporter import export as _export
+    from .frontends.exporter import export as _export
 
     return _export(model, *args, **kwargs)
 

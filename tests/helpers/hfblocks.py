@@ -8,7 +8,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersSparseMLP
 
-from colibri import hf  # noqa: F401  registers the block converters
+from colibri.frontends import hf  # noqa: F401  registers the block converters
 
 
 def randomised(module: nn.Module, seed: int) -> nn.Module:

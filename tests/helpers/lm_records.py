@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import struct
 
-from colibri import format as F
+from colibri.model import format as F
 from colibri import image
-from colibri.format import DType
+from colibri.model.format import DType
 
 
 def attention_offset(data: bytes, j: int = 0) -> int:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri import quantize
-from colibri.format import Act, DType, ExpertKind, Routing
-from colibri.ir import Attention, Embedding, Expert, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from colibri.quant import quantize
+from colibri.model.format import Act, DType, ExpertKind, Routing
+from colibri.model.ir import Attention, Embedding, Expert, Graph, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
 
 
 def _w(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """A reader of MicroPython .mpy files that carry one native (viper) function, for the natmod tests.
 
 It follows the order in which MicroPython's own loader consumes a file (py/persistentcode.c,
-mpy version 6, sub-version 3) rather than colibri.natmod's reader, so that test_natmod compares two
+mpy version 6, sub-version 3) rather than colibri.target.natmod's reader, so that test_natmod compares two
 readings of the format instead of one reading twice:
 
     header         'M', version, features = arch << 2 | sub-version (bit 0x40 of arch: a flags

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 from helpers.build import ROOT
 

@@ -9,8 +9,8 @@ import torch
 
 import colibri
 from colibri import nn as cnn
-from colibri.device import Device
-from colibri.exporter import export
+from colibri.target.device import Device
+from colibri.frontends.exporter import export
 
 MAX_BATCH = 2
 

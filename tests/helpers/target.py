@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from colibri import nn as cnn
-from colibri.exporter import export
+from colibri.frontends.exporter import export
 
 MAX_BATCH = 4
 

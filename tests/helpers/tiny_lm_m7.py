@@ -4,7 +4,7 @@ Sending an image over the emulated UART (10-20 KB/s) costs about 45 s for the q8
 minutes for the f32 one, so neither tests/test_target_lm.py nor scripts/measure.py sends one. The model reaches the
 runner the two ways a NUCLEO-H743ZI would hold it (boards/nucleo_h743zi):
   - q8 in flash slot A: the emulated flash is loaded from a file holding the committed slot
-    (colibri.slots.slot_image), and the runner boots it in place, as it boots a slot on the board;
+    (colibri.target.slots.slot_image), and the runner boots it in place, as it boots a slot on the board;
   - f16 (and, on the emulator only, f32) linked into the firmware (colibri pack --c-array, make MODEL_C=...), as a model
     beside the runner in flash bank 1; each dtype gets its own build folder (BUILD_SUFFIX).
 The images are examples/tiny_lm/evaluate.py's: 256-position KV cache, max_batch 1 (a prompt goes in
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from colibri import slots
-from colibri.device import Device
-from colibri.pack import c_array
-from colibri.qemu import FLASH_BASE, FLASH_SIZE, Qemu
+from colibri.target import slots
+from colibri.target.device import Device
+from colibri.target.pack import c_array
+from colibri.target.qemu import FLASH_BASE, FLASH_SIZE, Qemu
 
 from helpers.build import ROOT
 
@@ -61,7 +61,7 @@ def flash_with_slot_a(data: bytes, path: Path) -> Path:
 
 def build_runner(board: str, model_c: Path | None = None, suffix: str = "") -> Path:
     """The runner for `board`, with a linked-in model if `model_c` is given (build/<board><suffix>).
-    Under the runner's build lock (colibri.firmware.build_runner), so parallel workers never share a make."""
+    Under the runner's build lock (colibri.target.firmware.build_runner), so parallel workers never share a make."""
     args = ["make", "-s", "-C", str(RUNNER), f"BOARD={board}"]
     if model_c is not None:
         args += [f"MODEL_C={model_c}", f"BUILD_SUFFIX={suffix}"]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from colibri import nn as cnn
-from colibri.exporter import build_graph
-from colibri.ir import Graph
+from colibri.frontends.exporter import build_graph
+from colibri.model.ir import Graph
 
 TEST_SHARE = 0.25  # held-out share of the 1797 images (450 test images)
 STEPS = 300

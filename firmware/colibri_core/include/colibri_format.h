@@ -1,4 +1,4 @@
-/* Generated from host_tools/colibri/format.py by `colibri gen-header`. Do not edit. */
+/* Generated from host_tools/colibri/model/format.py by `colibri gen-header`. Do not edit. */
 #ifndef COLIBRI_FORMAT_H
 #define COLIBRI_FORMAT_H
 

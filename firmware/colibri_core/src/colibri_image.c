@@ -40,7 +40,7 @@
  * and expert map make validation linear in the image size: no record or
  * payload is scanned on behalf of many others.
  *
- * This is the order of the Python reader (host_tools/colibri/image.py), so
+ * This is the order of the Python reader (host_tools/colibri/image/reader.py), so
  * both give the same status for the same image. Everything is read with
  * byte loads, never by casting image bytes to structs, and every offset is
  * checked in 64-bit arithmetic before use. Once colibri_check() has passed,
@@ -332,7 +332,7 @@ static uint64_t colibri_up(uint64_t n, uint64_t a)
 
 /* The layout of the companion payload p (at least COLIBRI_Q8_PARAMS_HEADER
  * bytes) of a tensor of `rows` rows in an image of format `version`, as
- * colibri.format.q8_layout computes it. Returns 0 if its header codes are
+ * colibri.model.format.q8_layout computes it. Returns 0 if its header codes are
  * invalid (v2: parameter dtype other than F32 or F16, unknown flags,
  * reserved bits); v1's reserved word is left to the second pass. */
 static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version, uint64_t rows, colibri_q8_layout *l)
@@ -377,7 +377,7 @@ static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version
 
 
 /* The layout of the Q4_PARAMS payload p (at least COLIBRI_Q4_PARAMS_HEADER
- * bytes) of an I4 tensor [rows, cols], as colibri.format.q4_layout computes
+ * bytes) of an I4 tensor [rows, cols], as colibri.model.format.q4_layout computes
  * it: f16 scales [rows * G], the f16 bias [rows] with BIAS, then E as a v2
  * Q8_PARAMS holds it (param is 2, scale and bias_at as there). Returns 0 if
  * its header codes are invalid (group_log2 outside 3..8, unknown flags,

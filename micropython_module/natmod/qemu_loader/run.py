@@ -66,7 +66,7 @@ def run(mpy: Path, image: bytes, x: np.ndarray, output_size: int, timeout: float
 
 def main() -> int:
     import colibri
-    from colibri import natmod
+    from colibri.target import natmod
 
     arch, model_path = sys.argv[1], Path(sys.argv[2])
     image = model_path.read_bytes()

@@ -16,7 +16,7 @@ use crate::{sys, Status};
 /// Where the hook's view reads the image: byte offsets of the fields it uses
 /// in the header, tensor and expert records (docs/model-format.md; the
 /// record sizes are colibri_format.h's). colibri/tests/hook.rs holds them to
-/// host_tools/colibri/format.py's struct formats.
+/// host_tools/colibri/model/format.py's struct formats.
 #[doc(hidden)]
 pub mod layout {
     pub const HEADER_VERSION: usize = 4;

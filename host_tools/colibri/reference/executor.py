@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import image as image_mod
-from .errors import error_for
-from .format import Act, DType, ExpertKind, Routing, Status
-from .ir import (
+from ..image import reader as image_mod
+from ..model.errors import error_for
+from ..model.format import Act, DType, ExpertKind, Routing, Status
+from ..model.ir import (
     Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
     ResidualAdd,
     ResidualPush, RMSNorm, Weight, dense,

@@ -1,6 +1,6 @@
 """Activation statistics of a layer graph over calibration inputs, for quantisation.
 
-`input_moments` gives, per weight matrix (colibri.quantize's names), the mean square of each of its
+`input_moments` gives, per weight matrix (colibri.quant.quantize's names), the mean square of each of its
 input features over the calibration tokens that reach it. A weight's rounding error moves an output
 by error · x_c, so Σ_c E[x_c²] (w − q·s)² is the expected squared output error of its row: what
 quantize_q8(importance=...) minimises and ranks its compensation E by.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference
-from .errors import ExportError
-from .format import ExpertKind
-from .ir import Attention, Embedding, Graph, Linear, MoE
+from ..reference import executor as reference
+from ..model.errors import ExportError
+from ..model.format import ExpertKind
+from ..model.ir import Attention, Embedding, Graph, Linear, MoE
 
 
 def _mean_square(x: np.ndarray) -> np.ndarray:

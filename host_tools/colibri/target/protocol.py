@@ -1,6 +1,6 @@
 """The runner wire protocol (docs/protocol.md): packets, COBS framing, CRC-32.
 
-Pure functions over bytes; `colibri.device` moves them over a serial port.
+Pure functions over bytes; `colibri.target.device` moves them over a serial port.
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def status_payload(packet: Packet) -> tuple[int, str]:
 
 
 def status_name(code: int) -> str:
-    from .format import Status
+    from ..model.format import Status
 
     for enum_cls in (ProtocolStatus, Status):
         try:

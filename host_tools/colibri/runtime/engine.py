@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from . import _engine, sources
-from .errors import error_for
-from .format import Status
-from .ir import Expert, F16Weight, Q4Weight, Q8Weight
+from ..model.errors import error_for
+from ..model.format import Status
+from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
@@ -143,7 +143,7 @@ class ExpertCall:
 def _experts_by_w1(image) -> dict[int, Expert]:
     """Every expert record of an image keyed by its w1 payload's byte offset, which the engine's
     hook call carries: the structure is read once, the weights stay views of the image."""
-    from .image import read
+    from ..image.reader import read
 
     base = np.frombuffer(image, dtype=np.uint8).ctypes.data
     out: dict[int, Expert] = {}
@@ -318,7 +318,7 @@ class LM:
 
     def _check_generation(self, prompt_ids, max_new_tokens: int, temperature: float, top_k: int,
                           top_p: float) -> np.ndarray:
-        from .reference import check_sampler
+        from ..reference.executor import check_sampler
 
         check_sampler(temperature, top_k, top_p)
         prompt = self._ids(prompt_ids, "prompt_ids")

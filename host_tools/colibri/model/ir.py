@@ -2,7 +2,7 @@
 
 Weights are shaped as in the image: matrices `[out_features, in_features]`,
 vectors `[n]`. Vectors are float32 arrays; weight matrices are float32
-arrays, or `F16Weight` / `Q8Weight` after `colibri.quantize`.
+arrays, or `F16Weight` / `Q8Weight` after `colibri.quant.quantize`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 `const uint8_t` array in its own section (`.rodata.colibri_model`, so a linker
 script can place it, e.g. in XIP flash) and the sizes a firmware needs as
 `#define`s. `flash_image(image, stem, board=...)` writes the bytes of one A/B
-model slot (slot header + image, colibri.slots) as a raw .bin and as Intel
+model slot (slot header + image, colibri.target.slots) as a raw .bin and as Intel
 HEX at the slot's flash address, for a probe or a factory programmer.
 
 `firmware_formats(path)` reads which model image format versions a runner
@@ -21,7 +21,9 @@ import struct
 from elftools.elf.elffile import ELFFile
 from intelhex import IntelHex
 
-from . import engine, image, slots
+from ..runtime import engine
+from ..image import reader as image
+from . import slots
 
 ALIGN = 32  # the image's payloads are 32-byte aligned relative to its start
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import format as F
-from .errors import ColibriError, error_for
-from .format import Act, DType, ExpertKind, Op, Routing, Status
-from .ir import (
+from ..model import format as F
+from ..model.errors import ColibriError, error_for
+from ..model.format import Act, DType, ExpertKind, Op, Routing, Status
+from ..model.ir import (
     Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
     QuantWeight, ResidualAdd, ResidualPush, RMSNorm, Weight,
 )
@@ -170,14 +170,14 @@ def needed_version(graph: Graph) -> int:
     """The lowest format version that holds `graph`: 1 without int8 weights (such an image is the
     same in versions 1 and 2, so engines and firmware that read only version 1 run it), else
     F.VERSION (compact Q8_PARAMS); F.Q4_VERSION with an int4 weight."""
-    from .quantize import weight_slots
+    from ..quant.quantize import weight_slots
 
     kinds = {type(getattr(o, a)) for _, o, a in weight_slots(graph)}
     return F.Q4_VERSION if Q4Weight in kinds else F.VERSION if Q8Weight in kinds else 1
 
 
 def has_int4(graph: Graph) -> bool:
-    from .quantize import weight_slots
+    from ..quant.quantize import weight_slots
 
     return any(isinstance(getattr(o, a), Q4Weight) for _, o, a in weight_slots(graph))
 

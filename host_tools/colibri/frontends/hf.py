@@ -67,10 +67,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ExportError
+from ..model.errors import ExportError
 from .exporter import CONVERTERS, activation_of, np32
-from .format import Act, ExpertKind, Routing
-from .ir import Expert, Layer, MoE
+from ..model.format import Act, ExpertKind, Routing
+from ..model.ir import Expert, Layer, MoE
 
 
 def _refuse(module: nn.Module, path: str, why: str) -> ExportError:

@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 from rich.progress import track
 
-from .errors import ExportError
-from .ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
+from ..model.errors import ExportError
+from ..model.ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
 
 DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
@@ -116,7 +116,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
 
     `clip` searches each row's scale for the least squared error (`_clip_scales`) instead of
     taking its largest |weight|. `importance` ([cols], e.g. the mean square of each input
-    feature over calibration tokens, `colibri.calibrate`) weights that error by column, and E
+    feature over calibration tokens, `colibri.quant.calibrate`) weights that error by column, and E
     then takes the residuals largest in |r|·sqrt(importance): the ones that move outputs most.
     """
     w = np.asarray(w, dtype=np.float32)
@@ -375,9 +375,9 @@ def quantize(
     Routers and shared gates (ROUTER_PATTERNS) stay f32 unless `quantize_routers`. `clip`: each
     q8 row's scale by clip search. `calibration` (inputs [n, input_size]) weights each q8
     matrix's rounding error and E by the mean square of its input features over those tokens
-    (`colibri.calibrate.input_moments`). `dtypes` maps weight names to a dtype of their own
+    (`colibri.quant.calibrate.input_moments`). `dtypes` maps weight names to a dtype of their own
     (f32, f16 or q8), overriding `dtype` and the router default: a mixed-precision plan
-    (`colibri.budget`). `router_inputs` (f32 or f16) stores the matrices that feed a router
+    (`colibri.target.budget`). `router_inputs` (f32 or f16) stores the matrices that feed a router
     (`router_feeders`) at that precision: what keeps near-tied expert scores from swapping."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from elftools.elf.constants import SH_FLAGS
 from elftools.elf.elffile import ELFFile
 
-from . import sources
+from ..runtime import sources
 
 
 @dataclass

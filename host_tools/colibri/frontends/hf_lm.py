@@ -34,15 +34,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import format as F
+from ..model import format as F
 from . import hf  # noqa: F401  registers the sparse-block converters
-from . import image, quantize, reference
-from .errors import ExportCheckError, ExportError
+from ..image import reader as image
+from ..quant import quantize
+from ..reference import executor as reference
+from ..model.errors import ExportCheckError, ExportError
 from .exporter import (
     CONVERTERS, ExportResult, PruneReport, activation_of, check_finite, check_limits, compare, np32, write_atomically,
 )
-from .format import DType, ExpertKind, Routing
-from .ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from ..model.format import DType, ExpertKind, Routing
+from ..model.ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
 
 LM_CLASSES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 KV_DTYPES = {"f32": DType.F32, "f16": DType.F16}

@@ -292,7 +292,7 @@ _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXP
 def c_header() -> str:
     """Text of colibri_format.h, the C view of this module."""
     out = [
-        "/* Generated from host_tools/colibri/format.py by `colibri gen-header`. Do not edit. */",
+        "/* Generated from host_tools/colibri/model/format.py by `colibri gen-header`. Do not edit. */",
         "#ifndef COLIBRI_FORMAT_H",
         "#define COLIBRI_FORMAT_H",
         "",

@@ -14,8 +14,8 @@ from typing import NoReturn
 import click
 import numpy as np
 
-from . import format as F
-from .errors import ColibriError, UserCodeError, error_for
+from ..model import format as F
+from ..model.errors import ColibriError, UserCodeError, error_for
 
 DEBUG_ENV = "COLIBRI_DEBUG"  # set (to anything but 0): errors re-raised with their traceback
 # Failures a user causes and can fix from the message alone; anything else is reported as unexpected.
@@ -260,7 +260,7 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
     options that tune it."""
     if fn is None:
         return lambda f: _quant_options(f, dtype_required=dtype_required)
-    from .quantize import DEFAULT_COMPENSATION, DTYPES, Q4_DEFAULT_GROUP
+    from ..quant.quantize import DEFAULT_COMPENSATION, DTYPES, Q4_DEFAULT_GROUP
 
     kinds = ("f16, q8 (int8 per output channel + sparse f16 compensation), or q4 (int4 in groups of --group "
              "columns with f16 scales + the same compensation; routers stay f32, embedding tables q8)")
@@ -314,9 +314,9 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     """
     import torch
 
-    from . import hf  # noqa: F401  registers the Hugging Face converters
-    from .exporter import build_graph
-    from .exporter import export as do_export, write_atomically
+    from ..frontends import hf  # noqa: F401  registers the Hugging Face converters
+    from ..frontends.exporter import build_graph
+    from ..frontends.exporter import export as do_export, write_atomically
 
     module = _load_module(model)
     example = torch.randn(max_batch, input_size) if input_size else None
@@ -340,7 +340,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
 def _storage(weights: list) -> str:
     """Weight storage of a layer: f32, f16, q8 (+E), q4/g<group> (+E), or a mix."""
-    from .ir import F16Weight, Q4Weight, Q8Weight
+    from ..model.ir import F16Weight, Q4Weight, Q8Weight
 
     kinds = set()
     for w in weights:
@@ -359,9 +359,10 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
     """Everything `colibri info` shows, as plain data. Checks the image's structure only (as
     COLIBRI_CHECK_STRUCTURE: header, metadata CRC, tables, offsets, int8 companions), not the
     payload CRCs of a version-3 image: it reads no weight (`colibri verify` reads them all)."""
-    from . import engine, image
-    from .format import DType
-    from .ir import Activation, Attention, Embedding, LayerNorm, Linear, MoE, RMSNorm
+    from ..runtime import engine
+    from ..image import reader as image
+    from ..model.format import DType
+    from ..model.ir import Activation, Attention, Embedding, LayerNorm, Linear, MoE, RMSNorm
 
     def numel(*tensors) -> int:
         return sum(int(np.prod(t.shape)) for t in tensors if t is not None)
@@ -501,8 +502,8 @@ def info(image_path: Path, as_json: bool) -> None:
 @click.option("--reference", is_flag=True, help="Use the numpy reference instead of the C engine.")
 def run(image_path: Path, input_path: Path, output_path: Path | None, reference: bool) -> None:
     """Run a model image on inputs."""
-    from . import engine
-    from . import reference as ref
+    from ..runtime import engine
+    from ..reference import executor as ref
 
     kind = output_path.suffix.lower() if output_path is not None else None
     if kind not in (None, ".npy", ".csv"):
@@ -549,8 +550,8 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     each new token is printed as soon as it is drawn; a character that spans several tokens is
     printed once whole. The tokens are those colibri.LM(MODEL).generate returns.
     """
-    from . import engine
-    from . import tokenizer as tok
+    from ..runtime import engine
+    from ..runtime import tokenizer as tok
 
     tokenizer = tok.load(tokenizer_spec)
     lm = engine.LM(image_path)
@@ -576,7 +577,7 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     click.echo(decoder.flush())
 
 
-# Boards with a model slot and a runner build (colibri.budget reads their budgets).
+# Boards with a model slot and a runner build (colibri.target.budget reads their budgets).
 _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
 
 
@@ -616,16 +617,16 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
     error nothing is written. With --calibration, q8 scales and E are weighted by the inputs' activation
     statistics (feature models).
     """
-    from . import image
-    from . import quantize as q
-    from .report import image_bytes, quantisation_report
+    from ..image import reader as image
+    from ..quant import quantize as q
+    from ..quant.report import image_bytes, quantisation_report
 
     if plot and calibration is None:
         raise ColibriError("--plot needs --calibration inputs")
     data = source.read_bytes()
     graph = image.read(data)
     calib = _load_inputs(calibration, graph.input_size, calibration=True) if calibration is not None else None
-    from .exporter import write_atomically
+    from ..frontends.exporter import write_atomically
 
     if (dtype is None) == (target is None):
         raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
@@ -637,7 +638,7 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
     # alone must not change what it reports on.
     weighting = calib if calib is not None and (clip or target) and not graph.is_token_model else None
     if target is not None:
-        from .budget import plan
+        from ..target.budget import plan
 
         chosen = plan(graph, target, calibration=weighting, compensation=compensation,
                       quantize_routers=quantize_routers, clip=clip, keep=keep, router_inputs=router_inputs,
@@ -676,9 +677,9 @@ def _target(port: str | None, baud: int, firmware: Path | None):
     """A context manager giving a Device: the board on `port`, or the runner booted in QEMU."""
     import contextlib
 
-    from .device import Device
-    from .firmware import build_runner, check_emulator_elf
-    from .qemu import Qemu
+    from ..target.device import Device
+    from ..target.firmware import build_runner, check_emulator_elf
+    from ..target.qemu import Qemu
 
     @contextlib.contextmanager
     def opened():
@@ -729,8 +730,8 @@ def _port_options(fn):
 def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, seed: int,
         reference_kernels: bool) -> None:
     """Run MODEL on the target and compare its answers with the host engine's reference kernels."""
-    from . import engine
-    from .footprint import elf_footprint
+    from ..runtime import engine
+    from ..target.footprint import elf_footprint
 
     data = model_path.read_bytes()
     host = engine.Model(data, reference_kernels=True)
@@ -771,12 +772,12 @@ def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, se
 @_port_options
 def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Path | None) -> None:
     """Flash and RAM of the engine alone, of the runner, and for MODEL (with the stack measured on target)."""
-    from .footprint import elf_footprint, engine_footprint
+    from ..target.footprint import elf_footprint, engine_footprint
 
     _refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
                    "with --port (the board runs what it was flashed with)" if port else "without --port")
     if firmware is not None:
-        from .firmware import check_emulator_elf
+        from ..target.firmware import check_emulator_elf
 
         check_emulator_elf(firmware)  # before the first line of output, not after it
     eng = engine_footprint()
@@ -815,7 +816,7 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
 def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path | None, board: str, slot: str,
          sequence: int, firmware: Path | None) -> None:
     """Pack MODEL for firmware: a C array to link in, and/or a flash slot image (.bin + Intel HEX)."""
-    from . import pack as packing
+    from ..target import pack as packing
 
     if c_array_dir is None and flash_stem is None:
         raise click.UsageError("say what to write: --c-array DIR and/or --flash-image STEM")
@@ -836,7 +837,8 @@ def pack(model_path: Path, c_array_dir: Path | None, name: str, flash_stem: Path
 def verify(image_path: Path) -> None:
     """Verify every byte of a model image: header, tables, every tensor payload against its CRC
     (format v3: one per tensor; v1, v2: the image CRC), by the C engine and the Python reader."""
-    from . import engine, image
+    from ..runtime import engine
+    from ..image import reader as image
 
     with open(image_path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -859,8 +861,8 @@ def verify(image_path: Path) -> None:
 @main.command("gen-header", hidden=True)  # for maintainers (make header), not in the user's list
 @click.option("--check", is_flag=True, help="Exit 1 if the header is out of date instead of writing it.")
 def gen_header(check: bool) -> None:
-    """Regenerate firmware/colibri_core/include/colibri_format.h from colibri.format."""
-    from . import sources
+    """Regenerate firmware/colibri_core/include/colibri_format.h from colibri.model.format."""
+    from ..runtime import sources
 
     path = sources.root() / "firmware/colibri_core/include/colibri_format.h"
     text = F.c_header()
@@ -888,7 +890,7 @@ def natmod() -> None:
               help="The .mpy file (default ./colibri.mpy); with several --arch, a folder that gets ARCH/colibri.mpy.")
 def natmod_build(archs: tuple[str, ...], output: Path | None) -> None:
     """Compile the module and the engine, and link them into colibri.mpy."""
-    from . import natmod as nm
+    from ..target import natmod as nm
 
     archs = tuple(dict.fromkeys(archs))
     for arch in archs:
@@ -906,7 +908,7 @@ def natmod_build(archs: tuple[str, ...], output: Path | None) -> None:
 
 def _slot_payload(data: bytes) -> tuple[bytes, int | None]:
     """(model image, sequence) from a model image or a slot image (32-byte header + image)."""
-    from .slots import SLOT_HEADER_SIZE, parse_slot_header
+    from ..target.slots import SLOT_HEADER_SIZE, parse_slot_header
 
     header = parse_slot_header(data)
     if header is None:
@@ -921,13 +923,13 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
     import time
     import zlib
 
-    from .device import Device
-    from .firmware import build_runner, check_emulator_elf
-    from .qemu import Qemu
+    from ..target.device import Device
+    from ..target.firmware import build_runner, check_emulator_elf
+    from ..target.qemu import Qemu
 
     def update(dev: Device) -> str:
         hello = dev.hello()
-        from . import image as cimage
+        from ..image import reader as cimage
 
         cimage.check_version(image, hello.formats, reader=f"the firmware on the {hello.board}")
         before = dev.slot_info()
@@ -964,8 +966,8 @@ def _flash_over_serial(model_path: Path, image: bytes, port: str | None, baud: i
 def _probe_check(image: bytes, firmware: Path | None) -> None:
     """The checks the runner makes before it commits a slot over serial, made before the probe writes:
     a valid image, of a format version the target firmware reads (--firmware, else this colibri's engine)."""
-    from . import image as cimage
-    from .pack import firmware_formats
+    from ..image import reader as cimage
+    from ..target.pack import firmware_formats
 
     if firmware is not None:
         cimage.check_version(image, firmware_formats(firmware), reader=f"firmware {firmware.name}")
@@ -994,7 +996,7 @@ def _flash_with_probe(model_path: Path, data: bytes, firmware: Path | None, targ
     import tempfile
     import time
 
-    from .slots import LAYOUTS, slot_image
+    from ..target.slots import LAYOUTS, slot_image
 
     layout = LAYOUTS[board]
     address = layout.address(slot)
@@ -1080,7 +1082,7 @@ def flash(model_path: Path, port: str | None, baud: int, firmware: Path | None, 
         _flash_with_probe(model_path, data, firmware, probe_target, board, slot.upper(), sequence)
         return
     image, _ = _slot_payload(data)
-    from . import image as cimage
+    from ..image import reader as cimage
 
     cimage.read(image)  # refuse a file that is no model image before uploading it
     _flash_over_serial(model_path, image, port, baud, firmware, qemu_flash)

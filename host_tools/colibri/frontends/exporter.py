@@ -23,12 +23,14 @@ import torch
 from rich.progress import track
 from torch import nn
 
-from . import format as F
-from . import image, quantize, reference
+from ..model import format as F
+from ..image import reader as image
+from ..quant import quantize
+from ..reference import executor as reference
 from . import nn as cnn
-from .errors import ColibriError, ExportCheckError, ExportError
-from .format import Act, ExpertKind, Routing
-from .ir import (
+from ..model.errors import ColibriError, ExportCheckError, ExportError
+from ..model.format import Act, ExpertKind, Routing
+from ..model.ir import (
     Activation, Attention, Embedding, Expert, Graph, Layer, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm,
 )
 
@@ -43,7 +45,7 @@ _ROUTINGS = {
 }
 
 # Converters for third-party modules, keyed by class name: fn(module, path) -> layers.
-# colibri.hf registers the Hugging Face MoE blocks here.
+# colibri.frontends.hf registers the Hugging Face MoE blocks here.
 CONVERTERS: dict[str, Callable[[nn.Module, str], list[Layer]]] = {}
 
 
@@ -429,7 +431,7 @@ def _f16_rounded(module: nn.Module) -> nn.Module:
 
 
 def _engine_output(data: bytes, x: np.ndarray) -> np.ndarray:
-    from .engine import Model
+    from ..runtime.engine import Model
 
     try:
         return Model(data).forward(x)
@@ -544,8 +546,8 @@ def export(
     `dtype` stores the weight matrices as f32, f16, q8 (int8 per output
     channel plus a sparse f16 compensation of `compensation` share of the
     weights) or q4 (int4 in groups of `group` columns, the same E; format v5);
-    `keep`, `int8_act` and `q8` (weights kept int8 in a q4 model) are colibri.quantize patterns.
-    Routers and shared gates stay f32 unless `quantize_routers` (colibri.quantize).
+    `keep`, `int8_act` and `q8` (weights kept int8 in a q4 model) are colibri.quant.quantize patterns.
+    Routers and shared gates stay f32 unless `quantize_routers` (colibri.quant.quantize).
 
     The graph is validated before anything is written (widths, residual
     nesting, finite weights, q8 compensation within f16); a refusal is an
@@ -589,7 +591,7 @@ def export(
 
 def _engine_validate(data: bytes) -> None:
     """Last gate: the C engine's validator must accept what the exporter wrote."""
-    from .engine import validate
+    from ..runtime.engine import validate
 
     try:
         validate(data)

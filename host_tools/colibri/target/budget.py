@@ -1,7 +1,7 @@
 """Per-layer weight dtypes that fit a board: `colibri quantize --target BOARD`.
 
 A board's budget is what its support states (never a number of this module's own):
-- flash: one model slot's capacity (colibri.slots.LAYOUTS, boards/*/README.md), the image the runner
+- flash: one model slot's capacity (colibri.target.slots.LAYOUTS, boards/*/README.md), the image the runner
   boots in place;
 - RAM: the runner's arena, RUNNER_ARENA_CAPACITY in boards/<board>/board.mk (the C build's value).
 
@@ -11,11 +11,11 @@ shapes, max_batch and KV cache, not on weight dtypes (the planner sets no int8 a
 model whose arena does not fit is refused whatever the dtypes.
 
 The plan: every weight matrix starts at the smallest dtype it may take (routers and shared gates
-stay f32, see colibri.quantize); then, greedily, the upgrade (to the next wider dtype of one
+stay f32, see colibri.quant.quantize); then, greedily, the upgrade (to the next wider dtype of one
 matrix) with the largest error reduction per added byte that still fits the flash is taken, until
 none fits. A matrix's error is its relative squared output error,
 Σ_c m_c ‖ΔW[:, c]‖² / Σ_c m_c ‖W[:, c]‖², with m_c the mean square of input feature c over the
-calibration inputs (colibri.calibrate), or 1 without them; the plan minimises their sum. Greedy by
+calibration inputs (colibri.quant.calibrate), or 1 without them; the plan minimises their sum. Greedy by
 error per byte is not the exact knapsack optimum, but each step is the best local trade.
 """
 from __future__ import annotations
@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import engine, image, slots, sources
-from .errors import ColibriError, ExportError
-from .format import PAYLOAD_ALIGN, TENSOR, q4_layout, q4_row_bytes, q8_layout
-from .ir import Embedding, F16Weight, Graph, Q4Weight, Q8Weight, dense
-from .quantize import (DEFAULT_COMPENSATION, Q4_DEFAULT_GROUP, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize,
+from ..runtime import engine, sources
+from ..image import reader as image
+from . import slots
+from ..model.errors import ColibriError, ExportError
+from ..model.format import PAYLOAD_ALIGN, TENSOR, q4_layout, q4_row_bytes, q8_layout
+from ..model.ir import Embedding, F16Weight, Graph, Q4Weight, Q8Weight, dense
+from ..quant.quantize import (DEFAULT_COMPENSATION, Q4_DEFAULT_GROUP, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize,
                        quantize_f16, quantize_q4, quantize_q8, router_feeders, weight_slots)
 
 
@@ -144,7 +146,7 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
          keep: Sequence[str] = (), router_inputs: str | None = None, group: int = Q4_DEFAULT_GROUP) -> Plan:
     """The dtypes of `graph`'s weight matrices that fit `target` with the least summed error (module
     docstring); raises BudgetError when even the smallest dtypes do not fit. `router_inputs` (f16 or
-    f32): the matrices feeding a router (colibri.quantize.router_feeders) take at least that. `group`:
+    f32): the matrices feeding a router (colibri.quant.quantize.router_feeders) take at least that. `group`:
     the columns per scale of the q4 matrices."""
     if router_inputs not in (None, "f32", "f16"):
         raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
@@ -161,7 +163,7 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
                           f"do not change it; lower max_batch (or max_seq_len for a token model)")
     moments = {}
     if calibration is not None:
-        from .calibrate import input_moments
+        from ..quant.calibrate import input_moments
 
         moments = input_moments(graph, calibration)
     # One option list per distinct matrix: a tied head is its embedding table (one tensor in the image).

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from rich.progress import Progress
 
-from . import format as F
-from . import image as _image
-from . import reference
-from .ir import Graph, dense
+from ..model import format as F
+from ..image import reader as _image
+from ..reference import executor as reference
+from ..model.ir import Graph, dense
 from .quantize import weight_slots
 
 # ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ keeps small round trips under a millisecond. The process is always ended on
 exit, also when a test fails.
 
 The runner keeps its model slots in emulated flash, a RAM region of QEMU
-(colibri.slots.LAYOUTS["mps2_an500"]) that lives as long as the process. To
+(colibri.target.slots.LAYOUTS["mps2_an500"]) that lives as long as the process. To
 carry it across a "power cycle":
 
     with Qemu(elf, qmp=True) as q:
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import ColibriError
+from ..model.errors import ColibriError
 from .slots import LAYOUTS
 
 ICOUNT_SHIFT = 7  # the firmware converts SysTick ticks to instructions with the same shift

@@ -9,8 +9,8 @@ import fcntl
 import subprocess
 from pathlib import Path
 
-from . import sources
-from .errors import BuildError, ColibriError
+from ..runtime import sources
+from ..model.errors import BuildError, ColibriError
 
 
 def _first_error(output: str) -> str:

@@ -20,8 +20,8 @@ import numpy as np
 import serial
 
 from . import protocol as P
-from .errors import ColibriError
-from .format import Status
+from ..model.errors import ColibriError
+from ..model.format import Status
 
 CHUNK = P.MAX_PAYLOAD - 4  # LOAD_CHUNK and UPDATE_CHUNK carry a u32 offset
 # UPDATE_BEGIN erases the target slot before it answers: on an STM32H743 a

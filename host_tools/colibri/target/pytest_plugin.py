@@ -21,7 +21,7 @@ import pytest
 
 from . import firmware
 from .device import Device
-from .errors import BuildError
+from ..model.errors import BuildError
 from .qemu import Qemu
 
 
@@ -35,7 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def build_runner() -> Path:
-    """colibri.firmware.build_runner, its failure reported as a pytest usage error with make's whole output."""
+    """colibri.target.firmware.build_runner, its failure reported as a pytest usage error with make's whole output."""
     try:
         return firmware.build_runner()
     except BuildError as exc:

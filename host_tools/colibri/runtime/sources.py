@@ -2,7 +2,7 @@
 
 Two layouts carry the sources:
 
-- a checkout (or an unpacked sdist): this file is host_tools/colibri/sources.py
+- a checkout (or an unpacked sdist): this file is host_tools/colibri/runtime/sources.py
   and the engine is at firmware/colibri_core beside host_tools;
 - an installed wheel: setup.py copies the sources the commands need (engine,
   runner, boards, MicroPython module: PACKAGED) into colibri/_src.
@@ -11,7 +11,7 @@ Two layouts carry the sources:
 that `make` may write into: the checkout itself, or for an installed package
 a copy of colibri/_src in the user's cache (site-packages may be read-only).
 
-The binding (colibri._engine) is compiled with SOURCE_HASH, `source_hash()` of
+The binding (colibri.runtime._engine) is compiled with SOURCE_HASH, `source_hash()` of
 the sources it was built from (HASHED). In a checkout, `check_binding()`
 refuses a binding whose hash differs from the sources now on disk, so a C edit
 cannot go untested by the Python tests; scripts/setup.sh rebuilds it when
@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 try:
-    from .errors import ColibriError
+    from ..model.errors import ColibriError
 except ImportError:  # loaded by path from setup.py or scripts/source_hash.py
     ColibriError = RuntimeError  # type: ignore[misc,assignment]
 
@@ -42,14 +42,14 @@ HASHED = (
     "firmware/colibri_core/src/**/*",
     "firmware/colibri_core/posix/**/*",
     "firmware/colibri_core/sources.txt",
-    "host_tools/colibri/_engine.c",
+    "host_tools/colibri/runtime/_engine.c",
     "setup.py",
     "pyproject.toml",
 )
 
 # What `natmod build`, `footprint`, `hil` and `flash` compile, shipped in the wheel
 # and the sdist: the engine library, the runner firmware with its boards, and the
-# MicroPython module (natively linked by colibri.natmod, or as a user C module).
+# MicroPython module (natively linked by colibri.target.natmod, or as a user C module).
 PACKAGED = (
     "firmware/colibri_core/Makefile",
     "firmware/colibri_core/sources.txt",
@@ -68,13 +68,14 @@ PACKAGED = (
     "micropython_module/natmod/*.h",
 )
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+# The colibri package: this file is colibri/runtime/sources.py.
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 PACKAGED_DIR = PACKAGE_DIR / "_src"
 REBUILD_HINT = "run `make setup` (or `pip install --no-build-isolation --no-deps -e .`) in the checkout"
 
 
 class StaleEngineError(ColibriError):
-    """The loaded colibri._engine was built from other C sources than the checkout's."""
+    """The loaded colibri.runtime._engine was built from other C sources than the checkout's."""
 
 
 def files(root: Path, patterns: tuple[str, ...]) -> list[str]:
@@ -103,8 +104,8 @@ def tree_hash(root: Path, relpaths: list[str]) -> str:
 def source_hash(root: Path) -> str:
     """The hash of everything the binding is built from in the checkout or sdist at `root`."""
     rel = files(root, HASHED)
-    if "host_tools/colibri/_engine.c" not in rel:
-        raise FileNotFoundError(f"{root} holds no Colibri sources (no host_tools/colibri/_engine.c)")
+    if "host_tools/colibri/runtime/_engine.c" not in rel:
+        raise FileNotFoundError(f"{root} holds no Colibri sources (no host_tools/colibri/runtime/_engine.c)")
     return tree_hash(root, rel)
 
 
@@ -167,7 +168,7 @@ def check_binding(module) -> None:
     built = getattr(module, "SOURCE_HASH", None)
     if needs_rebuild(checkout, built):
         raise StaleEngineError(
-            f"colibri._engine ({module.__file__}) was built from other sources than {checkout} now holds "
+            f"colibri.runtime._engine ({module.__file__}) was built from other sources than {checkout} now holds "
             f"(built from {str(built)[:12]}, sources now {source_hash(checkout)[:12]}): {REBUILD_HINT}")
 
 
@@ -180,10 +181,10 @@ def binding_hash(package_dir: Path | None = None) -> str | None:
             return None
         package_dir = Path(list(spec.submodule_search_locations)[0])
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = Path(package_dir) / f"_engine{suffix}"
+        path = Path(package_dir) / "runtime" / f"_engine{suffix}"
         if path.is_file():
-            loader = importlib.machinery.ExtensionFileLoader("colibri._engine", str(path))
-            spec = importlib.util.spec_from_file_location("colibri._engine", path, loader=loader)
+            loader = importlib.machinery.ExtensionFileLoader("colibri.runtime._engine", str(path))
+            spec = importlib.util.spec_from_file_location("colibri.runtime._engine", path, loader=loader)
             module = importlib.util.module_from_spec(spec)
             loader.exec_module(module)
             return getattr(module, "SOURCE_HASH", "unknown")  # built before bindings carried it
@@ -195,13 +196,13 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("hash", "check"):
         print("usage: source_hash.py hash|check [ROOT]", file=sys.stderr)
         return 2
-    where = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[2]
+    where = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[3]
     if argv[0] == "hash":
         print(source_hash(where))
         return 0
     built = binding_hash()
     if needs_rebuild(where, built):
-        state = "no colibri._engine built" if built is None else f"built from {built[:12]}"
+        state = "no colibri.runtime._engine built" if built is None else f"built from {built[:12]}"
         print(f"binding is stale: {state}, sources now {source_hash(where)[:12]}")
         return 1
     print(f"binding is current ({built[:12]})")

@@ -1,5 +1,5 @@
 /*
- * CPython binding of the Colibri C engine: colibri._engine.
+ * CPython binding of the Colibri C engine: colibri.runtime._engine.
  *
  * A Context keeps the image buffer exported (so it cannot move or shrink),
  * owns the arena, and releases the GIL during forward so contexts run in
@@ -54,7 +54,7 @@ static PyObject *status_error(int status) {
     return Py_BuildValue("(is)", status, colibri_strerror(status));
 }
 
-/* Raises colibri._engine.EngineError(status, message); engine.py maps it to ColibriError subclasses. */
+/* Raises colibri.runtime._engine.EngineError(status, message); engine.py maps it to ColibriError subclasses. */
 static PyObject *EngineError;
 
 static PyObject *raise_status(int status) {
@@ -291,7 +291,7 @@ static PyMethodDef File_methods[] = {
 
 static PyTypeObject FileType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "colibri._engine.File",
+    .tp_name = "colibri.runtime._engine.File",
     .tp_basicsize = sizeof(FileObject),
     .tp_dealloc = (destructor)File_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -798,7 +798,7 @@ static PyMethodDef Context_methods[] = {
 
 static PyTypeObject ContextType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "colibri._engine.Context",
+    .tp_name = "colibri.runtime._engine.Context",
     .tp_basicsize = sizeof(ContextObject),
     .tp_dealloc = (destructor)Context_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -876,7 +876,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef engine_module = {
-    PyModuleDef_HEAD_INIT, "colibri._engine", "The Colibri C engine.", -1, module_methods,
+    PyModuleDef_HEAD_INIT, "colibri.runtime._engine", "The Colibri C engine.", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
@@ -888,7 +888,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
     if (m == NULL) {
         return NULL;
     }
-    EngineError = PyErr_NewException("colibri._engine.EngineError", NULL, NULL);
+    EngineError = PyErr_NewException("colibri.runtime._engine.EngineError", NULL, NULL);
     Py_INCREF(&ContextType);
     Py_INCREF(&FileType);
     if (EngineError == NULL || PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
