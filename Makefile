@@ -42,8 +42,8 @@ firmware: engine-all
 header: setup
 	.venv/bin/colibri gen-header
 
-# Every deterministic figure README.md quotes, measured (scripts/measure.py, build/measure.json);
-# `scripts/measure.py --write-readme` puts them into README.md, tests/test_readme_figures.py compares.
+# Every deterministic figure, measured (scripts/measure.py): rewrites docs/measured.md whole and README.md's
+# headline table from it; tests/test_measured.py fails when the page is stale (docs/testing.md).
 measure: setup firmware
 	$(PY) scripts/measure.py
 
@@ -73,6 +73,15 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 test: setup
 	$(MAKE) -j$(NPROC) --output-sync=target c-tests firmware fuzz-smoke
 	.venv/bin/pytest -n 2 --durations=25
+
+# What a developer runs after each change: the host engine, the format, export and
+# quantisation, the reference, the CLI and the bindings on the host, in a few minutes. It leaves out the
+# tests pyproject.toml marks as slow or needing QEMU, a cross toolchain, a sanitizer build, MicroPython,
+# cargo, PlatformIO or upstream trees; `make test` runs those too.
+CHECK_MARKERS := not slow and not qemu and not cross and not sanitizer and not micropython and not rust \
+                 and not platformio and not upstream
+check: setup
+	.venv/bin/pytest -n 2 -q -m "$(CHECK_MARKERS)" --durations=15
 
 # Fuzzing (fuzz/README.md): the engine, the runner's frame handler and the
 # C-vs-Python validator comparison, each for a stated number of executions.
@@ -132,12 +141,12 @@ bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
 	$(PY) bench/bench.py
 
-# Against upstream trees no registry has (README.md, "Upstream checks"): the FreeRTOS example
+# Against upstream trees no registry has (docs/testing.md, "Upstream checks"): the FreeRTOS example
 # built and run in QEMU on each kernel (':'-separated paths), the MicroPython module as a user C
 # module of the unix and qemu ports and as a .mpy in the unix port built from that tree.
 #   make upstream-check FREERTOS_KERNEL_PATH=/src/FreeRTOS-Kernel[:...] MICROPYTHON_PATH=/src/micropython
 upstream-check:
-	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (README.md, Upstream checks)" >&2; exit 1; }
+	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (docs/testing.md, Upstream checks)" >&2; exit 1; }
 	$(MAKE) setup
 	FREERTOS_KERNEL_PATH="$(FREERTOS_KERNEL_PATH)" MICROPYTHON_PATH="$(MICROPYTHON_PATH)" \
 	  .venv/bin/pytest -v -rs -n 2 --dist loadfile tests/test_freertos.py tests/test_upstream_micropython.py
