@@ -243,7 +243,7 @@ RANDOM_SEEDS = 50  # the first of the sweep's 300 models (tests/test_equivalence
 def group_random_q8() -> list[Figure]:
     """q8 on the sweep's random models (tests/randmodels.py), untrained, many with 8-16 experts: q8 error
     in a router flips tokens to another expert set and each flip moves a whole output row, so these are
-    no bound (the README says so); the figures show how far it goes."""
+    no bound (docs/quantization.md says so); the figures show how far it goes."""
     import numpy as np
     import torch
 
