@@ -42,8 +42,8 @@ firmware: engine-all
 header: setup
 	.venv/bin/colibri gen-header
 
-# Every deterministic figure README.md quotes, measured (scripts/measure.py, build/measure.json);
-# `scripts/measure.py --write-readme` puts them into README.md, tests/test_readme_figures.py compares.
+# Every deterministic figure, measured (scripts/measure.py): rewrites docs/measured.md whole and README.md's
+# headline table from it; tests/test_measured.py fails when the page is stale (docs/testing.md).
 measure: setup firmware
 	$(PY) scripts/measure.py
 
@@ -141,12 +141,12 @@ bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
 	$(PY) bench/bench.py
 
-# Against upstream trees no registry has (README.md, "Upstream checks"): the FreeRTOS example
+# Against upstream trees no registry has (docs/testing.md, "Upstream checks"): the FreeRTOS example
 # built and run in QEMU on each kernel (':'-separated paths), the MicroPython module as a user C
 # module of the unix and qemu ports and as a .mpy in the unix port built from that tree.
 #   make upstream-check FREERTOS_KERNEL_PATH=/src/FreeRTOS-Kernel[:...] MICROPYTHON_PATH=/src/micropython
 upstream-check:
-	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (README.md, Upstream checks)" >&2; exit 1; }
+	@test -n "$(FREERTOS_KERNEL_PATH)$(MICROPYTHON_PATH)" || { echo "set FREERTOS_KERNEL_PATH and/or MICROPYTHON_PATH (docs/testing.md, Upstream checks)" >&2; exit 1; }
 	$(MAKE) setup
 	FREERTOS_KERNEL_PATH="$(FREERTOS_KERNEL_PATH)" MICROPYTHON_PATH="$(MICROPYTHON_PATH)" \
 	  .venv/bin/pytest -v -rs -n 2 --dist loadfile tests/test_freertos.py tests/test_upstream_micropython.py

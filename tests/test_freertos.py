@@ -36,7 +36,7 @@ FREERTOS = ROOT / "examples" / "freertos"
 KERNELS = [Path(p).resolve() for p in os.environ.get("FREERTOS_KERNEL_PATH", "").split(os.pathsep) if p.strip()]
 needs_kernel = pytest.mark.skipif(
     not KERNELS, reason="FREERTOS_KERNEL_PATH is not set (a FreeRTOS-Kernel checkout, or several separated by ':'; "
-                        "README.md 'Upstream checks': make upstream-check FREERTOS_KERNEL_PATH=...)")
+                        "docs/testing.md 'Upstream checks': make upstream-check FREERTOS_KERNEL_PATH=...)")
 ARM_GCC = shutil.which("arm-none-eabi-gcc")
 QEMU = shutil.which("qemu-system-arm")
 # The oldest kernel the example claims (Makefile, README.md): INCLUDE_xTaskDelayUntil came with it.

@@ -66,6 +66,9 @@ def test_sdist_carries_the_c_sources(dist: Path) -> None:
             "boards/mps2_an500/board.mk", "micropython_module/colibri_mp.c"} <= needed
     assert needed - members == set()
     assert not [m for m in members if m.endswith((".so", ".o", ".pyc"))]
+    # README.md sends a wheel user to the sdist for what it links to (the wheel carries no docs).
+    links = re.findall(r"\]\(([^)#:\s]+)\)", (ROOT / "README.md").read_text())
+    assert links and {link for link in links if link not in members} == set()
 
 
 def test_wheel_carries_the_sources_and_the_binding(dist: Path) -> None:

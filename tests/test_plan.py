@@ -9,7 +9,7 @@ activations. colibri_check sizes each one too: one byte short of
 colibri_model_size is ARENA_TOO_SMALL, exactly that initialises and runs.
 
 The arena grows by the plan only: one more layer, expert or MoE layer grows it by exactly the entry
-sizes scripts/measure.py reports (and README.md quotes) for the 64-bit host.
+sizes scripts/measure.py reports (and docs/measured.md shows) for the 64-bit host.
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ bound by how much, on the models the bounds are meant for:
 """
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,17 +33,15 @@ import colibri
 from colibri import image, reference
 from colibri import nn as cnn
 from colibri.model.errors import ExportError
-from colibri.frontends.exporter import build_graph
-from colibri.model.format import Act, ExpertKind, Routing
-from colibri.model.ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, dense
+from colibri.model.ir import F16Weight, Graph, Linear, MoE, Q8Weight, dense
 from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
 
-from helpers import hfblocks
+from helpers.quant_models import (F16_MODELS, NN_MODELS, Q8_MODELS, TOKENS, accuracy, expert_sets, graph_of,  # noqa: F401
+                                  heavy_tailed_graph, hf_block, inputs, nn_model, quickstart_model, rel_l2, student_t)
 from helpers.randmodels import random_model
 from helpers.trained import TrainedClassifier, digits_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENS = 256  # inputs per error measurement
 F16_BOUND = 1e-3  # end-to-end relative L2, f16 weights
 Q8_BOUND = 1e-2  # end-to-end relative L2, q8 weights (the random-weight models of Q8_MODELS)
 ACCURACY_DROP = 0.003  # q8 vs f32 test accuracy on the trained model (0.3 percentage points)
@@ -55,29 +52,6 @@ Q8_V1_SIZE = 0.27  # the same in format version 1's layout (f32 scales, 4-byte r
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-
-def rel_l2(graph: Graph, quantised: Graph, x: np.ndarray) -> float:
-    """‖y_q − y‖ / ‖y‖ over the whole batch, both through the numpy reference."""
-    y = reference.run(graph, x)
-    return float(np.linalg.norm(reference.run(quantised, x) - y) / np.linalg.norm(y))
-
-
-def expert_sets(graph: Graph, x: np.ndarray) -> list[frozenset[int]]:
-    """Per MoE layer and token, the set of routed-expert slots the reference selects."""
-    sets: list[frozenset[int]] = []
-    reference.run(graph, x, on_route=lambda _moe, sel: sets.extend(frozenset(s for s, _ in t) for t in sel))
-    return sets
-
-
-def inputs(n: int, d: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
-
-
-def graph_of(module: torch.nn.Module, max_batch: int = 16) -> Graph:
-    with torch.no_grad():
-        graph, _ = build_graph(module.eval(), max_batch=max_batch)
-    return graph
 
 
 def storage(graph: Graph) -> set[type]:
@@ -96,65 +70,6 @@ def assert_engine_matches(img: bytes, x: np.ndarray) -> None:
 
 
 # --- models --------------------------------------------------------------------------------------
-
-
-def quickstart_model() -> torch.nn.Module:
-    """examples/quickstart.py's build_model(), loaded by path (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_model()
-
-
-def nn_model(routing: str, gated: bool, seed: int = 1, branch_scale: float = 1.0) -> torch.nn.Module:
-    """Linear → Residual(LayerNorm → MoE(6 experts, top-2)) → Linear, default (training-like) init.
-
-    `branch_scale` multiplies the experts' output projections, so the MoE adds
-    a smaller update to the residual stream, as in a transformer block (GPT-2
-    scales residual output projections down at init for the same reason). That
-    decides what one routing flip costs: at 1.0 a flipped token moves the
-    output row by about as much as the whole row, at 0.3 by a third of it.
-    """
-    torch.manual_seed(seed)
-    moe = cnn.MoE(32, 6, 48, top_k=2, routing=routing, gated=gated, activation="silu" if gated else "gelu",
-                  renormalize=routing == "softmax_topk")
-    with torch.no_grad():
-        for expert in moe.experts:
-            expert.w2.weight.mul_(branch_scale)
-            expert.w2.bias.mul_(branch_scale)
-    return torch.nn.Sequential(torch.nn.Linear(24, 32), cnn.Residual(torch.nn.LayerNorm(32), moe),
-                               torch.nn.Linear(32, 16))
-
-
-def hf_block(kind: str, hidden: int = 32, seed: int = 0) -> torch.nn.Module:
-    """A Hugging Face MoE block from a small random config (8 experts, top-2)."""
-    return {
-        "mixtral": lambda: hfblocks.mixtral(hidden, 64, 8, 2, "silu", seed),
-        "qwen2_moe": lambda: hfblocks.qwen2_moe(hidden, 32, 48, 8, 2, True, "silu", seed),
-        "switch": lambda: hfblocks.switch(hidden, 64, 8, True, "relu", capacity=TOKENS, seed=seed),
-    }[kind]()
-
-
-NN_MODELS = {f"nn-{r}-{'glu' if g else 'mlp'}": (lambda r=r, g=g: nn_model(r, g))
-             for r in cnn.ROUTINGS for g in (False, True)}
-F16_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "quickstart": quickstart_model,
-    **NN_MODELS,
-    **{f"hf-{k}": (lambda k=k: hf_block(k)) for k in ("mixtral", "qwen2_moe", "switch")},
-}
-# q8 moves a random router's logits enough to flip 0–2 % of tokens to another expert set
-# (0–5 of 256 over model and input seeds, whatever the router's scale: its error scales
-# with its weights). The floor without flips is ~0.5 %; at branch_scale 1 the top-1 and
-# top-k nn models measured 0.5–2.4 % (median ~1 %), the excess all from flips. At
-# branch_scale 0.3 they measured ≤ 0.9 %, so the sparse-routing models carry the bound
-# there; dense routing cannot flip and runs at full scale, as does the quickstart model
-# (0.52–0.68 % over 8 input seeds despite 0–2 flips).
-Q8_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "quickstart": quickstart_model,
-    "nn-dense-glu": NN_MODELS["nn-dense-glu"],
-    "nn-topk_softmax-mlp-0.3": lambda: nn_model("topk_softmax", False, branch_scale=0.3),
-    "nn-top1-glu-0.3": lambda: nn_model("top1", True, branch_scale=0.3),
-}
 
 
 # --- 1. f16 and 3. q8 on random-weight models ----------------------------------------------------
@@ -193,10 +108,6 @@ def trained_q8(trained: TrainedClassifier) -> Graph:
     return quantize(trained.graph, "q8")
 
 
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
-    return float((logits.argmax(axis=1) == labels).mean())
-
-
 def test_trained_model_learned(trained: TrainedClassifier) -> None:
     """Guards the other trained-model tests: a model that learned nothing would pass them trivially."""
     acc = accuracy(reference.run(trained.graph, trained.x_test), trained.y_test)
@@ -221,23 +132,6 @@ def test_trained_q8_routing_agreement(trained: TrainedClassifier, trained_q8: Gr
 
 
 # --- 4. the compensation term --------------------------------------------------------------------
-
-
-def student_t(rng: np.random.Generator, rows: int, cols: int, dof: float = 2.5) -> np.ndarray:
-    """Heavy-tailed weights, scaled to unit-variance outputs for unit-variance inputs."""
-    return (rng.standard_t(dof, (rows, cols)) / np.sqrt(dof / (dof - 2) * cols)).astype(np.float32)
-
-
-def heavy_tailed_graph(kind: str, seed: int = 0) -> Graph:
-    """A Linear, or one SwiGLU expert (a dense MoE with a single expert, so routing cannot flip)."""
-    rng = np.random.default_rng(seed)
-    d, hidden = 128, 256
-    if kind == "linear":
-        return Graph([Linear(student_t(rng, hidden, d))], d, hidden)
-    expert = Expert(ExpertKind.GLU, Act.SILU, w1=student_t(rng, hidden, d), w2=student_t(rng, d, hidden),
-                    w3=student_t(rng, hidden, d))
-    moe = MoE(Routing.DENSE, 1, np.zeros((1, d), np.float32), [expert], np.zeros(1, np.int32))
-    return Graph([moe], d, d)
 
 
 @pytest.mark.parametrize("kind", ["linear", "glu_expert"])

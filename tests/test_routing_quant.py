@@ -20,17 +20,8 @@ from colibri.model.ir import F16Weight, Linear, MoE, Q8Weight, dense
 from colibri.quant.quantize import quantize, quantize_q8, router_feeders
 from colibri.quant.report import ERROR_TARGET, ROUTING_TARGET, quantisation_report
 
-from test_quantize import graph_of, hf_block, inputs
-
-TOKENS = 1024
-
-
-def many_experts(seed: int, routing: str) -> torch.nn.Module:
-    """Linear -> Residual(LayerNorm -> MoE(64 experts of hidden 32, top-2)) -> Linear, d 16."""
-    torch.manual_seed(seed)
-    moe = cnn.MoE(16, 64, 32, top_k=2, routing=routing, activation="gelu")
-    return torch.nn.Sequential(torch.nn.Linear(16, 16), cnn.Residual(torch.nn.LayerNorm(16), moe),
-                               torch.nn.Linear(16, 16))
+from helpers.quant_models import ROUTING_TOKENS as TOKENS
+from helpers.quant_models import graph_of, hf_block, inputs, many_experts
 
 
 def report(graph, quantised):

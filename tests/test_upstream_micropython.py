@@ -41,7 +41,7 @@ from helpers.build import ROOT
 
 MP = Path(os.environ["MICROPYTHON_PATH"]).resolve() if os.environ.get("MICROPYTHON_PATH") else None
 pytestmark = [pytest.mark.upstream, pytest.mark.micropython, pytest.mark.qemu, pytest.mark.cross, pytest.mark.skipif(
-    MP is None, reason="MICROPYTHON_PATH is not set (a MicroPython checkout; README.md 'Upstream checks': "
+    MP is None, reason="MICROPYTHON_PATH is not set (a MicroPython checkout; docs/testing.md 'Upstream checks': "
                        "make upstream-check MICROPYTHON_PATH=...)")]
 UNIX_OPTIONS = ["MICROPY_PY_FFI=0", "MICROPY_PY_SSL=0", "MICROPY_PY_BTREE=0", "FROZEN_MANIFEST="]
 QEMU_BOARD = "MPS2_AN500"

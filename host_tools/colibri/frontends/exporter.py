@@ -502,7 +502,7 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
 
 def write_atomically(path: Path, data: bytes) -> None:
     """The whole image or nothing: a failed write leaves no partial file at `path`. The safe update
-    of a served model (README "Linux edge"): a temporary file beside it, fsync'd, renamed over it, so
+    of a served model (docs/linux-edge.md): a temporary file beside it, fsync'd, renamed over it, so
     a process mapping the old file keeps its pages and a reopen maps the new one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
