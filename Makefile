@@ -103,7 +103,7 @@ build/bench/colibri_bench: bench/colibri_bench.c tests/c/colibri_common.h engine
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include $< $(CORE)/build/host/libcolibri.a -lm -o $@
 
 # q4 against q8 and f32 on one wide layer, kernel calls alone (bench/q4_kernels.c): µs per call, batch 1 and 8.
-build/bench/q4_kernels: bench/q4_kernels.c engine
+build/bench/q4_kernels: bench/q4_kernels.c tests/c/colibri_rng.h engine
 	mkdir -p build/bench
 	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/src $< $(CORE)/build/host/libcolibri.a -lm -o $@
 

@@ -20,6 +20,8 @@
 #include "colibri_format.h"
 #include "colibri_kernels.h"
 
+#include "../tests/c/colibri_rng.h"
+
 static double now(void)
 {
     struct timespec t;
@@ -30,10 +32,7 @@ static double now(void)
 static uint64_t state = 0x9E3779B97F4A7C15u;
 static uint32_t rnd(void)
 {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return (uint32_t)(state >> 32);
+    return (uint32_t)(colibri_xorshift64(&state) >> 32);
 }
 
 static void *alloc(size_t bytes)

@@ -36,6 +36,7 @@
 #include "colibri.h"
 #include "colibri_format.h"
 #include "colibri_kernels.h"
+#include "colibri_rng.h"
 
 /* ---- Deterministic random numbers (splitmix64) ---- */
 
@@ -43,10 +44,7 @@ static uint64_t rng_state = 0x243F6A8885A308D3u;
 
 static uint64_t rnd(void)
 {
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15u);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9u;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBu;
-    return z ^ (z >> 31);
+    return colibri_splitmix64(&rng_state);
 }
 
 static size_t rnd_below(size_t n)

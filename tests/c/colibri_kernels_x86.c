@@ -33,6 +33,7 @@
 
 #include "colibri_kernels.h"
 #include "colibri_format.h"
+#include "colibri_rng.h"
 #include "kernels/colibri_backend.h"
 
 #define MAX_IN 300
@@ -46,10 +47,7 @@ static double worst; /* the largest |y - y_ref| / tolerance seen */
 
 static uint32_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
+    return (uint32_t)(colibri_xorshift64(&rng_state) >> 16);
 }
 
 static size_t rnd_below(size_t n) { return n ? rnd() % n : 0; }

@@ -18,17 +18,15 @@
 
 #include "colibri_format.h"
 #include "colibri_kernels.h"
+#include "colibri_rng.h"
 
 typedef struct q4_rng {
     uint64_t state;
 } q4_rng;
 
-static inline uint64_t q4_next(q4_rng *r) /* splitmix64 */
+static inline uint64_t q4_next(q4_rng *r)
 {
-    uint64_t z = (r->state += 0x9E3779B97F4A7C15u);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9u;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBu;
-    return z ^ (z >> 31);
+    return colibri_splitmix64(&r->state);
 }
 
 static inline size_t q4_below(q4_rng *r, size_t n)

@@ -43,6 +43,7 @@
 #include "colibri_format.h"
 #include "colibri_kernels.h"
 #include "../colibri_q4_cases.h"
+#include "../colibri_rng.h"
 
 /* ---- output through semihosting (QEMU -semihosting-config enable=on) ---- */
 
@@ -102,11 +103,7 @@ static uint32_t rng_state = 0x12345678u;
 
 static uint32_t rnd(void)
 {
-    uint32_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return rng_state = x;
+    return colibri_xorshift32(&rng_state);
 }
 
 static uint32_t rnd_below(uint32_t n)
