@@ -22,7 +22,7 @@ from colibri.model.ir import F16Weight, Q8Weight
 from colibri.quant.quantize import quantize, weight_slots
 
 from helpers.build import ROOT
-from test_quantize import graph_of, inputs
+from helpers.quant_models import graph_of, inputs
 
 sys.path[:0] = [str(ROOT / "examples" / "tiny_lm"), str(ROOT / "examples" / "smart_meter")]
 
@@ -106,7 +106,7 @@ def test_an_oversized_model_is_refused_with_what_does_not_fit() -> None:
 
 
 def test_router_inputs_keep_the_matrices_feeding_routers_at_f16_or_finer() -> None:
-    from test_routing_quant import many_experts
+    from helpers.quant_models import many_experts
 
     graph = graph_of(many_experts(1, "topk_softmax"))
     f32 = image.write(graph)
@@ -118,7 +118,7 @@ def test_router_inputs_keep_the_matrices_feeding_routers_at_f16_or_finer() -> No
 
 
 def _quickstart() -> torch.nn.Module:
-    from test_quantize import quickstart_model
+    from helpers.quant_models import quickstart_model
 
     return quickstart_model()
 

@@ -27,7 +27,7 @@ from colibri.model.format import Status
 from helpers.build import ROOT
 from helpers.randmodels import random_model
 from helpers.c_drivers import check
-from test_quantize import quickstart_model
+from helpers.quant_models import quickstart_model
 
 
 def _images() -> dict[str, bytes]:

@@ -18,7 +18,9 @@ from colibri.model.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8
 from colibri.quant.quantize import quantize, quantize_q4, weight_slots
 
 from helpers import lmmodels
-import test_quantize as TQ
+from helpers.engine_models import ENGINE_MODELS, assert_engine_matches
+from helpers.quant_models import accuracy, graph_of, inputs
+from helpers.trained import digits_classifier
 
 
 def _graph(seed: int = 0, cols: int = 33, hidden: int = 40) -> Graph:
@@ -411,12 +413,12 @@ Q4_VARIANTS: dict[str, dict] = {
 @pytest.mark.parametrize("variant", Q4_VARIANTS)
 @pytest.mark.parametrize("model", ["quickstart", "random-0", "random-1", "random-2", "odd"])
 def test_engine_matches_reference(model: str, variant: str) -> None:
-    graph = _graph(5) if model == "odd" else TQ.ENGINE_MODELS[model]()
+    graph = _graph(5) if model == "odd" else ENGINE_MODELS[model]()
     img = image.write(quantize(graph, "q4", **Q4_VARIANTS[variant]))
     assert img[4] == F.Q4_VERSION
     for batch in sorted({1, graph.max_batch}):
-        x = TQ.inputs(batch, graph.input_size, seed=6 + batch)
-        TQ.assert_engine_matches(img, x)
+        x = inputs(batch, graph.input_size, seed=6 + batch)
+        assert_engine_matches(img, x)
         want = reference.run(img, x)
         for kernels in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
             got = kernels.forward(x)
@@ -470,15 +472,15 @@ def test_q4_image_is_at_most_0_16_of_f32_on_wide_layers() -> None:
     from colibri import nn as cnn
 
     torch.manual_seed(5)
-    g = TQ.graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
+    g = graph_of(cnn.MoE(128, 8, 512, top_k=2, gated=True, activation="silu", expert_bias=False))
     ratio = len(image.write(quantize(g, "q4"))) / len(image.write(g))
     print(f"q4 / f32 image bytes: {ratio:.4f}")
     assert ratio <= 0.16
 
 
 def test_trained_digits_q4_accuracy_within_one_point() -> None:
-    trained = TQ.digits_classifier(seed=0)
-    acc = {name: TQ.accuracy(colibri.Model(image.write(g)).forward(trained.x_test), trained.y_test)
+    trained = digits_classifier(seed=0)
+    acc = {name: accuracy(colibri.Model(image.write(g)).forward(trained.x_test), trained.y_test)
            for name, g in (("f32", trained.graph), ("q4", quantize(trained.graph, "q4")))}
     print(f"digits: f32 {acc['f32']:.4f}, q4 {acc['q4']:.4f}")
     assert acc["f32"] >= 0.93 and acc["q4"] >= acc["f32"] - 0.01

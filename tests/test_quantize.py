@@ -22,7 +22,6 @@ bound by how much, on the models the bounds are meant for:
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, 
 
 from helpers.quant_models import (F16_MODELS, NN_MODELS, Q8_MODELS, TOKENS, accuracy, expert_sets, graph_of,  # noqa: F401
                                   heavy_tailed_graph, hf_block, inputs, nn_model, quickstart_model, rel_l2, student_t)
-from helpers.randmodels import random_model
+from helpers.engine_models import ENGINE_MODELS, assert_engine_matches
 from helpers.trained import TrainedClassifier, digits_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,14 +58,6 @@ def storage(graph: Graph) -> set[type]:
     shared gates stay f32 unless quantize_routers (colibri.quant.quantize), so they are left out."""
     return {type(getattr(owner, attr)) for name, owner, attr in weight_slots(graph)
             if not name.endswith((".router", ".shared_gate"))}
-
-
-def assert_engine_matches(img: bytes, x: np.ndarray) -> None:
-    """The C engine's tolerance: max|Δ| ≤ 1e-5 · (1 + max|y|) against the reference on the same image."""
-    want = reference.run(img, x)
-    got = colibri.Model(img).forward(x)
-    err, tol = float(np.abs(got - want).max()), 1e-5 * (1 + float(np.abs(want).max()))
-    assert err <= tol, f"engine vs reference: max|Δ| {err:.3g} > {tol:.3g}"
 
 
 # --- models --------------------------------------------------------------------------------------
@@ -300,18 +291,6 @@ VARIANTS: dict[str, dict] = {
     "q8": {"dtype": "q8"},
     "q8-noE": {"dtype": "q8", "compensation": 0.0},
     "q8-int8act": {"dtype": "q8", "int8_act": ["layers.*"]},
-}
-
-
-def random_graph(seed: int) -> Graph:
-    """tests/randmodels.random_model(seed) with its own max_batch."""
-    model, _, max_batch = random_model(seed)
-    return graph_of(model, max_batch=max_batch)
-
-
-ENGINE_MODELS: dict[str, Callable[[], Graph]] = {
-    "quickstart": lambda: graph_of(quickstart_model()),
-    **{f"random-{s}": (lambda s=s: random_graph(s)) for s in range(5)},
 }
 
 
