@@ -6,7 +6,7 @@
 
 docs/measured.md is this script's output and nothing else: one section per group, one row per figure
 (key, figure, what it is). README.md's headline table (HEADLINE below) quotes a few of its figures; the
-script rewrites that table too. tests/test_measured.py re-measures each group and fails where the page
+script rewrites that table too. tests/docs/test_docs_measured.py re-measures each group and fails where the page
 is stale, and checks the README's table against the page, so a figure is pinned in one place.
 
 The figures are deterministic on a given toolchain: byte sizes, parameter counts, instructions counted
@@ -79,7 +79,7 @@ def group_tests() -> list[Figure]:
     """How many random models the equivalence sweep runs against PyTorch, and how many points the
     power-loss test cuts the power at (pytest's collection of those two files). The suite's total is
     not pinned: it changes with every test added (docs/testing.md says how to count it)."""
-    files = {name: next(ROOT.glob(f"tests/**/{name}")) for name in ("test_equivalence.py", "test_power_loss.py")}
+    files = {name: next(ROOT.glob(f"tests/**/{name}")) for name in ("test_engine_equivalence.py", "test_target_power_loss.py")}
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         *map(str, files.values())], cwd=ROOT, capture_output=True, text=True)
     ids = [line for line in r.stdout.splitlines() if "::" in line]
@@ -87,8 +87,8 @@ def group_tests() -> list[Figure]:
         raise SystemExit(f"pytest --collect-only failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     sweeps = [i for i in ids if "::test_random_model_matches_pytorch[" in i]
     cuts = [i for i in ids if "::test_power_cut[" in i]
-    return [fig("tests.sweeps", len(sweeps), "random-model sweeps against PyTorch (tests/test_equivalence.py)"),
-            fig("tests.power_cuts", len(cuts), "power cuts over erase, program and commit (tests/test_power_loss.py)")]
+    return [fig("tests.sweeps", len(sweeps), "random-model sweeps against PyTorch (tests/engine/test_engine_equivalence.py)"),
+            fig("tests.power_cuts", len(cuts), "power cuts over erase, program and commit (tests/target/test_target_power_loss.py)")]
 
 
 def group_engine() -> list[Figure]:
@@ -189,7 +189,7 @@ def group_quickstart() -> list[Figure]:
 
 
 def group_quantisation() -> list[Figure]:
-    """Errors of quantised weights on the seeded models tests/test_quantize.py bounds (tests/helpers/quant_models.py),
+    """Errors of quantised weights on the seeded models tests/quant/test_quant_quantize.py bounds (tests/helpers/quant_models.py),
     and image-size ratios."""
     import torch
 
@@ -237,7 +237,7 @@ def group_quantisation() -> list[Figure]:
     ]
 
 
-RANDOM_SEEDS = 50  # the first of the sweep's 300 models (tests/test_equivalence.py), to keep the test short
+RANDOM_SEEDS = 50  # the first of the sweep's 300 models (tests/engine/test_engine_equivalence.py), to keep the test short
 
 
 def group_random_q8() -> list[Figure]:
@@ -308,7 +308,7 @@ def group_routing() -> list[Figure]:
     """Routing-safe q8 (issue 14): routing agreement (share of tokens per MoE layer keeping their expert set)
     and end-to-end relative L2, with the router quantised (as before), kept f32 (the default), and with
     the matrices feeding each router in f16 too (router_inputs="f16"), on the models
-    tests/test_routing_quant.py pins: 64-expert top-2 models (d 16; 3 routings x 3 seeds, 1,024 inputs),
+    tests/quant/test_quant_routing.py pins: 64-expert top-2 models (d 16; 3 routings x 3 seeds, 1,024 inputs),
     random Hugging Face blocks (Mixtral, Qwen2-MoE, Switch; 2 seeds), the bench's edge model
     (2 MoE layers of 8 experts top-2, 64 inputs), the trained digits classifier and tiny LM."""
     import numpy as np
@@ -773,7 +773,7 @@ HEADLINE_END = "<!-- /measured -->"
 
 PREAMBLE = """# Measured figures
 
-<!-- Written by scripts/measure.py (`make measure`); tests/test_measured.py fails when it is stale. Do not edit. -->
+<!-- Written by scripts/measure.py (`make measure`); tests/docs/test_docs_measured.py fails when it is stale. Do not edit. -->
 
 Every deterministic figure of Colibri, measured from the code by `scripts/measure.py`. They hold for
 this toolchain (Debian 12: GCC 12.2 and arm-none-eabi-gcc 12.2.1, QEMU 7.2): byte sizes, counts,

@@ -9,11 +9,11 @@ need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # clang-16 + libclang-rt-16-dev: libFuzzer and the sanitizers for fuzz/ (make fuzz, make fuzz-smoke).
 # gcc-aarch64-linux-gnu + libc6-dev-arm64-cross + qemu-user: the AArch64 NEON build and its
-# C test drivers under qemu-aarch64 (tests/test_aarch64.py). pkgconf: colibri.pc (tests/test_libcolibri.py).
+# C test drivers under qemu-aarch64 (tests/kernels/test_kernels_aarch64.py). pkgconf: colibri.pc (tests/edge/test_edge_libcolibri.py).
 # gcc-riscv64-linux-gnu + libc6-dev-riscv64-cross: the sysroot and binutils of the RISC-V builds
-# (compiled by clang-16: GCC 12 has no RVV intrinsics), run under qemu-riscv64 (tests/test_riscv.py).
+# (compiled by clang-16: GCC 12 has no RVV intrinsics), run under qemu-riscv64 (tests/kernels/test_kernels_riscv.py).
 # bible-kjv: the King James text (bible-kjv-text) and the `bible` program that decompresses it,
-# the tiny language model's training and held-out text (examples/tiny_lm, tests/test_tiny_lm.py).
+# the tiny language model's training and held-out text (examples/tiny_lm, tests/lm/test_lm_tiny.py).
 for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm \
            clang-16 libclang-rt-16-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user pkgconf \
            gcc-riscv64-linux-gnu libc6-dev-riscv64-cross \
@@ -62,9 +62,9 @@ if ! .venv/bin/python scripts/source_hash.py check >/dev/null; then
     .venv/bin/pip install -q --no-build-isolation --no-deps -e .
     .venv/bin/python scripts/source_hash.py check
 fi
-# Rust (bindings/rust, tests/test_rust.py): not a Debian package here; the bindings need a
+# Rust (bindings/rust, tests/bindings/test_bindings_rust.py): not a Debian package here; the bindings need a
 # toolchain with `cargo` (any channel; no crates from a registry). Reported, not installed.
 if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
-    echo "setup: cargo not found: tests/test_rust.py will be skipped. Install Rust with rustup:"
+    echo "setup: cargo not found: tests/bindings/test_bindings_rust.py will be skipped. Install Rust with rustup:"
     echo "       curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y"
 fi

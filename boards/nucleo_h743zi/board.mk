@@ -19,6 +19,6 @@ BOARD_CFLAGS := -mcpu=cortex-m7 -mthumb -mfpu=fpv5-d16 -mfloat-abi=hard
 # (examples/tiny_lm) needs 210,080 B with its 256-position cache, so the
 # arena is 224 KB. A model larger than the RAM buffer runs in place from a
 # 512 KB flash slot (the tiny LM's q8 image, 423,552 B) or linked into
-# flash bank 1 (make MODEL_C=...); tests/test_target_lm.py pins the fit.
+# flash bank 1 (make MODEL_C=...); tests/target/test_target_hil_lm.py pins the fit.
 # The linker checks that both fit; board.c checks them too.
 BOARD_DEFS := -DRUNNER_MODEL_CAPACITY=294912 -DRUNNER_ARENA_CAPACITY=229376

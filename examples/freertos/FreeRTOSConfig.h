@@ -171,7 +171,7 @@ void app_assert_failed(const char *file, int line);
 #define INCLUDE_vTaskDelete 0
 #define INCLUDE_vTaskSuspend 1          /* also: portMAX_DELAY blocks without a timeout */
 /* Only the new name: from V10.4.2 on, FreeRTOS.h stops with an #error if
- * INCLUDE_vTaskDelayUntil is defined as well (tests/test_freertos.py checks). */
+ * INCLUDE_vTaskDelayUntil is defined as well (tests/target/test_target_freertos.py checks). */
 #define INCLUDE_xTaskDelayUntil 1
 #define INCLUDE_vTaskDelay 1
 #define INCLUDE_xTaskGetSchedulerState 1 /* main.c's SysTick entry asks it */

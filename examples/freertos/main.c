@@ -53,7 +53,7 @@ _Static_assert(COLIBRI_MODEL_OUTPUT_SIZE == METER_HORIZON,
  * scores them. */
 #define FORECAST_EVERY METER_STEPS_PER_DAY
 
-/* Build options for checks (the QEMU run of tests/test_freertos.py):
+/* Build options for checks (the QEMU run of tests/target/test_target_freertos.py):
  *   APP_STOP_AFTER_DAYS=n   after the n-th forecast has been scored, print
  *                           "done" and board_exit(0) (QEMU: ends the run);
  *   APP_REFERENCE_KERNELS   the engine's reference kernels instead of the

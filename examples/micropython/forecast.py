@@ -13,7 +13,7 @@ untrained, so its numbers are not a real forecast; a trained model exported
 with the same shape is used the same way.
 
 The helpers import under CPython too (`colibri` is imported in main() only),
-so tests/test_micropython.py builds the same input with `load_curve` and
+so tests/micropython/test_micropython_module.py builds the same input with `load_curve` and
 `normalise` and checks the printed forecast against the CPython engine.
 """
 import math

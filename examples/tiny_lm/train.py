@@ -32,7 +32,7 @@ import corpus  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "model"
 METRICS = "metrics.json"
-# The part of the held-out text tests/test_tiny_lm.py re-scores (a few seconds, not the whole):
+# The part of the held-out text tests/lm/test_lm_tiny.py re-scores (a few seconds, not the whole):
 # its first 64 windows.
 TEST_SLICE_BYTES = 64 * 256
 

@@ -26,7 +26,7 @@ from helpers.build import CORE, make
 from helpers.randmodels import random_model
 from helpers.hook_models import BATCH as HOOK_BATCH, DTYPES as HOOK_DTYPES, TOLERANCE as HOOK_TOLERANCE, hook_net
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKSPACE = ROOT / "bindings" / "rust"
 CARGO = shutil.which("cargo") or next(
     (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None)
@@ -72,7 +72,7 @@ def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float
 
 def _write_hook(out: Path, name: str, data: bytes, d_in: int) -> str:
     """A model for the accelerator hook tests (colibri/tests/hook.rs): the Rust device must match the
-    engine within the tolerance tests/test_accelerator_hook.py holds the numpy and C devices to."""
+    engine within the tolerance tests/engine/test_engine_hook.py holds the numpy and C devices to."""
     x = (np.random.default_rng(len(name)).standard_normal((HOOK_BATCH, d_in)) * 2).astype(np.float32)
     (out / f"{name}.bin").write_bytes(data)
     (out / f"{name}.in.f32").write_bytes(x.tobytes())

@@ -19,7 +19,7 @@ import torch
 import colibri
 from colibri.runtime import _engine, sources
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 # Edits that change what the binding is: engine code, a kernel, a header, the source

@@ -1,6 +1,6 @@
 /*
  * colibri_file_test: the POSIX file layer (posix/colibri_file.h) from C, as a
- * libcolibri user runs it, plain and under ASan + UBSan (tests/test_mapped.py).
+ * libcolibri user runs it, plain and under ASan + UBSan (tests/edge/test_edge_mapped.py).
  *
  *   colibri_file_test GOOD.clb BAD.clb LAYER EXPERT DIR
  *

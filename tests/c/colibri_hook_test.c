@@ -31,7 +31,7 @@
 
 /* The device sums in double, the engine in f32 with its own order and
  * expf approximations: a few f32 roundings per output apart (measured
- * worst: 5.7e-8 over tests/test_accelerator_hook.py's images). */
+ * worst: 5.7e-8 over tests/engine/test_engine_hook.py's images). */
 #define TOLERANCE 1e-6
 #define DEVICE_HIDDEN 4096 /* the device's scratch; larger experts are declined */
 

@@ -9,7 +9,7 @@
  * and without gate scales), with and without bias, f32 / f16 / int8 weights
  * (with and without the compensation term E) with f32 and int8 activations,
  * and inputs holding NaN and ±inf. Written for the NEON backend (run under
- * qemu-aarch64 by tests/test_aarch64.py), valid for any backend.
+ * qemu-aarch64 by tests/kernels/test_kernels_aarch64.py), valid for any backend.
  *
  * Tolerance (the reordering bound of a dot product of length `in`, with and
  * without FMA): |opt - ref| <= 2 (in + 4) eps (|s| M + |y|) + tiny, where

@@ -6,7 +6,7 @@
  * forward of the whole batch with the reference kernels
  * (COLIBRI_KERNELS_REFERENCE) and one with the build's optimised kernels, and
  * writes the outputs to IMAGE.ref.out and IMAGE.opt.out. The caller
- * (tests/test_aarch64.py) compares them with the host's reference output.
+ * (tests/kernels/test_kernels_aarch64.py) compares them with the host's reference output.
  * Prints "kernels: <name>" of the optimised set; EXPECTED_NAME ("-": any)
  * must match it. Exit 0 when every image ran.
  *

@@ -2,7 +2,7 @@
  * colibri_work: validates a stream of images through the engine's internal
  * entry point colibri_check_work() and prints, per image, the status and the
  * validator's work (table records read + payload entries scanned), so a test
- * can bound validation by a count instead of a time (tests/test_validation.py).
+ * can bound validation by a count instead of a time (tests/engine/test_engine_validation.py).
  *
  * stdin: records of { u32 little-endian length L, L bytes of image };
  * L = 0xFFFFFFFF (or end of input) ends the stream.

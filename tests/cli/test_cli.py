@@ -14,7 +14,7 @@ import colibri
 
 from helpers.cli import cli as run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # `quickstart:build_model` and the other examples resolve from examples/.
 cli = functools.partial(run_cli, pythonpath=ROOT / "examples")
 

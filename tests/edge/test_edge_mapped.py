@@ -213,7 +213,7 @@ def test_mlock_refused_reports_rlimit(paged: bytes, tmp_path: Path) -> None:
     path.write_bytes(paged)
     code = textwrap.dedent(f"""
         import resource, sys
-        from colibri import engine
+        from colibri.runtime import engine
         from colibri.model.format import Status
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, 4096))
         try:
@@ -352,7 +352,7 @@ def test_truncation_under_a_running_reader_is_sigbus(paged: bytes, tmp_path: Pat
     path.write_bytes(paged)
     code = textwrap.dedent(f"""
         import os
-        from colibri import engine
+        from colibri.runtime import engine
         f = engine.open_file({str(path)!r}, verify="none")
         view = memoryview(f.raw)
         os.truncate({str(path)!r}, 4096)
@@ -383,7 +383,7 @@ def test_c_driver(c_drivers: Path, paged: bytes, tmp_path: Path) -> None:
 
 def test_edge_mmap_bench_runs_small(tmp_path: Path) -> None:
     """bench/edge_mmap.py (make bench-edge-mmap) does not rot: a tiny model, figures printed."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "bench" / "edge_mmap.py"), "--layers", "1", "--experts", "4",
                           "--d", "64", "--hidden", "64", "--tokens", "4", "--skew", "0.5", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
@@ -481,7 +481,7 @@ def test_edge_jitter_bench_runs_small(tmp_path: Path) -> None:
     """bench/edge_jitter.py (make bench-edge-jitter) does not rot: a tiny model, p50/p99 with and without
     mlock printed, and the memory-pressure runs either made in a cgroup (v2 or v1, named) or skipped
     with the reason."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "bench" / "edge_jitter.py"), "--layers", "1", "--experts", "8",
                           "--d", "64", "--hidden", "64", "--tokens", "6", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
@@ -506,7 +506,7 @@ def test_edge_jitter_bench_runs_small(tmp_path: Path) -> None:
 
 
 def _jitter_bench():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         import edge_jitter
     finally:
@@ -569,7 +569,7 @@ def test_jitter_checks_which_group_the_child_joined(tmp_path: Path) -> None:
 def test_bench_router_skew_concentrates_the_routing() -> None:
     """bench/edge_mmap.py's build(skew=...): the router bias makes the low-numbered experts the most
     used (what makes pinning the hottest pay off in bench/edge_jitter.py); skew 0 has no bias."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         import edge_mmap
     finally:

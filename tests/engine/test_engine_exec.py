@@ -1,7 +1,7 @@
 """colibri_forward_ex (include/colibri.h): the caller's options (on_route, parallel_for over the POSIX
 layer's colibri_pool, the expert hook, struct_size versioning) and colibri_model_size_ex, by the C
 driver tests/c/colibri_exec_test.c: every way through gives colibri_forward's bits, with the optimised
-and the reference kernels, plain and under ASan+UBSan, and (tests/test_aarch64.py style) under qemu-aarch64."""
+and the reference kernels, plain and under ASan+UBSan, and (tests/kernels/test_kernels_aarch64.py style) under qemu-aarch64."""
 from __future__ import annotations
 
 import shutil

@@ -425,7 +425,7 @@ def test_engine_math_accuracy(tmp_path, variant: str, bound: float) -> None:
 
     src = tmp_path / "sweep.c"
     src.write_text(SWEEP_C)
-    core = Path(__file__).resolve().parents[1] / "firmware" / "colibri_core" / "src"
+    core = Path(__file__).resolve().parents[2] / "firmware" / "colibri_core" / "src"
     flags = ["-DCOLIBRI_MATH_FLOAT_ONLY"] if variant == "float-only" else []
     exe = tmp_path / "sweep"
     subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-math-errno", *flags,

@@ -113,7 +113,7 @@ def test_linked_runner_fuses_only_in_the_cmsis_kernels(board: str) -> None:
     of the optimised Cortex-M backend (src/kernels/cmsis), which fuses on purpose (written out with
     fmaf and VFMA, tested against the reference within a stated tolerance). So the reference kernels,
     which the device runs after a KERNELS request, round every product and sum as the host does
-    (tests/test_target.py checks the bits)."""
+    (tests/target/test_target_hil.py checks the bits)."""
     elf = _runner(board)
     cmsis_obj = RUNNER / "build" / board / "core" / "colibri_kernels_cmsis.o"
     nm = subprocess.run(["arm-none-eabi-nm", "--defined-only", str(cmsis_obj)], capture_output=True, text=True,

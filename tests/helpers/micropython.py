@@ -18,7 +18,7 @@ COLIBRI = str(Path(sys.executable).parent / "colibri")
 
 
 # The MicroPython interpreter the tests run: the PyPI unix build, or one named by COLIBRI_MICROPYTHON
-# (tests/test_upstream_micropython.py runs these tests again under MicroPython's unix port built from
+# (tests/micropython/test_micropython_upstream.py runs these tests again under MicroPython's unix port built from
 # source, with and without `colibri` compiled in as a user C module).
 MICROPYTHON = Path(os.environ.get("COLIBRI_MICROPYTHON") or Path(sys.executable).parent / "micropython")
 

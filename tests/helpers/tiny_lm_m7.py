@@ -1,7 +1,7 @@
 """The trained tiny King James model (examples/tiny_lm) on the emulated Cortex-M7, without an upload.
 
 Sending an image over the emulated UART (10-20 KB/s) costs about 45 s for the q8 image (420 KB) and
-minutes for the f32 one, so neither tests/test_target_lm.py nor scripts/measure.py sends one. The model reaches the
+minutes for the f32 one, so neither tests/target/test_target_hil_lm.py nor scripts/measure.py sends one. The model reaches the
 runner the two ways a NUCLEO-H743ZI would hold it (boards/nucleo_h743zi):
   - q8 in flash slot A: the emulated flash is loaded from a file holding the committed slot
     (colibri.target.slots.slot_image), and the runner boots it in place, as it boots a slot on the board;

@@ -92,9 +92,9 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
         assert data[4] == version
         image.read(data)
         colibri.validate(data)
-    # v4 holds token models only (docs/lm.md; the reader's checks: tests/test_lm_format.py)
+    # v4 holds token models only (docs/lm.md; the reader's checks: tests/lm/test_lm_format.py)
     assert image.write(lmmodels.token_model(0))[4] == F.LM_VERSION
-    # v5 is written for int4 weights only (the reader's checks: tests/test_q4.py)
+    # v5 is written for int4 weights only (the reader's checks: tests/quant/test_quant_q4.py)
     assert F.MAX_READ_VERSION == F.Q4_VERSION
     data = image.write(quantize(image.read(tiny_image), "q4"))
     assert data[4] == F.Q4_VERSION

@@ -48,7 +48,7 @@ def test_kernel_driver_against_reference(c_drivers: Path) -> None:
 
 def test_backend_neutral_kernel_driver(c_drivers: Path) -> None:
     """tests/c/colibri_kernel_test.c, the driver every backend runs (under qemu-aarch64 for NEON,
-    tests/test_aarch64.py): this build's optimised table against the reference, its own shapes
+    tests/kernels/test_kernels_aarch64.py): this build's optimised table against the reference, its own shapes
     (edge-sized layers, int8 weights of -128, page-guarded buffers) and tolerances."""
     r = subprocess.run([str(c_drivers / "colibri_kernel_test")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -11,7 +11,7 @@ only) and run under Debian's qemu-riscv64 (there is no riscv64 CPython here, nor
 
 colibri_kernel_test checks every optimised kernel against its reference kernel (tolerance stated
 in that file: the dot-product reordering bound; the quantiser, ReLU, mul/add and the int8 × int8
-linear kernels bit-exact). colibri_kernels_e2e runs the corpus of tests/test_aarch64.py (the
+linear kernels bit-exact). colibri_kernels_e2e runs the corpus of tests/kernels/test_kernels_aarch64.py (the
 differential fuzz corpus and models exported as f32, f16, q8 and q8 with int8 activations under
 every routing mode): the RISC-V build's reference kernels give the x86-64 host's reference output
 bit for bit, and the RVV kernels agree within E2E_RTOL.

@@ -18,7 +18,7 @@ from colibri.reference import LMState, Rng, engine_expf, sample
 
 from helpers import lmmodels
 
-CORE_SRC = Path(__file__).resolve().parents[1] / "firmware" / "colibri_core" / "src"
+CORE_SRC = Path(__file__).resolve().parents[2] / "firmware" / "colibri_core" / "src"
 
 
 # ---------------------------------------------------------------------------

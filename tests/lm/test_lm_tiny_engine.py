@@ -1,7 +1,7 @@
 """The tiny King James model (examples/tiny_lm) through the C engine: its f32 image gives PyTorch's
 logits and greedy bytes, its held-out score matches PyTorch's on a few windows, and the demo's
 `colibri generate` streams the same bytes. The whole held-out perplexity per dtype is the
-tiny_lm_engine group of scripts/measure.py (tests/test_measured.py)."""
+tiny_lm_engine group of scripts/measure.py (tests/docs/test_docs_measured.py)."""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,6 @@
 """colibri.LM, the token-model API of the MicroPython module, in the real MicroPython interpreter.
 
-The interpreter and the module are tests/test_micropython.py's (the x64 .mpy from `colibri natmod
+The interpreter and the module are tests/micropython/test_micropython_module.py's (the x64 .mpy from `colibri natmod
 build`, or COLIBRI_MICROPYTHON with `colibri` compiled in: COLIBRI_MICROPYTHON_BUILTIN=1), and so is
 the claim: the same C engine on the same image with the same kernels (reference kernels for the
 .mpy), so logits are the host colibri.LM's bits and generated ids are the host's ids, greedy and
@@ -173,7 +173,7 @@ print(bytes(lm.generate(b"In the beginning", 40, temperature=0.7, top_k=20, seed
 
 
 def test_tiny_lm_writes_the_hosts_text_at_the_repl(mpy_dir: Path, tmp_path: Path) -> None:
-    """examples/tiny_lm's committed model, exported as tests/test_tiny_lm_engine.py does, generates at the
+    """examples/tiny_lm's committed model, exported as tests/lm/test_lm_tiny_engine.py does, generates at the
     MicroPython REPL the bytes the host engine generates: greedy into a bytearray, and sampled."""
     import sys
 

@@ -14,7 +14,7 @@ Data moves through files: inputs as raw float32, which `array('f', bytes)`
 reads in MicroPython, outputs written back from the arrays' buffers.
 Interpreter runs are few and batched, so the whole file stays within seconds.
 
-COLIBRI_MICROPYTHON names another interpreter (tests/test_upstream_micropython.py
+COLIBRI_MICROPYTHON names another interpreter (tests/micropython/test_micropython_upstream.py
 runs this file under MicroPython's unix port built from source, with the .mpy
 and with `colibri` compiled in as a user C module: COLIBRI_MICROPYTHON_BUILTIN=1).
 """

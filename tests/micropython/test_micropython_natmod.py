@@ -38,7 +38,7 @@ WORD = {"x64": 8, "armv7emsp": 4, "armv7emdp": 4}
 MP_FUN_TABLE_SLOTS = 87  # slots 0..86, the ABI of mpy sub-version 3
 PUBLIC_NAMES = {"Model", "forward", "version", "num_experts", "input_size", "output_size", "max_batch",
                 "arena_size",
-                # colibri.LM (tests/test_micropython_lm.py)
+                # colibri.LM (tests/micropython/test_micropython_lm.py)
                 "LM", "reset", "forward_tokens", "generate", "vocab_size", "max_seq_len", "kv_cache_bytes",
                 "position", "temperature", "top_k", "top_p", "seed", "out"}
 

@@ -9,8 +9,8 @@ that reason without it (`make upstream-check MICROPYTHON_PATH=...`, README.md
 - build the unix port with `colibri` as a user C module
   (USER_C_MODULES=<this checkout>, micropython_module/micropython.mk; the unix
   port has no CMake build, so micropython.cmake is checked by
-  tests/test_micropython.py against a stand-in only) and run
-  tests/test_micropython.py, tests/test_micropython_lm.py and the natmod import test under it: every test
+  tests/micropython/test_micropython_module.py against a stand-in only) and run
+  tests/micropython/test_micropython_module.py, tests/micropython/test_micropython_lm.py and the natmod import test under it: every test
   passes with the compiled-in module (COLIBRI_MICROPYTHON_BUILTIN=1);
 - build the unix port without the module and run the same tests with the
   project's x64 .mpy loaded from MICROPYPATH: the native-module ABI of that tree;
@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.upstream, pytest.mark.micropython, pytest.mark.qemu, p
                        "make upstream-check MICROPYTHON_PATH=...)")]
 UNIX_OPTIONS = ["MICROPY_PY_FFI=0", "MICROPY_PY_SSL=0", "MICROPY_PY_BTREE=0", "FROZEN_MANIFEST="]
 QEMU_BOARD = "MPS2_AN500"
-MP_TESTS = ["tests/test_micropython.py", "tests/test_micropython_lm.py", "tests/test_natmod.py::test_minimal_module_imports"]
+MP_TESTS = ["tests/micropython/test_micropython_module.py", "tests/micropython/test_micropython_lm.py", "tests/micropython/test_micropython_natmod.py::test_minimal_module_imports"]
 SIZES = ROOT / "build" / "upstream" / "micropython-qemu-size.txt"
 
 

@@ -21,7 +21,7 @@ from colibri.runtime import sources
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 NAME = "colibri_moe-0.1.0"
 

@@ -519,7 +519,7 @@ def test_images_without_int4_stay_byte_identical(name: str) -> None:
 
     import torch
 
-    fuzz = Path(__file__).resolve().parents[1] / "fuzz"
+    fuzz = Path(__file__).resolve().parents[2] / "fuzz"
     sys.path.insert(0, str(fuzz))
     try:
         import make_seeds

@@ -40,7 +40,7 @@ from helpers.quant_models import (F16_MODELS, NN_MODELS, Q8_MODELS, TOKENS, accu
 from helpers.engine_models import ENGINE_MODELS, assert_engine_matches
 from helpers.trained import TrainedClassifier, digits_classifier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F16_BOUND = 1e-3  # end-to-end relative L2, f16 weights
 Q8_BOUND = 1e-2  # end-to-end relative L2, q8 weights (the random-weight models of Q8_MODELS)
 ACCURACY_DROP = 0.003  # q8 vs f32 test accuracy on the trained model (0.3 percentage points)

@@ -101,7 +101,7 @@ def test_quickstart_model_bit_for_bit(dut: Device) -> None:
     import sys
     from pathlib import Path
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     sys.path.insert(0, str(examples))
     try:
         from quickstart import build_model

@@ -1,10 +1,10 @@
 """Token models (docs/lm.md) on the device under test through the runner (docs/protocol.md, protocol 4):
 LM_RESET, FORWARD_TOKENS and GENERATE over the real serial framing, against the host engine.
 
-Like tests/test_target.py: the `dut` fixture boots the runner in QEMU mps2-an500 (Cortex-M7) unless
+Like tests/target/test_target_hil.py: the `dut` fixture boots the runner in QEMU mps2-an500 (Cortex-M7) unless
 `--colibri-port` names a board. With the reference kernels on both sides the device's logits are the host
 engine's bit for bit and GENERATE draws what colibri.LM.generate draws; with the device's optimised
-kernels the logits agree within test_target.py's OPTIMISED_RTOL.
+kernels the logits agree within test_target_hil.py's OPTIMISED_RTOL.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import pytest
 
 pytestmark = pytest.mark.platformio
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PIO = Path(sys.executable).parent / "pio"
 FREERTOS = ROOT / "examples" / "freertos"
 ENVS = {

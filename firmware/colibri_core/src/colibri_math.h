@@ -15,7 +15,7 @@
  * FPU has double precision (x86-64, AArch64, RISC-V with the D extension,
  * Cortex-M7 with FPv5-D16), so
  * only the final rounding to float is left (max error about 0.5 ulp,
- * test_engine_math_accuracy in tests/test_nonfinite.py); float on single-precision FPUs (Cortex-M4F),
+ * test_engine_math_accuracy in tests/engine/test_engine_nonfinite.py); float on single-precision FPUs (Cortex-M4F),
  * where double would be emulated in software, with errors of one or two ulp.
  * NaN in gives NaN out; ±inf and overflow give the limits.
  *

@@ -335,7 +335,7 @@ def export_lm(
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                               group=group, q8=q8)
     data = image.write(graph)
-    image.read(data)  # the reader is the validator's twin (tests/test_lm_format.py)
+    image.read(data)  # the reader is the validator's twin (tests/lm/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))
     want = _module_logits(model, ids)
     got = reference_logits(data, ids)

@@ -1,7 +1,7 @@
 """The model image's numbers: the one place they are defined.
 
 `colibri_format.h` for the C engine is generated from this module
-(`colibri gen-header`); `tests/test_format.py` fails if the two drift apart.
+(`colibri gen-header`); `tests/image/test_image_format.py` fails if the two drift apart.
 """
 from __future__ import annotations
 

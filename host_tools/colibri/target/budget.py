@@ -6,7 +6,7 @@ A board's budget is what its support states (never a number of this module's own
 - RAM: the runner's arena, RUNNER_ARENA_CAPACITY in boards/<board>/board.mk (the C build's value).
 
 The arena is checked with colibri_model_size on the 64-bit host (engine.arena_size), which is at least
-the 32-bit target's (pointers are narrower there: tests/test_target_lm.py). It depends on the graph's
+the 32-bit target's (pointers are narrower there: tests/target/test_target_hil_lm.py). It depends on the graph's
 shapes, max_batch and KV cache, not on weight dtypes (the planner sets no int8 activations), so a
 model whose arena does not fit is refused whatever the dtypes.
 

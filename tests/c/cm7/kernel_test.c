@@ -2,7 +2,7 @@
  * The Cortex-M7 kernels (src/kernels/cmsis) against the reference kernels,
  * on the emulated Cortex-M7 (QEMU mps2-an500): a bare-metal image that runs
  * random cases, prints a summary through semihosting and exits with the
- * number of failures (0: all passed). tests/test_cmsis_kernels.py builds and
+ * number of failures (0: all passed). tests/kernels/test_kernels_cmsis.py builds and
  * runs it (make -C tests/c/cm7).
  *
  * Cases: weight dtype f32, f16, I8 with f32 activations, I8 with int8

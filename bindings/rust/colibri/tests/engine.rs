@@ -1,6 +1,6 @@
 //! The safe crate against the Python engine's outputs on exported models.
 //!
-//! The models and expected outputs come from tests/test_rust.py, which
+//! The models and expected outputs come from tests/bindings/test_bindings_rust.py, which
 //! exports them, runs them through the Python binding and then runs
 //! `cargo test --offline` with COLIBRI_RUST_FIXTURES naming the directory.
 //! Its cases.txt lists one case a line:

@@ -1,10 +1,10 @@
 //! The accelerator hook from Rust (`Model::forward_ex` with `Exec::expert`), on the models
-//! tests/test_rust.py exports (cases.txt lines `hook NAME BATCH TOLERANCE`: NAME.bin, NAME.in.f32, and
+//! tests/bindings/test_bindings_rust.py exports (cases.txt lines `hook NAME BATCH TOLERANCE`: NAME.bin, NAME.in.f32, and
 //! the Python engine's NAME.opt.f32 / NAME.ref.f32), with genuine implementations:
 //!
 //! - a "device" in this file that runs every expert with its own code (f64 sums over weights widened
 //!   or dequantised from the image's payloads through the crate's typed views) and must match the
-//!   engine within the tolerance tests/test_accelerator_hook.py holds its numpy and C devices to;
+//!   engine within the tolerance tests/engine/test_engine_hook.py holds its numpy and C devices to;
 //! - hooks that decline every or chosen experts (the plain forward's bits, or the engine's result);
 //! - a hook that fails on a chosen expert (its status comes back as the `Status` enum);
 //! - the same over a thread pool (`ParallelFor`), where the hook runs on the workers;

@@ -1,4 +1,4 @@
-//! Fixture loading shared by the integration tests: the files tests/test_rust.py writes
+//! Fixture loading shared by the integration tests: the files tests/bindings/test_bindings_rust.py writes
 //! (cases.txt and per-model images, inputs and Python engine outputs).
 #![allow(dead_code)] // each test crate uses its own subset
 
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 pub fn fixtures() -> PathBuf {
     PathBuf::from(std::env::var_os("COLIBRI_RUST_FIXTURES").expect(
         "COLIBRI_RUST_FIXTURES is not set: these tests compare with the Python engine; \
-         run them through `pytest tests/test_rust.py`, which exports the models and sets it",
+         run them through `pytest tests/bindings/test_bindings_rust.py`, which exports the models and sets it",
     ))
 }
 
