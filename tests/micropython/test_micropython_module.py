@@ -23,13 +23,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import colibri
 from colibri.runtime.engine import arena_size
@@ -38,6 +36,7 @@ from helpers.build import ROOT
 from helpers.micropython import (BUILTIN, ROUTINGS, after, assert_same_bits, make_model, mp_script, repl,
                                  run_mp)
 from helpers.nonfinite_inputs import nonfinite_rows
+from helpers.quant_models import quickstart_model
 
 pytestmark = pytest.mark.micropython
 
@@ -64,16 +63,6 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     err = float(np.abs(got - want).max())
     tol = 1e-6 * (1 + float(np.abs(want).max()))
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
-
-
-def quickstart_model() -> torch.nn.Module:
-    """examples/quickstart.py's model: 48 half-hourly readings in, 24 out."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from quickstart import build_model
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    return build_model()
 
 
 def load_forecast_module():
