@@ -1,6 +1,6 @@
 """The package's layers: what each subpackage of colibri may import, checked on the source.
 
-LAYERS is the one definition of the table (docs/architecture.md describes it). A module
+LAYERS is the one definition of the table. A module
 imports a module of its own subpackage, or of a subpackage its layer lists; deferred
 imports (inside a function) count as much as top-level ones, so a cycle cannot hide in a
 function body. A `_private` name is used only inside the subpackage that defines it.
