@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "host_tools" / "colibri"
 
 # subpackage -> the subpackages it may import (besides itself). "" is the package's own
-# top-level modules: colibri/__init__.py (the public names) and colibri/nn.py (an alias).
+# top-level modules: colibri/__init__.py (the public names), colibri/nn.py and colibri/pytest_plugin.py (aliases).
 LAYERS: dict[str, set[str]] = {
     "model": set(),  # the standard library and numpy only
     "image": {"model"},
@@ -27,7 +27,7 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"model", "image"},
     "frontends": {"model", "image", "reference", "quant", "runtime"},
     "target": {"model", "image", "quant", "runtime"},
-    "": {"model", "image", "reference", "runtime", "frontends"},
+    "": {"model", "image", "reference", "runtime", "frontends", "target"},
     "cli": {"model", "image", "reference", "quant", "runtime", "frontends", "target"},
 }
 # Third-party packages some layers must not import at all (the image-to-image commands run without them).
