@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 import colibri
-from colibri import reference
+from colibri import image, reference
 from colibri.model.ir import Graph
 
 from helpers.quant_models import graph_of, quickstart_model
@@ -16,7 +16,7 @@ from helpers.randmodels import random_model
 
 def assert_engine_matches(img: bytes, x: np.ndarray) -> None:
     """The C engine's tolerance: max|Δ| ≤ 1e-5 · (1 + max|y|) against the reference on the same image."""
-    want = reference.run(img, x)
+    want = reference.run(image.read(img), x)
     got = colibri.Model(img).forward(x)
     err, tol = float(np.abs(got - want).max()), 1e-5 * (1 + float(np.abs(want).max()))
     assert err <= tol, f"engine vs reference: max|Δ| {err:.3g} > {tol:.3g}"

@@ -4,7 +4,8 @@ MicroPython's own tools cannot run here (no MicroPython source tree from any
 registry), so the project links native modules itself. These tests parse the
 files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with a
 reader of the .mpy layout written apart from colibri.target.natmod, from the order in
-which MicroPython's loader reads a file (tests/helpers/mpy_format.py), compare
+which MicroPython's loader reads a file (tests/helpers/mpy_format.py; the ABI in
+docs/natmod-abi.md), compare
 it with `colibri.target.natmod.read_mpy`, and check every refusal the linker must make: each
 refused input was a crash at run time when it was let through.
 """

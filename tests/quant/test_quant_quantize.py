@@ -33,7 +33,8 @@ from colibri import image, reference
 from colibri import nn as cnn
 from colibri.model.errors import ExportError
 from colibri.model.ir import F16Weight, Graph, Linear, MoE, Q8Weight, dense
-from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
+from colibri.model.walks import weight_slots
+from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8
 
 from helpers.quant_models import (F16_MODELS, NN_MODELS, Q8_MODELS, TOKENS, accuracy, expert_sets, graph_of,  # noqa: F401
                                   heavy_tailed_graph, hf_block, inputs, nn_model, quickstart_model, rel_l2, student_t)
@@ -109,7 +110,8 @@ def test_trained_model_learned(trained: TrainedClassifier) -> None:
 @pytest.mark.parametrize("runner", ["reference", "engine"])
 def test_trained_q8_accuracy(trained: TrainedClassifier, trained_q8: Graph, runner: str) -> None:
     """q8 (default E) keeps test accuracy within 0.3 points, through the reference and the C engine alike."""
-    forward = reference.run if runner == "reference" else (lambda img, x: colibri.Model(img).forward(x))
+    forward = (lambda img, x: reference.run(image.read(img), x)) if runner == "reference" else \
+        (lambda img, x: colibri.Model(img).forward(x))
     f32, q8 = (accuracy(forward(image.write(g), trained.x_test), trained.y_test) for g in (trained.graph, trained_q8))
     print(f"digits ({runner}): f32 {f32:.4f}, q8 {q8:.4f} over {len(trained.y_test)} test images")
     assert abs(f32 - q8) <= ACCURACY_DROP, f"q8 accuracy {q8:.4f} vs f32 {f32:.4f}"
@@ -277,7 +279,7 @@ def test_compact_and_wide_parameters_agree_in_the_engine(quickstart_graph: Graph
     compact = image.write(quantize(quickstart_graph, "q8", int8_act=["layers.3.experts.*"]))
     wide = image.write(quantize(quickstart_graph, "q8", compact=False, int8_act=["layers.3.experts.*"]), version=1)
     assert_engine_matches(compact, x)
-    a, b, f = (reference.run(d, x) for d in (compact, wide, image.write(quickstart_graph)))
+    a, b, f = (reference.run(image.read(d), x) for d in (compact, wide, image.write(quickstart_graph)))
     # Same int8 weights, scales within 2^-12: the error of version 1's layout, within 2%.
     print(f"relative L2 vs f32: compact {rel(a, f):.4g}, version-1 layout {rel(b, f):.4g}")
     assert rel(a, f) <= 1.02 * rel(b, f)
