@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "host_tools" / "colibri"
+PACKAGE = Path(__file__).resolve().parents[2] / "host_tools" / "colibri"
 
 # subpackage -> the subpackages it may import (besides itself). "" is the package's own
 # top-level modules: colibri/__init__.py (the public names), colibri/nn.py and colibri/pytest_plugin.py (aliases).

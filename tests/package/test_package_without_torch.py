@@ -99,6 +99,7 @@ def test_run_without_torch_gives_the_engines_answer(work: Path) -> None:
     np.testing.assert_array_equal(np.load(work / "y.npy"), want)
 
 
+@pytest.mark.cross
 @pytest.mark.slow
 @pytest.mark.qemu
 def test_hil_runs_without_torch(work: Path) -> None:
