@@ -301,11 +301,20 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
                    "tensor (format v3): for model files mapped on Linux.")
 @click.option("--no-check", is_flag=True,
               help="With --input-size: write the image even if it does not match PyTorch on a random batch.")
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="Token models (a Hugging Face folder, an HF MoE causal LM, colibri.nn.MoETransformer): "
+                   "the KV cache's positions. Required for them.")
+@click.option("--kv-dtype", type=click.Choice(("f32", "f16")), default="f32", show_default=True,
+              help="Token models: the KV cache's storage.")
 @_quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
-           calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
-           group: int, q8: tuple[str, ...], keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
-    """Export MODEL (a torch.save'd module or package.module:factory) to a model image.
+           calibration: Path | None, page_aligned: bool, no_check: bool, max_seq_len: int | None, kv_dtype: str,
+           dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
+           int8_act: tuple[str, ...]) -> None:
+    """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
+
+    A Hugging Face folder (config.json and safetensors shards) is streamed: one tensor read,
+    quantised and written at a time, with a progress bar, then the peak RSS and bytes written.
 
     MODEL is a file written by torch.save(model, path), or package.module:factory, a function
     called with no arguments that returns the module. As with `python -m`, the current folder
@@ -318,7 +327,19 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     from ..frontends.exporter import build_graph
     from ..frontends.exporter import export as do_export, write_atomically
 
+    from . import token_export
+
+    if Path(model).is_dir():
+        token_export.export_folder_command(Path(model), output, max_seq_len=max_seq_len, max_batch=max_batch,
+                                           kv_dtype=kv_dtype, dtype=dtype, compensation=compensation, group=group,
+                                           q8=q8, keep=keep, int8_act=int8_act, check=not no_check)
+        return
     module = _load_module(model)
+    if token_export.is_token_module(module):
+        token_export.export_module_command(module, output, max_seq_len=max_seq_len, max_batch=max_batch,
+                                           kv_dtype=kv_dtype, dtype=dtype, compensation=compensation, group=group,
+                                           q8=q8, keep=keep, int8_act=int8_act, check=not no_check)
+        return
     example = torch.randn(max_batch, input_size) if input_size else None
     calib = None
     if calibration is not None:

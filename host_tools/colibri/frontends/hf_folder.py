@@ -532,9 +532,12 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
                   on_tensor: Callable[[int, int, int], None] | None = None) -> FolderExport:
     """Export a Hugging Face folder to a token-model image at `path`, one tensor in memory at a time.
 
-    The options are `hf_lm.export_lm`'s. `check` validates the written file with the reader (the C
-    engine's twin) before it is renamed into place; the logits check of the in-memory export needs
-    the PyTorch model, which this path never builds."""
+    The options are `hf_lm.export_lm`'s. `check` validates the written file's structure with the
+    reader (the C engine's twin: header, tables, records, references; `colibri_validate_ex`'s
+    COLIBRI_CHECK_STRUCTURE) from a mapping, before it is renamed into place. It does not re-read
+    the payloads: their CRCs are computed from the very bytes written, and mapping them all would
+    make the file's pages resident. The logits check of the in-memory export needs the PyTorch
+    model, which this path never builds."""
     from ..image import stream
 
     if max_seq_len is None:
@@ -558,7 +561,7 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
         with open(tmp, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                code = reader.status(view)
+                code = reader.status(view, check="structure")
             finally:
                 view.release()
         if code != 0:
