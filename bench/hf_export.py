@@ -148,7 +148,7 @@ def main() -> None:
     print(f"folder {folder}: random Mixtral, hidden {a.hidden}, {a.layers} layers, {a.experts} experts x "
           f"{a.intermediate} top-2, GQA {a.heads}/{a.kv_heads}, vocab {a.vocab}: {params / 1e6:.1f} M parameters, "
           f"{f32_bytes / 2**20:.0f} MiB f32 in {shards} shards")
-    colibri = [PY, "-c", "from colibri.cli.app import main; main()"]
+    colibri = [PY, "-c", "from colibri.cli import main; main()"]
     for dtype in a.dtype or ["q8"]:
         runs: dict[str, list[tuple[float, int]]] = {"streamed": [], "in memory": []}
         for _ in range(a.repeat):

@@ -51,7 +51,7 @@ def main() -> None:
     t0 = time.perf_counter()
     got = engine.forward(x.numpy())
     t_engine = time.perf_counter() - t0
-    ref = reference.run(result.image, x.numpy())
+    ref = reference.run(colibri.image.read(result.image), x.numpy())
     scale = 1 + np.abs(want).max()
 
     counts = np.zeros(4, dtype=int)

@@ -214,7 +214,7 @@ def group_quantisation() -> list[Figure]:
 
     trained = TQ.digits_classifier(seed=0)
     q8g = quantize(trained.graph, "q8")
-    acc = {name: TQ.accuracy(TQ.reference.run(image.write(gr), trained.x_test), trained.y_test)
+    acc = {name: TQ.accuracy(TQ.reference.run(image.read(image.write(gr)), trained.x_test), trained.y_test)
            for name, gr in (("f32", trained.graph), ("q8", q8g))}
     before, after = (TQ.expert_sets(gr, trained.x_test) for gr in (trained.graph, q8g))
     agreement = float(np.mean([a == b for a, b in zip(before, after, strict=True)]))
@@ -296,11 +296,11 @@ def _agreement_and_error(graph, quantised, x) -> tuple[float, float]:
 
 def _lm_routing_agreement(f32_image: bytes, quantised_image: bytes, ids) -> float:
     """A token model's routing agreement over `ids` (numpy reference, one sequence)."""
-    from colibri import reference
+    from colibri import image, reference
 
     sets = []
     for data in (f32_image, quantised_image):
-        state, chosen = reference.LMState(data), []
+        state, chosen = reference.LMState(image.read(data)), []
         for token in ids:  # the image's max_batch is 1, as the firmware decodes
             state.forward_tokens([token], on_route=lambda _moe, sel: chosen.extend(frozenset(s for s, _ in t) for t in sel))
         sets.append(chosen)

@@ -23,7 +23,7 @@ def test_sources_and_info(exported: bytes, tmp_path) -> None:
     path = tmp_path / "m.clb"
     path.write_bytes(exported)
     x = np.random.default_rng(0).standard_normal((3, 6)).astype(np.float32)
-    want = reference.run(exported, x)
+    want = reference.run(colibri.image.read(exported), x)
     for source in (path, str(path), exported, bytearray(exported), memoryview(exported)):
         m = colibri.Model(source)
         np.testing.assert_allclose(m.forward(x), want, rtol=1e-5, atol=1e-6)
@@ -37,13 +37,13 @@ def test_unaligned_buffer_is_copied_not_refused(exported: bytes) -> None:
     shifted = bytearray(1) + bytearray(exported)
     m = colibri.Model(memoryview(shifted)[1:])
     x = np.ones((1, 6), np.float32)
-    np.testing.assert_allclose(m.forward(x), reference.run(exported, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.forward(x), reference.run(colibri.image.read(exported), x), rtol=1e-5, atol=1e-6)
 
 
 def test_batches_beyond_max_batch_run_in_chunks(exported: bytes) -> None:
     m = colibri.Model(exported)
     x = np.random.default_rng(1).standard_normal((11, 6)).astype(np.float32)
-    np.testing.assert_allclose(m.forward(x), reference.run(exported, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.forward(x), reference.run(colibri.image.read(exported), x), rtol=1e-5, atol=1e-6)
     assert m.forward(x[0]).shape == (2,)
 
 
@@ -64,7 +64,7 @@ def test_bad_images_raise_with_status(exported: bytes, corrupt, status: Status, 
     with pytest.raises(cls):
         colibri.validate(bad)
     with pytest.raises(cls) as info_ref:
-        reference.run(bad, np.zeros((1, 6), np.float32))
+        reference.run(colibri.image.read(bad), np.zeros((1, 6), np.float32))
     assert info_ref.value.status == status
 
 

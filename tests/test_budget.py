@@ -19,7 +19,8 @@ from colibri.runtime import engine
 from colibri import image
 from colibri.target.budget import Board, BudgetError
 from colibri.model.ir import F16Weight, Q8Weight
-from colibri.quant.quantize import quantize, weight_slots
+from colibri.model.walks import weight_slots
+from colibri.quant.quantize import quantize
 
 from conftest import ROOT
 from test_quantize import graph_of, inputs
@@ -89,7 +90,7 @@ def test_the_trained_smart_meter_fits_a_tight_board_with_calibration() -> None:
     assert len(q8) < len(p.image) <= tight.flash
     assert {"f16", "q8"} <= {c.dtype for c in p.choices} or {"f32", "q8"} <= {c.dtype for c in p.choices}
     f32 = FC.mae_mw(reference.run(graph, data.x_test), data)
-    assert abs(FC.mae_mw(reference.run(p.image, data.x_test), data) - f32) < 0.01 * f32
+    assert abs(FC.mae_mw(reference.run(image.read(p.image), data.x_test), data) - f32) < 0.01 * f32
 
 
 def test_an_oversized_model_is_refused_with_what_does_not_fit() -> None:

@@ -61,7 +61,7 @@ def test_run_npy_and_csv(exported: Path) -> None:
     np.savetxt(d / "x.csv", x, delimiter=",")
     r = cli("run", exported.name, "-i", "x.npy", "-o", "y.npy", cwd=d)
     assert r.returncode == 0, r.stderr
-    want = colibri.reference.run(exported.read_bytes(), x)
+    want = colibri.reference.run(colibri.image.read(exported.read_bytes()), x)
     np.testing.assert_allclose(np.load(d / "y.npy"), want, rtol=1e-5, atol=1e-5)
     r = cli("run", exported.name, "-i", "x.csv", cwd=d)
     assert r.returncode == 0, r.stderr

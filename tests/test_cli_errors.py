@@ -19,7 +19,8 @@ import torch
 from click.testing import CliRunner
 
 import colibri
-from colibri.cli import app as colibri_cli
+from colibri import cli as colibri_cli
+from colibri.cli import flash as cli_flash, info as cli_info
 from colibri import nn as cnn
 from colibri.frontends.exporter import export
 
@@ -170,7 +171,7 @@ def test_slot_letters_in_either_case(work: Path, monkeypatch) -> None:
     assert (work / "slot_a.hex").read_text() == (work / "slot_A.hex").read_text()
     assert (work / "slot_a.hex").read_text() != (work / "slot_b.hex").read_text()
     asked = []
-    monkeypatch.setattr(colibri_cli, "_flash_with_probe", lambda *args: asked.append(args[5]))
+    monkeypatch.setattr(cli_flash, "_flash_with_probe", lambda *args: asked.append(args[5]))
     for letter in ("a", "b", "A", "B"):
         result = CliRunner().invoke(colibri_cli.main, ["flash", str(work / "model.clb"), "--probe", "--slot",
                                                        letter])
@@ -215,7 +216,7 @@ def test_unexpected_error_is_one_line_with_a_hint(monkeypatch, work: Path) -> No
     def broken(data: bytes) -> dict:
         raise KeyError("layers")
 
-    monkeypatch.setattr(colibri_cli, "describe", broken)
+    monkeypatch.setattr(cli_info, "describe", broken)
     monkeypatch.delenv("COLIBRI_DEBUG", raising=False)
     result = CliRunner().invoke(colibri_cli.main, ["info", str(work / "model.clb")])
     assert result.exit_code == 1

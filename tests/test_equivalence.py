@@ -32,7 +32,7 @@ def test_random_model_matches_pytorch(seed: int) -> None:
     result = export(model, None, max_batch=max_batch)
     engine = colibri.Model(result.image)
     got_c = engine.forward(x.numpy())
-    got_ref = reference.run(result.image, x.numpy())
+    got_ref = reference.run(colibri.image.read(result.image), x.numpy())
     assert got_c.shape == want.shape
     assert np.abs(got_ref - want).max() <= tol(want), "reference vs PyTorch"
     assert np.abs(got_c - want).max() <= tol(want), "C engine vs PyTorch"

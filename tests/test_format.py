@@ -109,7 +109,7 @@ def test_a_read_q8_weight_dequantises_as_written(compensation: float) -> None:
     import numpy as np
 
     from colibri.model.ir import dense
-    from colibri.quant.quantize import weight_slots
+    from colibri.model.walks import weight_slots
 
     torch.manual_seed(0)
     result = export(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4)),

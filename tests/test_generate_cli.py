@@ -50,7 +50,7 @@ def test_streamed_text_is_the_engines_and_the_references_continuation(token_mode
     ids = tok.ByteTokenizer().encode(PROMPT)
     n = MAX_SEQ_LEN - len(ids) + 1  # fills the cache exactly
     want = colibri.LM(token_model).generate(ids, n, **sampling)
-    assert want == reference.LMState(token_model.read_bytes()).generate(ids, n, **sampling)
+    assert want == reference.LMState(image.read(token_model.read_bytes())).generate(ids, n, **sampling)
     assert len(want) == n
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in sampling.items()]
     code, out, err = generate(str(token_model), "--prompt", PROMPT, "-n", str(n), *flags)

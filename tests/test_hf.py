@@ -45,7 +45,7 @@ def _export_and_check(block: nn.Module, x: torch.Tensor) -> exporter.ExportResul
     tokens = x.shape[0] * x.shape[1]
     want = _hf_forward(block, x)
     result = exporter.export(block, None, max_batch=tokens, example_input=x)
-    got = reference.run(result.image, x.reshape(tokens, -1).numpy())
+    got = reference.run(colibri.image.read(result.image), x.reshape(tokens, -1).numpy())
     _assert_close(got, want)
     assert result.max_abs_error is not None and result.max_abs_error <= 1e-5 * (1 + np.abs(want).max())
     return result
@@ -181,7 +181,7 @@ def test_switch_capacity_not_modelled() -> None:
     x = _input(1, 12, 8, seed=5)
     want = _hf_forward(block, x)
     result = exporter.export(block, None, max_batch=12)
-    got = reference.run(result.image, x.reshape(12, 8).numpy())
+    got = reference.run(colibri.image.read(result.image), x.reshape(12, 8).numpy())
     dropped = np.all(want == 0, axis=1)
     assert 0 < dropped.sum() <= 10  # at most one token kept per expert
     _assert_close(got[~dropped], want[~dropped])
@@ -264,4 +264,4 @@ def test_block_in_sequential_takes_2d_input(kind: str) -> None:
     # A bare block takes [tokens, H] too.
     h = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(36))
     result = exporter.export(block, None, max_batch=tokens, example_input=h)
-    _assert_close(reference.run(result.image, h.numpy()), _hf_forward(block, h[None]))
+    _assert_close(reference.run(colibri.image.read(result.image), h.numpy()), _hf_forward(block, h[None]))

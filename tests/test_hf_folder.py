@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import colibri
-from colibri.cli.app import main
+from colibri.cli import main
 from colibri.frontends import hf_folder, hf_lm
 from colibri.image import stream
 from colibri.model.errors import ExportError

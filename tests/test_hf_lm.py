@@ -93,7 +93,7 @@ def test_logits_over_prefill_and_steps(exported) -> None:
     ids = [int(t) for t in np.random.default_rng(5).integers(0, model.config.vocab_size, 48)]
     with torch.no_grad():
         want = model(input_ids=torch.tensor([ids])).logits[0].numpy()
-    state = LMState(data)
+    state = LMState(image.read(data))
     got = [state.forward_tokens(ids[:8])] + [state.forward_tokens([t]) for t in ids[8:]]  # 8 + 40 positions
     got = np.concatenate(got)
     err = float(np.abs(got - want).max())
@@ -107,7 +107,7 @@ def test_greedy_continuation_is_hfs(exported) -> None:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
     want = out[0, len(prompt):].tolist()
-    assert LMState(data).generate(prompt, 24) == want
+    assert LMState(image.read(data)).generate(prompt, 24) == want
 
 
 def test_the_graph_has_what_the_config_says(exported) -> None:
@@ -135,11 +135,11 @@ def test_f16_and_q8_exports_stay_close(exported) -> None:
     greedy agreement with the f32 image over 24 new tokens."""
     name, model, data = exported
     prompt = [3, 17, 42, 5, 9, 77]
-    greedy = LMState(data).generate(prompt, 24)
+    greedy = LMState(image.read(data)).generate(prompt, 24)
     for dtype, kv, bound in (("f16", "f16", 2e-3), ("q8", "f32", 0.15)):
         r = colibri.export(model, max_seq_len=MAX_SEQ_LEN, max_batch=8, dtype=dtype, kv_dtype=kv)
         rel = r.checks[0].error / (r.checks[0].tolerance / hf_lm.LM_RTOL)
-        same = sum(a == b for a, b in zip(LMState(r.image).generate(prompt, 24), greedy))
+        same = sum(a == b for a, b in zip(LMState(image.read(r.image)).generate(prompt, 24), greedy))
         print(f"{name} {dtype} weights, {kv} cache: relative error {rel:.2e}, greedy agreement {same}/24")
         assert rel <= bound
 

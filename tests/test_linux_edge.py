@@ -26,7 +26,8 @@ from colibri.runtime import engine
 from colibri import image
 from colibri.model import format as F
 from colibri import nn as cnn
-from colibri.frontends.exporter import export, write_atomically
+from colibri.frontends.exporter import export
+from colibri.image import write_atomically
 
 from conftest import ROOT, make
 

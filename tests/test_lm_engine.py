@@ -65,7 +65,7 @@ def test_logits_match_the_reference_at_every_position(name: str, reference_kerne
     for seed in range(2):
         g = _graph(seed, CONFIGS[name])
         data = image.write(g)
-        lm, twin = colibri.LM(data, reference_kernels=reference_kernels), reference.LMState(data)
+        lm, twin = colibri.LM(data, reference_kernels=reference_kernels), reference.LMState(image.read(data))
         rng = np.random.default_rng(seed)
         worst = 0.0
         for ids in _steps(rng, lm.vocab_size, lm.max_batch, lm.max_seq_len):
@@ -116,7 +116,7 @@ def test_sampler_is_the_references_bit_for_bit(lm_data: bytes) -> None:
 
 
 def test_generate_is_the_references(lm_data: bytes) -> None:
-    lm, twin = colibri.LM(lm_data, reference_kernels=True), reference.LMState(lm_data)
+    lm, twin = colibri.LM(lm_data, reference_kernels=True), reference.LMState(image.read(lm_data))
     prompt = [5, 1, 17, 3, 3, 30, 2, 9, 11, 0]  # longer than max_batch: two chunks
     for kw in (dict(), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=5, seed=2),
                dict(temperature=0.9, top_p=0.8, seed=3)):
@@ -149,7 +149,7 @@ def test_statuses_and_failed_calls_change_nothing(lm_data: bytes) -> None:
     assert status([40] * 9) == Status.BAD_BATCH  # the batch before the tokens
     for ids in ([40] * 9, [1, 40]):  # the numpy reference answers the same
         with pytest.raises(colibri.ColibriError) as exc:
-            reference.LMState(lm_data).forward_tokens(ids)
+            reference.LMState(image.read(lm_data)).forward_tokens(ids)
         assert exc.value.status == status(ids)
     assert status(list(range(9))) == Status.BAD_BATCH
     assert status([1, 2], out_len=79) == Status.BUFFER_SIZE
@@ -276,7 +276,7 @@ def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Pa
 def test_cli_info_describes_a_token_model(kw: dict) -> None:
     """`colibri info` on a token model: the embedding and attention rows carry their weights, a tied head
     counts none of its own, and the totals are the C engine's (parameters, arena, KV cache)."""
-    from colibri.cli.app import describe
+    from colibri.cli.info import describe
 
     data = image.write(lmmodels.token_model(3, **kw))
     d = describe(data)

@@ -42,7 +42,7 @@ def test_export_matches_the_module(kw: dict) -> None:
     ids = [int(t) for t in np.random.default_rng(2).integers(0, 64, 44)]
     with torch.no_grad():
         want = model(torch.tensor([ids]))[0].numpy()
-    state = LMState(result.image)
+    state = LMState(image.read(result.image))
     got = np.concatenate([state.forward_tokens(ids[:4])] + [state.forward_tokens([t]) for t in ids[4:]])
     assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max())
     # greedy continuation: the module's argmax fed back, as LMState.generate
@@ -50,4 +50,4 @@ def test_export_matches_the_module(kw: dict) -> None:
     with torch.no_grad():
         for _ in range(20):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert LMState(result.image).generate([3, 10, 17], 20) == seq[3:]
+    assert LMState(image.read(result.image)).generate([3, 10, 17], 20) == seq[3:]

@@ -119,7 +119,7 @@ def test_reference_matches_torch_over_prefill_and_steps(kw: dict) -> None:
             a.rope_theta = theta
     ids = [int(t) for t in np.random.default_rng(1).integers(0, g.vocab_size, 44)]
     want = torch_logits(g, ids)
-    state = LMState(image.write(g))
+    state = LMState(image.read(image.write(g)))
     got = [state.forward_tokens(ids[:6]), state.forward_tokens(ids[6:8])]
     got += [state.forward_tokens([t]) for t in ids[8:]]
     got = np.concatenate(got)
@@ -132,7 +132,7 @@ def test_f16_kv_cache_rounds_keys_and_values() -> None:
     g32 = lmmodels.token_model(5, kv_dtype=DType.F32)
     g16 = lmmodels.token_model(5, kv_dtype=DType.F16)
     ids = list(range(1, 21))
-    s32, s16 = LMState(g32), LMState(image.write(g16))
+    s32, s16 = LMState(g32), LMState(image.read(image.write(g16)))
     a, b = s32.forward_tokens(ids[:8]), s16.forward_tokens(ids[:8])
     assert s16._cache[0][0].dtype == np.float16
     assert 0 < np.abs(a - b).max() <= 1e-2 * (1 + np.abs(a).max())  # f16 keys/values: close, not equal

@@ -25,7 +25,8 @@ from colibri import image, reference
 from colibri.model import format as F
 from colibri import nn as cnn
 from colibri.model.errors import ImageError, ModelFileError
-from colibri.frontends.exporter import export, write_atomically
+from colibri.frontends.exporter import export
+from colibri.image import write_atomically
 from colibri.model.format import Status
 
 PAGE = 4096
@@ -166,7 +167,7 @@ def test_model_path_maps_not_copies(paged: bytes, tmp_path: Path) -> None:
     x = _x()
     m = colibri.Model(path)
     assert m.file is not None
-    np.testing.assert_allclose(m.forward(x), reference.run(paged, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.forward(x), reference.run(image.read(paged), x), rtol=1e-5, atol=1e-6)
     # the weights are read in place: the image buffer is the mapping of the file
     maps = Path("/proc/self/maps").read_text()
     assert str(path) in maps
@@ -213,7 +214,7 @@ def test_mlock_refused_reports_rlimit(paged: bytes, tmp_path: Path) -> None:
     path.write_bytes(paged)
     code = textwrap.dedent(f"""
         import resource, sys
-        from colibri import engine
+        from colibri.runtime import engine
         from colibri.model.format import Status
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, 4096))
         try:
@@ -303,7 +304,7 @@ def test_cli_verify_and_run_use_the_file(paged: bytes, tmp_path: Path) -> None:
     out = subprocess.run([*cli, "run", str(path), "-i", str(tmp_path / "x.npy")], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    np.testing.assert_allclose(np.loadtxt(out.stdout.splitlines(), delimiter=","), reference.run(paged, _x()),
+    np.testing.assert_allclose(np.loadtxt(out.stdout.splitlines(), delimiter=","), reference.run(image.read(paged), _x()),
                                rtol=1e-5, atol=1e-5)
     bad = bytearray(paged)
     bad[_tensors(paged)[3][0]] ^= 1
@@ -352,7 +353,7 @@ def test_truncation_under_a_running_reader_is_sigbus(paged: bytes, tmp_path: Pat
     path.write_bytes(paged)
     code = textwrap.dedent(f"""
         import os
-        from colibri import engine
+        from colibri.runtime import engine
         f = engine.open_file({str(path)!r}, verify="none")
         view = memoryview(f.raw)
         os.truncate({str(path)!r}, 4096)

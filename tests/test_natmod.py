@@ -3,7 +3,7 @@
 MicroPython's own tools cannot run here (no MicroPython source tree from any
 registry), so the project links native modules itself. These tests parse the
 files it writes for the Cortex-M7 (armv7emsp, armv7emdp) and x64 with an
-independent reader of the .mpy layout (/work/shared/facts), compare it with
+independent reader of the .mpy layout (docs/natmod-abi.md), compare it with
 `colibri.target.natmod.read_mpy`, and check every refusal the linker must make: each
 refused input was a crash at run time when it was let through.
 """
@@ -105,7 +105,7 @@ class _Bytes:
 
 
 def parse_mpy(data: bytes) -> Mpy:
-    """The .mpy layout written down in /work/shared/facts/micropython-natmod-abi.md, read to the last byte."""
+    """The .mpy layout of docs/natmod-abi.md, read to the last byte."""
     r = _Bytes(data)
     magic, version, features, small_int_bits = r.take(4)
     assert (magic, version, features & 3) == (ord("M"), 6, 3), data[:4]

@@ -186,7 +186,7 @@ def run_all(kind: str, dtype: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarra
                 model[0].bias.uniform_(-0.5, 0.5)
     result = export(model, None, max_batch=MAX_BATCH, example_input=torch.zeros(1, D), **DTYPES[dtype])
     got = colibri.Model(result.image).forward(x)
-    ref = reference.run(result.image, x)
+    ref = reference.run(colibri.image.read(result.image), x)
     with torch.no_grad():
         want = oracle(model, dtype)(torch.from_numpy(x)).numpy()
     return got, ref, want
@@ -317,7 +317,7 @@ def test_nan_logit_is_selected(routing: str) -> None:
         assert chosen[0] == 2, chosen  # the NaN logit first, then the largest number
     assert np.isnan(got[0]).all() and np.isnan(want[0]).all()
     assert_same(got, want, routing)
-    assert_same(reference.run(data, x), want, f"{routing} reference")
+    assert_same(reference.run(colibri.image.read(data), x), want, f"{routing} reference")
 
 
 def test_exact_ties_go_to_the_lower_router_index() -> None:
@@ -335,7 +335,7 @@ def test_exact_ties_go_to_the_lower_router_index() -> None:
     graph = colibri.image.read(data)
     for sel in reference.route(graph.layers[0], x):
         assert [slot for slot, _ in sel] == [1, 2], sel
-    np.testing.assert_allclose(colibri.Model(data).forward(x), reference.run(data, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(colibri.Model(data).forward(x), reference.run(colibri.image.read(data), x), rtol=1e-6, atol=1e-6)
     # Switching the tied expert 1 for 3 changes the answer: the choice matters and is the lower index.
     with torch.no_grad():
         model[0].experts[1].w2.weight.mul_(-1)
@@ -363,7 +363,7 @@ def test_zero_gate_weight_does_not_run_the_expert() -> None:
     data = export(model, None, max_batch=8).image
     got = colibri.Model(data).forward(x)
     assert_same(got, want, "C vs PyTorch")
-    assert_same(reference.run(data, x), want, "reference vs PyTorch")
+    assert_same(reference.run(colibri.image.read(data), x), want, "reference vs PyTorch")
 
 
 def test_subnormals_are_not_flushed() -> None:

@@ -15,7 +15,8 @@ from colibri.model import format as F
 from colibri.model.errors import ExportError
 from colibri.model.format import Act, DType, ExpertKind, Routing, Status
 from colibri.model.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
-from colibri.quant.quantize import quantize, quantize_q4, weight_slots
+from colibri.model.walks import weight_slots
+from colibri.quant.quantize import quantize, quantize_q4
 
 import lmmodels
 import test_quantize as TQ
@@ -417,7 +418,7 @@ def test_engine_matches_reference(model: str, variant: str) -> None:
     for batch in sorted({1, graph.max_batch}):
         x = TQ.inputs(batch, graph.input_size, seed=6 + batch)
         TQ.assert_engine_matches(img, x)
-        want = reference.run(img, x)
+        want = reference.run(image.read(img), x)
         for kernels in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
             got = kernels.forward(x)
             assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
@@ -433,7 +434,7 @@ def test_reference_kernels_on_linear_layers_with_compensation() -> None:
         g = quantize(Graph(layers, 45, 9, max_batch=8), "q4", group=16, compensation=0.05, int8_act=int8_act)
         img = image.write(g)
         x = rng.standard_normal((8, 45)).astype(np.float32)
-        got, want = colibri.Model(img, reference_kernels=True).forward(x), reference.run(img, x)
+        got, want = colibri.Model(img, reference_kernels=True).forward(x), reference.run(image.read(img), x)
         assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
 
 
@@ -445,7 +446,7 @@ def test_int8_path_bit_exact_without_compensation() -> None:
     img = image.write(g)
     x = rng.standard_normal((4, 70)).astype(np.float32)
     for m in (colibri.Model(img, reference_kernels=True), colibri.Model(img)):
-        np.testing.assert_array_equal(m.forward(x), reference.run(img, x))
+        np.testing.assert_array_equal(m.forward(x), reference.run(image.read(img), x))
 
 
 @pytest.mark.parametrize("int8_act", [[], ["layers.*"]])
@@ -455,7 +456,7 @@ def test_token_model_runs_q4(int8_act: list[str]) -> None:
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     for reference_kernels in (False, True):
         got = colibri.LM(data, reference_kernels=reference_kernels).forward_tokens(ids)
-        want = reference.LMState(data).forward_tokens(ids)
+        want = reference.LMState(image.read(data)).forward_tokens(ids)
         assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max())
 
 

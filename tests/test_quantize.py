@@ -37,7 +37,8 @@ from colibri.model.errors import ExportError
 from colibri.frontends.exporter import build_graph
 from colibri.model.format import Act, ExpertKind, Routing
 from colibri.model.ir import Expert, F16Weight, Graph, Linear, MoE, Q8Weight, dense
-from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8, weight_slots
+from colibri.model.walks import weight_slots
+from colibri.quant.quantize import DEFAULT_COMPENSATION, quantize, quantize_q8
 
 import hfblocks
 from randmodels import random_model
@@ -89,7 +90,7 @@ def storage(graph: Graph) -> set[type]:
 
 def assert_engine_matches(img: bytes, x: np.ndarray) -> None:
     """The C engine's tolerance: max|Δ| ≤ 1e-5 · (1 + max|y|) against the reference on the same image."""
-    want = reference.run(img, x)
+    want = reference.run(image.read(img), x)
     got = colibri.Model(img).forward(x)
     err, tol = float(np.abs(got - want).max()), 1e-5 * (1 + float(np.abs(want).max()))
     assert err <= tol, f"engine vs reference: max|Δ| {err:.3g} > {tol:.3g}"
@@ -207,7 +208,8 @@ def test_trained_model_learned(trained: TrainedClassifier) -> None:
 @pytest.mark.parametrize("runner", ["reference", "engine"])
 def test_trained_q8_accuracy(trained: TrainedClassifier, trained_q8: Graph, runner: str) -> None:
     """q8 (default E) keeps test accuracy within 0.3 points, through the reference and the C engine alike."""
-    forward = reference.run if runner == "reference" else (lambda img, x: colibri.Model(img).forward(x))
+    forward = (lambda img, x: reference.run(image.read(img), x)) if runner == "reference" else \
+        (lambda img, x: colibri.Model(img).forward(x))
     f32, q8 = (accuracy(forward(image.write(g), trained.x_test), trained.y_test) for g in (trained.graph, trained_q8))
     print(f"digits ({runner}): f32 {f32:.4f}, q8 {q8:.4f} over {len(trained.y_test)} test images")
     assert abs(f32 - q8) <= ACCURACY_DROP, f"q8 accuracy {q8:.4f} vs f32 {f32:.4f}"
@@ -392,7 +394,7 @@ def test_compact_and_wide_parameters_agree_in_the_engine(quickstart_graph: Graph
     compact = image.write(quantize(quickstart_graph, "q8", int8_act=["layers.3.experts.*"]))
     wide = image.write(quantize(quickstart_graph, "q8", compact=False, int8_act=["layers.3.experts.*"]), version=1)
     assert_engine_matches(compact, x)
-    a, b, f = (reference.run(d, x) for d in (compact, wide, image.write(quickstart_graph)))
+    a, b, f = (reference.run(image.read(d), x) for d in (compact, wide, image.write(quickstart_graph)))
     # Same int8 weights, scales within 2^-12: the error of version 1's layout, within 2%.
     print(f"relative L2 vs f32: compact {rel(a, f):.4g}, version-1 layout {rel(b, f):.4g}")
     assert rel(a, f) <= 1.02 * rel(b, f)

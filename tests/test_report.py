@@ -32,7 +32,7 @@ def test_report_matches_engine_and_reference(setting: str, tmp_path: Path) -> No
     rep = quantisation_report(graph, q, x, batch=64)
 
     engine = colibri.Model(data).forward(x)
-    ref = reference.run(data, x)
+    ref = reference.run(image.read(data), x)
     tol = 1e-5 * (1 + np.abs(ref).max())
     assert np.abs(rep.outputs_quantised - engine).max() <= tol
     assert np.abs(rep.outputs_quantised - ref).max() <= tol

@@ -17,7 +17,8 @@ import torch
 from colibri import nn as cnn
 from colibri.model.errors import ExportError
 from colibri.model.ir import F16Weight, Linear, MoE, Q8Weight, dense
-from colibri.quant.quantize import quantize, quantize_q8, router_feeders
+from colibri.model.walks import router_feeders
+from colibri.quant.quantize import quantize, quantize_q8
 from colibri.quant.report import ERROR_TARGET, ROUTING_TARGET, quantisation_report
 
 from test_quantize import graph_of, hf_block, inputs

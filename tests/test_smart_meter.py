@@ -38,7 +38,7 @@ def test_moe_beats_seasonal_naive_and_fits_the_budget() -> None:
 
     graph, _ = build_graph(moe, max_batch=7)
     for compact, version in ((True, 2), (False, 1)):
-        q8 = reference.run(image.write(quantize(graph, "q8", compact=compact), version=version), data.x_test)
+        q8 = reference.run(image.read(image.write(quantize(graph, "q8", compact=compact), version=version)), data.x_test)
         assert abs(F.mae_mw(q8, data) - F.mae_mw(pred, data)) < 0.01 * F.mae_mw(pred, data), (compact, version)
 
 

@@ -73,7 +73,7 @@ def test_every_source_edit_calls_for_a_rebuild(checkout: Path, what: str) -> Non
 def test_other_files_do_not_call_for_a_rebuild(checkout: Path) -> None:
     (checkout / "firmware" / "colibri_core" / "build" / "host").mkdir(parents=True)
     (checkout / "firmware" / "colibri_core" / "build" / "host" / "libcolibri.a").write_bytes(b"!<arch>\n")
-    (checkout / "host_tools" / "colibri" / "cli" / "app.py").write_text("# python only\n", "utf-8")
+    (checkout / "host_tools" / "colibri" / "cli" / "run.py").write_text("# python only\n", "utf-8")
     (checkout / "firmware" / "colibri_core" / "src" / ".colibri_engine.c.swp").write_bytes(b"vim")
     assert not sources.needs_rebuild(checkout, _engine.SOURCE_HASH)
 

@@ -274,7 +274,7 @@ def test_v2_companions_of_every_width_validate_and_run(c_drivers: Path, shape: s
     from colibri import reference
 
     x = np.random.default_rng(1).standard_normal((2, cols)).astype(np.float32)
-    want = reference.run(data, x)
+    want = reference.run(image.read(data), x)
     for kernels in (True, False):
         got = colibri.Model(data, reference_kernels=kernels).forward(x)
         assert np.array_equal(np.isnan(got), np.isnan(want))

@@ -4,14 +4,16 @@
     colibri.export(torch_model, "model.clb", max_batch=8)
     model = colibri.Model("model.clb")      # the C engine
     y = model.forward(x)                    # x: [batch, input_size] float32
-    y_ref = colibri.reference.run(open("model.clb", "rb").read(), x)
+    y_ref = colibri.reference.run(colibri.image.read(open("model.clb", "rb").read()), x)
 """
 from __future__ import annotations
 
 from . import image, reference
 from .model import format, ir
 from .runtime.engine import LM, Model, arena_size, validate, version
-from .model.errors import ArenaError, ColibriError, ExportError, ImageError, InputError, ModelFileError, UnsupportedError
+from .model.errors import (
+    ArenaError, ColibriError, ExportError, ImageError, InputError, MissingExtraError, ModelFileError, UnsupportedError,
+)
 from .model.format import Status
 
 __version__ = "0.1.0"
@@ -39,6 +41,7 @@ def export(model, *args, **kwargs):
 
 
 __all__ = [
-    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "LM", "Model", "ModelFileError", "Status",
+    "ArenaError", "ColibriError", "ExportError", "ImageError", "InputError", "LM", "MissingExtraError", "Model",
+    "ModelFileError", "Status",
     "UnsupportedError", "arena_size", "export", "format", "image", "ir", "reference", "validate", "version",
 ]

@@ -1,7 +1,7 @@
 /*
  * The MicroPython runtime as a native module (.mpy with machine code) sees
  * it: our own small equivalent of MicroPython's py/dynruntime.h, written from
- * the public ABI in shared/facts/micropython-natmod-abi.md.
+ * the public ABI described in docs/natmod-abi.md.
  *
  * A native module links against nothing. Everything it uses from the
  * interpreter comes through `mp_fun_table`, a table of pointer-sized slots

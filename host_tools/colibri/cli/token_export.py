@@ -51,8 +51,8 @@ def is_token_module(module: object) -> bool:
 
 
 def export_module_command(module, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
-    from ..frontends.exporter import write_atomically
     from ..frontends.hf_lm import export_lm
+    from ..image import write_atomically
 
     _need_seq_len(max_seq_len, type(module).__name__)
     result = export_lm(module, None, max_seq_len=max_seq_len, check=check, **options)

@@ -11,8 +11,6 @@ are dropped). With `example_input` the image is checked against PyTorch.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,12 +22,13 @@ from rich.progress import track
 from torch import nn
 
 from ..model import format as F
-from ..image import reader as image
+from .. import image
 from ..quant import quantize
 from ..reference import executor as reference
 from . import nn as cnn
 from ..model.errors import ColibriError, ExportCheckError, ExportError
 from ..model.format import Act, ExpertKind, Routing
+from ..model.walks import weight_slots
 from ..model.ir import (
     Activation, Attention, Embedding, Expert, Graph, Layer, LayerNorm, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm,
 )
@@ -68,12 +67,6 @@ def activation_of(module: nn.Module, path: str) -> Act:
     raise ExportError(f"{path} ({type(module).__module__}.{name}): activation not supported by Colibri")
 
 
-def activation_by_name(name: str, path: str) -> Act:
-    if name not in _ACT_NAMES:
-        raise ExportError(f"{path}: activation {name!r} not supported by Colibri")
-    return _ACT_NAMES[name]
-
-
 def _expert(m: cnn.Expert) -> Expert:
     return Expert(
         kind=ExpertKind.GLU if m.gated else ExpertKind.MLP,
@@ -85,7 +78,8 @@ def _expert(m: cnn.Expert) -> Expert:
     )
 
 
-def _colibri_moe(m: cnn.MoE) -> MoE:
+def colibri_moe(m: cnn.MoE) -> MoE:
+    """The graph's MoE layer of a colibri.nn.MoE (also the sparse block of a colibri.nn.MoETransformer)."""
     n = len(m.experts)
     return MoE(
         routing=_ROUTINGS[m.routing], top_k=m.top_k,
@@ -113,7 +107,7 @@ def located_layers(module: nn.Module, path: str = "model") -> list[tuple[str, La
     if isinstance(module, cnn.Residual):
         return [(path, ResidualPush()), *located_layers(module.body, f"{path}.body"), (path, ResidualAdd())]
     if isinstance(module, cnn.MoE):
-        return [(path, _colibri_moe(module))]
+        return [(path, colibri_moe(module))]
     if isinstance(module, nn.Linear):
         return [(path, Linear(np32(module.weight), np32(module.bias)))]
     if isinstance(module, nn.LayerNorm):
@@ -480,13 +474,13 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
         checks.append(compare(f"C engine vs numpy reference ({dtype} image)", engine, got_ref))
     elif dtype == "f16":
         rounded_want = _torch_forward(_f16_rounded(module), x, graph.output_size)[rows]
-        kept_f32 = any(isinstance(getattr(o, a), np.ndarray) for _, o, a in quantize.weight_slots(graph))
+        kept_f32 = any(isinstance(getattr(o, a), np.ndarray) for _, o, a in weight_slots(graph))
         ref16, engine16 = got_ref, engine
         if kept_f32:
             checks.append(compare("C engine vs numpy reference (f16 image with f32 weights kept)", engine, got_ref))
             # Every matrix in f16, routers too, as _f16_rounded rounds every Linear.
             all16 = image.write(quantize.quantize(f32_graph, "f16", int8_act=int8_act, quantize_routers=True))
-            ref16, engine16 = reference.run(all16, flat), _engine_output(all16, flat)
+            ref16, engine16 = reference.run(image.read(all16), flat), _engine_output(all16, flat)
         checks.append(compare(f"numpy reference vs PyTorch (weights rounded to f16){some}", ref16[rows],
                               rounded_want))
         checks.append(compare(f"C engine vs PyTorch (weights rounded to f16){some}", engine16[rows], rounded_want))
@@ -498,29 +492,6 @@ def _check(module: nn.Module, x: torch.Tensor, graph: Graph, data: bytes, dtype:
             raise ExportCheckError(c.what, c.error, c.tolerance, c.nonfinite_mismatches,
                                    "; nothing written (check=False / --no-check exports anyway)")
     return checks
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """The whole image or nothing: a failed write leaves no partial file at `path`. The safe update
-    of a served model (README "Linux edge"): a temporary file beside it, fsync'd, renamed over it, so
-    a process mapping the old file keeps its pages and a reopen maps the new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def export(
@@ -575,7 +546,7 @@ def export(
             x = torch.as_tensor(np.asarray(example_input, dtype=np.float32))
             want = _torch_forward(module, x, graph.output_size)
             flat = x.reshape(-1, graph.input_size).numpy()
-            got = reference.run(data, flat)
+            got = reference.run(image.read(data), flat)
             full = compare("", got, want)
             err = float("nan") if full.nonfinite_mismatches else full.error
             if check:
@@ -585,7 +556,7 @@ def export(
                     rows = _rows_unaffected_by_pruning(unpruned, flat, report)
                 checks = _check(module, x, graph, data, dtype, f32_graph, int8_act, want, got, rows)
     if path is not None:
-        write_atomically(Path(path), data)
+        image.write_atomically(Path(path), data)
     return ExportResult(image=data, graph=graph, pruned=report, max_abs_error=err, checks=checks)
 
 

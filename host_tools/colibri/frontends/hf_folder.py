@@ -9,7 +9,7 @@ no bfloat16; bf16 is the top half of an f32, so the widening is exact).
 The graph is the one `hf_lm.build_lm_graph` builds from the loaded model, with the same refusals,
 decided from the config instead of the modules: on every model both paths export, the image is byte
 for byte the in-memory export's (tests/test_hf_folder.py). Each weight matrix is a `PlannedWeight`
-that `image.reader.layout` asks for its records and that makes its payloads when written.
+that `image.writer.layout` asks for its records and that makes its payloads when written.
 
 Bad input is one line naming the file and the tensor, and nothing is written: a missing or
 truncated shard, a missing tensor, a tensor of the wrong shape or dtype, NaN/Inf weights, a config
@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..image import reader
+from ..image import codecs, reader
 from ..model import format as F
 from ..model.errors import ExportError
 from ..model.format import Act, DType, ExpertKind, Routing
 from ..model.ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
+from ..model.walks import BIAS_OF, name_matches, weight_slots
 from ..quant import quantize as Q
 
 LM_CLASSES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
@@ -187,7 +188,7 @@ class PlannedWeight:
 
     @property
     def image_dtype(self) -> DType:
-        """The weight's tensor dtype in the image (what `image.reader.has_int4` asks)."""
+        """The weight's tensor dtype in the image (what `image.writer.has_int4` asks)."""
         return {"f32": DType.F32, "f16": DType.F16, "q8": DType.I8, "q4": DType.I4}[self.kind]
 
     def quantised(self):
@@ -220,10 +221,10 @@ class PlannedWeight:
 
         if self.kind == "q8":
             return [(lambda: np.ascontiguousarray(weight().q, dtype=np.int8).tobytes(), DType.I8, rows, cols, 2),
-                    (lambda: reader.q8_params_payload(held.pop("w"), version), DType.Q8_PARAMS, rows, cols, 2)]
+                    (lambda: codecs.q8_params_payload(held.pop("w"), version), DType.Q8_PARAMS, rows, cols, 2)]
         if self.kind == "q4":
-            return [(lambda: reader.q4_pack(weight().q), DType.I4, rows, cols, 2),
-                    (lambda: reader.q4_params_payload(held.pop("w")), DType.Q4_PARAMS, rows, cols, 2)]
+            return [(lambda: codecs.q4_pack(weight().q), DType.I4, rows, cols, 2),
+                    (lambda: codecs.q4_params_payload(held.pop("w")), DType.Q4_PARAMS, rows, cols, 2)]
         if self.kind == "f16":
             return [(lambda: np.ascontiguousarray(self.quantised().data, dtype="<f2").tobytes(), DType.F16, rows, cols, 2)]
         return [(lambda: np.ascontiguousarray(self.load(), dtype="<f4").tobytes(), DType.F32, rows, cols, 2)]
@@ -469,6 +470,21 @@ def build_folder_graph(ck: Checkpoint, *, max_seq_len: int, max_batch: int = 1, 
     return Graph(layers=layers, input_size=vocab, output_size=vocab, max_batch=max_batch, paths=paths)
 
 
+def _act_targets(graph: Graph):
+    """(name, layer or expert) that int8_act patterns choose among, named as `quantize.quantize` names them."""
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, Linear):
+            yield f"layers.{i}", layer
+        elif isinstance(layer, MoE):
+            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
+                for j, e in enumerate(experts):
+                    yield f"layers.{i}.{group}.{j}", e
+
+
+def _where(graph: Graph, name: str) -> str:
+    return f"{graph.paths[int(name.split('.')[1])]} ({name})"
+
+
 def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAULT_COMPENSATION,
                       keep: Sequence[str] = (), int8_act: Sequence[str] = (), group: int = Q.Q4_DEFAULT_GROUP,
                       q8: Sequence[str] = ()) -> None:
@@ -482,11 +498,11 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         raise ExportError("q8 patterns choose int8 weights inside a q4 model: use them with dtype='q4'")
     if dtype == "q4" and (group < 8 or group > 256 or group & (group - 1)):
         raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
-    slots = list(Q.weight_slots(graph))
+    slots = list(weight_slots(graph))
     names = [n for n, _, _ in slots]
-    targets = list(Q._act_targets(graph))
+    targets = list(_act_targets(graph))
     for pattern in list(keep) + list(int8_act) + list(q8):
-        if not any(Q._matches(n, [pattern]) for n in names + [n for n, _ in targets]):
+        if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in targets]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
     tables = {id(layer.table) for layer in graph.layers if isinstance(layer, Embedding)}
     done: set[int] = set()
@@ -495,12 +511,12 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         if not isinstance(w, PlannedWeight) or id(w) in done:
             continue  # a dense layer's zero router (kept f32 as the quantiser keeps routers), or a tied head
         done.add(id(w))
-        w.name, w.graph_where, w.compensation, w.group = name, Q._where(graph, name), compensation, group
-        want = "f32" if Q._matches(name, keep) or Q._matches(name, Q.ROUTER_PATTERNS) else dtype
-        if want == "q4" and (id(w) in tables or Q._matches(name, q8) or Q._matches(name, Q.ROUTER_PATTERNS)):
+        w.name, w.graph_where, w.compensation, w.group = name, _where(graph, name), compensation, group
+        want = "f32" if name_matches(name, keep) or name_matches(name, Q.ROUTER_PATTERNS) else dtype
+        if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, Q.ROUTER_PATTERNS)):
             want = "q8"
         w.kind = want
-        b_attr = Q._BIAS_OF.get(attr)
+        b_attr = BIAS_OF.get(attr)
         if b_attr and want in ("q8", "q4") and getattr(owner, b_attr) is not None:
             w.bias = getattr(owner, b_attr)
             if w.absorbs_bias():
@@ -508,7 +524,7 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
             else:
                 w.bias = None
     for name, target in targets:
-        if not Q._matches(name, int8_act):
+        if not name_matches(name, int8_act):
             continue
         weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
         if not all(isinstance(w, PlannedWeight) and w.kind in ("q8", "q4") for w in weights):

@@ -36,12 +36,12 @@ from torch import nn
 
 from ..model import format as F
 from . import hf  # noqa: F401  registers the sparse-block converters
-from ..image import reader as image
+from .. import image
 from ..quant import quantize
 from ..reference import executor as reference
 from ..model.errors import ExportCheckError, ExportError
 from .exporter import (
-    CONVERTERS, ExportResult, PruneReport, activation_of, check_finite, check_limits, compare, np32, write_atomically,
+    CONVERTERS, ExportResult, PruneReport, activation_of, check_finite, check_limits, colibri_moe, compare, np32,
 )
 from ..model.format import DType, ExpertKind, Routing
 from ..model.ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
@@ -250,8 +250,6 @@ def _module_logits(model: nn.Module, ids: list[int]) -> np.ndarray:
 
 def build_nn_lm_graph(model: nn.Module, *, max_seq_len: int, max_batch: int = 1, kv_dtype: str = "f32") -> Graph:
     """The token-model graph of a colibri.nn.MoETransformer (the same layer program as an HF model's)."""
-    from .exporter import _colibri_moe
-
     if kv_dtype not in KV_DTYPES:
         raise ExportError(f"kv_dtype must be one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 0xFFFFFFFF:
@@ -276,7 +274,7 @@ def build_nn_lm_graph(model: nn.Module, *, max_seq_len: int, max_batch: int = 1,
             rope_theta=float(a.rope_theta), max_seq_len=max_seq_len, kv_dtype=KV_DTYPES[kv_dtype],
         )
         layers += [ResidualPush(), norm(block.attn_norm), attn, ResidualAdd(),
-                   ResidualPush(), norm(block.moe_norm), _colibri_moe(block.moe), ResidualAdd()]
+                   ResidualPush(), norm(block.moe_norm), colibri_moe(block.moe), ResidualAdd()]
         paths += [path, f"{path}.attn_norm", f"{path}.attn", path, path, f"{path}.moe_norm", f"{path}.moe", path]
     tied = model.head.weight is model.embed.weight
     layers += [norm(model.norm), Linear(table if tied else np32(model.head.weight))]
@@ -297,7 +295,7 @@ def _f32_twin(model: nn.Module) -> nn.Module:
 
 def reference_logits(data: bytes | Graph, ids: list[int]) -> np.ndarray:
     """The reference's logits for ids from position 0, fed in chunks of max_batch."""
-    state = reference.LMState(data)
+    state = reference.LMState(data if isinstance(data, Graph) else image.read(data))
     step = state.graph.max_batch
     return np.concatenate([state.forward_tokens(ids[i:i + step]) for i in range(0, len(ids), step)])
 
@@ -359,5 +357,5 @@ def export_lm(
         raise ExportCheckError(result.what, result.error, result.tolerance, result.nonfinite_mismatches,
                                "; nothing written (check=False exports anyway)")
     if path is not None:
-        write_atomically(Path(path), data)
+        image.write_atomically(Path(path), data)
     return ExportResult(image=data, graph=graph, pruned=PruneReport(), max_abs_error=result.error, checks=[result])

@@ -1,6 +1,6 @@
 """Write a model image to a file one payload at a time (`colibri export DIR`, issue 26).
 
-The image is laid out by the same `reader.layout` as `write`, so the file is byte for byte the
+The image is laid out by the same `writer.layout` as `write`, so the file is byte for byte the
 image `write` would build for the same graph. Version 3 and later put every CRC where streaming
 needs it: each payload has its own CRC-32 (computed as the payload is written), and the header
 CRC covers only the metadata (header, tables, CRC table), which is packed last and written over
@@ -22,7 +22,7 @@ from ..model import format as F
 from ..model.errors import ExportError
 from ..model.format import DType
 from ..model.ir import Graph
-from . import reader
+from . import writer
 
 LIMIT_32 = 0xFFFFFFFF  # image_size and every offset are u32 (docs/model-format.md "Header")
 
@@ -38,7 +38,7 @@ class StreamReport:
     version: int
 
 
-def least_size(plan: reader.Layout) -> int:
+def least_size(plan: writer.Layout) -> int:
     """A lower bound of the image's size from its records alone (companions at their smallest:
     header and scales), so an image past the 32-bit limits is refused before a byte is written."""
     pos = plan.payload_start
@@ -62,7 +62,7 @@ def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int,
     runs on the complete temporary file before the rename (a validation); raising there, or anywhere,
     leaves no file at `path`. Token models only (format v4/v5: per-tensor CRCs)."""
     path = Path(path)
-    plan = reader.layout(graph)
+    plan = writer.layout(graph)
     if not plan.tensor_crc:
         raise ValueError("streaming needs per-tensor CRCs (format version 3 or later); this graph's image "
                          f"is version {plan.version}")
@@ -95,7 +95,7 @@ def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int,
                 if on_tensor is not None:
                     on_tensor(i, count, len(data))
                 del data
-            image_size = reader._align(pos, 4)
+            image_size = (pos + 3) // 4 * 4  # as `write` ends an image
             f.write(bytes(image_size - pos))
             f.seek(0)
             f.write(plan.metadata(placed, crcs, image_size))

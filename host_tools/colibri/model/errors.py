@@ -101,3 +101,12 @@ class BuildError(ColibriError):
 
 class UserCodeError(ColibriError):
     """The user's own code (a model factory, the module it lives in) raised; the cause is chained."""
+
+
+class MissingExtraError(ColibriError, ImportError):
+    """A feature needs a package an extra of colibri-moe installs (torch for the front ends); the message
+    names the pip command. An ImportError too, so code that tries a feature and falls back keeps working."""
+
+    def __init__(self, feature: str, package: str, extra: str):
+        super().__init__(f"{feature} needs {package}, which is not installed: pip install 'colibri-moe[{extra}]'")
+        self.name = package  # ImportError's: the module that is missing

@@ -59,9 +59,9 @@ def input_moments(graph: Graph, calibration: np.ndarray) -> dict[str, np.ndarray
                             np.array([t for t, sel in enumerate(selection) if any(s == j and wt != 0 for s, wt in sel)],
                                      dtype=np.int64))
                     if rows.size:
-                        hidden = reference.activation(e.act, reference._linear(h[rows], e.w1, e.b1, False))
+                        hidden = reference.activation(e.act, reference.linear(h[rows], e.w1, e.b1, False))
                         if e.kind == ExpertKind.GLU:
-                            hidden = hidden * reference._linear(h[rows], e.w3, e.b3, False)
+                            hidden = hidden * reference.linear(h[rows], e.w3, e.b3, False)
                         moments[f"layers.{i}.{group}.{j}.w2"] = _mean_square(hidden)
         elif isinstance(layer, (Attention, Embedding)):
             continue

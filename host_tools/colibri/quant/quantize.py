@@ -2,7 +2,7 @@
 a sparse f16 compensation term (W ≈ Q·S + E), and int4 in groups of columns
 with f16 scales and the same E (format v5).
 
-Every weight matrix has a name (`weight_names`): `layers.3` for a Linear,
+Every weight matrix has a name (colibri.model.walks): `layers.3` for a Linear,
 `layers.5.router`, `layers.5.shared_gate`, `layers.5.experts.2.w1`,
 `layers.5.shared.0.w3`. `keep` takes fnmatch patterns of names to leave in
 f32 (`*.router`, `layers.0`); `int8_act` patterns select the layers and
@@ -16,14 +16,14 @@ the token to another expert, which moves its whole output row.
 from __future__ import annotations
 
 import copy
-import fnmatch
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from rich.progress import track
 
 from ..model.errors import ExportError
-from ..model.ir import Attention, Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
+from ..model.ir import Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
+from ..model.walks import BIAS_OF, name_matches, router_feeders, weight_slots
 
 DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
@@ -269,60 +269,6 @@ def quantize_f16(w: np.ndarray) -> F16Weight:
     return F16Weight(w.astype(np.float16))
 
 
-def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
-    """(name, owner, attribute) of every weight matrix in the graph."""
-    for i, layer in enumerate(graph.layers):
-        if isinstance(layer, Linear):
-            yield f"layers.{i}", layer, "weight"
-        elif isinstance(layer, Embedding):
-            yield f"layers.{i}", layer, "table"
-        elif isinstance(layer, Attention):
-            for attr in ("q_w", "k_w", "v_w", "o_w"):
-                yield f"layers.{i}.{attr[0]}", layer, attr
-        elif isinstance(layer, MoE):
-            yield f"layers.{i}.router", layer, "router_weight"
-            if layer.shared_gate is not None:
-                yield f"layers.{i}.shared_gate", layer, "shared_gate"
-            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
-                for j, e in enumerate(experts):
-                    for attr in ("w1", "w2", "w3"):
-                        if getattr(e, attr) is not None:
-                            yield f"layers.{i}.{group}.{j}.{attr}", e, attr
-
-
-# The bias that goes with each weight matrix (compact q8 moves it into the weight's Q8_PARAMS).
-_BIAS_OF = {"weight": "bias", "router_weight": "router_bias", "w1": "b1", "w2": "b2", "w3": "b3",
-            "q_w": "q_b", "k_w": "k_b", "v_w": "v_b", "o_w": "o_b"}  # an embedding table has none
-
-
-def router_feeders(graph: Graph) -> list[str]:
-    """The weight matrices that write what a router reads: per MoE layer, the nearest weight-bearing layer
-    before it (its weight, an attention block's output projection, or a MoE's expert and shared w2),
-    past the norms and residual bookkeeping in between. Their rounding error moves router logits as much
-    as the router's own would: near-tied expert scores swap (a routing flip)."""
-    names: list[str] = []
-    for i, layer in enumerate(graph.layers):
-        if not isinstance(layer, MoE):
-            continue
-        for j in range(i - 1, -1, -1):
-            before = graph.layers[j]
-            if isinstance(before, Linear):
-                names.append(f"layers.{j}")
-            elif isinstance(before, Attention):
-                names.append(f"layers.{j}.o")
-            elif isinstance(before, MoE):
-                names += [f"layers.{j}.{group}.{k}.w2" for group, experts in (("experts", before.experts),
-                          ("shared", before.shared)) for k in range(len(experts))]
-            else:
-                continue
-            break
-    return names
-
-
-def weight_names(graph: Graph) -> list[str]:
-    return [name for name, _, _ in weight_slots(graph)]
-
-
 def _act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
     for i, layer in enumerate(graph.layers):
         if isinstance(layer, Linear):
@@ -337,10 +283,6 @@ def _where(graph: Graph, name: str) -> str:
     """`model.3.experts (layers.5.experts.2.w1)`: the module path too when the graph records it."""
     index = int(name.split(".")[1])
     return f"{graph.paths[index]} ({name})" if index < len(graph.paths) else name
-
-
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
 
 
 def quantize(
@@ -410,7 +352,7 @@ def quantize(
         raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
     tables = {id(layer.table) for layer in out.layers if isinstance(layer, Embedding)}
     for pattern in list(keep) + list(int8_act) + list(q8):
-        if not any(_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
+        if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
 
     def dtype_of(name: str) -> str:
@@ -418,7 +360,7 @@ def quantize(
             return dtypes[name]
         if name in feeders and dtype not in ("f32", router_inputs):
             return router_inputs
-        if _matches(name, keep) or (not quantize_routers and _matches(name, ROUTER_PATTERNS)):
+        if name_matches(name, keep) or (not quantize_routers and name_matches(name, ROUTER_PATTERNS)):
             return "f32"
         return dtype
 
@@ -433,7 +375,7 @@ def quantize(
                 setattr(owner, attr, done[id(w)])
                 continue
             want = dtype_of(name)
-            if want == "q4" and (id(w) in tables or _matches(name, q8) or _matches(name, ROUTER_PATTERNS)):
+            if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, ROUTER_PATTERNS)):
                 # The format has no int4 embedding table or router (docs/model-format.md); q8 patterns
                 # choose int8 for chosen weights inside a q4 model.
                 want = "q8"
@@ -442,14 +384,14 @@ def quantize(
                 continue
             try:
                 if want == "q4":
-                    b_attr = _BIAS_OF.get(attr)
+                    b_attr = BIAS_OF.get(attr)
                     bias = getattr(owner, b_attr) if b_attr else None
                     qw = quantize_q4(w, compensation, group=group, bias=bias)
                     setattr(owner, attr, qw)
                     if qw.bias is not None:
                         setattr(owner, b_attr, None)
                 elif want == "q8":
-                    b_attr = _BIAS_OF.get(attr)
+                    b_attr = BIAS_OF.get(attr)
                     bias = getattr(owner, b_attr) if compact and b_attr else None
                     setattr(owner, attr, quantize_q8(w, compensation, bias=bias, compact=compact, clip=clip,
                                                      importance=importance.get(name)))
@@ -462,7 +404,7 @@ def quantize(
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
     for name, target in _act_targets(out):
-        if not _matches(name, int8_act):
+        if not name_matches(name, int8_act):
             continue
         weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
         if not all(isinstance(w, QuantWeight) for w in weights):

@@ -11,7 +11,7 @@ import numpy as np
 from rich.progress import Progress
 
 from ..model import format as F
-from ..image import reader as _image
+from .. import image as _image
 from ..reference import executor as reference
 from ..model.ir import Graph, dense
 from .quantize import weight_slots
@@ -102,7 +102,6 @@ def image_bytes(data: bytes | bytearray | memoryview) -> ImageBytes:
             nnz, p_dtype, flags = struct.unpack_from("<IBB", buf, off)
             param = 2 if version >= 2 and p_dtype == F.DType.F16 else 4
             bias = version >= 2 and bool(flags & F.Q8Flag.BIAS)
-            at = F.q8_layout(version, rows, nnz, param, bias)
             parts["scales"] += param * rows
             if bias:
                 parts["biases"] += param * rows
@@ -161,7 +160,6 @@ class QuantReport:
     outputs_f32: np.ndarray
     outputs_quantised: np.ndarray
     tokens: int = 0
-    notes: list[str] = field(default_factory=list)
     routing_flips: dict[int, int] = field(default_factory=dict)  # MoE layer index -> tokens with another expert set
 
     @property

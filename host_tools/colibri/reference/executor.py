@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..image import reader as image_mod
 from ..model.errors import error_for
+from ..model.sampler import check_sampler
 from ..model.format import Act, DType, ExpertKind, Routing, Status
 from ..model.ir import (
     Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
@@ -160,7 +160,7 @@ def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight | Q4Weight) -> n
     return out
 
 
-def _linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False) -> np.ndarray:
+def linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False) -> np.ndarray:
     """y = x Wᵀ + b for every weight storage, by the formulas of docs/model-format.md."""
     x = np.asarray(x, dtype=f32)
     if isinstance(w, Q4Weight):
@@ -188,10 +188,10 @@ def _linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = Fal
 
 
 def expert_forward(e: Expert, x: np.ndarray) -> np.ndarray:
-    h = activation(e.act, _linear(x, e.w1, e.b1, e.int8_act))
+    h = activation(e.act, linear(x, e.w1, e.b1, e.int8_act))
     if e.kind == ExpertKind.GLU:
-        h = h * _linear(x, e.w3, e.b3, e.int8_act)
-    return _linear(h, e.w2, e.b2, e.int8_act)
+        h = h * linear(x, e.w3, e.b3, e.int8_act)
+    return linear(h, e.w2, e.b2, e.int8_act)
 
 
 def route(moe: MoE, x: np.ndarray) -> list[list[tuple[int, float]]]:
@@ -206,7 +206,7 @@ def route(moe: MoE, x: np.ndarray) -> list[list[tuple[int, float]]]:
 
 
 def _route(moe: MoE, x: np.ndarray) -> list[list[tuple[int, float]]]:
-    z = _linear(x, moe.router_weight, moe.router_bias)
+    z = linear(x, moe.router_weight, moe.router_bias)
     kept = moe.expert_map >= 0
     out = []
     for row in z:
@@ -246,18 +246,25 @@ def moe_forward(moe: MoE, x: np.ndarray, on_route: Callable[[MoE, list], None] |
     if moe.shared:
         s = sum(expert_forward(e, x) for e in moe.shared)
         if moe.shared_gate is not None:
-            s = _sigmoid(_linear(x, moe.shared_gate, None)) * s
+            s = _sigmoid(linear(x, moe.shared_gate, None)) * s
         y += s
     return y.astype(f32)
 
 
-def run(model: Graph | bytes | bytearray | memoryview, x: np.ndarray, *, on_route=None, on_layer=None) -> np.ndarray:
-    """Forward `x [batch, input_size]` through an image or a graph.
+def _graph(model: Graph) -> Graph:
+    if not isinstance(model, Graph):
+        raise TypeError(f"the reference runs a Graph, not {type(model).__name__}: read an image with "
+                        "colibri.image.read(data) first")
+    return model
+
+
+def run(model: Graph, x: np.ndarray, *, on_route=None, on_layer=None) -> np.ndarray:
+    """Forward `x [batch, input_size]` through a graph (colibri.image.read(data) for an image's).
 
     `on_route(moe, selection)` sees every MoE layer's routing decisions and
     `on_layer(index, layer, output)` every layer's output, for reports.
     """
-    graph = model if isinstance(model, Graph) else image_mod.read(model)
+    graph = _graph(model)
     # NaN and inf follow IEEE 754 through every step (docs/model-format.md "Numerics: non-finite values"):
     # they are results here, not warnings.
     with np.errstate(all="ignore"):
@@ -283,7 +290,7 @@ def _run(graph: Graph, x: np.ndarray, on_route, on_layer) -> np.ndarray:
 def _apply(layer, x: np.ndarray, stack: list[np.ndarray], on_route) -> np.ndarray:
     """One layer of the feature program on rows x (residual pushes and adds use `stack`)."""
     if isinstance(layer, Linear):
-        return _linear(x, layer.weight, layer.bias, layer.int8_act)
+        return linear(x, layer.weight, layer.bias, layer.int8_act)
     if isinstance(layer, Activation):
         return activation(layer.act, x)
     if isinstance(layer, LayerNorm):
@@ -366,17 +373,6 @@ class Rng:
         return f32((self.next() >> 40) * 2.0 ** -24)
 
 
-def check_sampler(temperature: float, top_k: int, top_p: float) -> None:
-    """BAD_SAMPLER for settings colibri_lm_sample refuses."""
-    t, p = f32(temperature), f32(top_p)
-    if not (np.isfinite(t) and t >= 0):
-        raise error_for(Status.BAD_SAMPLER, f"temperature {temperature} (0 for greedy, or finite > 0)")
-    if not 0 <= int(top_k) <= 0xFFFFFFFF:
-        raise error_for(Status.BAD_SAMPLER, f"top_k {top_k} (0 for no limit, or up to 2^32-1)")
-    if not (p > 0 and p <= 1):
-        raise error_for(Status.BAD_SAMPLER, f"top_p {top_p} (in (0, 1])")
-
-
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            rng: Rng | None = None) -> int:
     """One token from one row of logits, exactly as colibri_lm_sample (docs/lm.md "Sampling")."""
@@ -415,8 +411,8 @@ class LMState:
     keys and values to the cache; `reset()` empties it. Like the engine, it checks a call completely
     before it changes anything."""
 
-    def __init__(self, model: Graph | bytes | bytearray | memoryview) -> None:
-        self.graph = model if isinstance(model, Graph) else image_mod.read(model)
+    def __init__(self, model: Graph) -> None:
+        self.graph = _graph(model)
         if not self.graph.is_token_model:
             raise error_for(Status.MODEL_KIND, "not a token model (no EMBED layer): use reference.run")
         self.attention = [layer for layer in self.graph.layers if isinstance(layer, Attention)]
@@ -567,9 +563,9 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
                       v_cache: np.ndarray) -> np.ndarray:
     """Rows x [n, d] at positions position.. : writes their k, v into the caches, returns [n, d]."""
     n, hd, heads, kv_heads = x.shape[0], a.head_dim, a.n_heads, a.n_kv_heads
-    q = _qk_norm(_linear(x, a.q_w, a.q_b), a.q_norm, heads, hd, a.qk_norm_eps)
-    k = _qk_norm(_linear(x, a.k_w, a.k_b), a.k_norm, kv_heads, hd, a.qk_norm_eps)
-    v = _linear(x, a.v_w, a.v_b)
+    q = _qk_norm(linear(x, a.q_w, a.q_b), a.q_norm, heads, hd, a.qk_norm_eps)
+    k = _qk_norm(linear(x, a.k_w, a.k_b), a.k_norm, kv_heads, hd, a.qk_norm_eps)
+    v = linear(x, a.v_w, a.v_b)
     pos = np.arange(position, position + n)
     cos, sin = rope_tables(pos, hd, a.rope_theta)
     q = apply_rope(q.reshape(n, heads, hd), cos, sin)
@@ -587,4 +583,4 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
         future = pos[:, None] < np.arange(position + n)[None, :]
         scores = np.where(future, f32(-np.inf), scores)
         out[:, h, :] = (_softmax(scores) @ values[:, g, :]).astype(f32)
-    return _linear(out.reshape(n, heads * hd), a.o_w, a.o_b)
+    return linear(out.reshape(n, heads * hd), a.o_w, a.o_b)

@@ -11,6 +11,7 @@ from . import _engine, sources
 from ..model.errors import error_for
 from ..model.format import Status
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
+from ..model.sampler import check_sampler
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
@@ -143,7 +144,7 @@ class ExpertCall:
 def _experts_by_w1(image) -> dict[int, Expert]:
     """Every expert record of an image keyed by its w1 payload's byte offset, which the engine's
     hook call carries: the structure is read once, the weights stay views of the image."""
-    from ..image.reader import read
+    from ..image import read
 
     base = np.frombuffer(image, dtype=np.uint8).ctypes.data
     out: dict[int, Expert] = {}
@@ -318,8 +319,6 @@ class LM:
 
     def _check_generation(self, prompt_ids, max_new_tokens: int, temperature: float, top_k: int,
                           top_p: float) -> np.ndarray:
-        from ..reference.executor import check_sampler
-
         check_sampler(temperature, top_k, top_p)
         prompt = self._ids(prompt_ids, "prompt_ids")
         if len(prompt) == 0:
@@ -375,9 +374,14 @@ class LM:
 def validate(image: bytes | bytearray | memoryview, *, check: str = "full") -> None:
     """Validation by the C engine (check="full", or "structure": no payload CRCs); raises the engine's
     ImageError on failure."""
-    status = _engine.validate(image) if check == "full" else _engine.validate_structure(image)
+    status = image_status(image, check=check)
     if status != 0:
         raise error_for(status)
+
+
+def image_status(image: bytes | bytearray | memoryview, *, check: str = "full") -> int:
+    """The C engine's status for an image (0: valid): check="full", or "structure" (no payload CRCs)."""
+    return _engine.validate(image) if check == "full" else _engine.validate_structure(image)
 
 
 def arena_size(image: bytes | bytearray | memoryview) -> int:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..runtime import engine, sources
-from ..image import reader as image
+from .. import image
 from . import slots
 from ..model.errors import ColibriError, ExportError
 from ..model.format import PAYLOAD_ALIGN, TENSOR, q4_layout, q4_row_bytes, q8_layout
 from ..model.ir import Embedding, F16Weight, Graph, Q4Weight, Q8Weight, dense
-from ..quant.quantize import (DEFAULT_COMPENSATION, Q4_DEFAULT_GROUP, ROUTER_PATTERNS, _BIAS_OF, _matches, quantize,
-                       quantize_f16, quantize_q4, quantize_q8, router_feeders, weight_slots)
+from ..model.walks import BIAS_OF, name_matches, router_feeders, weight_slots
+from ..quant.quantize import (DEFAULT_COMPENSATION, Q4_DEFAULT_GROUP, ROUTER_PATTERNS, quantize, quantize_f16, quantize_q4,
+                              quantize_q8)
 
 
 class BudgetError(ColibriError):
@@ -134,7 +135,7 @@ def _ladder(name: str, quantize_routers: bool, floor: str | None, table: bool) -
     """The dtypes a matrix may take, smallest first: routers and shared gates only f32 by default; a
     matrix feeding a router (`floor`: router_inputs) nothing narrower than that; no int4 for an
     embedding table or a router (the format has none, docs/model-format.md)."""
-    router = _matches(name, ROUTER_PATTERNS)
+    router = name_matches(name, ROUTER_PATTERNS)
     if not quantize_routers and router:
         return ("f32",)
     ladder = PLANNED[PLANNED.index(floor):] if floor else PLANNED
@@ -146,14 +147,14 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
          keep: Sequence[str] = (), router_inputs: str | None = None, group: int = Q4_DEFAULT_GROUP) -> Plan:
     """The dtypes of `graph`'s weight matrices that fit `target` with the least summed error (module
     docstring); raises BudgetError when even the smallest dtypes do not fit. `router_inputs` (f16 or
-    f32): the matrices feeding a router (colibri.quant.quantize.router_feeders) take at least that. `group`:
+    f32): the matrices feeding a router (colibri.model.walks.router_feeders) take at least that. `group`:
     the columns per scale of the q4 matrices."""
     if router_inputs not in (None, "f32", "f16"):
         raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
     feeders = set(router_feeders(graph)) if router_inputs else set()
     names = [name for name, _, _ in weight_slots(graph)]
     for pattern in keep:
-        if not any(_matches(n, [pattern]) for n in names):
+        if not any(name_matches(n, [pattern]) for n in names):
             raise ColibriError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
     b = board(target) if isinstance(target, str) else target
     f32_image = image.write(graph)
@@ -175,9 +176,9 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
         if id(w) in seen:
             continue
         seen.add(id(w))
-        b_attr = _BIAS_OF.get(attr)
+        b_attr = BIAS_OF.get(attr)
         bias = getattr(owner, b_attr) if b_attr else None
-        ladder = ("f32",) if _matches(name, keep) else _ladder(name, quantize_routers,
+        ladder = ("f32",) if name_matches(name, keep) else _ladder(name, quantize_routers,
                                                                  router_inputs if name in feeders else None,
                                                                  id(w) in tables)
         options = []

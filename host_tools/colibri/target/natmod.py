@@ -1,12 +1,12 @@
 """Colibri's MicroPython native module: compile, link into a .mpy, read a .mpy back.
 
-    from colibri import natmod
+    from colibri.target import natmod
     natmod.build("x64", Path("colibri.mpy"))          # compile + link the module
     natmod.link([Path("a.o"), Path("b.o")], "x64", Path("m.mpy"))   # any objects
     mpy = natmod.read_mpy(Path("colibri.mpy"))        # header, qstrs, sizes, relocations
 
-The .mpy format and the rules enforced here are in
-shared/facts/micropython-natmod-abi.md. How the link works:
+The .mpy format and the rules enforced here are in docs/natmod-abi.md.
+How the link works:
 
 1. Every object is checked first (`LinkError` names the symbol and the object
    file): no writable initialised data (.data), no thread-local storage, no

@@ -22,7 +22,7 @@ from elftools.elf.elffile import ELFFile
 from intelhex import IntelHex
 
 from ..runtime import engine
-from ..image import reader as image
+from .. import image
 from . import slots
 
 ALIGN = 32  # the image's payloads are 32-byte aligned relative to its start
