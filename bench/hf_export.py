@@ -11,7 +11,7 @@ without torch and never more than one shard in memory. Each export runs in its o
 /usr/bin/time -v, whose "Maximum resident set size" is the figure printed (the whole process,
 interpreter and libraries included):
 
-- streamed: `colibri export DIR out.clb --max-seq-len N --dtype D` (colibri.frontends.hf_folder);
+- streamed: `colibri export DIR out.clb --max-seq-len N --dtype D` (colibri.checkpoints.hf_folder);
 - in memory: `AutoModelForCausalLM.from_pretrained(DIR)` then `hf_lm.export_lm` and the file write,
   as `colibri.export(model, ...)` does it (check=False, so the two do the same work but the check).
 

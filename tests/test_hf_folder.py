@@ -1,4 +1,4 @@
-"""A Hugging Face folder exported streamed (colibri.frontends.hf_folder, image.stream; issue 26).
+"""A Hugging Face folder exported streamed (colibri.checkpoints.hf_folder, image.stream; issue 26).
 
 The streamed image must be byte for byte the in-memory export (`hf_lm.export_lm`) of the same
 model, loaded as a user loads it (`from_pretrained`), for each architecture, source dtype (f32,
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ from transformers import AutoModelForCausalLM
 
 import colibri
 from colibri.cli import main
-from colibri.frontends import hf_folder, hf_lm
+from colibri.checkpoints import hf_folder
+from colibri.frontends import hf_lm
 from colibri.image import stream
 from colibri.model.errors import ExportError
 from colibri.model.ir import Embedding, Graph, Linear
@@ -215,3 +218,15 @@ def test_an_image_past_4_gib_is_refused_before_writing(tmp_path):
     with pytest.raises(ExportError, match="past the format's 32-bit sizes"):
         stream.write_file(graph, tmp_path / "big.clb")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_folder_export_needs_no_torch(folders, tmp_path):
+    from test_without_torch import LAUNCH, REFUSED
+
+    folder, out = folders["olmoe", "bf16"], tmp_path / "o.clb"
+    run = subprocess.run([sys.executable, "-c", LAUNCH, "export", str(folder), str(out), "--max-seq-len", "16",
+                          "--dtype", "q4"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert REFUSED not in run.stderr
+    want = hf_lm.export_lm(AutoModelForCausalLM.from_pretrained(folder), max_seq_len=16, dtype="q4", check=False)
+    assert out.read_bytes() == want.image

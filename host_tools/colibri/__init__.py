@@ -21,12 +21,12 @@ __version__ = "0.1.0"
 
 def export(model, *args, **kwargs):
     """Export a model to a model image. A Hugging Face folder (config.json and safetensors) is
-    streamed to the file one tensor at a time, see colibri.frontends.hf_folder.export_folder
+    streamed to the file one tensor at a time, see colibri.checkpoints.hf_folder.export_folder
     (`max_seq_len=` required). A PyTorch model (imports torch on first use): a Hugging Face MoE
     causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or a colibri.nn.MoETransformer as a token model,
     see colibri.frontends.hf_lm.export_lm
     (`max_seq_len=` required); anything else see colibri.frontends.exporter.export."""
-    from .frontends import hf_folder
+    from .checkpoints import hf_folder
 
     if hf_folder.is_folder(model):  # a Hugging Face folder: streamed, without torch (issue 26)
         return hf_folder.export_folder(model, *args, **kwargs)

@@ -24,7 +24,7 @@ def peak_rss_bytes() -> int:
 def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..frontends.hf_folder import export_folder
+    from ..checkpoints.hf_folder import export_folder
 
     _need_seq_len(max_seq_len, str(folder))
     start = time.perf_counter()
