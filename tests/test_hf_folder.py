@@ -92,6 +92,14 @@ def test_max_seq_len_is_asked_for_by_name(folders, tmp_path):
     assert not (tmp_path / "o.clb").exists()
 
 
+def test_cli_refuses_feature_model_options_for_a_folder(folders, tmp_path):
+    out = tmp_path / "o.clb"
+    result = CliRunner().invoke(main, ["export", str(folders["olmoe", "f32"]), str(out), "--max-seq-len", "16",
+                                       "--page-aligned", "--prune", "1"])
+    assert result.exit_code == 1 and "--prune, --page-aligned are for feature models" in result.output
+    assert not out.exists()
+
+
 def test_cli_streams_with_progress_and_report(folders, tmp_path):
     folder, out = folders["qwen3_moe", "bf16"], tmp_path / "q.clb"
     result = CliRunner().invoke(main, ["export", str(folder), str(out), "--max-seq-len", "16", "--dtype", "q8"])
@@ -178,6 +186,8 @@ def _edit_config(folder: Path, **changes) -> None:
     ({"num_key_value_heads": 4}, r"k_proj.weight has shape \[16, 32\], config.json gives \[32, 32\]"),
     ({"vocab_size": 100}, r"model.embed_tokens.weight holds 96 token rows, config.json's vocab_size is 100"),
     ({"num_hidden_layers": 1}, "is past config.json's num_hidden_layers=1"),
+    ({"final_logit_softcapping": 30.0}, "scaled or soft-capped logits"),
+    ({"clip_qkv": 8.0}, r"clip_qkv=8.0 \(clamped q/k/v\)"),
 ])
 def test_config_the_engine_would_compute_differently(folders, tmp_path, changes, match):
     folder = _mixtral_f32(folders, tmp_path)

@@ -456,6 +456,8 @@ def build_folder_graph(ck: Checkpoint, *, max_seq_len: int, max_batch: int = 1, 
         paths += [path for _, path in seq]
     layers.append(b.norm("model.norm.weight", d, eps))
     paths.append("model.norm")
+    if b.get("final_logit_softcapping") or b.get("logits_scaling") not in (None, 1, 1.0):
+        raise _refuse(b.cfg_path, "scaled or soft-capped logits")
     tied = bool(b.get("tie_word_embeddings", False))
     if tied:
         head = table

@@ -184,7 +184,10 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     token_options = dict(max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype, dtype=dtype,
                          compensation=compensation, group=group, q8=q8, keep=keep, int8_act=int8_act,
                          check=not no_check)
+    feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration,
+                    "--page-aligned": page_aligned}
     if Path(model).is_dir():  # a Hugging Face folder: streamed, no torch
+        token_export.refuse_feature_options(model, feature_only)
         token_export.export_folder_command(Path(model), output, **token_options)
         return
     # The front ends first: without torch they raise the error that names the extra to install.
@@ -197,6 +200,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
     module = _load_module(model)
     if token_export.is_token_module(module):
+        token_export.refuse_feature_options(model, feature_only)
         token_export.export_module_command(module, output, **token_options)
         return
     example = torch.randn(max_batch, input_size) if input_size else None

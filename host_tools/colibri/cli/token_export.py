@@ -16,6 +16,15 @@ def _need_seq_len(max_seq_len: int | None, what: str) -> int:
     return max_seq_len
 
 
+def refuse_feature_options(model: str, given: dict[str, object]) -> None:
+    """Options of the feature-model export that a token model has no use for: refused, not ignored."""
+    used = [name for name, value in given.items() if value]
+    if used:
+        raise ColibriError(f"{model} is a token model: {', '.join(used)} {'is' if len(used) == 1 else 'are'} for "
+                           "feature models (token models take --max-seq-len, --kv-dtype, --max-batch and the "
+                           "--dtype options)")
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
