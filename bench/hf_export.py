@@ -104,7 +104,7 @@ import sys
 from pathlib import Path
 from transformers import AutoModelForCausalLM
 from colibri.frontends import hf_lm
-from colibri.frontends.exporter import write_atomically
+from colibri.image import write_atomically
 folder, out, seq, dtype = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 model = AutoModelForCausalLM.from_pretrained(folder)
 write_atomically(out, hf_lm.export_lm(model, max_seq_len=seq, dtype=dtype, check=False).image)
