@@ -74,6 +74,33 @@ def test_streamed_options_match_in_memory(folders, tmp_path):
     assert (tmp_path / "o.clb").read_bytes() == want
 
 
+def test_fused_experts_checkpoint(folders, tmp_path):
+    """transformers 5's fused expert tensors (gate_up_proj [E, 2I, H] = [w1; w3], down_proj [E, H, I]),
+    in one model.safetensors: the same image as the per-expert layout."""
+    src = folders["mixtral", "bf16"]
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        from safetensors.torch import load_file as load_torch
+
+        tensors.update(load_torch(shard))
+    for i in range(2):
+        p = f"model.layers.{i}.block_sparse_moe.experts"
+        w = {k: [tensors.pop(f"{p}.{e}.{k}.weight") for e in range(4)] for k in ("w1", "w2", "w3")}
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(w["w1"], w["w3"])])
+        tensors[f"{p}.down_proj"] = torch.stack(w["w2"])
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    shutil.copy(src / "config.json", folder)
+    from safetensors.torch import save_file as save_torch
+
+    save_torch(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(src)
+    for dtype in ("f32", "q8"):
+        want = hf_lm.export_lm(model, max_seq_len=16, dtype=dtype, check=False).image
+        hf_folder.export_folder(folder, tmp_path / "o.clb", max_seq_len=16, dtype=dtype)
+        assert (tmp_path / "o.clb").read_bytes() == want
+
+
 def test_bf16_checkpoint_passes_the_in_memory_check(folders):
     model = AutoModelForCausalLM.from_pretrained(folders["mixtral", "bf16"])
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -125,11 +125,16 @@ class Checkpoint:
             raise ExportError(f"{file}: tensor {name} has shape {list(shape)}, config.json gives {list(want)}")
         return shape
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as float32 (exact for all three source dtypes), refusing NaN/Inf."""
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor as float32 (exact for all three source dtypes), refusing NaN/Inf; with `index`,
+        only `tensor[index]` (one expert of a fused [E, ...] tensor) is read."""
         file, dtype, shape, offset = self._entries[name]
-        count = math.prod(shape)
         item = 4 if dtype == "F32" else 2
+        if index is not None:
+            shape = shape[1:]
+            offset += index * math.prod(shape) * item
+            name = f"{name}[{index}]"
+        count = math.prod(shape)
         with open(file, "rb") as fh:
             fh.seek(offset)
             raw = fh.read(count * item)
@@ -354,9 +359,9 @@ class _Builder:
             ck = self.ck
             out = []
             for e in range(n):
-                w1 = self.matrix(fused, (hidden, d), lambda e=e: ck.read(fused)[e, :hidden].copy())
-                w3 = self.matrix(fused, (hidden, d), lambda e=e: ck.read(fused)[e, hidden:].copy())
-                w2 = self.matrix(f"{prefix}.down_proj", (d, hidden), lambda e=e: ck.read(f"{prefix}.down_proj")[e].copy())
+                w1 = self.matrix(fused, (hidden, d), lambda e=e: ck.read(fused, e)[:hidden].copy())
+                w3 = self.matrix(fused, (hidden, d), lambda e=e: ck.read(fused, e)[hidden:].copy())
+                w2 = self.matrix(f"{prefix}.down_proj", (d, hidden), lambda e=e: ck.read(f"{prefix}.down_proj", e))
                 out.append(Expert(kind=ExpertKind.GLU, act=act, w1=w1, w3=w3, w2=w2))
             return out
         return [self.glu(f"{prefix}.{e}", names, hidden, d, act) for e in range(n)]
