@@ -1,6 +1,6 @@
 """The package's layers: what each subpackage of colibri may import, checked on the source.
 
-LAYERS is the one definition of the table (docs/architecture.md describes it). A module
+LAYERS is the one definition of the table. A module
 imports a module of its own subpackage, or of a subpackage its layer lists; deferred
 imports (inside a function) count as much as top-level ones, so a cycle cannot hide in a
 function body. A `_private` name is used only inside the subpackage that defines it.
@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "host_tools" / "colibri"
 
 # subpackage -> the subpackages it may import (besides itself). "" is the package's own
-# top-level modules: colibri/__init__.py (the public names) and colibri/nn.py (an alias).
+# top-level modules: colibri/__init__.py (the public names), colibri/nn.py and colibri/pytest_plugin.py (aliases).
 LAYERS: dict[str, set[str]] = {
     "model": set(),  # the standard library and numpy only
     "image": {"model"},
@@ -28,7 +28,7 @@ LAYERS: dict[str, set[str]] = {
     "frontends": {"model", "image", "reference", "quant", "runtime"},
     "target": {"model", "image", "quant", "runtime"},
     "checkpoints": {"model", "image", "quant"},  # checkpoint files streamed to an image, without torch
-    "": {"model", "image", "reference", "runtime", "frontends", "checkpoints"},
+    "": {"model", "image", "reference", "runtime", "frontends", "target", "checkpoints"},
     "cli": {"model", "image", "reference", "quant", "runtime", "frontends", "target", "checkpoints"},
 }
 # Third-party packages some layers must not import at all (the image-to-image commands run without them).

@@ -3,7 +3,7 @@
  *
  * A Context keeps the image buffer exported (so it cannot move or shrink),
  * owns the arena, and releases the GIL during forward so contexts run in
- * parallel from Python threads. colibri/engine.py wraps it with numpy.
+ * parallel from Python threads. colibri/runtime/engine.py wraps it with numpy.
  *
  * A File is a model file mapped by the POSIX layer (posix/colibri_file.h),
  * the same path as libcolibri's users: it exports the mapping as a read-only
@@ -20,7 +20,7 @@
 #include "colibri.h"
 #include "colibri_file.h"
 
-/* setup.py passes the hash of the sources it builds from (colibri/sources.py), so
+/* setup.py passes the hash of the sources it builds from (colibri/runtime/sources.py), so
  * a checkout can tell this binary is stale after a C edit. A build without it
  * (`scripts/source_hash.py hash` gives the value) is refused in a checkout. */
 #ifndef COLIBRI_SOURCE_HASH
