@@ -161,7 +161,7 @@ def test_truncated_shard(folders, tmp_path):
     shard = _shard_of(folder, "model.layers.1.block_sparse_moe.experts.2.w2.weight")
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])
-    _refused(folder, tmp_path, rf"{shard.name}: (truncated|not a readable safetensors file)")
+    _refused(folder, tmp_path, rf"{shard.name}: not a readable safetensors file \(.*incomplete")
 
 
 def _rewrite(shard: Path, edit) -> None:
