@@ -5,7 +5,8 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
-        libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
+        libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full \
+        upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
 	./scripts/setup.sh
@@ -146,6 +147,16 @@ bench-edge-mmap-full: setup
 bench-edge-jitter: setup
 	$(PY) bench/edge_jitter.py
 	$(PY) bench/edge_jitter.py --skew 0.3
+
+# A Hugging Face folder exported streamed vs in memory (issue 26, bench/hf_export.py): peak RSS (/usr/bin/time -v)
+# and wall time of each, and the images compared byte for byte. A random Mixtral written shard by shard:
+# ~600 MB f32 (hidden 512, 8 layers, 8 experts x 1408, GQA 8/2, vocab 4096); -full the issue's 2.3 GB folder
+# (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32 and q8 only (in memory it needs >10 GB).
+bench-hf-export: setup
+	$(PY) bench/hf_export.py --dtype q8 --dtype f32
+
+bench-hf-export-full: setup
+	$(PY) bench/hf_export.py --hidden 1024 --intermediate 2816 --shard-mb 500 --dtype f32 --dtype q8 --dtype q4 --no-in-memory
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -20,10 +20,16 @@ __version__ = "0.1.0"
 
 
 def export(model, *args, **kwargs):
-    """Export a PyTorch model to a model image (imports torch on first use): a Hugging Face MoE
+    """Export a model to a model image. A Hugging Face folder (config.json and safetensors) is
+    streamed to the file one tensor at a time, see colibri.checkpoints.hf_folder.export_folder
+    (`max_seq_len=` required). A PyTorch model (imports torch on first use): a Hugging Face MoE
     causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) or a colibri.nn.MoETransformer as a token model,
     see colibri.frontends.hf_lm.export_lm
     (`max_seq_len=` required); anything else see colibri.frontends.exporter.export."""
+    from .checkpoints import hf_folder
+
+    if hf_folder.is_folder(model):  # a Hugging Face folder: streamed, without torch (issue 26)
+        return hf_folder.export_folder(model, *args, **kwargs)
     from .frontends import hf  # noqa: F401  registers the Hugging Face block converters
     from .frontends import hf_lm
 

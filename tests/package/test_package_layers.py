@@ -27,8 +27,9 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"model", "image"},
     "frontends": {"model", "image", "reference", "quant", "runtime"},
     "target": {"model", "image", "quant", "runtime"},
-    "": {"model", "image", "reference", "runtime", "frontends", "target"},
-    "cli": {"model", "image", "reference", "quant", "runtime", "frontends", "target"},
+    "checkpoints": {"model", "image", "quant"},  # checkpoint files streamed to an image, without torch
+    "": {"model", "image", "reference", "runtime", "frontends", "target", "checkpoints"},
+    "cli": {"model", "image", "reference", "quant", "runtime", "frontends", "target", "checkpoints"},
 }
 # Third-party packages some layers must not import at all (the image-to-image commands run without them).
 HEAVY = {"torch", "transformers"}

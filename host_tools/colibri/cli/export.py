@@ -156,18 +156,40 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
               help="Put each expert's tensors on 4 KiB pages of their own (one madvise/mlock range), with one CRC per "
                    "tensor (format v3): for model files mapped on Linux.")
 @click.option("--no-check", is_flag=True,
-              help="With --input-size: write the image even if it does not match PyTorch on a random batch.")
+              help="With --input-size: write the image even if it does not match PyTorch on a random batch; "
+                   "for a token model, even if its logits do not; for a folder, skip validating the written file.")
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="Token models (a Hugging Face folder, an HF MoE causal LM, colibri.nn.MoETransformer): "
+                   "the KV cache's positions. Required for them.")
+@click.option("--kv-dtype", type=click.Choice(("f32", "f16")), default="f32", show_default=True,
+              help="Token models: the KV cache's storage.")
 @quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
-           calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
-           group: int, q8: tuple[str, ...], keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
-    """Export MODEL (a torch.save'd module or package.module:factory) to a model image.
+           calibration: Path | None, page_aligned: bool, no_check: bool, max_seq_len: int | None, kv_dtype: str,
+           dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
+           int8_act: tuple[str, ...]) -> None:
+    """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
+
+    A Hugging Face folder (config.json and safetensors shards; Mixtral, Qwen2-MoE, Qwen3-MoE,
+    OLMoE) is streamed without torch: one tensor read, quantised and written at a time, with a
+    progress bar, then the peak RSS and the bytes written. It needs --max-seq-len.
 
     MODEL is a file written by torch.save(model, path), or package.module:factory, a function
     called with no arguments that returns the module. As with `python -m`, the current folder
     comes first on the module search path (then PYTHONPATH): `colibri export mymodel:build m.clb`
     finds ./mymodel.py. The output folder is made if missing; nothing is written on failure.
     """
+    from . import token_export
+
+    token_options = dict(max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype, dtype=dtype,
+                         compensation=compensation, group=group, q8=q8, keep=keep, int8_act=int8_act,
+                         check=not no_check)
+    feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration,
+                    "--page-aligned": page_aligned}
+    if Path(model).is_dir():  # a Hugging Face folder: streamed, no torch
+        token_export.refuse_feature_options(model, feature_only)
+        token_export.export_folder_command(Path(model), output, **token_options)
+        return
     # The front ends first: without torch they raise the error that names the extra to install.
     from ..frontends import hf  # noqa: F401  registers the Hugging Face converters
     from ..frontends.exporter import build_graph
@@ -177,6 +199,10 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     from ..image import write_atomically
 
     module = _load_module(model)
+    if token_export.is_token_module(module):
+        token_export.refuse_feature_options(model, feature_only)
+        token_export.export_module_command(module, output, **token_options)
+        return
     example = torch.randn(max_batch, input_size) if input_size else None
     calib = None
     if calibration is not None:

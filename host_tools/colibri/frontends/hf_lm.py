@@ -283,6 +283,16 @@ def build_nn_lm_graph(model: nn.Module, *, max_seq_len: int, max_batch: int = 1,
     return Graph(layers=layers, input_size=vocab, output_size=vocab, max_batch=max_batch, paths=paths)
 
 
+def _f32_twin(model: nn.Module) -> nn.Module:
+    """The model itself when every floating parameter is f32, else an f32 copy (the export check's
+    reference for bf16/f16 checkpoints)."""
+    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
+        return model
+    import copy
+
+    return copy.deepcopy(model).float()
+
+
 def reference_logits(data: bytes | Graph, ids: list[int]) -> np.ndarray:
     """The reference's logits for ids from position 0, fed in chunks of max_batch."""
     state = reference.LMState(data if isinstance(data, Graph) else image.read(data))
@@ -299,7 +309,7 @@ def export_lm(
     model: nn.Module,
     path: str | Path | None = None,
     *,
-    max_seq_len: int,
+    max_seq_len: int | None = None,
     max_batch: int = 1,
     dtype: str = "f32",
     kv_dtype: str = "f32",
@@ -320,6 +330,9 @@ def export_lm(
     within 1e-4·(1 + max|logits|) for f32 (ExportCheckError and nothing written otherwise); for f16
     and q8 the error is only reported, in `max_abs_error`.
     """
+    if max_seq_len is None:
+        raise ExportError(f"{type(model).__name__} is a token model: give max_seq_len (the KV cache's positions), "
+                          "e.g. colibri.export(model, path, max_seq_len=256)")
     if dtype not in quantize.DTYPES:
         raise ExportError(f"dtype must be one of {quantize.DTYPES}, got {dtype!r}")
     if not 1 <= max_batch <= F.MAX_BATCH_LIMIT:
@@ -335,7 +348,9 @@ def export_lm(
     data = image.write(graph)
     image.read(data)  # the reader is the validator's twin (tests/lm/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))
-    want = _module_logits(model, ids)
+    # The image holds the weights widened to f32 exactly; a bf16/f16 model's own forward rounds every
+    # activation to 16 bits, which is not what the check measures: compare with its f32 widening.
+    want = _module_logits(_f32_twin(model), ids)
     got = reference_logits(data, ids)
     result = compare(f"numpy reference vs PyTorch ({dtype} weights, {kv_dtype} cache)", got, want, rtol=LM_RTOL)
     if check and dtype == "f32" and kv_dtype == "f32" and not result.ok:

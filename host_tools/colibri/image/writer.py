@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,7 +27,7 @@ def _align(n: int, a: int) -> int:
 class _Entry:
     """One tensor record to be written: its payload and record fields."""
 
-    payload: bytes
+    payload: bytes | Callable[[], bytes]  # a callable when the payload is made as it is written (image.stream)
     dtype: DType
     rows: int
     cols: int
@@ -52,6 +53,16 @@ class _Tensors:
     def add(self, arr: Weight | None, dtype: DType = DType.F32, *, page: bool = False) -> int:
         if arr is None:
             return NONE
+        planned = getattr(arr, "image_entries", None)
+        if planned is not None:  # a weight made when written (image.stream): its records now, payloads later
+            index = NONE
+            for payload, kind, rows, cols, ndim in planned(self.version):
+                at = self._push(_Entry(payload, kind, rows, cols, ndim, page=page and index == NONE))
+                if index == NONE:
+                    index = at
+                else:
+                    self.entries[index].aux = at
+            return index
         if isinstance(arr, Q8Weight):
             rows, cols = arr.shape
             index = self._push(_Entry(np.ascontiguousarray(arr.q, dtype=np.int8).tobytes(), DType.I8, rows, cols, 2, page=page))
@@ -81,7 +92,8 @@ def needed_version(graph: Graph) -> int:
 
 
 def has_int4(graph: Graph) -> bool:
-    return any(isinstance(getattr(o, a), Q4Weight) for _, o, a in weight_slots(graph))
+    return any(isinstance(w, Q4Weight) or getattr(w, "image_dtype", None) == DType.I4
+               for w in (getattr(o, a) for _, o, a in weight_slots(graph)))
 
 
 def write(graph: Graph, *, page_aligned: bool = False, version: int | None = None,
@@ -95,6 +107,87 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     file opens without reading its weights (docs/model-format.md "Integrity"). `page_aligned` starts
     every expert on a 4 KiB page and the tensor after an expert's last one on the next page, so each
     expert's payloads are pages of their own (one madvise / mlock range)."""
+    plan = layout(graph, page_aligned=page_aligned, version=version, tensor_crc=tensor_crc)
+    placed: list[tuple[int, bytes]] = []
+    pos = plan.payload_start
+    for t in plan.tensors.entries:
+        data = t.payload() if callable(t.payload) else t.payload
+        pos = plan.place(pos, t)
+        placed.append((pos, data))
+        pos += len(data)
+    image_size = _align(pos, 4)
+    buf = bytearray(image_size)
+    for off, data in placed:
+        buf[off : off + len(data)] = data
+    crcs = [zlib.crc32(data) & 0xFFFFFFFF for _, data in placed] if plan.tensor_crc else []
+    meta = plan.metadata([(off, len(data)) for off, data in placed], crcs, image_size)
+    buf[: len(meta)] = meta
+    if not plan.tensor_crc:  # v1, v2: the header CRC covers the payloads too
+        set_crc(buf)
+    return bytes(buf)
+
+
+@dataclass
+class Layout:
+    """An image's records before its payloads are placed: what `write` and `image.stream` share.
+
+    `tensors.entries` lists the payloads in file order; `metadata` packs the header and tables
+    once every payload's offset and size (and, v3 on, CRC-32) is known."""
+
+    graph: Graph
+    version: int
+    tensor_crc: bool
+    page_aligned: bool
+    tensors: _Tensors
+    layer_recs: list[bytes]
+    moe_recs: list[bytes]
+    expert_recs: list[bytes]
+    attention_recs: list[bytes]
+    offsets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def meta_size(self) -> int:
+        return self.offsets["payloads"]
+
+    @property
+    def payload_start(self) -> int:
+        return self.offsets["payloads"]
+
+    def place(self, pos: int, entry: _Entry) -> int:
+        return _align(pos, F.PAGE_SIZE if entry.page and self.page_aligned else F.PAYLOAD_ALIGN)
+
+    def metadata(self, placed: list[tuple[int, int]], crcs: list[int], image_size: int) -> bytearray:
+        """Header, tables and (v3 on) CRC table: the image's first `payload_start` bytes, its header
+        CRC set when it covers only these (v3 on)."""
+        graph, at, entries = self.graph, self.offsets, self.tensors.entries
+        buf = bytearray(self.payload_start)
+        flags = F.Flag.PAGE_ALIGNED if self.page_aligned else 0
+        buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
+            F.MAGIC, self.version, F.HEADER_SIZE, 0, image_size, int(flags),
+            graph.input_size, graph.output_size, graph.max_batch,
+            len(entries), at["tensor"], len(self.layer_recs), at["layer"], len(self.moe_recs), at["moe"],
+            len(self.expert_recs), at["expert"],
+        )
+        tensor_recs = [F.TENSOR.pack(off, size, t.rows, t.cols, int(t.dtype), t.ndim, 0, t.aux)
+                       for (off, size), t in zip(placed, entries)]
+        for off, recs in ((at["tensor"], tensor_recs), (at["layer"], self.layer_recs), (at["moe"], self.moe_recs),
+                          (at["expert"], self.expert_recs), (at["attention"], self.attention_recs)):
+            blob = b"".join(recs)
+            buf[off : off + len(blob)] = blob
+        if self.tensor_crc:
+            F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, self.payload_start, at["crc"])
+            for i, crc in enumerate(crcs):
+                struct.pack_into("<I", buf, at["crc"] + 4 * i, crc)
+        if self.version >= F.LM_VERSION:  # v5 feature models too: an empty attention table
+            F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(self.attention_recs), at["attention"])
+        if self.tensor_crc:
+            set_crc(buf)
+        return buf
+
+
+def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = None,
+           tensor_crc: bool | None = None) -> Layout:
+    """The records of `graph`'s image (see `write`) and where its tables lie; payloads not yet placed."""
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
     token_model = any(isinstance(layer, (Embedding, Attention)) for layer in graph.layers)
@@ -200,47 +293,17 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
         layer_recs.append(F.LAYER.pack(int(op), kind, int(flags), in_f, width, t0, t1, eps, 0, 0))
 
     n_t = len(tensors.entries)
-    tensor_off = F.HEADER_SIZE
-    layer_off = tensor_off + n_t * F.TENSOR.size
-    moe_off = layer_off + len(layer_recs) * F.LAYER.size
-    expert_off = moe_off + len(moe_recs) * F.MOE.size
-    attention_off = expert_off + len(expert_recs) * F.EXPERT.size
-    pos = attention_off + len(attention_recs) * F.ATTENTION.size
-    crc_off = meta_size = 0
+    at = {"tensor": F.HEADER_SIZE}
+    at["layer"] = at["tensor"] + n_t * F.TENSOR.size
+    at["moe"] = at["layer"] + len(layer_recs) * F.LAYER.size
+    at["expert"] = at["moe"] + len(moe_recs) * F.MOE.size
+    at["attention"] = at["expert"] + len(expert_recs) * F.EXPERT.size
+    at["payloads"] = at["attention"] + len(attention_recs) * F.ATTENTION.size
     if tensor_crc:  # v3: the CRC table ends the metadata, which the header CRC covers
-        crc_off = pos
-        pos = meta_size = crc_off + 4 * n_t
-
-    tensor_recs = []
-    placed: list[tuple[int, bytes]] = []
-    for t in tensors.entries:
-        pos = _align(pos, F.PAGE_SIZE if t.page and page_aligned else F.PAYLOAD_ALIGN)
-        tensor_recs.append(F.TENSOR.pack(pos, len(t.payload), t.rows, t.cols, int(t.dtype), t.ndim, 0, t.aux))
-        placed.append((pos, t.payload))
-        pos += len(t.payload)
-    image_size = _align(pos, 4)
-
-    buf = bytearray(image_size)
-    flags = F.Flag.PAGE_ALIGNED if page_aligned else 0
-    buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
-        F.MAGIC, version, F.HEADER_SIZE, 0, image_size, int(flags),
-        graph.input_size, graph.output_size, graph.max_batch,
-        n_t, tensor_off, len(layer_recs), layer_off, len(moe_recs), moe_off, len(expert_recs), expert_off,
-    )
-    for off, recs in ((tensor_off, tensor_recs), (layer_off, layer_recs), (moe_off, moe_recs), (expert_off, expert_recs),
-                      (attention_off, attention_recs)):
-        blob = b"".join(recs)
-        buf[off : off + len(blob)] = blob
-    for off, data in placed:
-        buf[off : off + len(data)] = data
-    if tensor_crc:
-        F.V3_FIELDS.pack_into(buf, F.V3_FIELDS_OFFSET, meta_size, crc_off)
-        for i, (off, data) in enumerate(placed):
-            struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(data) & 0xFFFFFFFF)
-    if version >= F.LM_VERSION:  # v5 feature models too: an empty attention table
-        F.V4_FIELDS.pack_into(buf, F.V4_FIELDS_OFFSET, len(attention_recs), attention_off)
-    set_crc(buf)
-    return bytes(buf)
+        at["crc"] = at["payloads"]
+        at["payloads"] = at["crc"] + 4 * n_t
+    return Layout(graph, version, bool(tensor_crc), page_aligned, tensors, layer_recs, moe_recs, expert_recs,
+                  attention_recs, at)
 
 
 def _attention_record(a: Attention, tensors: _Tensors) -> bytes:

@@ -1,0 +1,71 @@
+"""`colibri export` for token models: a Hugging Face folder, streamed (issue 26), or a token module."""
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import click
+
+from ..model.errors import ColibriError
+
+
+def _need_seq_len(max_seq_len: int | None, what: str) -> int:
+    if max_seq_len is None:
+        raise ColibriError(f"{what} is a token model: give --max-seq-len N (the KV cache's positions)")
+    return max_seq_len
+
+
+def refuse_feature_options(model: str, given: dict[str, object]) -> None:
+    """Options of the feature-model export that a token model has no use for: refused, not ignored."""
+    used = [name for name, value in given.items() if value]
+    if used:
+        raise ColibriError(f"{model} is a token model: {', '.join(used)} {'is' if len(used) == 1 else 'are'} for "
+                           "feature models (token models take --max-seq-len, --kv-dtype, --max-batch and the "
+                           "--dtype options)")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..checkpoints.hf_folder import export_folder
+
+    _need_seq_len(max_seq_len, str(folder))
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
+                  TextColumn("{task.fields[written]}"), TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task(f"exporting {folder.name}", total=None, written="")
+        written = 0
+
+        def on_tensor(i: int, count: int, nbytes: int) -> None:
+            nonlocal written
+            written += nbytes
+            bar.update(task, total=count, completed=i + 1, written=f"{written / 2**20:.1f} MiB")
+
+        result = export_folder(folder, output, max_seq_len=max_seq_len, check=check, on_tensor=on_tensor, **options)
+    seconds = time.perf_counter() - start
+    click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
+               f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+
+
+def is_token_module(module: object) -> bool:
+    from ..frontends.hf_lm import is_token_module as token
+
+    return token(module)
+
+
+def export_module_command(module, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
+    from ..frontends.hf_lm import export_lm
+    from ..image import write_atomically
+
+    _need_seq_len(max_seq_len, type(module).__name__)
+    result = export_lm(module, None, max_seq_len=max_seq_len, check=check, **options)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(output, result.image)
+    click.echo(f"numpy reference vs PyTorch on {min(max_seq_len, 32)} tokens: max |diff| {result.max_abs_error:.3g}")
+    click.echo(f"wrote {output}: {len(result.image)} bytes; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
