@@ -976,7 +976,7 @@ int main(int argc, char **argv)
             reload_requested = 0;
             reload(&s);
         }
-        long now = now_ms(), next = log_deadline(&s);
+        long now = now_ms(), next = -1;
         log_tick(&s, now);
         int busy = 0;
         for (size_t i = cs.n; i-- > 0;) {
@@ -998,6 +998,9 @@ int main(int argc, char **argv)
         }
         if (!cs.n && listen_fd < 0)
             break; /* stdin ended, every answer written, and no socket */
+        const long log_due = log_deadline(&s); /* after the drops above, which it may count */
+        if (log_due >= 0 && (next < 0 || log_due < next))
+            next = log_due;
 
         nfds_t n = 0;
         const int accepting = listen_fd >= 0 && now >= accept_again_ms;
