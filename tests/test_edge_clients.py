@@ -155,26 +155,36 @@ def test_a_slow_reader_gets_every_answer_in_order_and_starves_nobody(start, imag
     assert "dropped" not in svc.stop()
 
 
-def test_the_client_limit_evicts_the_longest_idle_and_refuses_when_none_is(start, images) -> None:
+def test_the_client_limit_evicts_an_idle_client_and_refuses_when_none_is(start, images) -> None:
+    """At -c, a newcomer takes the place of the idle client that never sent a byte, else of the one idle the
+    longest; with every client in the middle of a request, the newcomer is refused and the others served."""
     svc = start("-c", "3")
     x = x_of(1, 2)
     want = expected(images[0], x)
-    first = svc.connect()
+    a = svc.connect()
+    np.testing.assert_allclose(parse(ask(a, x)), want, rtol=1e-5, atol=1e-6)
     time.sleep(0.05)
-    idle = [svc.connect() for _ in range(2)]
-    np.testing.assert_allclose(parse(ask(idle[0], x)), want, rtol=1e-5, atol=1e-6)  # all 3 slots taken
-    newcomer = svc.connect()  # the first one, idle the longest, makes room
-    np.testing.assert_allclose(parse(ask(newcomer, x)), want, rtol=1e-5, atol=1e-6)
-    assert closed_by_service(first[0], 5)
-    assert re.search(r"evicted a client idle for \d+ ms to take a new one \(3 connected, -c\)", svc.log.read_text())
+    silent = svc.connect()  # never sends
+    c = svc.connect()
+    np.testing.assert_allclose(parse(ask(c, x)), want, rtol=1e-5, atol=1e-6)  # all 3 slots taken
+    d = svc.connect()  # the silent one makes room, though `a` has been idle longer
+    np.testing.assert_allclose(parse(ask(d, x)), want, rtol=1e-5, atol=1e-6)
+    assert closed_by_service(silent[0], 5)
+    svc.wait_log(r"evicted a client idle for \d+ ms, silent since it connected, to take a new one \(3 connected, -c\)")
+    e = svc.connect()  # now `a`, idle the longest
+    np.testing.assert_allclose(parse(ask(e, x)), want, rtol=1e-5, atol=1e-6)
+    assert closed_by_service(a[0], 5)
+    svc.wait_log(r"evicted a client idle for \d+ ms to take a new one \(3 connected, -c\)")
     # every slot busy with a request in flight (none idle): a newcomer is refused, the others stay served
-    for s, _ in (idle[0], idle[1], newcomer):
-        s.sendall(b"1,2,")
+    for sock, lines in (c, d, e):
+        sock.sendall(b"1,2,")
+        assert not lines.buf
+    time.sleep(0.1)  # read by the service: no longer idle
     refused, _ = svc.connect()
     assert closed_by_service(refused, 5)
     svc.wait_log(r"refused a client: 3 connected \(-c\), none idle")
-    for s, lines in (idle[0], idle[1], newcomer):
-        s.sendall(b"3,4,5,6\n")
+    for sock, lines in (c, d, e):
+        sock.sendall(b"3,4,5,6\n")
         np.testing.assert_allclose(parse(lines.line()), expected(images[0], np.array([[1, 2, 3, 4, 5, 6]], np.float32)),
                                    rtol=1e-5, atol=1e-6)
     svc.stop()

@@ -458,6 +458,7 @@ typedef struct client {
     long request_start_ms; /* first byte of the unterminated request at the tail of `in` */
     long progress_ms;      /* output queued: its last write that took bytes, or when it was queued */
     long paused_ms;        /* over its output buffer, so not read, since */
+    int has_sent;          /* sent a byte since it connected */
 } client;
 
 typedef struct clients {
@@ -652,6 +653,7 @@ static void read_some(service *s, client *c, long now)
         return;
     }
     c->last_active_ms = now;
+    c->has_sent = 1;
     size_t got = (size_t)r;
     if (c->skipping) {
         char *nl = memchr(chunk, '\n', got);
@@ -721,8 +723,26 @@ static client *add(clients *cs, int in_fd, int out_fd, int is_stdio, long now)
     return c;
 }
 
+/* The idle socket client to close for a newcomer, or cs->n for none: one that
+ * never sent a byte before one that did (so a flood of empty connections
+ * churns through itself, not through clients between two requests), each
+ * kind the one idle the longest first. */
+static size_t eviction_victim(const clients *cs)
+{
+    size_t v = cs->n;
+    for (size_t i = 0; i < cs->n; i++) {
+        const client *c = cs->c[i];
+        if (c->is_stdio || !idle(c))
+            continue;
+        if (v == cs->n || c->has_sent < cs->c[v]->has_sent ||
+            (c->has_sent == cs->c[v]->has_sent && c->last_active_ms < cs->c[v]->last_active_ms))
+            v = i;
+    }
+    return v;
+}
+
 /* Takes the waiting connections (a bounded number per round). At the limit,
- * the client idle the longest makes room; with none idle, the new one is
+ * an idle client makes room (eviction_victim); with none idle, the new one is
  * refused. Returns when to accept again after running out of descriptors. */
 static long accept_clients(service *s, clients *cs, int listen_fd, long now)
 {
@@ -737,18 +757,15 @@ static long accept_clients(service *s, clients *cs, int listen_fd, long now)
             return now + 100; /* EMFILE and the like: the connection stays queued, poll would spin */
         }
         if (cs->sockets == s->lim.max_clients) {
-            size_t victim = cs->n;
-            for (size_t i = 0; i < cs->n; i++)
-                if (!cs->c[i]->is_stdio && idle(cs->c[i]) &&
-                    (victim == cs->n || cs->c[i]->last_active_ms < cs->c[victim]->last_active_ms))
-                    victim = i;
+            const size_t victim = eviction_victim(cs);
             if (victim == cs->n) {
                 note(s, EV_REFUSED, "refused a client: %zu connected (-c), none idle", cs->sockets);
                 close(fd);
                 continue;
             }
-            note(s, EV_EVICTED, "evicted a client idle for %ld ms to take a new one (%zu connected, -c)",
-                 now - cs->c[victim]->last_active_ms, cs->sockets);
+            note(s, EV_EVICTED, "evicted a client idle for %ld ms%s to take a new one (%zu connected, -c)",
+                 now - cs->c[victim]->last_active_ms, cs->c[victim]->has_sent ? "" : ", silent since it connected,",
+                 cs->sockets);
             drop(cs, victim);
         }
         if (!add(cs, fd, fd, 0, now)) {
