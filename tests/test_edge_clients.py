@@ -319,3 +319,18 @@ def test_bad_limit_options_are_refused(images, tmp_path) -> None:
     r = subprocess.run(["sh", "-c", f"ulimit -n 64; exec {exe} -s {tmp_path}/s.sock -c 100 "
                                     f"{exe.parent / 'libcolibri.so.0'} {model}"], capture_output=True, timeout=30)
     assert r.returncode == 2 and b"-c 100 needs 116 file descriptors, ulimit -n is 64" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_load_bench_short_run_answers_bit_for_bit_and_the_service_survives() -> None:
+    """bench/edge_load.py for 3 s, half the clients hostile (every kind): what is deterministic is checked
+    (no wrong answer, the service alive, fds within its client limit; --check makes them the exit status),
+    not the latencies."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "edge_load.py"), "--model", "small", "--seconds", "3",
+                        "--clients", "10", "--hostile", "0.5", "--check"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = re.search(r"^\s+50%\s+5\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)\s+(\d+)\s+(\d+)\s.*\s(yes|NO.*)$", r.stdout, re.M)
+    assert row, r.stdout
+    answers, wrong, _, alive = row.groups()
+    assert int(answers) > 0 and wrong == "0" and alive == "yes", r.stdout
+    assert "idle" in r.stdout and "slow-writer" in r.stdout, r.stdout  # every kind took part
