@@ -1,5 +1,6 @@
 /*
- * colibri_edge [-s SOCKET] [-w WORKERS] [-V full|on-use|none] LIBRARY MODEL
+ * colibri_edge [-s SOCKET] [-w WORKERS] [-V full|on-use|none] [-A]
+ *              [-c CLIENTS] [-o BYTES] [-t MS] [-r MS] [-i MS] [-L MS] LIBRARY MODEL
  *
  * A small inference service for a Linux edge board. It loads libcolibri.so at
  * run time (dlopen, every call resolved with dlsym), maps MODEL through the
@@ -21,9 +22,20 @@
  * Signal handlers only set flags; the loop acts on them between requests, so
  * a reload never swaps the model under a running forward pass, and the new
  * model is opened, validated and given its context before the old one is
- * released. A reload that fails leaves the old model serving.
+ * released. A reload that fails, or whose model would not answer the same
+ * requests (a token model; other widths without -A), leaves the old model
+ * serving.
+ *
+ * Clients: every descriptor is non-blocking and one ppoll waits for all.
+ * Each client has its own input and output buffers; the loop answers one
+ * request per client per round, stops reading a client whose queued answers
+ * reach -o, and drops one whose answers make no progress for -t, whose
+ * request line is not complete within -r, or that is idle for -i. At -c
+ * connections an idle one makes room for a newcomer, else the newcomer is
+ * refused. Events a peer can cause at any rate are logged at a bounded rate
+ * (-L). README.md, "Slow, silent and hostile clients".
  */
-#define _GNU_SOURCE 1 /* ppoll, accept4 */
+#define _GNU_SOURCE 1 /* ppoll, accept4, memrchr, getopt_long */
 
 #include <dlfcn.h>
 #include <errno.h>
