@@ -1,7 +1,7 @@
 """colibri_edge under load with hostile clients (issue 25): figures printed, not asserted.
 
     .venv/bin/python bench/edge_load.py [--clients 16] [--seconds 10] [--hostile 0,0.25,0.5] [--model edge|small]
-    make bench-edge-load
+    make bench-edge-load     (--repeat 3: three runs per share, their medians)
 
 For each hostile share, a fresh colibri_edge (examples/linux_edge) serves a model on a Unix socket for
 --seconds while --clients clients use it, that share of them hostile. Well-behaved clients (this process,
@@ -300,6 +300,7 @@ def main() -> int:
     p.add_argument("--period", type=float, default=100, help="ms between a well-behaved client's requests")
     p.add_argument("--model", choices=("edge", "small"), default="edge")
     p.add_argument("--kinds", default=",".join(HOSTILE_KINDS), help="hostile kinds to cycle through")
+    p.add_argument("--repeat", type=int, default=1, help="runs per share (the medians of p50/p99 are printed)")
     p.add_argument("--check", action="store_true", help="exit 1 on a wrong answer, a death or fds past the limit")
     args = p.parse_args()
     args.kinds = args.kinds.split(",")
@@ -331,8 +332,8 @@ def main() -> int:
         print(f"{cpu_name()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} before")
         print(f"{'hostile':>8} {'good':>5} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'answers':>8} {'wrong':>6} "
               f"{'reconn':>6} {'RSS MB':>11} {'fds':>7} {'log':>9} {'CPU':>4} {'h.CPU':>5}  alive")
-        last = None
-        for share in shares:
+        last, medians = None, []
+        for share in [s for s in shares for _ in range(args.repeat)]:
             hostile_n = round(share * args.clients)
             good_n = args.clients - hostile_n
             res = one_run(exe, lib, model, work, good_n, hostile_n, args, pool, bad_request)
@@ -351,10 +352,17 @@ def main() -> int:
                 failures.append(f"{share:.0%} hostile: {res['wrong']} wrong, alive {res['alive']}, "
                                 f"fds up to {max(fds)}, {len(lat)} answers")
             last = (share, samples)
+            medians.append((share, p50, p99))
         if last and last[1]:
             step = max(1, len(last[1]) // 12)
             print(f"service over time at {last[0]:.0%} hostile (s: RSS MB / fds): "
                   + "  ".join(f"{t:.1f}: {r:.1f}/{f}" for t, r, f in last[1][::step]))
+        if args.repeat > 1:
+            for share in shares:
+                runs = [m for m in medians if m[0] == share]
+                print(f"{share:>7.0%} hostile, median of {len(runs)} runs: p50 "
+                      f"{np.median([m[1] for m in runs]):.2f} ms, p99 {np.median([m[2] for m in runs]):.2f} ms "
+                      f"(p99 from {min(m[2] for m in runs):.1f} to {max(m[2] for m in runs):.1f})")
     print(f"load average {os.getloadavg()[0]:.2f} after")
     if failures:
         print("FAILED: " + "; ".join(failures))

@@ -27,8 +27,8 @@
  * serving.
  *
  * Clients: every descriptor is non-blocking and one ppoll waits for all.
- * Each client has its own input and output buffers; the loop answers one
- * request per client per round, stops reading a client whose queued answers
+ * Each client has its own input and output buffers; the loop answers
+ * requests by fair queueing (serve_fairly), stops reading a client whose queued answers
  * reach -o, and drops one whose answers make no progress for -t, whose
  * request line is not complete within -r, or that is idle for -i. At -c
  * connections an idle one makes room for a newcomer, else the newcomer is
@@ -168,6 +168,7 @@ typedef struct service {
     model m;
     limits lim;
     rate_log log;
+    unsigned long vclock; /* fair queueing's virtual time, in tokens (serve_fairly) */
 } service;
 
 static long now_ms(void)
@@ -471,6 +472,10 @@ typedef struct client {
     long progress_ms;      /* output queued: its last write that took bytes, or when it was queued */
     long paused_ms;        /* over its output buffer, so not read, since */
     int has_sent;          /* sent a byte since it connected */
+    int ready;             /* had a request to answer at the last scheduling pass */
+    unsigned long vstart;  /* virtual start of its next request (serve_fairly) */
+    size_t cost_of;        /* in_start + 1 of the request `cost` was counted for; 0: none */
+    unsigned long cost;
 } client;
 
 typedef struct clients {
@@ -627,11 +632,70 @@ static int serve_one(service *s, client *c, long now)
         queue(s, c, text, tn, now);
     }
     c->in_start = c->scanned = w == LINE ? end + 1 : end;
+    c->cost_of = 0;
     if (c->in_start == c->in_len) {
         c->in_start = c->in_len = c->scanned = 0;
         release_if_large(&c->in, &c->in_cap);
     }
     return 1;
+}
+
+/* What the client's next request costs, in tokens: its rows, counted up to
+ * max_batch + 1, where parsing stops. (An error answer costs less; the count
+ * is only the unit of fairness.) */
+static unsigned long request_cost(const service *s, client *c, enum work w)
+{
+    if (w != LINE && w != LAST_LINE)
+        return 1;
+    if (c->cost_of == c->in_start + 1)
+        return c->cost;
+    const char *p = c->in + c->in_start, *const end = c->in + (w == LINE ? c->scanned : c->in_len);
+    const unsigned long most = (unsigned long)s->m.info.max_batch + 1;
+    unsigned long rows = 1;
+    while (rows < most && p < end && (p = memchr(p, ';', (size_t)(end - p))) != NULL) {
+        p++;
+        rows++;
+    }
+    c->cost_of = c->in_start + 1;
+    return c->cost = rows;
+}
+
+/* Start-time fair queueing over the clients with a request to answer (and
+ * room for its answer): each request is tagged with its client's virtual
+ * start, the later of where the client's last request ended and the virtual
+ * clock; the smallest tag goes first, and advances its client by the
+ * request's cost in tokens. A client sending a few tokens now and then is so
+ * answered ahead of clients pipelining full batches, which share the rest;
+ * a client cannot bank credit while it has nothing to send. Serves up to
+ * max_batch tokens, then returns, so that the loop polls again. */
+static void serve_fairly(service *s, clients *cs, long now)
+{
+    unsigned long budget = s->m.info.max_batch;
+    for (;;) {
+        client *best = NULL;
+        enum work best_work = NO_WORK;
+        for (size_t i = 0; i < cs->n; i++) {
+            client *c = cs->c[i];
+            const enum work w = paused(s, c) ? NO_WORK : pending_work(c);
+            if (w != NO_WORK && !c->ready && c->vstart < s->vclock)
+                c->vstart = s->vclock;
+            c->ready = w != NO_WORK;
+            if (c->ready && (!best || c->vstart < best->vstart)) {
+                best = c;
+                best_work = w;
+            }
+        }
+        if (!best)
+            return;
+        const unsigned long cost = request_cost(s, best, best_work);
+        s->vclock = best->vstart;
+        best->vstart += cost;
+        serve_one(s, best, now);
+        flush(s, best, now);
+        if (cost >= budget)
+            return;
+        budget -= cost;
+    }
 }
 
 static void read_some(service *s, client *c, long now)
@@ -1064,11 +1128,7 @@ int main(int argc, char **argv)
         }
         if (pf[0].revents & POLLIN)
             accept_again_ms = accept_clients(&s, &cs, listen_fd, now);
-        /* One request per client per round: a client with a thousand requests
-         * queued waits its turn like one with a single request. */
-        for (size_t i = 0; i < cs.n; i++)
-            if (serve_one(&s, cs.c[i], now))
-                flush(&s, cs.c[i], now);
+        serve_fairly(&s, &cs, now);
         for (size_t i = cs.n; i-- > 0;) {
             client *c = cs.c[i];
             if (c->broken || (c->at_eof && pending_work(c) == NO_WORK && !out_pending(c)))
