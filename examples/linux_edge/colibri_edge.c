@@ -710,7 +710,9 @@ static void read_some(service *s, client *c, long now)
         size_t cap = c->in_cap ? 2 * c->in_cap : IN_BUF_START;
         if (cap > IN_BUF_MAX)
             cap = IN_BUF_MAX;
-        char *grown = cap > c->in_cap ? realloc(c->in, cap) : NULL;
+        if (cap <= c->in_cap) /* cannot happen: a line this long is overlong, answered before any read */
+            return;
+        char *grown = realloc(c->in, cap);
         if (!grown) {
             note(s, EV_NO_MEMORY, "dropped a client: no memory for a %zu-byte request buffer", cap);
             c->broken = 1;
