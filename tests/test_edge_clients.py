@@ -103,7 +103,7 @@ def test_clients_that_never_read_stall_nobody_and_are_dropped_at_the_send_timeou
     """8 clients pipeline requests and never read: each has at most -o bytes of answers queued and is no longer
     read. A well-behaved client is served meanwhile, all its answers before any of the silent ones is dropped
     (the old service blocked up to 2 s in a write per silent client); then each silent one goes at -t."""
-    svc = start("-o", "4096", "-t", "3000", "-L", "500")
+    svc = start("-o", "4096", "-t", "5000", "-L", "500")
     x = x_of(8, 3)
     silent = [svc.connect()[0] for _ in range(8)]
     # empty requests: each byte a whole request, its answer an 80-byte error line
@@ -177,9 +177,8 @@ def test_the_client_limit_evicts_an_idle_client_and_refuses_when_none_is(start, 
     svc.wait_log(r"evicted a client idle for \d+ ms to take a new one \(3 connected, -c\)")
     # every slot busy with a request in flight (none idle): a newcomer is refused, the others stay served
     for sock, lines in (c, d, e):
-        sock.sendall(b"1,2,")
-        assert not lines.buf
-    time.sleep(0.1)  # read by the service: no longer idle
+        sock.sendall(request(x) + b"1,2,")  # one read: its answer shows the service holds the partial one too
+        np.testing.assert_allclose(parse(lines.line()), want, rtol=1e-5, atol=1e-6)
     refused, _ = svc.connect()
     assert closed_by_service(refused, 5)
     svc.wait_log(r"refused a client: 3 connected \(-c\), none idle")
@@ -192,8 +191,8 @@ def test_the_client_limit_evicts_an_idle_client_and_refuses_when_none_is(start, 
 
 def test_idle_and_request_timeouts(start, images) -> None:
     """-i closes a connection with nothing in flight; -r drops one whose request line does not end in time
-    (a byte every 100 ms), while a request completed in time is answered."""
-    svc = start("-i", "400", "-r", "600")
+    (a byte every 100 ms), while a request completed in time is answered. The limits leave room for a busy CI."""
+    svc = start("-i", "1000", "-r", "1500")
     x = x_of(1, 5)
     idle, _ = svc.connect()
     assert closed_by_service(idle, 5)
@@ -280,11 +279,12 @@ def test_reload_refuses_another_kind_or_width_unless_told(start, images, tmp_pat
     want = expected(images[0], x)
     for i, (data, status, detail) in enumerate(
             [(token, F.Status.MODEL_KIND, r"a token model \(vocabulary 40\): this service answers feature rows"),
-             (in8, F.Status.BUFFER_SIZE, r"in 8, out 4 where the served model has in 6, out 4; -A allows a change")], 1):
+             (in8, F.Status.BUFFER_SIZE, r"in 8, out 4 where the served model has in 6, out 4; -A allows")], 1):
         write_atomically(model, data)
         svc.proc.send_signal(signal.SIGHUP)
         log = svc.wait_log(r"reload of .* failed", count=i)
-        assert re.search(rf"reload of .*model\.clb failed: status {int(status)} \({re.escape(F.STATUS_TEXT[status])}\), "
+        text = re.escape(F.STATUS_TEXT[status])
+        assert re.search(rf"reload of .*model\.clb failed: status {int(status)} \({text}\), "
                          rf"{detail}[^()]*: still serving generation 1", log), log
         np.testing.assert_allclose(parse(svc.ask(request(x))), want, rtol=1e-5, atol=1e-6)
     assert "stopping (generation 1)" in svc.stop()
