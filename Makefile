@@ -4,9 +4,10 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
-        libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full \
-        upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
+.PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
+        fuzz-smoke bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
+        bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
+        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load
 
 setup:
 	./scripts/setup.sh
@@ -138,6 +139,12 @@ bench-edge-mmap: setup
 
 bench-edge-mmap-full: setup
 	$(PY) bench/edge_mmap.py --layers 4 --experts 128
+
+# colibri_edge under load (issue 25): 16 clients for 10 s, three times each at 0%, 25% and 50% hostile (garbage, silent,
+# slow reader, slow writer, idle); p50/p99 of the well-behaved clients, their answers checked bit for bit,
+# the service's RSS and fds over time, and whether it stayed up.
+bench-edge-load: setup
+	$(PY) bench/edge_load.py --repeat 3
 
 # Latency jitter (p50/p99 per token) with and without mlock of the most used experts, without and under
 # memory pressure (a cgroup v2, else v1, whose memory limit is below the model size; skipped, saying why,
