@@ -7,6 +7,7 @@ speed.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -352,7 +353,7 @@ class Rng:
     _MASK = (1 << 64) - 1
 
     def __init__(self, seed: int = 0) -> None:
-        self.state = int(seed) & self._MASK
+        self.state = integer_arg("seed", seed) & self._MASK
 
     def next(self) -> int:
         self.state = (self.state + self._GAMMA) & self._MASK
@@ -366,8 +367,18 @@ class Rng:
         return f32((self.next() >> 40) * 2.0 ** -24)
 
 
+def integer_arg(name: str, value) -> int:
+    """value as an int, refusing what Python's own integer parameters refuse (a float such as 2.7 or
+    1.0, a string): TypeError, never a silent truncation."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
 def check_sampler(temperature: float, top_k: int, top_p: float) -> None:
-    """BAD_SAMPLER for settings colibri_lm_sample refuses."""
+    """BAD_SAMPLER for settings colibri_lm_sample refuses; TypeError for a top_k that is not an integer."""
+    top_k = integer_arg("top_k", top_k)
     t, p = f32(temperature), f32(top_p)
     if not (np.isfinite(t) and t >= 0):
         raise error_for(Status.BAD_SAMPLER, f"temperature {temperature} (0 for greedy, or finite > 0)")
@@ -481,6 +492,8 @@ class LMState:
         The prompt runs in chunks of max_batch tokens; each drawn token is fed back one at a time
         (the last one is not fed). One Rng(seed) draws every sampled token."""
         check_sampler(temperature, top_k, top_p)
+        max_new_tokens = integer_arg("max_new_tokens", max_new_tokens)
+        integer_arg("seed", seed)
         prompt = np.asarray(prompt_ids).reshape(-1)
         if prompt.size == 0:
             raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
@@ -585,6 +598,10 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
         g = h // group
         scores = ((q[:, h, :] @ keys[:, g, :].T).astype(f32) * scale).astype(f32)  # [n, t]
         future = pos[:, None] < np.arange(position + n)[None, :]
-        scores = np.where(future, f32(-np.inf), scores)
-        out[:, h, :] = (_softmax(scores) @ values[:, g, :]).astype(f32)
+        probs = _softmax(np.where(future, f32(-np.inf), scores))
+        # Causal in the values too (docs/lm.md "Semantics"): row i reads positions 0 .. its own and
+        # nothing later, so a NaN or inf in a later row's value cannot reach it through 0 · NaN.
+        for i in range(n):
+            t = position + i + 1
+            out[i, h, :] = (probs[i, :t] @ values[:t, g, :]).astype(f32)
     return _linear(out.reshape(n, heads * hd), a.o_w, a.o_b)

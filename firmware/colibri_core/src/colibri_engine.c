@@ -708,7 +708,15 @@ static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, 
              * values"). A NaN weight runs, and the token's output is NaN. */
             if (c->sel_weight[j] == 0.0f)
                 continue;
-            const size_t s = c->sel_slot[j], at = s * batch + c->ring_count[s]++;
+            /* The slot comes from the expert map, read in place: validated a
+             * permutation at init, bounded here at its use, so an image
+             * rewritten under a live context (a file changed in place, a
+             * caller's buffer overwritten) gives wrong numbers, never a write
+             * outside the rings (docs/threading.md). */
+            const size_t s = c->sel_slot[j];
+            if (s >= n_experts || c->ring_count[s] >= batch)
+                continue;
+            const size_t at = s * batch + c->ring_count[s]++;
             c->ring_token[at] = (uint16_t)t; /* t < max_batch <= 65535 */
             c->ring_weight[at] = c->sel_weight[j];
         }

@@ -391,6 +391,12 @@ static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
     return w->q8_ptr != 0 || w->q8_bias != 0;
 }
 
+/* min(k, nnz): a row pointer or column read in place, bounded where it is used. */
+static COLIBRI_ALWAYS_INLINE uint32_t colibri_q8_bound(uint32_t k, uint32_t limit)
+{
+    return k < limit ? k : limit;
+}
+
 /* Row o's compensation entries k = *begin .. *end - 1 (none when the
  * matrix has no E: *begin == *end == 0). Read entry k with
  * colibri_q8_term_col() and colibri_q8_term_bits(). */
@@ -413,6 +419,10 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size
         *begin = *end = 0;
         break;
     }
+    /* Validated nondecreasing and <= nnz at init; bounded at the use too, as
+     * the row pointers are read in place (an image changed after validation
+     * gives wrong numbers, never a read outside col and val). */
+    *end = colibri_q8_bound(*end, w->q8_nnz);
 }
 
 /* Entry k's input column (< cols) and the f16 bits of its value e
@@ -420,7 +430,8 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size
  * does any exact f16 -> f32 conversion (F16C's, NEON's). */
 static COLIBRI_ALWAYS_INLINE size_t colibri_q8_term_col(const colibri_matrix *w, uint32_t k)
 {
-    return w->col[k];
+    const size_t c = w->col[k];
+    return c < w->cols ? c : 0u; /* validated < cols; bounded at the use (read in place) */
 }
 
 static COLIBRI_ALWAYS_INLINE uint16_t colibri_q8_term_bits(const colibri_matrix *w, uint32_t k)
@@ -449,8 +460,8 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w
             k = ((const uint32_t *)w->row_ptr)[o];
             end = ((const uint32_t *)w->row_ptr)[o + 1];
         }
-        for (; k < end; k++)
-            v += colibri_q8_value(w->val[k]) * x[w->col[k]];
+        for (end = colibri_q8_bound(end, w->q8_nnz); k < end; k++)
+            v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     }
     if (w->q8_bias)
         v += colibri_q8_param(w, (size_t)w->rows + o);
@@ -535,8 +546,8 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_scale4(const colibri_matrix *w, siz
 static COLIBRI_ALWAYS_INLINE float colibri_q8_add_terms(const colibri_matrix *w, uint32_t k, uint32_t end, const float *x,
                                                     float v)
 {
-    for (; k < end; k++)
-        v += colibri_q8_value(w->val[k]) * x[w->col[k]];
+    for (end = colibri_q8_bound(end, w->q8_nnz); k < end; k++)
+        v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     return v;
 }
 
