@@ -35,6 +35,7 @@ from colibri.format import Status
 
 from conftest import ROOT, make
 from lmmodels import token_model
+from test_micropython import mp_script, mpy_dir, run_mp  # noqa: F401 (mpy_dir: the session's x64 colibri.mpy)
 
 EDGE = ROOT / "examples" / "linux_edge"
 CHILD_TIMEOUT = 120
@@ -382,3 +383,42 @@ def _npz_of_rewrites(tmp: Path, f32_images, q8_image) -> list[Path]:
         paths.append(tmp / f"rewrites{i}.npz")
         np.savez(paths[-1], original=np.frombuffer(data, np.uint8), **arrays)
     return paths
+
+
+MP_REWRITE = """
+import sys
+import colibri
+from array import array
+
+with open(sys.argv[1], "rb") as f:
+    original = f.read()
+x = array("f", [0.25, -1.0, 0.5, 2.0, -0.75, 1.5] * 8)
+y = array("f", [0.0] * 32)
+for path in sys.argv[2:]:
+    with open(path, "rb") as f:
+        new = f.read()
+    buf = bytearray(original)
+    m = colibri.Model(buf)
+    m.forward(x, y)
+    buf[0:len(new)] = new  # the caller's buffer, overwritten in place under the live model
+    try:
+        m.forward(x, y)
+        print("survived", path, "numbers")
+    except Exception as exc:
+        print("survived", path, "raised", exc)
+"""
+
+
+def test_a_micropython_bytearray_overwritten_under_a_model_never_crashes(tmp_path: Path, mpy_dir: Path, f32_images,
+                                                                         q8_image) -> None:
+    script = mp_script(tmp_path, "rewrite.py", MP_REWRITE)
+    for n, (data, other) in enumerate(((f32_images[0], f32_images[1]), (q8_image, None))):
+        original = tmp_path / f"original{n}.clb"
+        original.write_bytes(data)
+        files = []
+        for i, bytes_ in enumerate(_same_size_rewrites(data, other).values()):
+            files.append(tmp_path / f"rewrite{n}_{i}.clb")
+            files[-1].write_bytes(bytes_)
+        r = run_mp(script, original, *files, mpy_dir=mpy_dir, cwd=tmp_path)
+        assert r.returncode == 0, f"micropython exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+        assert r.stdout.count("survived") == len(files), r.stdout
