@@ -323,7 +323,9 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
     p->route = router.route;
     p->routing.map = colibri_payload(image, hdr, r.expert_map);
     p->routing.routes = r.route_count;
-    p->routing.top_k = r.top_k;
+    /* Every kept expert (top_k 0, validated) is at most the layer's N: the
+     * bound route_dense keeps to if the map changes in place after init. */
+    p->routing.top_k = router.k_rule == COLIBRI_K_ALL ? r.expert_count : r.top_k;
     p->routing.flags = r.flags;
     p->expert = expert;
     p->d = r.d_model;
