@@ -19,6 +19,7 @@ import sys
 import zlib
 
 import atheris
+import numpy as np
 
 with atheris.instrument_imports(include=["colibri"]):
     import colibri  # noqa: F401  (first import: the package gets instrumented)
@@ -59,12 +60,40 @@ def fixed_crc(data: bytes) -> bytes:
     return bytes(buf)
 
 
+def changed_under_a_live_model(data: bytes) -> None:
+    """A valid image whose buffer is overwritten under a live engine context, which reads it in
+    place (docs/threading.md): bytes flipped where a generator seeded by the input says, then a
+    forward pass, which may answer anything or fail with a status but must not crash."""
+    buf = bytearray(data)
+    try:
+        ctx = _engine.Context(buf)
+    except _engine.EngineError:
+        return  # a payload CRC (format v3: the structure is sound, the full check is not)
+    info = ctx.info()
+    if info["arena_size"] > 16 << 20 or info["input_size"] > 4096 or info["output_size"] > 4096:
+        return
+    rows = min(info["max_batch"], 4)
+    x = np.linspace(-2.0, 2.0, rows * info["input_size"], dtype=np.float32)
+    out = np.empty(rows * info["output_size"], dtype=np.float32)
+    ctx.forward(x, out, rows)
+    rng = np.random.default_rng(zlib.crc32(data))
+    at = rng.integers(0, len(buf), int(rng.integers(1, 64)))
+    for i, v in zip(at, rng.integers(1, 256, len(at))):
+        buf[int(i)] ^= int(v)
+    try:
+        ctx.forward(x, out, rows)
+    except _engine.EngineError:
+        pass
+
+
 def test_one_input(data: bytes) -> None:
     data = fixed_crc(data)
     c = _engine.validate(data)
     py = image.status(data)
     if c != py:
         raise AssertionError(f"C validator {c}, Python reader {py}, image of {len(data)} bytes")
+    if c == 0 and len(data) <= 1 << 20 and not image.read(data, check="structure").is_token_model:
+        changed_under_a_live_model(data)
     # The structure level (a mapped file's open; format v3 leaves out the payload CRCs).
     c = _engine.validate_structure(data)
     py = image.status(data, check="structure")

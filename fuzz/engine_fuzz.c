@@ -15,6 +15,15 @@
  * validate, model_size and init give the same status, except that
  * model_size (and init at COLIBRI_CHECK_STRUCTURE) do not check format v3's
  * payload CRCs, where validate and init may say BAD_PAYLOAD_CRC.
+ *
+ * Then the image changes under the live context, as a file rewritten in
+ * place or a caller's buffer overwritten would change it (docs/threading.md):
+ * bytes flipped anywhere, then the tables the engine reads in place (every
+ * I32 tensor: the expert maps; every Q8_PARAMS and Q4_PARAMS body: scales,
+ * row pointers, columns) filled with a pattern, each followed by forward
+ * passes that must not crash or trip a sanitizer, whatever they answer. The
+ * mutations come from a generator seeded by the input's CRC, so a crash
+ * replays from its input alone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,7 +81,7 @@ static void fix_crc(uint8_t *image, size_t len)
 
 /* A token model (docs/lm.md): batch token ids from position 0 (capped at
  * max_seq_len), then a greedy and a sampled draw from the last row. */
-static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
+static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch, int must_run)
 {
     if (batch > info->max_seq_len)
         batch = info->max_seq_len;
@@ -84,8 +93,13 @@ static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t 
     for (size_t i = 0; i < batch; i++)
         tok[i] = (int32_t)((7u * i + 3u) % info->vocab_size);
     if (colibri_lm_reset(ctx) != COLIBRI_OK ||
-        colibri_lm_forward(ctx, tok, (uint32_t)batch, out, n_out) != COLIBRI_OK)
-        abort(); /* a validated token model with ids below vocab must run */
+        colibri_lm_forward(ctx, tok, (uint32_t)batch, out, n_out) != COLIBRI_OK) {
+        if (must_run)
+            abort(); /* a validated token model with ids below vocab must run */
+        free(tok);
+        free(out);
+        return;
+    }
     const colibri_sampler greedy = {sizeof greedy, 0.0f, 0u, 1.0f}, sampled = {sizeof sampled, 0.8f, 5u, 0.9f};
     colibri_rng rng;
     colibri_rng_seed(&rng, 1u);
@@ -96,7 +110,7 @@ static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t 
         abort();
     st = colibri_lm_sample(ctx, &sampled, last, info->output_size, &rng, &t);
     if ((st != COLIBRI_OK && st != COLIBRI_E_NAN_LOGITS) || (st == COLIBRI_OK && (uint32_t)t >= info->vocab_size))
-        abort();
+        abort(); /* the sampler reads only the logits: these hold for a changed image too */
     free(tok);
     free(out);
 }
@@ -104,7 +118,7 @@ static void lm_forward(colibri_ctx *ctx, const colibri_model_info *info, size_t 
 static void forward(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
 {
     if (info->vocab_size) {
-        lm_forward(ctx, info, batch);
+        lm_forward(ctx, info, batch, 1);
         return;
     }
     const size_t n_in = batch * info->input_size, n_out = batch * info->output_size;
@@ -117,6 +131,75 @@ static void forward(colibri_ctx *ctx, const colibri_model_info *info, size_t bat
         abort(); /* a validated image with the right counts must run */
     free(in);
     free(out);
+}
+
+/* A feature model's pass over a changed image: any status, never a crash. */
+static void forward_changed(colibri_ctx *ctx, const colibri_model_info *info, size_t batch)
+{
+    if (info->vocab_size) {
+        lm_forward(ctx, info, batch, 0);
+        return;
+    }
+    const size_t n_in = batch * info->input_size, n_out = batch * info->output_size;
+    float *in = malloc(n_in * sizeof *in + 1), *out = malloc(n_out * sizeof *out + 1);
+    if (!in || !out)
+        abort();
+    for (size_t i = 0; i < n_in; i++)
+        in[i] = cosf(0.29f * (float)i) * 2.0f;
+    (void)colibri_forward(ctx, batch, in, n_in, out, n_out);
+    free(in);
+    free(out);
+}
+
+/* xorshift64*: the post-init mutations, from a seed the input determines. */
+static uint64_t next_random(uint64_t *s)
+{
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    return *s * 0x2545F4914F6CDD1DULL;
+}
+
+/* The image changes under the live context (see the top of this file):
+ * flipped bytes, then the in-place tables filled, each followed by passes.
+ * The tensor table is read before any change: the image validated. */
+static void change_under_context(colibri_ctx *ctx, const colibri_model_info *info, uint8_t *image, size_t size)
+{
+    uint64_t seed = crc32_update(0u, image, size) | 1u;
+    const uint32_t n_t = rd32(image + 32), t_off = rd32(image + 36);
+    uint32_t *where = malloc(((size_t)n_t + 1u) * 3u * sizeof *where);
+    if (!where)
+        abort();
+    size_t tables = 0;
+    for (uint32_t i = 0; i < n_t; i++) {
+        const uint8_t *rec = image + t_off + (size_t)i * COLIBRI_TENSOR_SIZE;
+        const uint8_t dtype = rec[16];
+        const uint32_t skip = dtype == COLIBRI_DTYPE_I32 ? 0u : dtype == COLIBRI_DTYPE_Q8_PARAMS ? COLIBRI_Q8_PARAMS_HEADER
+                              : dtype == COLIBRI_DTYPE_Q4_PARAMS ? COLIBRI_Q4_PARAMS_HEADER : UINT32_MAX;
+        if (skip == UINT32_MAX || rd32(rec + 4) <= skip)
+            continue;
+        where[3 * tables] = rd32(rec) + skip;
+        where[3 * tables + 1] = rd32(rec + 4) - skip;
+        where[3 * tables + 2] = dtype;
+        tables++;
+    }
+    const size_t flips = 1u + next_random(&seed) % 16u;
+    for (size_t i = 0; i < flips; i++)
+        image[next_random(&seed) % size] ^= (uint8_t)(1u + next_random(&seed) % 255u);
+    forward_changed(ctx, info, 1);
+    /* A pattern per table: all ones (past every bound), 0x7F.., zero, or random bytes. */
+    for (size_t t = 0; t < tables; t++) {
+        uint8_t *p = image + where[3 * t];
+        const uint32_t n = where[3 * t + 1];
+        const unsigned kind = (unsigned)(next_random(&seed) % 4u);
+        for (uint32_t i = 0; i < n; i++)
+            p[i] = kind == 0 ? 0xFFu : kind == 1 ? (i % 4u == 3u ? 0x7Fu : 0xFFu) : kind == 2 ? 0u
+                   : (uint8_t)next_random(&seed);
+    }
+    forward_changed(ctx, info, 1);
+    if (info->max_batch <= 16)
+        forward_changed(ctx, info, info->max_batch);
+    free(where);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -158,6 +241,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             forward(ctx, &info, 1);
             if (info.max_batch <= 16)
                 forward(ctx, &info, info.max_batch);
+            change_under_context(ctx, &info, image, size);
             colibri_free(ctx);
             free(arena);
         }

@@ -88,6 +88,7 @@ typedef struct api {
     const void *(*file_data)(const colibri_file *);
     size_t (*file_size)(const colibri_file *);
     colibri_status (*file_on_route)(void *, const colibri_route *);
+    colibri_status (*file_check)(const colibri_file *);
     colibri_status (*pool_create)(colibri_pool **, size_t);
     void (*pool_attach)(colibri_pool *, colibri_exec *);
     void (*pool_destroy)(colibri_pool *);
@@ -114,7 +115,7 @@ static int load_api(void *lib, api *a)
            RESOLVE(lib, "colibri_kernels_name", a->kernels_name) && RESOLVE(lib, "colibri_free", a->free_ctx) &&
            RESOLVE(lib, "colibri_file_open", a->file_open) && RESOLVE(lib, "colibri_file_close", a->file_close) &&
            RESOLVE(lib, "colibri_file_data", a->file_data) && RESOLVE(lib, "colibri_file_size", a->file_size) &&
-           RESOLVE(lib, "colibri_file_on_route", a->file_on_route) &&
+           RESOLVE(lib, "colibri_file_on_route", a->file_on_route) && RESOLVE(lib, "colibri_file_check", a->file_check) &&
            RESOLVE(lib, "colibri_pool_create", a->pool_create) && RESOLVE(lib, "colibri_pool_attach", a->pool_attach) &&
            RESOLVE(lib, "colibri_pool_destroy", a->pool_destroy);
 }
@@ -431,7 +432,11 @@ static size_t answer(service *s, const char *line, size_t len, char **text)
         if (s->pool)
             s->a.pool_attach(s->pool, &exec);
         const size_t out_n = batch * m->info.output_size;
-        st = s->a.forward_ex(m->ctx, &exec, batch, m->in, batch * m->info.input_size, m->out, out_n);
+        /* Before the pass as well as in on_route: the layers ahead of the first
+         * MoE layer read the mapping too (a file truncated to 0 would SIGBUS there). */
+        st = s->a.file_check(m->file);
+        if (st == COLIBRI_OK)
+            st = s->a.forward_ex(m->ctx, &exec, batch, m->in, batch * m->info.input_size, m->out, out_n);
         if (st == COLIBRI_OK) {
             size_t n = 0;
             for (size_t k = 0; k < out_n; k++) {

@@ -1182,6 +1182,13 @@ static void handle_frame(size_t encoded_len)
     const uint8_t type = packet[0];
     const uint16_t seq = get_u16(packet + 2);
     const uint8_t *payload = packet + PROTO_HEADER_SIZE;
+    if (packet[1] != 0u) {
+        /* docs/protocol.md: flags is zero. Refused rather than ignored, so a
+         * later protocol can give the byte a meaning without an old runner
+         * silently misreading it. The frame decoded: its seq is known. */
+        send_status(seq, PROTO_FRAME_DECODE, "flags byte is not zero");
+        return;
+    }
     if (len > PROTO_MAX_PAYLOAD) {
         send_bad_payload(seq, len, PROTO_MAX_PAYLOAD);
         return;

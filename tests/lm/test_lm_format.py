@@ -178,3 +178,25 @@ def test_statuses_match_image_status(lm_image: bytes) -> None:
     assert image.status(lm_image) == 0
     bad = patched(lm_image, attention_offset(lm_image) + 52, "<f", 0.0)
     assert image.status(bad) == int(Status.BAD_ATTENTION)
+
+
+RANGE_CASES = [("rope_theta", 52, "<f"), ("max_seq_len", 60, "<I")]
+
+
+@pytest.mark.parametrize("field,at,fmt", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
+def test_rope_range_is_the_same_in_c_and_python(lm_image: bytes, field: str, at: int, fmt: str) -> None:
+    """The admissible RoPE range (docs/lm.md: rope_theta >= 1, max_seq_len <= 2^20, so every angle is
+    below 2^20): the C validator and image.read give the same status on both sides of each edge."""
+    from colibri.runtime import _engine
+
+    edges = ([1.0, 0.99999994, 1e-20, 1e-30, 1e6, 3.4e38] if field == "rope_theta" else
+             [F.MAX_SEQ_LEN, F.MAX_SEQ_LEN + 1, 1 << 31])
+    for value in edges:
+        data = bytearray(lm_image)
+        for j in range(2):  # both records: max_seq_len must agree between them
+            struct.pack_into(fmt, data, attention_offset(lm_image, j) + at, value)
+        image.set_crc(data)
+        python = image.status(bytes(data))
+        assert _engine.validate(bytes(data)) == python, (field, value)
+        ok = value >= 1.0 if field == "rope_theta" else value <= F.MAX_SEQ_LEN
+        assert python == (0 if ok else int(Status.BAD_ATTENTION)), (field, value, python)

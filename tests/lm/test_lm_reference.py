@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import colibri
 from colibri import image, reference
 from colibri.model.errors import ImageError, InputError
 from colibri.model.format import DType, Routing, Status
@@ -284,3 +285,24 @@ def test_engine_expf_is_the_c_engines_bit_for_bit(tmp_path) -> None:
     got = engine_expf(x)
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     assert same.all(), x[~same][:5]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_nonfinite_later_token_leaves_earlier_rows_alone(bad: float) -> None:
+    """Causal in the values too (docs/lm.md "Semantics"): a token whose keys and values are NaN or
+    inf (its embedding row is) changes nothing of the rows before it in the same call, so one call
+    over the prompt gives what a call per token gives (up to the float sums' order), and the engine
+    agrees."""
+    g = lmmodels.token_model(4, max_seq_len=16)
+    g.layers[0].table[7] = bad
+    data = image.write(g)
+    prompt = [1, 2, 3, 7, 4]
+    whole = LMState(data).forward_tokens(prompt)
+    state = LMState(data)
+    split = np.concatenate([state.forward_tokens([t]) for t in prompt])
+    assert np.isfinite(whole[:3]).all()
+    np.testing.assert_allclose(whole[:3], split[:3], rtol=1e-5, atol=1e-5)
+    assert not np.isfinite(whole[3]).all() and np.array_equal(np.isfinite(whole), np.isfinite(split))
+    engine_rows = colibri.LM(data).forward_tokens(prompt)
+    np.testing.assert_allclose(engine_rows[:3], whole[:3], rtol=1e-4, atol=_bar(whole[:3]))
+    assert np.array_equal(np.isfinite(engine_rows), np.isfinite(whole))

@@ -167,6 +167,20 @@ def test_garbage_gets_a_status_and_resync(dut: Device) -> None:
     _still_serves(dut)
 
 
+def test_nonzero_flags_byte_is_refused(dut: Device) -> None:
+    """docs/protocol.md: the flags byte is zero. A request that sets it is refused (FRAME_DECODE,
+    answered with its seq) and not acted on, so a later protocol can give the byte a meaning."""
+    data = model_image("top1", "f32")
+    dut.load(data)
+    for flags in (0x01, 0x80, 0xFF):
+        dut.write_raw(P.encode(P.Packet(P.Type.LM_RESET if flags == 0x80 else P.Type.HELLO, 21, b"", flags)))
+        assert _frame_status(dut) == (21, P.ProtocolStatus.FRAME_DECODE)
+    dut.write_raw(P.encode(P.Packet(P.Type.LOAD_BEGIN, 22, struct.pack("<II", 64, 0), 0x02)))
+    assert _frame_status(dut) == (22, P.ProtocolStatus.FRAME_DECODE)
+    assert dut.model_info().image_size == len(data)  # the refused LOAD_BEGIN did not drop the model
+    _still_serves(dut)
+
+
 def test_bad_crc(dut: Device) -> None:
     body = P.HEADER.pack(P.Type.HELLO, 0, 7, 0)
     dut.write_raw(P.cobs.encode(body + struct.pack("<I", zlib.crc32(body) ^ 1)) + b"\x00")

@@ -76,11 +76,15 @@ static unsigned expert_tensors(const colibri_file *f, uint32_t record, uint32_t 
     colibri_expert e;
     colibri_read_expert(f->base, &f->model.hdr, record, &e);
     const uint32_t refs[6] = {e.w1, e.b1, e.w2, e.b2, e.w3, e.b3};
+    const uint32_t count = f->model.hdr.tensor_count;
     unsigned n = 0;
     for (unsigned i = 0; i < 6; i++) {
+        /* The records are read again from the mapping, which may have changed
+         * since it was validated: a reference past the table is kept as such
+         * (verify_tensor refuses it), never followed. */
         out[n++] = refs[i];
         uint32_t aux = COLIBRI_NONE;
-        if (refs[i] != COLIBRI_NONE) {
+        if (refs[i] != COLIBRI_NONE && refs[i] < count) {
             colibri_tensor t;
             colibri_read_tensor(f->base, &f->model.hdr, refs[i], &t);
             if (t.dtype == COLIBRI_DTYPE_I8)
@@ -98,8 +102,13 @@ static colibri_status verify_tensor(const colibri_file *f, uint32_t index)
     const colibri_header *h = &f->model.hdr;
     if (index == COLIBRI_NONE || h->version < COLIBRI_TENSOR_CRC_VERSION)
         return COLIBRI_OK;
+    /* Validated at open; bounded again, as the table is read in place. */
+    if (index >= h->tensor_count)
+        return COLIBRI_E_BAD_REF;
     colibri_tensor t;
     colibri_read_tensor(f->base, h, index, &t);
+    if ((uint64_t)t.offset + t.nbytes > f->image_size)
+        return COLIBRI_E_TENSOR_BOUNDS;
     const uint32_t want = colibri_rd_u32(f->base + h->crc_offset + 4u * (size_t)index);
     return colibri_crc32(f->base + t.offset, t.nbytes) == want ? COLIBRI_OK : COLIBRI_E_BAD_PAYLOAD_CRC;
 }
@@ -275,7 +284,10 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
     colibri_status st = COLIBRI_OK;
     uint8_t *owned = NULL;
 
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer;
+     * anything but a regular file is refused below, before a byte is read.
+     * The flag changes nothing for a regular file's reads or its mapping. */
+    f->fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (f->fd < 0) {
         set_diag(diag, errno);
         st = errno == ENOENT || errno == ENOTDIR ? COLIBRI_E_FILE_NOT_FOUND : COLIBRI_E_FILE_OPEN;
@@ -288,7 +300,8 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
         goto fail;
     }
     if (!S_ISREG(sb.st_mode)) {
-        set_diag(diag, S_ISDIR(sb.st_mode) ? EISDIR : EINVAL);
+        /* EISDIR for a directory, ENODEV for a FIFO, socket or device: no mapping of it is a model. */
+        set_diag(diag, S_ISDIR(sb.st_mode) ? EISDIR : ENODEV);
         st = COLIBRI_E_FILE_OPEN;
         goto fail;
     }

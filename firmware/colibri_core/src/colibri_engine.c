@@ -323,7 +323,9 @@ static void plan_moe(colibri_plan_moe *p, colibri_plan_expert *expert, const uin
     p->route = router.route;
     p->routing.map = colibri_payload(image, hdr, r.expert_map);
     p->routing.routes = r.route_count;
-    p->routing.top_k = r.top_k;
+    /* Every kept expert (top_k 0, validated) is at most the layer's N: the
+     * bound route_dense keeps to if the map changes in place after init. */
+    p->routing.top_k = router.k_rule == COLIBRI_K_ALL ? r.expert_count : r.top_k;
     p->routing.flags = r.flags;
     p->expert = expert;
     p->d = r.d_model;
@@ -708,7 +710,15 @@ static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, 
              * values"). A NaN weight runs, and the token's output is NaN. */
             if (c->sel_weight[j] == 0.0f)
                 continue;
-            const size_t s = c->sel_slot[j], at = s * batch + c->ring_count[s]++;
+            /* The slot comes from the expert map, read in place: validated a
+             * permutation at init, bounded here at its use, so an image
+             * rewritten under a live context (a file changed in place, a
+             * caller's buffer overwritten) gives wrong numbers, never a write
+             * outside the rings (docs/threading.md). */
+            const size_t s = c->sel_slot[j];
+            if (s >= n_experts || c->ring_count[s] >= batch)
+                continue;
+            const size_t at = s * batch + c->ring_count[s]++;
             c->ring_token[at] = (uint16_t)t; /* t < max_batch <= 65535 */
             c->ring_weight[at] = c->sel_weight[j];
         }

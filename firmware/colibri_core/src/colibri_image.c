@@ -921,9 +921,9 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
     const int normed = a.q_norm != COLIBRI_NONE || a.k_norm != COLIBRI_NONE;
     if (a.reserved_set || a.d_model != width || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 ||
         hd == 0 || hd % 2u != 0 || (uint64_t)heads * hd > UINT32_MAX ||
-        !(isfinite(a.rope_theta) && a.rope_theta > 0.0f) ||
+        !(isfinite(a.rope_theta) && a.rope_theta >= 1.0f) || /* format.ROPE_THETA_MIN (docs/lm.md) */
         (normed ? !(isfinite(a.qk_norm_eps) && a.qk_norm_eps > 0.0f) : a.qk_norm_eps != 0.0f) ||
-        a.max_seq_len == 0 ||
+        a.max_seq_len == 0 || a.max_seq_len > COLIBRI_MAX_SEQ_LEN ||
         (m->attn_layers && a.max_seq_len != m->max_seq_len) ||
         (a.kv_dtype != COLIBRI_DTYPE_F32 && a.kv_dtype != COLIBRI_DTYPE_F16))
         return COLIBRI_E_BAD_ATTENTION;

@@ -391,6 +391,12 @@ static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
     return w->q8_ptr != 0 || w->q8_bias != 0;
 }
 
+/* min(k, nnz): a row pointer or column read in place, bounded where it is used. */
+static COLIBRI_ALWAYS_INLINE uint32_t colibri_q8_bound(uint32_t k, uint32_t limit)
+{
+    return k < limit ? k : limit;
+}
+
 /* Row o's compensation entries k = *begin .. *end - 1 (none when the
  * matrix has no E: *begin == *end == 0). Read entry k with
  * colibri_q8_term_col() and colibri_q8_term_bits(). */
@@ -413,6 +419,10 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size
         *begin = *end = 0;
         break;
     }
+    /* Validated nondecreasing and <= nnz at init; bounded at the use too, as
+     * the row pointers are read in place (an image changed after validation
+     * gives wrong numbers, never a read outside col and val). */
+    *end = colibri_q8_bound(*end, w->q8_nnz);
 }
 
 /* Entry k's input column (< cols) and the f16 bits of its value e
@@ -420,7 +430,8 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size
  * does any exact f16 -> f32 conversion (F16C's, NEON's). */
 static COLIBRI_ALWAYS_INLINE size_t colibri_q8_term_col(const colibri_matrix *w, uint32_t k)
 {
-    return w->col[k];
+    const size_t c = w->col[k];
+    return c < w->cols ? c : 0u; /* validated < cols; bounded at the use (read in place) */
 }
 
 static COLIBRI_ALWAYS_INLINE uint16_t colibri_q8_term_bits(const colibri_matrix *w, uint32_t k)
@@ -449,8 +460,9 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w
             k = ((const uint32_t *)w->row_ptr)[o];
             end = ((const uint32_t *)w->row_ptr)[o + 1];
         }
-        for (; k < end; k++)
-            v += colibri_q8_value(w->val[k]) * x[w->col[k]];
+        if (k < end && end <= w->q8_nnz) /* validated; read in place: past nnz, the row's terms are left out */
+            for (; k < end; k++)
+                v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     }
     if (w->q8_bias)
         v += colibri_q8_param(w, (size_t)w->rows + o);
@@ -531,13 +543,46 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_scale4(const colibri_matrix *w, siz
     colibri_q8_param4(w, o, s);
 }
 
-/* v + Σ e · x[col] over the compensation entries k .. end-1 (storage order). */
+/* v + Σ e · x[col] over the compensation entries k .. end-1 (storage order);
+ * end <= nnz, as the callers bound it (colibri_q8_terms, compensate4). */
 static COLIBRI_ALWAYS_INLINE float colibri_q8_add_terms(const colibri_matrix *w, uint32_t k, uint32_t end, const float *x,
                                                     float v)
 {
     for (; k < end; k++)
-        v += colibri_q8_value(w->val[k]) * x[w->col[k]];
+        v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     return v;
+}
+
+#if defined(__GNUC__)
+#define COLIBRI_NOINLINE __attribute__((noinline, unused)) /* unused: a static in a header */
+#else
+#define COLIBRI_NOINLINE
+#endif
+
+/* Four floats: with the hard-float ABI (the Cortex-M7's), passed and
+ * returned in s0-s3. */
+typedef struct colibri_q8_four {
+    float v[4];
+} colibri_q8_four;
+
+/* The compensation terms of four rows with row pointers k0 .. k4, added to
+ * v0 .. v3 in storage order, as four colibri_q8_add_terms calls. Out of
+ * line: only blocks with entries come here, and the kernels' 4-row loops
+ * keep their registers. The row pointers are read in place: valid ones
+ * never decrease and end at nnz (validated); changed since, the block's
+ * terms are left out (wrong numbers, never a read past col and val). */
+static COLIBRI_NOINLINE colibri_q8_four colibri_q8_terms4(const colibri_matrix *w, uint32_t k0, uint32_t k1,
+                                                                uint32_t k2, uint32_t k3, uint32_t k4, const float *x,
+                                                                float v0, float v1, float v2, float v3)
+{
+    colibri_q8_four t = {{v0, v1, v2, v3}};
+    if (k4 <= w->q8_nnz && k1 <= k4 && k2 <= k4 && k3 <= k4) {
+        t.v[0] = colibri_q8_add_terms(w, k0, k1, x, v0);
+        t.v[1] = colibri_q8_add_terms(w, k1, k2, x, v1);
+        t.v[2] = colibri_q8_add_terms(w, k2, k3, x, v2);
+        t.v[3] = colibri_q8_add_terms(w, k3, k4, x, v3);
+    }
+    return t;
 }
 
 /* v[r] = colibri_q8_compensate(w, o + r, x, v[r]) for r < 4: each row's
@@ -559,10 +604,11 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_compensate4(const colibri_matrix *w
             k0 = rp[0], k1 = rp[1], k2 = rp[2], k3 = rp[3], k4 = rp[4];
         }
         if (k0 != k4) { /* any entry in the four rows */
-            v[0] = colibri_q8_add_terms(w, k0, k1, x, v[0]);
-            v[1] = colibri_q8_add_terms(w, k1, k2, x, v[1]);
-            v[2] = colibri_q8_add_terms(w, k2, k3, x, v[2]);
-            v[3] = colibri_q8_add_terms(w, k3, k4, x, v[3]);
+            const colibri_q8_four t = colibri_q8_terms4(w, k0, k1, k2, k3, k4, x, v[0], v[1], v[2], v[3]);
+            v[0] = t.v[0];
+            v[1] = t.v[1];
+            v[2] = t.v[2];
+            v[3] = t.v[3];
         }
     }
     if (w->q8_bias) {

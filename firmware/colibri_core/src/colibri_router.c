@@ -52,8 +52,12 @@ static size_t route_top1(float *z, const colibri_routing *r, float *weight, uint
 {
     colibri_softmax_f32(z, r->routes);
     size_t best = 0;
-    while (r->map[best] < 0) /* validated: some output is kept */
+    /* Validated: some output is kept. Bounded all the same: an image changed
+     * in place after validation may have none left (then nothing is chosen). */
+    while (best < r->routes && r->map[best] < 0)
         best++;
+    if (best == r->routes)
+        return 0;
     for (size_t i = best + 1; i < r->routes; i++)
         if (r->map[i] >= 0 && above(z[i], z[best]))
             best = i;
@@ -86,12 +90,14 @@ static size_t route_softmax_topk(float *z, const colibri_routing *r, float *weig
     return n;
 }
 
-/* Soft mixture: p = softmax(z); every kept expert, weighted by p. */
+/* Soft mixture: p = softmax(z); every kept expert, weighted by p. A valid
+ * map keeps exactly N = top_k (the plan sets it so for this mode); the map
+ * is read in place, so at most N are chosen (the selection holds N). */
 static size_t route_dense(float *z, const colibri_routing *r, float *weight, uint32_t *slot)
 {
     colibri_softmax_f32(z, r->routes);
     size_t n = 0;
-    for (size_t i = 0; i < r->routes; i++) {
+    for (size_t i = 0; i < r->routes && n < r->top_k; i++) {
         if (r->map[i] < 0)
             continue;
         weight[n] = z[i];

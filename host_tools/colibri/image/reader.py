@@ -244,10 +244,11 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             bad(f"{heads} heads over {kv_heads} kv heads (kv heads must divide heads, both >= 1)")
         if hd == 0 or hd % 2:
             bad(f"head_dim {hd} (even, >= 2: RoPE rotates pairs)")
-        if not (math.isfinite(theta) and theta > 0):
-            bad(f"rope_theta {theta}")
-        if msl == 0 or (seq_len and msl != seq_len[0]):
-            bad(f"max_seq_len {msl}" + (f", an earlier record has {seq_len[0]}" if seq_len else ""))
+        if not (math.isfinite(theta) and theta >= F.ROPE_THETA_MIN):
+            bad(f"rope_theta {theta} (finite and >= {F.ROPE_THETA_MIN:g}: RoPE's angles stay below 2^20)")
+        if msl == 0 or msl > F.MAX_SEQ_LEN or (seq_len and msl != seq_len[0]):
+            bad(f"max_seq_len {msl}" + (f", an earlier record has {seq_len[0]}" if seq_len else
+                                        f" (1 .. {F.MAX_SEQ_LEN})"))
         has_norm = q_n != NONE or k_n != NONE
         if (has_norm and not (math.isfinite(eps) and eps > 0)) or (not has_norm and eps != 0):
             bad(f"qk_norm_eps {eps} (finite and > 0 with a q/k norm, 0 without)")

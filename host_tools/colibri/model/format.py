@@ -79,6 +79,14 @@ Q4_PARAMS_FIELDS = struct.Struct("<IBBH")  # the header: nnz, group_log2, flags,
 Q4_GROUP_LOG2_MIN = 3  # groups of 8 .. 256 columns share one f16 scale
 Q4_GROUP_LOG2_MAX = 8
 
+# RoPE's admissible range (docs/lm.md "Attention record"): with rope_theta >= 1 every inverse
+# frequency theta^(-2j/hd) is at most 1, so with positions below MAX_SEQ_LEN = 2^20 every angle is
+# below 2^20, where the engine's double cos/sin (argument reduction by π/2 in three parts) is exact
+# to the last bit the reference's np.cos gives. A smaller theta or a longer cache is BAD_ATTENTION.
+# (The header carries MAX_SEQ_LEN; the C validator writes the theta bound as 1.0f.)
+ROPE_THETA_MIN = 1.0
+MAX_SEQ_LEN = 1 << 20
+
 
 class Q4Flag(enum.IntFlag):
     """Q4_PARAMS flags byte."""
@@ -318,6 +326,7 @@ def c_header() -> str:
         f"#define COLIBRI_Q4_FLAG_BIAS {int(Q4Flag.BIAS)}u",
         f"#define COLIBRI_Q4_GROUP_LOG2_MIN {Q4_GROUP_LOG2_MIN}u",
         f"#define COLIBRI_Q4_GROUP_LOG2_MAX {Q4_GROUP_LOG2_MAX}u",
+        f"#define COLIBRI_MAX_SEQ_LEN {MAX_SEQ_LEN}u",
         "",
     ]
     for name, rec in _RECORDS.items():

@@ -7,12 +7,13 @@ speed.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import numpy as np
 
 from ..model.errors import error_for
-from ..model.sampler import check_sampler
+from ..model.sampler import check_sampler, integer_arg
 from ..model.format import Act, DType, ExpertKind, Routing, Status
 from ..model.ir import (
     Activation, Attention, Embedding, Expert, F16Weight, Graph, LayerNorm, Linear, MoE, Q4Weight, Q8Weight,
@@ -359,7 +360,7 @@ class Rng:
     _MASK = (1 << 64) - 1
 
     def __init__(self, seed: int = 0) -> None:
-        self.state = int(seed) & self._MASK
+        self.state = integer_arg("seed", seed) & self._MASK
 
     def next(self) -> int:
         self.state = (self.state + self._GAMMA) & self._MASK
@@ -477,6 +478,8 @@ class LMState:
         The prompt runs in chunks of max_batch tokens; each drawn token is fed back one at a time
         (the last one is not fed). One Rng(seed) draws every sampled token."""
         check_sampler(temperature, top_k, top_p)
+        max_new_tokens = integer_arg("max_new_tokens", max_new_tokens)
+        integer_arg("seed", seed)
         prompt = np.asarray(prompt_ids).reshape(-1)
         if prompt.size == 0:
             raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
@@ -581,6 +584,10 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
         g = h // group
         scores = ((q[:, h, :] @ keys[:, g, :].T).astype(f32) * scale).astype(f32)  # [n, t]
         future = pos[:, None] < np.arange(position + n)[None, :]
-        scores = np.where(future, f32(-np.inf), scores)
-        out[:, h, :] = (_softmax(scores) @ values[:, g, :]).astype(f32)
+        probs = _softmax(np.where(future, f32(-np.inf), scores))
+        # Causal in the values too (docs/lm.md "Semantics"): row i reads positions 0 .. its own and
+        # nothing later, so a NaN or inf in a later row's value cannot reach it through 0 · NaN.
+        for i in range(n):
+            t = position + i + 1
+            out[i, h, :] = (probs[i, :t] @ values[:t, g, :]).astype(f32)
     return linear(out.reshape(n, heads * hd), a.o_w, a.o_b)

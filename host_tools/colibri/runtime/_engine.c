@@ -27,6 +27,13 @@
 #define COLIBRI_SOURCE_HASH "unknown"
 #endif
 
+/* A context's arena (below: "Arena and Lease"). */
+typedef struct {
+    PyObject_HEAD
+    void *mem;
+    size_t size;
+} ArenaObject;
+
 /* ---- File: a mapped model file ---- */
 
 typedef struct {
@@ -41,7 +48,8 @@ typedef struct {
     PyObject_HEAD
     Py_buffer image_view; /* the caller's buffer, held for the context's life */
     void *image_copy;     /* aligned copy when the buffer is not 4-byte aligned */
-    void *arena;
+    void *arena;             /* arena_owner's memory */
+    ArenaObject *arena_owner;
     colibri_ctx *ctx;
     colibri_model_info info;
     PyThread_type_lock lock; /* one forward at a time per context; contexts run in parallel */
@@ -302,6 +310,103 @@ static PyTypeObject FileType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ---- Arena and Lease: memory lent to Python outlives the context that lent it ----
+ *
+ * A Context's arena is an Arena object, so the memory stays allocated while anything still
+ * refers to it. The expert hook's rows are memoryviews of Lease objects: each a window onto the
+ * arena (or onto the caller's input or output buffer, which the lease then holds) that keeps
+ * its owner alive. When the call returns the lease is revoked (no new export) and its
+ * memoryview released, so using it raises; an array the hook made from it and kept holds the
+ * memory alive instead: writing it later changes numbers of a later pass at worst, never freed
+ * memory. */
+
+static void Arena_dealloc(ArenaObject *self) {
+    PyMem_RawFree(self->mem);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject ArenaType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._engine.Arena",
+    .tp_basicsize = sizeof(ArenaObject),
+    .tp_dealloc = (destructor)Arena_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A context's arena, alive while a context or a lease refers to it.",
+};
+
+/* A new Arena of `bytes` (8-byte aligned, as PyMem_RawMalloc), or NULL with MemoryError. */
+static ArenaObject *arena_new(size_t bytes) {
+    ArenaObject *a = PyObject_New(ArenaObject, &ArenaType);
+    if (a == NULL) {
+        return NULL;
+    }
+    a->size = bytes;
+    a->mem = PyMem_RawMalloc(bytes ? bytes : 1u);
+    if (a->mem == NULL) {
+        Py_DECREF(a);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return a;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *owner; /* what keeps the memory allocated: an Arena or the caller's buffer object */
+    void *buf;
+    Py_ssize_t len;
+    int readonly;
+    int revoked;     /* the call returned: no new export */
+} LeaseObject;
+
+static void Lease_dealloc(LeaseObject *self) {
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Lease_getbuffer(LeaseObject *self, Py_buffer *view, int flags) {
+    if (self->revoked) {
+        PyErr_SetString(PyExc_ValueError, "the engine's rows are valid during the expert call only");
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, self->readonly, flags);
+}
+
+static PyBufferProcs Lease_as_buffer = {.bf_getbuffer = (getbufferproc)Lease_getbuffer};
+
+static PyTypeObject LeaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._engine.Lease",
+    .tp_basicsize = sizeof(LeaseObject),
+    .tp_dealloc = (destructor)Lease_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A window onto memory the engine lends a callback for one call.",
+    .tp_as_buffer = &Lease_as_buffer,
+};
+
+/* A memoryview of [p, p + bytes) through a new Lease holding `owner`; *lease receives it. */
+static PyObject *lease_view(PyObject *owner, const void *p, size_t bytes, int writable, LeaseObject **lease) {
+    LeaseObject *l = PyObject_New(LeaseObject, &LeaseType);
+    *lease = NULL;
+    if (l == NULL) {
+        return NULL;
+    }
+    Py_INCREF(owner);
+    l->owner = owner;
+    l->buf = (void *)(uintptr_t)p;
+    l->len = (Py_ssize_t)bytes;
+    l->readonly = !writable;
+    l->revoked = 0;
+    PyObject *view = PyMemoryView_FromObject((PyObject *)l);
+    if (view == NULL) {
+        Py_DECREF(l);
+        return NULL;
+    }
+    *lease = l;
+    return view;
+}
+
 /* ---- Context ---- */
 
 static const void *image_bytes(ContextObject *self) {
@@ -315,7 +420,7 @@ static void Context_dealloc(ContextObject *self) {
     if (self->lock != NULL) {
         PyThread_free_lock(self->lock);
     }
-    PyMem_RawFree(self->arena);
+    Py_XDECREF(self->arena_owner); /* the memory goes with the last lease of it */
     PyMem_RawFree(self->image_copy);
     if (self->has_view) {
         PyBuffer_Release(&self->image_view);
@@ -368,11 +473,10 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         PyErr_NoMemory();
         return -1;
     }
-    self->arena = PyMem_RawMalloc(arena_size);
-    if (self->arena == NULL) {
-        PyErr_NoMemory();
+    if ((self->arena_owner = arena_new(arena_size)) == NULL) {
         return -1;
     }
+    self->arena = self->arena_owner->mem;
     st = colibri_init_ex(&self->ctx, self->arena, arena_size, image_bytes(self), len, check);
     if (st == COLIBRI_OK && reference) {
         st = colibri_set_kernels(self->ctx, COLIBRI_KERNELS_REFERENCE);
@@ -383,6 +487,23 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     return 0;
+}
+
+/* The context, or NULL with EngineError(BAD_CONTEXT) set: a Context made by __new__ without a
+ * successful __init__ (or whose __init__ failed) has no engine context and no lock, and every
+ * method refuses it rather than dereference either. */
+static colibri_ctx *ready(ContextObject *self) {
+    if (self->ctx == NULL || self->lock == NULL) {
+        raise_status(COLIBRI_E_BAD_CONTEXT);
+        return NULL;
+    }
+    return self->ctx;
+}
+
+/* COLIBRI_OK, or FILE_CHANGED once a mapped model's file no longer has the size that was mapped:
+ * checked before every pass that reads the mapping, as the truncated pages would raise SIGBUS. */
+static colibri_status file_unchanged(const ContextObject *self) {
+    return self->file != NULL && self->file->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
 }
 
 /* colibri_exec.on_route into a Python callable: on_route(layer, experts, tokens) with the
@@ -438,13 +559,26 @@ typedef struct expert_hook {
     int raised;
     const uint8_t *image;
     size_t batch;
+    /* Where rows may lie, each with the object that keeps it allocated: the arena, and the
+     * caller's input and output (read or written in place by the first and last layers). */
+    PyObject *owner[3];
+    const uint8_t *start[3];
+    size_t size[3];
 } expert_hook;
 
-static PyObject *rows_view(const void *p, size_t bytes, int writable) {
+static PyObject *rows_view(const expert_hook *h, const void *p, size_t bytes, int writable, LeaseObject **lease) {
+    *lease = NULL;
     if (p == NULL) {
         Py_RETURN_NONE;
     }
-    return PyMemoryView_FromMemory((char *)(uintptr_t)p, (Py_ssize_t)bytes, writable ? PyBUF_WRITE : PyBUF_READ);
+    const uint8_t *b = p;
+    for (int i = 0; i < 3; i++) {
+        if (h->owner[i] != NULL && b >= h->start[i] && bytes <= h->size[i] && (size_t)(b - h->start[i]) <= h->size[i] - bytes) {
+            return lease_view(h->owner[i], p, bytes, writable, lease);
+        }
+    }
+    PyErr_SetString(PyExc_SystemError, "expert rows outside the arena and the caller's buffers");
+    return NULL;
 }
 
 static colibri_status py_expert(void *user, const colibri_expert_call *c) {
@@ -453,10 +587,12 @@ static colibri_status py_expert(void *user, const colibri_expert_call *c) {
     const void *payload[6] = {c->w1, c->w2, c->w3, c->b1, c->b2, c->b3};
     PyObject *offsets = PyTuple_New(6);
     const size_t x_n = c->x_rows ? h->batch : c->n, y_n = c->y_rows ? h->batch : c->n;
-    PyObject *view[5] = {rows_view(c->x, x_n * c->d * sizeof(float), 0),
-                         rows_view(c->x_rows, c->n * sizeof(uint16_t), 0), rows_view(c->gate, c->n * sizeof(float), 0),
-                         rows_view(c->y, y_n * c->d * sizeof(float), 1),
-                         rows_view(c->y_rows, c->n * sizeof(uint16_t), 0)};
+    LeaseObject *lease[5];
+    PyObject *view[5] = {rows_view(h, c->x, x_n * c->d * sizeof(float), 0, &lease[0]),
+                         rows_view(h, c->x_rows, c->n * sizeof(uint16_t), 0, &lease[1]),
+                         rows_view(h, c->gate, c->n * sizeof(float), 0, &lease[2]),
+                         rows_view(h, c->y, y_n * c->d * sizeof(float), 1, &lease[3]),
+                         rows_view(h, c->y_rows, c->n * sizeof(uint16_t), 0, &lease[4])};
     int ok = offsets != NULL;
     for (int i = 0; i < 5; i++)
         ok = ok && view[i] != NULL;
@@ -486,6 +622,9 @@ static colibri_status py_expert(void *user, const colibri_expert_call *c) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     for (int i = 0; i < 5; i++) {
+        if (lease[i] != NULL) {
+            lease[i]->revoked = 1;
+        }
         if (view[i] != NULL && view[i] != Py_None) {
             PyObject *r = PyObject_CallMethod(view[i], "release", NULL);
             if (r == NULL)
@@ -506,8 +645,8 @@ static colibri_status py_expert(void *user, const colibri_expert_call *c) {
  * advised in and verified on first use before they run. */
 static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject *out_obj, Py_ssize_t batch,
                                  PyObject *fn, PyObject *expert_fn) {
-    if (self->ctx == NULL) {
-        return raise_status(COLIBRI_E_BAD_CONTEXT);
+    if (ready(self) == NULL) {
+        return NULL;
     }
     if (batch < 0) {
         return raise_status(COLIBRI_E_BAD_BATCH);
@@ -528,7 +667,10 @@ static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject
         int st;
         route_call rc = {fn, 0, self->file != NULL && self->advise ? self->file->file : NULL};
         colibri_exec exec = COLIBRI_EXEC_INIT;
-        expert_hook eh = {expert_fn, 0, image_bytes(self), (size_t)batch};
+        expert_hook eh = {expert_fn, 0, image_bytes(self), (size_t)batch,
+                          {(PyObject *)self->arena_owner, in_obj, out_obj},
+                          {self->arena, in.buf, out.buf},
+                          {self->arena_owner->size, (size_t)in.len, (size_t)out.len}};
         if (expert_fn != NULL) {
             exec.expert = py_expert;
             exec.expert_user = &eh;
@@ -542,7 +684,7 @@ static PyObject *context_forward(ContextObject *self, PyObject *in_obj, PyObject
         }
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        st = self->file != NULL ? colibri_file_check(self->file->file) : COLIBRI_OK;
+        st = file_unchanged(self);
         if (st == COLIBRI_OK && (exec.on_route != NULL || exec.expert != NULL))
             st = colibri_forward_ex(self->ctx, &exec, (size_t)batch, (const float *)in.buf, (size_t)(in.len / 4),
                                     (float *)out.buf, (size_t)(out.len / 4));
@@ -604,8 +746,18 @@ static PyObject *Context_info(ContextObject *self, PyObject *Py_UNUSED(ignored))
 
 /* ---- Token models (docs/lm.md) ---- */
 
+/* Under the context's lock, as every call that reads or writes the sequence: a reset from one
+ * thread waits for a forward or a generation running in another instead of cutting into it. */
 static PyObject *Context_lm_reset(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
-    int st = colibri_lm_reset(self->ctx);
+    if (ready(self) == NULL) {
+        return NULL;
+    }
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    st = colibri_lm_reset(self->ctx);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
     if (st != COLIBRI_OK) {
         return raise_status(st);
     }
@@ -614,7 +766,15 @@ static PyObject *Context_lm_reset(ContextObject *self, PyObject *Py_UNUSED(ignor
 
 static PyObject *Context_lm_position(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
     uint32_t pos = 0;
-    int st = colibri_lm_position(self->ctx, &pos);
+    if (ready(self) == NULL) {
+        return NULL;
+    }
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    st = colibri_lm_position(self->ctx, &pos);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
     if (st != COLIBRI_OK) {
         return raise_status(st);
     }
@@ -626,7 +786,7 @@ static PyObject *Context_lm_position(ContextObject *self, PyObject *Py_UNUSED(ig
 static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
     PyObject *tok_obj, *out_obj;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &tok_obj, &out_obj, &n)) {
+    if (!PyArg_ParseTuple(args, "OOn", &tok_obj, &out_obj, &n) || ready(self) == NULL) {
         return NULL;
     }
     if (n < 0 || n > (Py_ssize_t)UINT32_MAX) {
@@ -651,8 +811,10 @@ static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
         int st;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        st = colibri_lm_forward(self->ctx, (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
-                                (size_t)(out.len / 4));
+        st = file_unchanged(self);
+        if (st == COLIBRI_OK)
+            st = colibri_lm_forward(self->ctx, (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
+                                    (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
@@ -670,7 +832,7 @@ static PyObject *Context_lm_sample(ContextObject *self, PyObject *args) {
     float temperature, top_p;
     unsigned int top_k;
     unsigned long long state;
-    if (!PyArg_ParseTuple(args, "OfIfK", &obj, &temperature, &top_k, &top_p, &state)) {
+    if (!PyArg_ParseTuple(args, "OfIfK", &obj, &temperature, &top_k, &top_p, &state) || ready(self) == NULL) {
         return NULL;
     }
     Py_buffer row;
@@ -704,7 +866,8 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
     float temperature, top_p;
     unsigned int top_k;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OnfIfK", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed)) {
+    if (!PyArg_ParseTuple(args, "OnfIfK", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed) ||
+        ready(self) == NULL) {
         return NULL;
     }
     if (max_new < 0) {
@@ -740,7 +903,8 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
         size_t last = 0; /* the row of the latest token's logits */
         for (size_t at = 0; st == COLIBRI_OK && at < n_prompt; at += chunk) {
             const size_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
-            st = colibri_lm_forward(self->ctx, p + at, (uint32_t)n, logits, n * vocab);
+            if ((st = file_unchanged(self)) == COLIBRI_OK)
+                st = colibri_lm_forward(self->ctx, p + at, (uint32_t)n, logits, n * vocab);
             last = n - 1;
         }
         while (st == COLIBRI_OK && made < (size_t)max_new) {
@@ -748,7 +912,7 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
             if (st != COLIBRI_OK)
                 break;
             /* The last new token needs no forward: nothing reads its logits. */
-            if (++made < (size_t)max_new) {
+            if (++made < (size_t)max_new && (st = file_unchanged(self)) == COLIBRI_OK) {
                 st = colibri_lm_forward(self->ctx, &ids[made - 1], 1, logits, vocab);
                 last = 0;
             }
@@ -776,6 +940,9 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
 }
 
 static PyObject *Context_kernels(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (ready(self) == NULL) {
+        return NULL;
+    }
     return PyUnicode_FromString(colibri_kernels_name(self->ctx));
 }
 
@@ -881,7 +1048,8 @@ static struct PyModuleDef engine_module = {
 };
 
 PyMODINIT_FUNC PyInit__engine(void) {
-    if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&FileType) < 0) {
+    if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&FileType) < 0 || PyType_Ready(&ArenaType) < 0 ||
+        PyType_Ready(&LeaseType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&engine_module);

@@ -1,9 +1,12 @@
 """`colibri.Model`: the C engine from CPython."""
 from __future__ import annotations
 
+import errno
+import operator
 import os
+import stat
+import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 
@@ -11,7 +14,7 @@ from . import _engine, sources
 from ..model.errors import error_for
 from ..model.format import Status
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
-from ..model.sampler import check_sampler
+from ..model.sampler import check_sampler, integer_arg
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
 
 # Tests run through this binding: in a checkout, a binary built from older C sources must not pass them.
@@ -95,7 +98,9 @@ def open_file(path: str | os.PathLike, *, verify: str = "on_use", lock=None) -> 
     except _engine.EngineError as exc:
         status, _, err, limit, want, layer, expert = exc.args
         detail = f"{path}"
-        if err:
+        if err == errno.ENODEV:
+            detail += f": not a regular file ({_file_kind(path)})"
+        elif err:
             detail += f": {os.strerror(err)}"
         if status == int(Status.MLOCK_FAILED):
             lim = "unlimited" if limit == 2**64 - 1 else f"{limit:,} bytes"
@@ -103,6 +108,39 @@ def open_file(path: str | os.PathLike, *, verify: str = "on_use", lock=None) -> 
         elif status in (int(Status.NO_SUCH_EXPERT), int(Status.BAD_PAYLOAD_CRC)) and (layer or expert):
             detail += f" (MoE layer {layer}, expert {expert})"
         raise error_for(status, detail) from None
+
+
+def _file_kind(path) -> str:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "gone"
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+
+
+def read_model_file(path: str | os.PathLike) -> bytes:
+    """The bytes of a model file, as the POSIX layer opens one: non-blocking, so a FIFO or a device
+    cannot stall the caller waiting for a writer, and anything but a regular file is refused
+    (ModelFileError, FILE_OPEN) before a byte is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise error_for(Status.FILE_NOT_FOUND, os.fspath(path)) from None
+    except OSError as exc:
+        raise error_for(Status.FILE_OPEN, f"{os.fspath(path)}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+            raise error_for(Status.FILE_OPEN, f"{os.fspath(path)}: not a regular file ({kind})")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
 
 
 def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool):
@@ -113,7 +151,7 @@ def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise
     if lock is not None:
         raise ValueError("lock applies to a mapped file: pass the path, without copy=True")
     if isinstance(source, (str, os.PathLike)):
-        source = Path(source).read_bytes()
+        source = read_model_file(source)
     image = bytes(source)
     return None, image, _call(_engine.Context, image, reference_kernels)
 
@@ -135,6 +173,20 @@ class ExpertCall:
         self.x_rows = None if x_rows is None else np.frombuffer(x_rows, dtype=np.uint16)
         self.y_rows = None if y_rows is None else np.frombuffer(y_rows, dtype=np.uint16)
         self.gate = None if gate is None else np.frombuffer(gate, dtype=np.float32)
+
+    _ROWS = ("x", "y", "x_rows", "y_rows", "gate")
+
+    def _end(self) -> None:
+        """The call returned: the engine's rows are gone from this object (reading one raises);
+        the binding has released its views of them."""
+        for name in self._ROWS:
+            self.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str):
+        if name in ExpertCall._ROWS:
+            raise ValueError(f"ExpertCall.{name} is valid during the call only: the engine's rows are lent "
+                             f"for the hook's call, not kept (docs/accelerator.md)")
+        raise AttributeError(name)
 
     def __repr__(self) -> str:
         return (f"ExpertCall(layer={self.layer}, expert={self.expert}, {self.spec.kind.name} {self.spec.act.name}, "
@@ -239,7 +291,11 @@ class Model:
 
         def hook(layer, record, kind, act, d, hidden, offsets, n, x, x_rows, gate, y, y_rows) -> bool:
             spec = self._experts_by_w1[offsets[0]]
-            return bool(expert(ExpertCall(layer, record, spec, d, hidden, n, x, x_rows, gate, y, y_rows)))
+            call = ExpertCall(layer, record, spec, d, hidden, n, x, x_rows, gate, y, y_rows)
+            try:
+                return bool(expert(call))
+            finally:
+                call._end()
 
         return hook
 
@@ -281,6 +337,11 @@ class LM:
         self.max_batch: int = info["max_batch"]
         self.arena_size: int = info["arena_size"]
         self.kv_cache_bytes: int = info["kv_cache_bytes"]
+        # One sequence, so one change to it at a time: every call that changes it (reset,
+        # forward_tokens, generate, a stream's step) holds this lock and bumps _epoch; a stream
+        # refuses to go on once anything else changed its sequence (docs/threading.md).
+        self._sequence_lock = threading.Lock()
+        self._epoch = 0
 
     @property
     def position(self) -> int:
@@ -289,7 +350,9 @@ class LM:
 
     def reset(self) -> None:
         """Empties the KV cache: the next token is at position 0."""
-        _call(self._ctx.lm_reset)
+        with self._sequence_lock:
+            _call(self._ctx.lm_reset)
+            self._epoch += 1
 
     def _ids(self, ids, what: str) -> np.ndarray:
         arr = np.asarray(ids)
@@ -310,16 +373,23 @@ class LM:
         """Appends ids to the sequence; returns their logits, float32 [len(ids), vocab]. Nothing is
         appended if any id is outside the vocabulary or the cache cannot hold them all."""
         tokens = self._ids(ids, "ids")
+        with self._sequence_lock:
+            return self._forward_locked(tokens)
+
+    def _forward_locked(self, tokens: np.ndarray) -> np.ndarray:
         self._room(len(tokens))
         out = np.empty((len(tokens), self.vocab_size), dtype=np.float32)
         for start in range(0, len(tokens), self.max_batch):
             chunk = tokens[start : start + self.max_batch]
             _call(self._ctx.lm_forward, chunk, out[start : start + len(chunk)], len(chunk))
+        self._epoch += 1
         return out
 
     def _check_generation(self, prompt_ids, max_new_tokens: int, temperature: float, top_k: int,
-                          top_p: float) -> np.ndarray:
+                          top_p: float, seed: int) -> np.ndarray:
         check_sampler(temperature, top_k, top_p)
+        max_new_tokens = integer_arg("max_new_tokens", max_new_tokens)
+        integer_arg("seed", seed)
         prompt = self._ids(prompt_ids, "prompt_ids")
         if len(prompt) == 0:
             raise error_for(Status.BAD_BATCH, "an empty prompt: give at least one token")
@@ -337,34 +407,51 @@ class LM:
         `generate` returns (the same checks, all made before the first token; the same C sampler and
         SplitMix64 state, carried from draw to draw). `stop`: an id that ends the stream once
         yielded (an end-of-text token). The loop runs in Python, one C call a token."""
-        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p)
-        return self._stream(prompt, max_new_tokens, float(temperature), int(top_k), float(top_p),
-                            int(seed) % 2**64, stop)
+        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
+        return self._stream(prompt, operator.index(max_new_tokens), float(temperature), operator.index(top_k),
+                            float(top_p), operator.index(seed) % 2**64, stop)
+
+    def _stream_step(self, epoch: int | None, tokens: np.ndarray) -> tuple[np.ndarray, int]:
+        """One step of a stream under the sequence lock: (last row's logits, the new epoch). epoch
+        None starts the sequence (a reset first); otherwise the sequence must be as the stream left it."""
+        with self._sequence_lock:
+            if epoch is None:
+                _call(self._ctx.lm_reset)
+            elif epoch != self._epoch:
+                raise RuntimeError("LM.stream: another call (reset, forward_tokens, generate or another stream) "
+                                   "changed this LM's sequence since the stream's last token; one LM holds one "
+                                   "sequence (docs/threading.md): use an LM per concurrent stream")
+            logits = self._forward_locked(tokens)[-1]
+            return logits, self._epoch
 
     def _stream(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                 state: int, stop: int | None) -> Iterator[int]:
-        self.reset()
         if max_new_tokens == 0:
+            self.reset()
             return
-        logits = self.forward_tokens(prompt)[-1]
+        logits, epoch = self._stream_step(None, prompt)
         for made in range(1, max_new_tokens + 1):
             token, state = _call(self._ctx.lm_sample, logits, temperature, top_k, top_p, state)
             yield token
             if made == max_new_tokens or token == stop:
                 return
-            logits = self.forward_tokens(np.array([token], dtype=np.int32))[0]
+            logits, epoch = self._stream_step(epoch, np.array([token], dtype=np.int32))
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> list[int]:
         """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
         last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
         is its twin: the same checks in the same order, the same draws)."""
-        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p)
-        self.reset()
-        if max_new_tokens == 0:
-            return []
-        return _call(self._ctx.lm_generate, prompt, int(max_new_tokens), float(temperature), int(top_k),
-                     float(top_p), int(seed) % 2**64)
+        prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
+        # One lock over the whole generation (lm_generate resets, then runs the loop in C): a
+        # reset() or forward_tokens() from another thread waits for it instead of cutting in.
+        with self._sequence_lock:
+            self._epoch += 1
+            if operator.index(max_new_tokens) == 0:
+                _call(self._ctx.lm_reset)
+                return []
+            return _call(self._ctx.lm_generate, prompt, operator.index(max_new_tokens), float(temperature),
+                         operator.index(top_k), float(top_p), operator.index(seed) % 2**64)
 
     def __repr__(self) -> str:
         return (f"colibri.LM(vocab={self.vocab_size}, max_seq_len={self.max_seq_len}, max_batch={self.max_batch}, "

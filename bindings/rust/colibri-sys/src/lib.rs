@@ -39,6 +39,7 @@ pub const COLIBRI_Q4_PARAMS_HEADER: u32 = 8;
 pub const COLIBRI_Q4_FLAG_BIAS: u32 = 1;
 pub const COLIBRI_Q4_GROUP_LOG2_MIN: u32 = 3;
 pub const COLIBRI_Q4_GROUP_LOG2_MAX: u32 = 8;
+pub const COLIBRI_MAX_SEQ_LEN: u32 = 1048576;
 pub const COLIBRI_HEADER_SIZE: u32 = 80;
 pub const COLIBRI_TENSOR_SIZE: u32 = 24;
 pub const COLIBRI_LAYER_SIZE: u32 = 32;
