@@ -842,7 +842,7 @@ static void row_task(void *arg, size_t t, size_t worker)
     j->c->k.linear(pc->x, NULL, 1, &w, pc->b ? pc->b + r0 : NULL, pc->xq, pc->y + r0);
 }
 
-static colibri_status run_rows(const run_opts *o, row_job *j)
+static NOINLINE colibri_status run_rows(const run_opts *o, row_job *j)
 {
     size_t tasks = 0;
     for (size_t p = 0; p < j->pieces; p++)
@@ -959,8 +959,10 @@ static uint64_t lm_experts_macs(const colibri_ctx *c, const colibri_plan_moe *mo
     return macs;
 }
 
-/* y [1, d] of one MoE layer at decode, after dispatch (moe_forward). */
-static colibri_status moe_decode_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_moe *moe,
+/* y [1, d] of one MoE layer at decode, after dispatch (moe_forward). Not
+ * inlined, as the row-block helpers below: their jobs stay off the frames
+ * of the single-threaded path, whose stack a device budgets. */
+static NOINLINE colibri_status moe_decode_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_moe *moe,
                                       const float *x, const float *gate, float *y)
 {
     const size_t d = moe->d;
@@ -1135,6 +1137,14 @@ static void linear_task(void *arg, size_t t, size_t worker)
     a->c->k.linear(a->x + t0 * in, NULL, n, a->w, a->b, a->q ? &q : NULL, a->y + t0 * out);
 }
 
+/* y = x Wᵀ + b for one row x, in row blocks on the workers. */
+static NOINLINE colibri_status linear_rows(const colibri_ctx *c, const run_opts *o, const colibri_matrix *w,
+                                           const float *b, const colibri_qrows *q, const float *x, float *y)
+{
+    row_job j = {c, {{w, b, x, q, y, 0}}, 1};
+    return run_rows(o, &j);
+}
+
 /* y = x Wᵀ + b over batch tokens (q: their int8 rows, or NULL); the tokens
  * split across the workers when there are several and the matrix is large
  * enough, and (a token model) one token's rows split in blocks. */
@@ -1142,10 +1152,8 @@ static colibri_status linear_split(const colibri_ctx *c, const run_opts *o, cons
                                    const colibri_qrows *q, const float *x, float *y, size_t batch)
 {
     const size_t in = w->cols, workers = o && o->region ? o->exec.workers : 1;
-    if (lm_parallel(c, o) && batch == 1 && (uint64_t)in * w->rows >= LM_PAR_MIN_MACS) {
-        row_job j = {c, {{w, b, x, q, y, 0}}, 1};
-        return run_rows(o, &j);
-    }
+    if (lm_parallel(c, o) && batch == 1 && (uint64_t)in * w->rows >= LM_PAR_MIN_MACS)
+        return linear_rows(c, o, w, b, q, x, y);
     if (workers > 1 && batch >= 8 && (uint64_t)batch * in * w->rows >= PAR_LINEAR_MIN_MACS) {
         size_t chunk = (batch + workers - 1) / workers;
         chunk = (chunk + 3u) & ~(size_t)3u;
@@ -1193,6 +1201,18 @@ static void rope_table(float *rope, size_t n, uint32_t pos, float theta, size_t 
  * pos+n-1: their keys and values join the cache, each row attends to every
  * cached position up to its own. *rope_for is the (theta, hd) the context's
  * rope table holds for this call's rows, so layers alike share it. */
+/* One row's q, k and v as one loop over the three matrices' row blocks. */
+static NOINLINE colibri_status qkv_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
+                                        const float *x)
+{
+    row_job j = {c,
+                 {{&a->q, a->q_bias, x, NULL, c->att_q, 0},
+                  {&a->k, a->k_bias, x, NULL, c->att_k, 0},
+                  {&a->v, a->v_bias, x, NULL, c->att_v, 0}},
+                 3};
+    return run_rows(o, &j);
+}
+
 /* q, k, v [n, *] = the projections of x [n, d]: at decode on workers as
  * one loop over the three matrices' row blocks. */
 static colibri_status attention_qkv(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
@@ -1200,14 +1220,8 @@ static colibri_status attention_qkv(const colibri_ctx *c, const run_opts *o, con
 {
     colibri_status st;
     if (lm_parallel(c, o) && n == 1 &&
-        ((uint64_t)a->q.rows + a->k.rows + a->v.rows) * a->q.cols >= LM_PAR_MIN_MACS) {
-        row_job j = {c,
-                     {{&a->q, a->q_bias, x, NULL, c->att_q, 0},
-                      {&a->k, a->k_bias, x, NULL, c->att_k, 0},
-                      {&a->v, a->v_bias, x, NULL, c->att_v, 0}},
-                     3};
-        return run_rows(o, &j);
-    }
+        ((uint64_t)a->q.rows + a->k.rows + a->v.rows) * a->q.cols >= LM_PAR_MIN_MACS)
+        return qkv_rows(c, o, a, x);
     if ((st = linear_split(c, o, &a->q, a->q_bias, NULL, x, c->att_q, n)) < 0 ||
         (st = linear_split(c, o, &a->k, a->k_bias, NULL, x, c->att_k, n)) < 0)
         return st;
