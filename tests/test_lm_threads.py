@@ -22,10 +22,11 @@ from colibri.format import DType
 import lmmodels
 from conftest import build_c_tests
 
-# Matrices large enough for decode to split them in row blocks (64 rows), with partial last
-# blocks: d 256, q 256 and k, v 128 rows, experts of 200 hidden rows, a 300-token head; 96
-# positions, so late decode steps run the heads in parallel too.
-SHAPE = dict(vocab=300, d=256, heads=4, kv_heads=2, hd=64, max_seq_len=96, max_batch=8, hidden=200)
+# Matrices large enough for decode to split them in row blocks (64 rows; from 2^17 weights a loop,
+# colibri_engine.c LM_PAR_MIN_MACS), with partial last blocks: d 256, q 512 and k, v 128 rows, o
+# 256 x 512, experts of 200 hidden rows, a 520-token head; 96 positions, so decode steps from
+# position 31 on run the heads in parallel too.
+SHAPE = dict(vocab=520, d=256, heads=8, kv_heads=2, hd=64, max_seq_len=96, max_batch=8, hidden=200)
 CONFIGS = {
     "f32": dict(),
     "f32-bias-qknorm": dict(bias=True, qk_norm="head"),
@@ -83,7 +84,7 @@ def test_the_arena_for_workers_is_pinned(images: list[Path]) -> None:
     """colibri_model_size_ex's token-model share, byte for byte (f32, no int8 rows): each extra worker
     holds two hidden buffers [B, H] and one head's scores [max_seq_len]; the shared part the staging
     rows [B (K + S), W], the task table (N + S) x 3, one token's active experts' hidden rows
-    [K + S, H] and a status per task (the most of any loop: here the 256 q rows bound the heads)."""
+    [K + S, H] and a status per task (the most of any loop: here the 512 q rows bound the heads)."""
     data = images[0].read_bytes()
     one, two, three = (colibri.arena_size(data, workers=w) for w in (1, 2, 3))
     assert one == colibri.arena_size(data)

@@ -39,7 +39,7 @@ FEATURE_MODELS = [("feat0-f32", 0, "f32"), ("feat1-f16", 1, "f16"), ("feat2-q8",
 # (name, token_model seed and options, temperature, top_k, top_p, seed, new tokens)
 LM_MODELS = [("lm-greedy", 3, {}, 0.0, 0, 1.0, 0, 10),
              ("lm-sampled", 4, dict(kv_dtype=colibri.format.DType.F16), 0.8, 12, 0.9, 1234, 12),
-             # large enough for colibri_lm_forward_ex to split one token's matrices in row blocks
+             # experts large enough for colibri_lm_forward_ex to run one token's in row blocks
              ("lm-wide", 5, dict(vocab=300, d=128, heads=4, kv_heads=2, hd=32, hidden=200, max_seq_len=40),
               0.7, 20, 1.0, 77, 10)]
 

@@ -747,8 +747,12 @@ static void expert_task(void *arg, size_t t, size_t worker)
  * element is computed by the same kernel over the same inputs as in one call
  * over the whole matrix, so the bits do not depend on the split. */
 
-/* A parallel loop at decode is worth its hand-off from this many MACs on. */
-#define LM_PAR_MIN_MACS (1u << 15)
+/* A parallel loop at decode is worth its hand-off (a wake-up of the pool's
+ * threads, some microseconds) from this many MACs on: a matrix of 128K
+ * weights, about 10-40 us of one core's kernels. The heads' loop, whose
+ * tasks touch the KV cache rather than weights, from a quarter of it. */
+#define LM_PAR_MIN_MACS (1u << 17)
+#define LM_PAR_MIN_HEAD_MACS (LM_PAR_MIN_MACS / 4u)
 
 /* Whether this pass runs a token model on several workers. */
 static int lm_parallel(const colibri_ctx *c, const run_opts *o)
@@ -1269,7 +1273,7 @@ static colibri_status attention_heads(const colibri_ctx *c, const run_opts *o, c
 {
     head_job j = {c, o, a, n, pos, NULL};
     const uint64_t macs = 2u * (uint64_t)n * a->heads * a->head_dim * (pos + n);
-    if (lm_parallel(c, o) && a->heads > 1 && macs >= LM_PAR_MIN_MACS) {
+    if (lm_parallel(c, o) && a->heads > 1 && macs >= LM_PAR_MIN_HEAD_MACS) {
         float *hidden;
         lm_region(c, o, &hidden, &j.status);
         colibri_status st = o->exec.parallel_for(o->exec.parallel_for_user, head_task, &j, a->heads);
