@@ -10,8 +10,9 @@ colibri.export at each dtype and cached in build/bench/lm_threads/; and the trai
 model (examples/tiny_lm/model, a Qwen3-MoE of hidden 64). Decode: 128 tokens one call each after a
 16-token prompt; prefill: 64 tokens in one call. Each round runs every worker count once, the counts
 alternating, and the table gives the median round. The load average is printed before and after,
-and the CPU time the process got over its wall time in the 2-worker runs: on a shared machine a
-second worker only pays when a second core is idle.
+and, for each run, the CPU time the process got over its wall time and the CPU milliseconds per
+token: on a shared machine a second worker only pays when a second core is idle, and a thread the
+scheduler parks in the middle of a parallel loop stalls the loop for a time slice.
 """
 from __future__ import annotations
 
@@ -97,11 +98,12 @@ def decode(lm: colibri.LM, ids: np.ndarray) -> tuple[float, np.ndarray, float]:
     return DECODE / wall, np.stack(rows), (time.process_time() - cpu) / wall
 
 
-def prefill(lm: colibri.LM, ids: np.ndarray) -> tuple[float, np.ndarray]:
+def prefill(lm: colibri.LM, ids: np.ndarray) -> tuple[float, np.ndarray, float]:
     lm.reset()
-    t = time.perf_counter()
+    cpu, t = time.process_time(), time.perf_counter()
     logits = lm.forward_tokens(ids[:PREFILL])
-    return PREFILL / (time.perf_counter() - t), logits
+    wall = time.perf_counter() - t
+    return PREFILL / wall, logits, (time.process_time() - cpu) / wall
 
 
 def measure(path: Path, workers: list[int], rounds: int) -> dict:
@@ -110,11 +112,12 @@ def measure(path: Path, workers: list[int], rounds: int) -> dict:
     dec: dict[int, list[float]] = {w: [] for w in workers}
     pre: dict[int, list[float]] = {w: [] for w in workers}
     busy: dict[int, list[float]] = {w: [] for w in workers}
+    pbusy: dict[int, list[float]] = {w: [] for w in workers}
     want_dec = want_pre = None
     for r in range(rounds):
         for w in (workers if r % 2 == 0 else workers[::-1]):
             tps, logits, cpus = decode(lms[w], ids)
-            ptps, plogits = prefill(lms[w], ids)
+            ptps, plogits, pcpus = prefill(lms[w], ids)
             if want_dec is None:
                 want_dec, want_pre = logits, plogits
             if logits.tobytes() != want_dec.tobytes() or plogits.tobytes() != want_pre.tobytes():
@@ -122,8 +125,9 @@ def measure(path: Path, workers: list[int], rounds: int) -> dict:
             dec[w].append(tps)
             pre[w].append(ptps)
             busy[w].append(cpus)
+            pbusy[w].append(pcpus)
     return {w: (statistics.median(dec[w]), statistics.median(pre[w]), statistics.median(busy[w]),
-                lms[w].arena_size) for w in workers}
+                statistics.median(pbusy[w]), lms[w].arena_size) for w in workers}
 
 
 def main() -> None:
@@ -144,9 +148,11 @@ def main() -> None:
             rows.append((name, dtype, kernels, res))
             one = res[workers[0]]
             for w in workers:
-                dec, pre, cpus, arena = res[w]
-                print(f"{name:8} {dtype:4} {w} worker(s): decode {dec:8.1f} tok/s ({dec / one[0]:.2f}x), "
-                      f"prefill {PREFILL} {pre:8.1f} tok/s ({pre / one[1]:.2f}x), CPU/wall {cpus:.2f}, "
+                dec, pre, cpus, pcpus, arena = res[w]
+                # CPU time per token: what the work costs, whatever share of the cores the process got.
+                print(f"{name:8} {dtype:4} {w} worker(s): decode {dec:8.1f} tok/s ({dec / one[0]:.2f}x, CPU/wall "
+                      f"{cpus:.2f}, {1e3 * cpus / dec:.2f} CPU ms/token), prefill {PREFILL} {pre:8.1f} tok/s "
+                      f"({pre / one[1]:.2f}x, CPU/wall {pcpus:.2f}, {1e3 * pcpus / pre:.3f} CPU ms/token), "
                       f"arena {arena / 1e6:.2f} MB", flush=True)
     print(f"load average after: {os.getloadavg()}")
     print("\n| model | dtype | " + " | ".join(f"decode tok/s, {w} w" for w in workers) + " | " +
