@@ -1,10 +1,12 @@
 """Token models on threads: colibri_lm_forward_ex (include/colibri.h) over colibri_pool against
 colibri_lm_forward, by the C driver tests/c/colibri_lm_exec_test.c (every step's logits bit for bit,
-with the optimised and the reference kernels, plain, under ASan+UBSan and under ThreadSanitizer;
+with the optimised and the reference kernels, plain, under ASan+UBSan, under ThreadSanitizer and
+(NEON) under qemu-aarch64;
 colibri_model_size_ex exact; each failing callback's status), and through the bindings:
 colibri.LM(workers=N) and `colibri generate --threads N` give the single-threaded logits and ids."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -78,6 +80,21 @@ def test_lm_forward_ex_under_threadsanitizer(images: list[Path]) -> None:
     picked = [p for p in images if p.stem in ("f32", "q8-int8act", "q4")]
     assert len(picked) == 3
     _driver("tsan", picked, env={"TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
+
+
+@pytest.mark.slow
+@pytest.mark.cross
+@pytest.mark.skipif(shutil.which("qemu-aarch64") is None or shutil.which("aarch64-linux-gnu-gcc") is None,
+                    reason="needs qemu-user and gcc-aarch64-linux-gnu (scripts/setup.sh)")
+def test_lm_forward_ex_on_aarch64(images: list[Path]) -> None:
+    """The NEON kernels' row blocks: f32 and q8 with int8 activations under qemu-aarch64."""
+    drivers = build_c_tests("aarch64")
+    picked = [p for p in images if p.stem in ("f32", "q8-int8act")]
+    r = subprocess.run(["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu",
+                        str(drivers / "colibri_lm_exec_test"), *map(str, picked)],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert f"lm exec ok: {len(picked)} images" in r.stdout
 
 
 def test_the_arena_for_workers_is_pinned(images: list[Path]) -> None:
