@@ -7,7 +7,7 @@ CORE := firmware/colibri_core
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
         fuzz-smoke bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
-        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load
+        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads
 
 setup:
 	./scripts/setup.sh
@@ -130,6 +130,11 @@ bench-riscv-insns: setup
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:
 	$(PY) bench/exec_bench.py
+
+# Token models on threads (colibri_lm_forward_ex + posix/colibri_pool): decode and prefill tok/s at 1 and
+# 2 workers, a random 148 M-parameter Mixtral (f32, q8) and the tiny King James model; exports are cached.
+bench-lm-threads: setup
+	$(PY) bench/lm_threads.py
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
 # resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX

@@ -44,8 +44,10 @@ setup(
     ext_modules=[
         Extension(
             "colibri.runtime._engine",
-            # The POSIX file layer (mmap, madvise, mlock) beside the core: colibri.Model(path) maps files.
-            sources=["host_tools/colibri/runtime/_engine.c", *sources, str(CORE / "posix" / "colibri_file.c")],
+            # The POSIX file layer (mmap, madvise, mlock) beside the core: colibri.Model(path) maps files;
+            # its thread pool: colibri.LM(workers=N).
+            sources=["host_tools/colibri/runtime/_engine.c", *sources, str(CORE / "posix" / "colibri_file.c"),
+                     str(CORE / "posix" / "colibri_pool.c")],
             include_dirs=[str(CORE / "include"), str(CORE / "src"), str(CORE / "posix")],
             define_macros=[("COLIBRI_SOURCE_HASH", f'"{src.source_hash(ROOT)}"')],
             # -ffp-contract=off -fno-math-errno: the engine's floating-point contract

@@ -38,7 +38,10 @@ pytestmark = [pytest.mark.rust, pytest.mark.skipif(
 FEATURE_MODELS = [("feat0-f32", 0, "f32"), ("feat1-f16", 1, "f16"), ("feat2-q8", 2, "q8")]
 # (name, token_model seed and options, temperature, top_k, top_p, seed, new tokens)
 LM_MODELS = [("lm-greedy", 3, {}, 0.0, 0, 1.0, 0, 10),
-             ("lm-sampled", 4, dict(kv_dtype=colibri.model.format.DType.F16), 0.8, 12, 0.9, 1234, 12)]
+             ("lm-sampled", 4, dict(kv_dtype=colibri.model.format.DType.F16), 0.8, 12, 0.9, 1234, 12),
+             # experts large enough for colibri_lm_forward_ex to run one token's in row blocks
+             ("lm-wide", 5, dict(vocab=300, d=128, heads=4, kv_heads=2, hd=32, hidden=200, max_seq_len=40),
+              0.7, 20, 1.0, 77, 10)]
 
 
 def _write_feature(out: Path, name: str, seed: int, dtype: str) -> str:
@@ -163,6 +166,6 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
-    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook and the
-    # image layouts it reads (14): none filtered out or missing.
-    assert passed >= 24, result.stdout
+    # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook, the
+    # image layouts it reads and token models on a pool (15): none filtered out or missing.
+    assert passed >= 25, result.stdout

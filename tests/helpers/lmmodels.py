@@ -43,19 +43,21 @@ def glu(rng: np.random.Generator, d: int, hidden: int) -> Expert:
 
 def token_model(seed: int = 0, *, vocab: int = 40, d: int = 16, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                 hd: int = 6, max_seq_len: int = 24, max_batch: int = 8, tied: bool = False, bias: bool = False,
-                qk_norm: str | None = None, kv_dtype: DType = DType.F32, experts: int = 4, top_k: int = 2) -> Graph:
-    """EMBED, (attention block, MoE block) x layers, RMSNORM, head; the second layer's FFN is dense."""
+                qk_norm: str | None = None, kv_dtype: DType = DType.F32, experts: int = 4, top_k: int = 2,
+                hidden: int = 8) -> Graph:
+    """EMBED, (attention block, MoE block) x layers, RMSNORM, head; the second layer's FFN is dense.
+    `hidden`: each expert's (the dense FFN's is hidden + 4)."""
     rng = np.random.default_rng(seed)
     table = (rng.standard_normal((vocab, d))).astype(np.float32)
     out: list = [Embedding(table)]
     for i in range(layers):
         if i % 2:
             ffn = MoE(routing=Routing.TOP1, top_k=1, router_weight=np.zeros((1, d), np.float32),
-                      experts=[glu(rng, d, 12)], expert_map=np.zeros(1, np.int32))
+                      experts=[glu(rng, d, hidden + 4)], expert_map=np.zeros(1, np.int32))
         else:
             ffn = MoE(routing=Routing.SOFTMAX_TOPK, top_k=top_k, router_weight=_w(rng, experts, d),
-                      experts=[glu(rng, d, 8) for _ in range(experts)], expert_map=np.arange(experts, dtype=np.int32),
-                      renormalize=True, shared=[glu(rng, d, 8)], shared_gate=_w(rng, 1, d))
+                      experts=[glu(rng, d, hidden) for _ in range(experts)], expert_map=np.arange(experts, dtype=np.int32),
+                      renormalize=True, shared=[glu(rng, d, hidden)], shared_gate=_w(rng, 1, d))
         out += [ResidualPush(), RMSNorm(d, 1e-5, 1 + _v(rng, d)),
                 attention(rng, d, heads, kv_heads, hd, max_seq_len, bias=bias, qk_norm=qk_norm, kv_dtype=kv_dtype),
                 ResidualAdd(), ResidualPush(), RMSNorm(d, 1e-5, 1 + _v(rng, d)), ffn, ResidualAdd()]

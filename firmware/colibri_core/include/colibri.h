@@ -283,6 +283,24 @@ COLIBRI_API colibri_status colibri_lm_position(const colibri_ctx *ctx, uint32_t 
 COLIBRI_API colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint32_t n, float *logits,
                                               size_t logits_len);
 
+/* colibri_lm_forward() with the caller's options (colibri_exec, as
+ * colibri_forward_ex(); exec NULL is colibri_lm_forward()). With
+ * parallel_for and workers > 1: at one token (decode) each large matrix, the
+ * experts' (W1 and W3, then W2), the attention projections (q, k and v
+ * together, then o) and LINEAR layers such as the LM head, is split into
+ * blocks of rows run as parallel tasks, the active experts' blocks side by
+ * side; the attention heads run as parallel tasks; at several tokens
+ * (prefill) the experts run as parallel tasks and large projections split
+ * their tokens, as in colibri_forward_ex(). on_route sees each MoE layer's
+ * routing; with an expert hook every expert is offered to it whole (decode
+ * then runs experts, not row blocks, in parallel). The logits are bit for
+ * bit those of colibri_lm_forward() with the same kernels, and the cache
+ * ends the same. colibri_model_size_ex() gives the arena for N workers
+ * (each extra worker adds one head's attention scores to its scratch).
+ * Checks as colibri_lm_forward(), then the exec's (COLIBRI_E_BAD_EXEC). */
+COLIBRI_API colibri_status colibri_lm_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, const int32_t *tokens,
+                                                 uint32_t n, float *logits, size_t logits_len);
+
 /* The sampler's random numbers: SplitMix64, seeded by the caller. */
 typedef struct colibri_rng {
     uint64_t state;

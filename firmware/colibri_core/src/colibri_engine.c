@@ -148,12 +148,45 @@ static uint64_t round8(uint64_t n)
     return (n + 7u) & ~(uint64_t)7u;
 }
 
+/* Rows per block when a token model's decode splits a matrix across the
+ * workers: a multiple of every backend's row blocking (8 at most), so each
+ * block's rows are computed as in one call over the whole matrix. */
+#define LM_ROWS 64u
+
+static uint64_t lm_blocks(uint64_t rows)
+{
+    return (rows + LM_ROWS - 1u) / LM_ROWS;
+}
+
+/* A token model's share of the parallel region, after the feature path's:
+ * the hidden rows [K + S, H] of one token's active experts (decode), then a
+ * status per task of its parallel loops (the most any loop has: expert row
+ * blocks, attention heads); each worker from 1 on also keeps one head's
+ * attention scores [max_seq_len]. All 0 for a feature model. */
+static void lm_exec_layout(const colibri_model *m, uint64_t *hidden, uint64_t *status, uint64_t *scores)
+{
+    *hidden = *status = *scores = 0;
+    if (!m->vocab)
+        return;
+    const uint64_t active = (uint64_t)m->select + m->shared_experts;
+    const uint64_t widest = m->hidden > m->width ? m->hidden : m->width;
+    uint64_t tasks = active * lm_blocks(widest);
+    if (tasks < m->q_width) /* heads <= q_width */
+        tasks = m->q_width;
+    *hidden = round8(active * m->hidden * sizeof(float));
+    *status = round8(tasks * sizeof(int32_t));
+    *scores = m->attn_layers ? round8((uint64_t)m->max_seq_len * sizeof(float)) : 0u;
+}
+
 static void exec_layout(const colibri_model *m, uint64_t *fixed, uint64_t *per_worker)
 {
     const uint64_t B = m->hdr.max_batch, W = m->width, H = m->hidden, Q = m->qwidth;
     const uint64_t K = m->select, S = m->shared_experts, tasks = (uint64_t)m->experts + S;
-    *fixed = round8(B * (K + S) * W * sizeof(float)) + round8(tasks * 3u * sizeof(uint32_t));
-    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * sizeof(float)) : 0u);
+    uint64_t lm_hidden, lm_status, lm_scores;
+    lm_exec_layout(m, &lm_hidden, &lm_status, &lm_scores);
+    *fixed = round8(B * (K + S) * W * sizeof(float)) + round8(tasks * 3u * sizeof(uint32_t)) + lm_hidden + lm_status;
+    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * sizeof(float)) : 0u) +
+                  lm_scores;
 }
 
 colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size)
@@ -536,6 +569,7 @@ typedef struct scratch {
     float *h0, *h1;
     int8_t *q;
     float *qa;
+    float *scores;           /* token models: one head's attention scores [max_seq_len] */
 } scratch;
 
 /* The options of one forward pass, as colibri_forward_ex() read them; NULL
@@ -549,7 +583,7 @@ typedef struct run_opts {
 static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t worker)
 {
     if (worker == 0 || !o || !o->region)
-        return (scratch){c->hidden[0], c->hidden[1], c->qrows, c->qscale};
+        return (scratch){c->hidden[0], c->hidden[1], c->qrows, c->qscale, c->att_scores};
     const colibri_model *m = &c->model;
     const uint64_t B = m->hdr.max_batch, H = m->hidden, Q = m->qwidth;
     uint8_t *p = o->region + o->fixed + (worker - 1u) * o->per;
@@ -561,7 +595,29 @@ static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t wo
     s.q = (int8_t *)(void *)p;
     p += round8(B * Q);
     s.qa = (float *)(void *)p;
+    p += Q ? round8(B * sizeof(float)) : 0u;
+    s.scores = (float *)(void *)p;
     return s;
+}
+
+/* The parallel region's task table (exec_layout): after the staging rows. */
+static uint32_t *region_tasks(const colibri_ctx *c, const run_opts *o)
+{
+    const colibri_model *m = &c->model;
+    return (uint32_t *)(void *)(o->region + round8((uint64_t)m->hdr.max_batch * (m->select + m->shared_experts) *
+                                                   m->width * sizeof(float)));
+}
+
+/* A token model's part of the region (lm_exec_layout): the active experts'
+ * hidden rows and the task statuses, after the task table. */
+static void lm_region(const colibri_ctx *c, const run_opts *o, float **hidden, int32_t **status)
+{
+    const colibri_model *m = &c->model;
+    uint64_t lm_hidden, lm_status, lm_scores;
+    lm_exec_layout(m, &lm_hidden, &lm_status, &lm_scores);
+    uint8_t *p = (uint8_t *)region_tasks(c, o) + round8(((uint64_t)m->experts + m->shared_experts) * 3u * sizeof(uint32_t));
+    *hidden = (float *)(void *)p;
+    *status = (int32_t *)(void *)(p + lm_hidden);
 }
 
 /* GCC would turn moe_forward's clearing loops back into memset calls; the
@@ -685,6 +741,259 @@ static void expert_task(void *arg, size_t t, size_t worker)
                               routed ? c->ring_weight + slot * batch : a->gate, NULL, y);
 }
 
+/* ---- Token models on workers (colibri_lm_forward_ex) ----
+ *
+ * At one token (decode) the work is matrix-vector products: a large matrix
+ * is cut into blocks of LM_ROWS rows, each block a matrix of its own read in
+ * place (matrix_rows), and the blocks are the parallel tasks. Every output
+ * element is computed by the same kernel over the same inputs as in one call
+ * over the whole matrix, so the bits do not depend on the split. */
+
+/* A parallel loop at decode is worth its hand-off (a wake-up of the pool's
+ * threads, some microseconds) from this many MACs on: a matrix of 128K
+ * weights, about 10-40 us of one core's kernels. The heads' loop, whose
+ * tasks touch the KV cache rather than weights, from a quarter of it. */
+#define LM_PAR_MIN_MACS (1u << 17)
+#define LM_PAR_MIN_HEAD_MACS (LM_PAR_MIN_MACS / 4u)
+
+/* Whether this pass runs a token model on several workers. */
+static int lm_parallel(const colibri_ctx *c, const run_opts *o)
+{
+    return o && o->region && c->model.vocab;
+}
+
+/* Whether some rows of w make a matrix of their own: every dtype but I8
+ * with the bias in its companion (read at parameter rows + o, past all the
+ * scales: a view of fewer rows would misplace it). Such a matrix runs whole. */
+static int rows_splittable(const colibri_matrix *w)
+{
+    return !(w->dtype == COLIBRI_DTYPE_I8 && w->q8_bias);
+}
+
+static size_t row_blocks(const colibri_matrix *w)
+{
+    return rows_splittable(w) ? (size_t)lm_blocks(w->rows) : 1u;
+}
+
+/* Block b of `blocks` over `rows` rows: its first row (*r0) and row count. */
+static size_t block_rows(size_t rows, size_t blocks, size_t b, size_t *r0)
+{
+    if (blocks == 1) {
+        *r0 = 0;
+        return rows;
+    }
+    *r0 = b * LM_ROWS;
+    return rows - *r0 < LM_ROWS ? rows - *r0 : LM_ROWS;
+}
+
+/* Rows [r0, r0 + n) of w (rows_splittable) as a matrix, read in place: the
+ * payload, scales, companion bias and E's row pointers from row r0 on (E's
+ * entries are indexed from the pointers, so col and val stay). */
+static colibri_matrix matrix_rows(const colibri_matrix *w, size_t r0, size_t n)
+{
+    colibri_matrix v = *w;
+    const size_t cols = w->cols;
+    if (n == w->rows)
+        return v;
+    v.rows = (uint32_t)n;
+    switch (w->dtype) {
+    case COLIBRI_DTYPE_F16:
+        v.data = (const uint16_t *)w->data + r0 * cols;
+        break;
+    case COLIBRI_DTYPE_I8:
+        v.data = (const int8_t *)w->data + r0 * cols;
+        v.scale = w->q8_f16 ? (const void *)((const uint16_t *)w->scale + r0) : (const void *)((const float *)w->scale + r0);
+        break;
+    case COLIBRI_DTYPE_I4:
+        v.data = (const uint8_t *)w->data + r0 * ((cols + 1u) >> 1);
+        v.scale = (const uint16_t *)w->scale + r0 * w->q4_groups;
+        if (w->q4_bias)
+            v.q4_bias = w->q4_bias + r0;
+        break;
+    default: /* F32 */
+        v.data = (const float *)w->data + r0 * cols;
+        break;
+    }
+    if (w->q8_ptr)
+        v.row_ptr = (const uint8_t *)w->row_ptr + r0 * w->q8_ptr;
+    return v;
+}
+
+/* y = x Wᵀ + b for one row x, in row blocks. */
+typedef struct row_piece {
+    const colibri_matrix *w;
+    const float *b, *x;      /* b [rows] or NULL */
+    const colibri_qrows *xq; /* x's int8 row, or NULL */
+    float *y;                /* [rows] */
+    size_t blocks;
+} row_piece;
+
+/* Up to three matrices over one loop (q, k and v). */
+typedef struct row_job {
+    const colibri_ctx *c;
+    row_piece piece[3];
+    size_t pieces;
+} row_job;
+
+static void row_task(void *arg, size_t t, size_t worker)
+{
+    const row_job *j = arg;
+    size_t p = 0, r0;
+    (void)worker; /* no scratch: a block writes its own rows of y */
+    while (t >= j->piece[p].blocks)
+        t -= j->piece[p++].blocks;
+    const row_piece *pc = &j->piece[p];
+    const size_t n = block_rows(pc->w->rows, pc->blocks, t, &r0);
+    const colibri_matrix w = matrix_rows(pc->w, r0, n);
+    j->c->k.linear(pc->x, NULL, 1, &w, pc->b ? pc->b + r0 : NULL, pc->xq, pc->y + r0);
+}
+
+static NOINLINE colibri_status run_rows(const run_opts *o, row_job *j)
+{
+    size_t tasks = 0;
+    for (size_t p = 0; p < j->pieces; p++)
+        tasks += j->piece[p].blocks = row_blocks(j->piece[p].w);
+    return o->exec.parallel_for(o->exec.parallel_for_user, row_task, j, tasks);
+}
+
+/* The first failure among n task statuses, or COLIBRI_OK. */
+static colibri_status first_failure(const int32_t *status, size_t n)
+{
+    for (size_t t = 0; t < n; t++)
+        if (status[t] < 0)
+            return (colibri_status)status[t];
+    return COLIBRI_OK;
+}
+
+/* One token's experts in row blocks: W1 and W3 (the hidden row), then W2
+ * (the gated output row, staged per expert and added in the order of
+ * moe_forward's step 3, which gives its bits as in step 3'). */
+typedef struct expert_job {
+    const colibri_ctx *c;
+    const run_opts *o;
+    const colibri_plan_moe *moe;
+    const float *x;          /* the token's row [d] */
+    const float *gate;       /* the shared experts' gate [1], or NULL */
+    const uint32_t *slot;    /* [active] the experts running: routed slots, then shared */
+    size_t active;
+    float *hidden;           /* [active, H] */
+    float *stage;            /* [active, d] */
+    int32_t *status;
+} expert_job;
+
+static size_t up_blocks(const colibri_plan_expert *e)
+{
+    return rows_splittable(&e->w1) && (!e->glu || rows_splittable(&e->w3)) ? (size_t)lm_blocks(e->hidden) : 1u;
+}
+
+/* Blocks of one phase (up: W1/W3, else W2) over the active experts:
+ * the expert (*a) and block of task t, or the total for t = SIZE_MAX. */
+static size_t expert_block(const expert_job *j, size_t t, int up, size_t *a)
+{
+    size_t total = 0;
+    for (*a = 0; *a < j->active; (*a)++) {
+        const colibri_plan_expert *e = &j->moe->expert[j->slot[*a]];
+        const size_t n = up ? up_blocks(e) : row_blocks(&e->w2);
+        if (t - total < n)
+            return t - total;
+        total += n;
+    }
+    return total;
+}
+
+static void expert_up_task(void *arg, size_t t, size_t worker)
+{
+    const expert_job *j = arg;
+    const colibri_ctx *c = j->c;
+    size_t a, r0;
+    if (worker >= j->o->exec.workers) { /* the parallel_for broke its contract */
+        j->status[t] = COLIBRI_E_BAD_EXEC;
+        return;
+    }
+    const size_t b = expert_block(j, t, 1, &a);
+    const colibri_plan_expert *e = &j->moe->expert[j->slot[a]];
+    const scratch sc = worker_scratch(c, j->o, worker);
+    const size_t n = block_rows(e->hidden, up_blocks(e), b, &r0);
+    float *h = j->hidden + a * c->model.hidden + r0;
+    colibri_qrows q = {NULL, NULL};
+    if (e->int8_act)
+        q = quantize(c, &sc, j->x, NULL, 1, j->moe->d);
+    const colibri_matrix w1 = matrix_rows(&e->w1, r0, n);
+    c->k.linear(j->x, NULL, 1, &w1, e->b1 ? e->b1 + r0 : NULL, e->int8_act ? &q : NULL, h);
+    c->k.activation(h, n, e->activation);
+    if (e->glu) {
+        const colibri_matrix w3 = matrix_rows(&e->w3, r0, n);
+        c->k.linear(j->x, NULL, 1, &w3, e->b3 ? e->b3 + r0 : NULL, e->int8_act ? &q : NULL, sc.h1);
+        c->k.mul(h, sc.h1, n);
+    }
+    j->status[t] = COLIBRI_OK;
+}
+
+static void expert_down_task(void *arg, size_t t, size_t worker)
+{
+    const expert_job *j = arg;
+    const colibri_ctx *c = j->c;
+    size_t a, r0;
+    if (worker >= j->o->exec.workers) {
+        j->status[t] = COLIBRI_E_BAD_EXEC;
+        return;
+    }
+    const size_t b = expert_block(j, t, 0, &a), d = j->moe->d, s = j->slot[a];
+    const colibri_plan_expert *e = &j->moe->expert[s];
+    const scratch sc = worker_scratch(c, j->o, worker);
+    const size_t n = block_rows(d, row_blocks(&e->w2), b, &r0);
+    const float *h = j->hidden + a * c->model.hidden;
+    float *y = j->stage + a * d + r0;
+    for (size_t i = 0; i < n; i++)
+        y[i] = -0.0f; /* as expert_task's staging rows */
+    colibri_qrows q = {NULL, NULL};
+    if (e->int8_act)
+        q = quantize(c, &sc, h, NULL, 1, e->hidden);
+    const colibri_matrix w2 = matrix_rows(&e->w2, r0, n);
+    const float *scale = s < j->moe->n_experts ? c->ring_weight + s : j->gate; /* batch 1: ring s starts at s */
+    c->k.linear_acc(h, 1, &w2, e->b2 ? e->b2 + r0 : NULL, NULL, scale, e->int8_act ? &q : NULL, y);
+    j->status[t] = COLIBRI_OK;
+}
+
+/* MACs of one token's active experts (batch 1, after dispatch). */
+static uint64_t lm_experts_macs(const colibri_ctx *c, const colibri_plan_moe *moe)
+{
+    uint64_t macs = 0;
+    for (size_t s = 0; s < (size_t)moe->n_experts + moe->shared_count; s++)
+        if (s >= moe->n_experts || c->ring_count[s])
+            macs += (uint64_t)moe->expert[s].hidden * moe->d * (moe->expert[s].glu ? 3u : 2u);
+    return macs;
+}
+
+/* y [1, d] of one MoE layer at decode, after dispatch (moe_forward). Not
+ * inlined, as the row-block helpers below: their jobs stay off the frames
+ * of the single-threaded path, whose stack a device budgets. */
+static NOINLINE colibri_status moe_decode_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_moe *moe,
+                                      const float *x, const float *gate, float *y)
+{
+    const size_t d = moe->d;
+    uint32_t *slot = region_tasks(c, o);
+    expert_job j = {c, o, moe, x, gate, slot, 0, NULL, (float *)(void *)o->region, NULL};
+    lm_region(c, o, &j.hidden, &j.status);
+    for (size_t s = 0; s < (size_t)moe->n_experts + moe->shared_count; s++)
+        if (s >= moe->n_experts || c->ring_count[s])
+            slot[j.active++] = (uint32_t)s;
+    size_t a;
+    colibri_status st;
+    const size_t up = expert_block(&j, SIZE_MAX, 1, &a);
+    if ((st = o->exec.parallel_for(o->exec.parallel_for_user, expert_up_task, &j, up)) < 0 ||
+        (st = first_failure(j.status, up)) < 0)
+        return st;
+    const size_t down = expert_block(&j, SIZE_MAX, 0, &a);
+    if ((st = o->exec.parallel_for(o->exec.parallel_for_user, expert_down_task, &j, down)) < 0 ||
+        (st = first_failure(j.status, down)) < 0)
+        return st;
+    memset(y, 0, d * sizeof *y);
+    for (size_t i = 0; i < j.active; i++)
+        c->k.add(y, j.stage + i * d, d);
+    return COLIBRI_OK;
+}
+
 /* y [batch, d] = Σ w_e · expert_e(x) + g · Σ shared_s(x) for one MoE layer,
  * x [batch, d] (docs/model-format.md "MoE record"). */
 static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, const run_opts *o, uint32_t layer,
@@ -741,16 +1050,19 @@ static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, 
         gate = c->scores;
     }
 
-    if (o && o->region) {
+    /* 3''. A token model's decode: the active experts' row blocks on the
+     *      workers; a small layer runs on one (step 3). */
+    if (lm_parallel(c, o) && batch == 1 && !o->exec.expert) {
+        if (lm_experts_macs(c, moe) >= LM_PAR_MIN_MACS)
+            return moe_decode_rows(c, o, moe, x, gate, y);
+    } else if (o && o->region) {
         /* 3'. Parallel: every expert with tokens is a task writing its gated
          *     rows to its own staging rows; then the rows are added into y
          *     in the single-threaded order, so y gets the same bits. */
         par_layer a = {c, o, moe, layer, x, gate, batch, (float *)(void *)o->region, NULL, NULL, NULL};
         const colibri_model *m = &c->model;
         const size_t max_tasks = (size_t)m->experts + m->shared_experts;
-        uint8_t *tab = o->region + round8((uint64_t)m->hdr.max_batch * (m->select + m->shared_experts) * m->width *
-                                          sizeof(float));
-        a.task = (uint32_t *)(void *)tab;
+        a.task = region_tasks(c, o);
         a.row = a.task + max_tasks;
         a.status = (int32_t *)(void *)(a.row + max_tasks);
         uint32_t tasks = 0, rows = 0;
@@ -819,7 +1131,8 @@ static NOINLINE NO_MEMSET_LOOP colibri_status moe_forward(const colibri_ctx *c, 
 
 typedef struct par_linear {
     const colibri_ctx *c;
-    const colibri_plan_layer *l;
+    const colibri_matrix *w;
+    const float *b;
     const float *x;
     float *y;
     size_t batch, chunk, tasks;
@@ -829,35 +1142,53 @@ typedef struct par_linear {
 static void linear_task(void *arg, size_t t, size_t worker)
 {
     const par_linear *a = arg;
-    const size_t in = a->l->in, out = a->l->w.rows, t0 = t * a->chunk;
+    const size_t in = a->w->cols, out = a->w->rows, t0 = t * a->chunk;
     const size_t n = t + 1 == a->tasks ? a->batch - t0 : a->chunk; /* the last takes the rest */
     colibri_qrows q = {NULL, NULL};
     (void)worker;
     if (a->q)
         q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0};
-    a->c->k.linear(a->x + t0 * in, NULL, n, &a->l->w, a->l->t1, a->q ? &q : NULL, a->y + t0 * out);
+    a->c->k.linear(a->x + t0 * in, NULL, n, a->w, a->b, a->q ? &q : NULL, a->y + t0 * out);
 }
 
-/* y = x Wᵀ + b for a LINEAR layer over batch tokens; split across the
- * workers when there are several and the layer is large enough. */
-static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, const colibri_plan_layer *l,
-                                   const float *x, float *y, size_t batch)
+/* y = x Wᵀ + b for one row x, in row blocks on the workers. */
+static NOINLINE colibri_status linear_rows(const colibri_ctx *c, const run_opts *o, const colibri_matrix *w,
+                                           const float *b, const colibri_qrows *q, const float *x, float *y)
 {
-    const size_t in = l->in, workers = o && o->region ? o->exec.workers : 1;
-    colibri_qrows q = {NULL, NULL};
-    if (l->int8_act) {
-        const scratch sc0 = worker_scratch(c, NULL, 0);
-        q = quantize(c, &sc0, x, NULL, batch, in);
-    }
-    if (workers > 1 && batch >= 8 && (uint64_t)batch * in * l->w.rows >= PAR_LINEAR_MIN_MACS) {
+    row_job j = {c, {{w, b, x, q, y, 0}}, 1};
+    return run_rows(o, &j);
+}
+
+/* y = x Wᵀ + b over batch tokens (q: their int8 rows, or NULL); the tokens
+ * split across the workers when there are several and the matrix is large
+ * enough, and (a token model) one token's rows split in blocks. */
+static colibri_status linear_split(const colibri_ctx *c, const run_opts *o, const colibri_matrix *w, const float *b,
+                                   const colibri_qrows *q, const float *x, float *y, size_t batch)
+{
+    const size_t in = w->cols, workers = o && o->region ? o->exec.workers : 1;
+    if (lm_parallel(c, o) && batch == 1 && (uint64_t)in * w->rows >= LM_PAR_MIN_MACS)
+        return linear_rows(c, o, w, b, q, x, y);
+    if (workers > 1 && batch >= 8 && (uint64_t)batch * in * w->rows >= PAR_LINEAR_MIN_MACS) {
         size_t chunk = (batch + workers - 1) / workers;
         chunk = (chunk + 3u) & ~(size_t)3u;
-        const par_linear a = {c, l, x, y, batch, chunk, batch / chunk, l->int8_act ? &q : NULL};
+        const par_linear a = {c, w, b, x, y, batch, chunk, batch / chunk, q};
         if (a.tasks > 1)
             return o->exec.parallel_for(o->exec.parallel_for_user, linear_task, (void *)&a, a.tasks);
     }
-    c->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, y);
+    c->k.linear(x, NULL, batch, w, b, q, y);
     return COLIBRI_OK;
+}
+
+/* y = x Wᵀ + b for a LINEAR layer over batch tokens. */
+static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, const colibri_plan_layer *l,
+                                   const float *x, float *y, size_t batch)
+{
+    colibri_qrows q = {NULL, NULL};
+    if (l->int8_act) {
+        const scratch sc0 = worker_scratch(c, NULL, 0);
+        q = quantize(c, &sc0, x, NULL, batch, l->in);
+    }
+    return linear_split(c, o, &l->w, l->t1, l->int8_act ? &q : NULL, x, y, batch);
 }
 
 /* ---- Attention (token models, docs/lm.md "Semantics") ---- */
@@ -884,16 +1215,95 @@ static void rope_table(float *rope, size_t n, uint32_t pos, float theta, size_t 
  * pos+n-1: their keys and values join the cache, each row attends to every
  * cached position up to its own. *rope_for is the (theta, hd) the context's
  * rope table holds for this call's rows, so layers alike share it. */
-static void attention_forward(colibri_ctx *c, const colibri_plan_attention *a, const float *x, float *y, size_t n,
-                              uint32_t pos, float rope_for[2])
+/* One row's q, k and v as one loop over the three matrices' row blocks. */
+static NOINLINE colibri_status qkv_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
+                                        const float *x)
+{
+    row_job j = {c,
+                 {{&a->q, a->q_bias, x, NULL, c->att_q, 0},
+                  {&a->k, a->k_bias, x, NULL, c->att_k, 0},
+                  {&a->v, a->v_bias, x, NULL, c->att_v, 0}},
+                 3};
+    return run_rows(o, &j);
+}
+
+/* q, k, v [n, *] = the projections of x [n, d]: at decode on workers as
+ * one loop over the three matrices' row blocks. */
+static colibri_status attention_qkv(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
+                                    const float *x, size_t n)
+{
+    colibri_status st;
+    if (lm_parallel(c, o) && n == 1 &&
+        ((uint64_t)a->q.rows + a->k.rows + a->v.rows) * a->q.cols >= LM_PAR_MIN_MACS)
+        return qkv_rows(c, o, a, x);
+    if ((st = linear_split(c, o, &a->q, a->q_bias, NULL, x, c->att_q, n)) < 0 ||
+        (st = linear_split(c, o, &a->k, a->k_bias, NULL, x, c->att_k, n)) < 0)
+        return st;
+    return linear_split(c, o, &a->v, a->v_bias, NULL, x, c->att_v, n);
+}
+
+/* Each head of each row over positions 0 .. its own (causal); query head h
+ * reads kv head h / group; its output replaces its query. A task is one
+ * head over every row, with its worker's scores. */
+typedef struct head_job {
+    const colibri_ctx *c;
+    const run_opts *o;
+    const colibri_plan_attention *a;
+    size_t n;
+    uint32_t pos;
+    int32_t *status;         /* [heads], NULL on one worker */
+} head_job;
+
+static void attend_head(const head_job *j, size_t h, float *scores)
+{
+    const colibri_plan_attention *a = j->a;
+    const size_t hd = a->head_dim, qw = a->heads * hd, kvw = a->kv_heads * hd;
+    const size_t g = (h / (a->heads / a->kv_heads)) * hd * (a->kv_f16 ? 2u : 4u);
+    for (size_t i = 0; i < j->n; i++) {
+        float *qh = j->c->att_q + i * qw + h * hd;
+        j->c->k.attend(qh, (const uint8_t *)a->k_cache + g, (const uint8_t *)a->v_cache + g, kvw, j->pos + i + 1u, hd,
+                       a->kv_f16, a->scale, scores, qh);
+    }
+}
+
+static void head_task(void *arg, size_t h, size_t worker)
+{
+    const head_job *j = arg;
+    if (worker >= j->o->exec.workers) {
+        j->status[h] = COLIBRI_E_BAD_EXEC;
+        return;
+    }
+    const scratch sc = worker_scratch(j->c, j->o, worker);
+    attend_head(j, h, sc.scores);
+    j->status[h] = COLIBRI_OK;
+}
+
+static colibri_status attention_heads(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
+                                      size_t n, uint32_t pos)
+{
+    head_job j = {c, o, a, n, pos, NULL};
+    const uint64_t macs = 2u * (uint64_t)n * a->heads * a->head_dim * (pos + n);
+    if (lm_parallel(c, o) && a->heads > 1 && macs >= LM_PAR_MIN_HEAD_MACS) {
+        float *hidden;
+        lm_region(c, o, &hidden, &j.status);
+        colibri_status st = o->exec.parallel_for(o->exec.parallel_for_user, head_task, &j, a->heads);
+        return st < 0 ? st : first_failure(j.status, a->heads);
+    }
+    for (size_t h = 0; h < a->heads; h++)
+        attend_head(&j, h, c->att_scores);
+    return COLIBRI_OK;
+}
+
+static colibri_status attention_forward(colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
+                                        const float *x, float *y, size_t n, uint32_t pos, float rope_for[2])
 {
     const size_t heads = a->heads, kv_heads = a->kv_heads, hd = a->head_dim;
-    const size_t qw = heads * hd, kvw = kv_heads * hd, group = heads / kv_heads;
+    const size_t qw = heads * hd, kvw = kv_heads * hd;
     float *q = c->att_q, *k = c->att_k, *v = c->att_v;
+    colibri_status st;
 
-    c->k.linear(x, NULL, n, &a->q, a->q_bias, NULL, q);
-    c->k.linear(x, NULL, n, &a->k, a->k_bias, NULL, k);
-    c->k.linear(x, NULL, n, &a->v, a->v_bias, NULL, v);
+    if ((st = attention_qkv(c, o, a, x, n)) < 0)
+        return st;
     /* q/k norms: over each head's hd values, or over the whole projection. */
     if (a->q_norm)
         c->k.rmsnorm(q, a->q_norm_per_head ? n * heads : n, a->q_norm_per_head ? hd : qw, a->q_norm, a->eps);
@@ -922,16 +1332,9 @@ static void attention_forward(colibri_ctx *c, const colibri_plan_attention *a, c
             memcpy(vc, v + i * kvw, kvw * sizeof(float));
         }
     }
-    /* Each head of each row over positions 0 .. its own (causal); query
-     * head h reads kv head h / group. Its output replaces its query. */
-    for (size_t i = 0; i < n; i++)
-        for (size_t h = 0; h < heads; h++) {
-            const size_t g = (h / group) * hd * elem;
-            float *qh = q + i * qw + h * hd;
-            c->k.attend(qh, (const uint8_t *)a->k_cache + g, (const uint8_t *)a->v_cache + g, kvw, pos + i + 1u, hd,
-                        a->kv_f16, a->scale, c->att_scores, qh);
-        }
-    c->k.linear(q, NULL, n, &a->o, a->o_bias, NULL, y);
+    if ((st = attention_heads(c, o, a, n, pos)) < 0)
+        return st;
+    return linear_split(c, o, &a->o, a->o_bias, NULL, q, y, n);
 }
 
 /* Whether [a, a + an) and [b, b + bn) (floats) share memory. */
@@ -1014,7 +1417,8 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
             break;
         case COLIBRI_OP_ATTENTION: {
             float *y = x == act0 ? act1 : act0;
-            attention_forward(ctx, &ctx->attention[l->entry], x, y, batch, ctx->position, rope_for);
+            if ((st = attention_forward(ctx, o, &ctx->attention[l->entry], x, y, batch, ctx->position, rope_for)) < 0)
+                return st;
             x = y;
             break;
         }
@@ -1062,6 +1466,30 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
 }
 
+/* The caller's struct, as far as both sides know it (colibri.h: versioning),
+ * and the parallel region it uses. */
+static colibri_status read_exec(const colibri_ctx *ctx, const colibri_exec *exec, run_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    if (exec->struct_size < COLIBRI_EXEC_SIZE_V1)
+        return COLIBRI_E_BAD_EXEC;
+    for (size_t i = sizeof o->exec; i < exec->struct_size; i++)
+        if (((const uint8_t *)exec)[i] != 0)
+            return COLIBRI_E_BAD_EXEC;
+    memcpy(&o->exec, exec, sizeof o->exec);
+    if (!o->exec.parallel_for || o->exec.workers < 2)
+        o->exec.workers = 1;
+    else if (o->exec.workers > ctx->workers)
+        return COLIBRI_E_BAD_EXEC;
+    if (o->exec.workers > 1) {
+        uint64_t off[P_COUNT + 1];
+        arena_layout(&ctx->model, off);
+        exec_layout(&ctx->model, &o->fixed, &o->per);
+        o->region = (uint8_t *)(uintptr_t)ctx + off[P_COUNT];
+    }
+    return COLIBRI_OK;
+}
+
 colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, size_t batch,
                                   const float *input, size_t input_count,
                                   float *output, size_t output_count)
@@ -1071,26 +1499,9 @@ colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, si
         return st;
     if (!exec)
         return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
-
-    /* The caller's struct, as far as both sides know it (colibri.h: versioning). */
     run_opts o;
-    memset(&o, 0, sizeof o);
-    if (exec->struct_size < COLIBRI_EXEC_SIZE_V1)
-        return COLIBRI_E_BAD_EXEC;
-    for (size_t i = sizeof o.exec; i < exec->struct_size; i++)
-        if (((const uint8_t *)exec)[i] != 0)
-            return COLIBRI_E_BAD_EXEC;
-    memcpy(&o.exec, exec, sizeof o.exec);
-    if (!o.exec.parallel_for || o.exec.workers < 2)
-        o.exec.workers = 1;
-    else if (o.exec.workers > ctx->workers)
-        return COLIBRI_E_BAD_EXEC;
-    if (o.exec.workers > 1) {
-        uint64_t off[P_COUNT + 1];
-        arena_layout(&ctx->model, off);
-        exec_layout(&ctx->model, &o.fixed, &o.per);
-        o.region = (uint8_t *)ctx + off[P_COUNT];
-    }
+    if ((st = read_exec(ctx, exec, &o)) != COLIBRI_OK)
+        return st;
     return forward(ctx, &o, batch, NULL, input, input_count, output, output_count);
 }
 
@@ -1128,8 +1539,9 @@ colibri_status colibri_lm_position(const colibri_ctx *ctx, uint32_t *position)
     return COLIBRI_OK;
 }
 
-colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint32_t n, float *logits,
-                                  size_t logits_len)
+/* colibri_lm_forward's checks, in docs/lm.md's order (reference.LMState.check's). */
+static colibri_status lm_check(const colibri_ctx *ctx, const int32_t *tokens, uint32_t n, const float *logits,
+                               size_t logits_len)
 {
     colibri_status st = lm_context(ctx);
     if (st != COLIBRI_OK)
@@ -1147,10 +1559,35 @@ colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint3
         return COLIBRI_E_BUFFER_SIZE;
     if ((uint64_t)ctx->position + n > m->max_seq_len)
         return COLIBRI_E_CACHE_FULL;
-    st = forward(ctx, NULL, n, tokens, NULL, 0, logits, logits_len);
+    return COLIBRI_OK;
+}
+
+static colibri_status lm_run(colibri_ctx *ctx, const run_opts *o, const int32_t *tokens, uint32_t n, float *logits,
+                             size_t logits_len)
+{
+    const colibri_status st = forward(ctx, o, n, tokens, NULL, 0, logits, logits_len);
     if (st == COLIBRI_OK)
         ctx->position += n;
     return st;
+}
+
+colibri_status colibri_lm_forward(colibri_ctx *ctx, const int32_t *tokens, uint32_t n, float *logits,
+                                  size_t logits_len)
+{
+    const colibri_status st = lm_check(ctx, tokens, n, logits, logits_len);
+    return st != COLIBRI_OK ? st : lm_run(ctx, NULL, tokens, n, logits, logits_len);
+}
+
+colibri_status colibri_lm_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, const int32_t *tokens, uint32_t n,
+                                     float *logits, size_t logits_len)
+{
+    colibri_status st = lm_check(ctx, tokens, n, logits, logits_len);
+    if (st != COLIBRI_OK || !exec)
+        return st != COLIBRI_OK ? st : lm_run(ctx, NULL, tokens, n, logits, logits_len);
+    run_opts o;
+    if ((st = read_exec(ctx, exec, &o)) != COLIBRI_OK)
+        return st;
+    return lm_run(ctx, &o, tokens, n, logits, logits_len);
 }
 
 void colibri_rng_seed(colibri_rng *rng, uint64_t seed)

@@ -61,8 +61,10 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
 @click.option("--stop-id", type=click.IntRange(min=0), default=None,
               help="End once this token id is generated (e.g. 10, newline, for a byte-level model).")
 @click.option("--echo/--no-echo", default=True, show_default=True, help="Print the prompt before the continuation.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1, max=256),
+              help="Threads each forward pass runs on (colibri.LM(workers=N)): the same tokens as one.")
 def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int, tokenizer_spec: str, stop_id: int | None, echo: bool) -> None:
+             seed: int, tokenizer_spec: str, stop_id: int | None, echo: bool, threads: int) -> None:
     """Continue a text prompt with a token model, streaming tokens as the C engine makes them.
 
     The prompt is tokenized, run through the model (its KV cache holds max_seq_len positions), and
@@ -73,7 +75,7 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     from ..runtime import tokenizer as tok
 
     tokenizer = tok.load(tokenizer_spec)
-    lm = engine.LM(image_path)
+    lm = engine.LM(image_path, workers=threads)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty once tokenized: give some text")

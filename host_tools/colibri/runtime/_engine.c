@@ -19,6 +19,7 @@
 
 #include "colibri.h"
 #include "colibri_file.h"
+#include "colibri_pool.h"
 
 /* setup.py passes the hash of the sources it builds from (colibri/runtime/sources.py), so
  * a checkout can tell this binary is stale after a C edit. A build without it
@@ -56,7 +57,15 @@ typedef struct {
     int has_view;
     FileObject *file;        /* the mapped file the image is, or NULL */
     int advise;              /* with a file: forward through colibri_file_on_route (WILLNEED + verify on use) */
+    colibri_pool *pool;      /* workers > 1: the token model's threads (colibri_lm_forward_ex), else NULL */
+    colibri_exec exec;       /* parallel_for over the pool */
+    size_t arena_size;       /* bytes allocated: colibri_model_size_ex for the workers */
 } ContextObject;
+
+/* The exec of a context's token-model calls: NULL on one worker. */
+static const colibri_exec *lm_exec(const ContextObject *self) {
+    return self->pool != NULL ? &self->exec : NULL;
+}
 
 static PyObject *status_error(int status) {
     return Py_BuildValue("(is)", status, colibri_strerror(status));
@@ -420,6 +429,7 @@ static void Context_dealloc(ContextObject *self) {
     if (self->lock != NULL) {
         PyThread_free_lock(self->lock);
     }
+    colibri_pool_destroy(self->pool);
     Py_XDECREF(self->arena_owner); /* the memory goes with the last lease of it */
     PyMem_RawFree(self->image_copy);
     if (self->has_view) {
@@ -430,11 +440,16 @@ static void Context_dealloc(ContextObject *self) {
 }
 
 static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"image", "reference_kernels", "check", "advise", NULL};
+    static char *kwlist[] = {"image", "reference_kernels", "check", "advise", "workers", NULL};
     PyObject *image;
     int reference = 0, advise = 1;
     unsigned int check = COLIBRI_CHECK_FULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pIp", kwlist, &image, &reference, &check, &advise)) {
+    Py_ssize_t workers = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pIpn", kwlist, &image, &reference, &check, &advise, &workers)) {
+        return -1;
+    }
+    if (workers < 1 || (size_t)workers > COLIBRI_POOL_MAX_WORKERS) {
+        raise_status(COLIBRI_E_BAD_EXEC);
         return -1;
     }
     self->advise = advise;
@@ -460,7 +475,14 @@ static int Context_init(ContextObject *self, PyObject *args, PyObject *kwds) {
         memcpy(self->image_copy, self->image_view.buf, len);
     }
     size_t arena_size = 0;
-    int st = colibri_model_size(image_bytes(self), len, &arena_size);
+    int st = colibri_model_size_ex(image_bytes(self), len, (size_t)workers, &arena_size);
+    if (st == COLIBRI_OK && workers > 1) {
+        self->exec = (colibri_exec)COLIBRI_EXEC_INIT;
+        if ((st = colibri_pool_create(&self->pool, (size_t)workers)) == COLIBRI_OK) {
+            colibri_pool_attach(self->pool, &self->exec);
+        }
+    }
+    self->arena_size = arena_size;
     if (st == COLIBRI_OK) {
         st = colibri_get_info(image_bytes(self), len, &self->info);
     }
@@ -813,7 +835,7 @@ static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         st = file_unchanged(self);
         if (st == COLIBRI_OK)
-            st = colibri_lm_forward(self->ctx, (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
+            st = colibri_lm_forward_ex(self->ctx, lm_exec(self), (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
                                     (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
@@ -904,7 +926,7 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
         for (size_t at = 0; st == COLIBRI_OK && at < n_prompt; at += chunk) {
             const size_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
             if ((st = file_unchanged(self)) == COLIBRI_OK)
-                st = colibri_lm_forward(self->ctx, p + at, (uint32_t)n, logits, n * vocab);
+                st = colibri_lm_forward_ex(self->ctx, lm_exec(self), p + at, (uint32_t)n, logits, n * vocab);
             last = n - 1;
         }
         while (st == COLIBRI_OK && made < (size_t)max_new) {
@@ -913,7 +935,7 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
                 break;
             /* The last new token needs no forward: nothing reads its logits. */
             if (++made < (size_t)max_new && (st = file_unchanged(self)) == COLIBRI_OK) {
-                st = colibri_lm_forward(self->ctx, &ids[made - 1], 1, logits, vocab);
+                st = colibri_lm_forward_ex(self->ctx, lm_exec(self), &ids[made - 1], 1, logits, vocab);
                 last = 0;
             }
         }
@@ -946,8 +968,14 @@ static PyObject *Context_kernels(ContextObject *self, PyObject *Py_UNUSED(ignore
     return PyUnicode_FromString(colibri_kernels_name(self->ctx));
 }
 
+static PyObject *Context_arena_size(ContextObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSize_t(self->arena_size);
+}
+
 static PyMethodDef Context_methods[] = {
     {"kernels", (PyCFunction)Context_kernels, METH_NOARGS, "the kernels forward runs: 'reference' or the backend"},
+    {"arena_size", (PyCFunction)Context_arena_size, METH_NOARGS,
+     "bytes of the arena allocated: colibri_model_size_ex for the context's workers"},
     {"forward", (PyCFunction)Context_forward, METH_VARARGS, "forward(input, output, batch)"},
     {"forward_ex", (PyCFunction)Context_forward_ex, METH_VARARGS,
      "forward_ex(input, output, batch, on_route, expert=None): colibri_forward_ex with on_route(layer, experts, tokens) and the expert hook"},
@@ -1019,6 +1047,21 @@ static PyObject *mod_model_size(PyObject *self, PyObject *image) {
     return Py_BuildValue("(Nn)", st, (Py_ssize_t)size);
 }
 
+/* model_size_ex(image, workers) -> (status, arena bytes) */
+static PyObject *mod_model_size_ex(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer view;
+    Py_ssize_t workers;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &workers)) {
+        return NULL;
+    }
+    size_t size = 0;
+    int st = workers < 0 ? COLIBRI_E_BAD_EXEC
+                         : colibri_model_size_ex(view.buf, (size_t)view.len, (size_t)workers, &size);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(in)", st, (Py_ssize_t)size);
+}
+
 static PyObject *mod_strerror(PyObject *self, PyObject *code) {
     (void)self;
     long c = PyLong_AsLong(code);
@@ -1037,6 +1080,7 @@ static PyMethodDef module_methods[] = {
     {"validate", mod_validate, METH_O, "validate(image) -> status"},
     {"validate_structure", mod_validate_structure, METH_O, "validate_ex(image, COLIBRI_CHECK_STRUCTURE) -> status"},
     {"model_size", mod_model_size, METH_O, "model_size(image) -> (status, arena bytes)"},
+    {"model_size_ex", mod_model_size_ex, METH_VARARGS, "model_size_ex(image, workers) -> (status, arena bytes)"},
     {"strerror", mod_strerror, METH_O, "strerror(status) -> str"},
     {"version", mod_version, METH_NOARGS, "engine version"},
     {NULL, NULL, 0, NULL},

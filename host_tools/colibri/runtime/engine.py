@@ -143,17 +143,19 @@ def read_model_file(path: str | os.PathLike) -> bytes:
         os.close(fd)
 
 
-def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool):
-    """(mapping or None, image buffer, engine context) for a path (mapped unless copy) or bytes."""
+def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool, workers: int = 1):
+    """(mapping or None, image buffer, engine context) for a path (mapped unless copy) or bytes;
+    workers > 1: the context's arena and thread pool serve that many (token models)."""
     if isinstance(source, (str, os.PathLike)) and not copy:
         file = open_file(source, verify=verify, lock=lock)
-        return file, memoryview(file.raw), _call(_engine.Context, file.raw, reference_kernels, CHECK_STRUCTURE, advise)
+        return file, memoryview(file.raw), _call(_engine.Context, file.raw, reference_kernels, CHECK_STRUCTURE, advise,
+                                                 workers)
     if lock is not None:
         raise ValueError("lock applies to a mapped file: pass the path, without copy=True")
     if isinstance(source, (str, os.PathLike)):
         source = read_model_file(source)
     image = bytes(source)
-    return None, image, _call(_engine.Context, image, reference_kernels)
+    return None, image, _call(_engine.Context, image, reference_kernels, workers=workers)
 
 
 class ExpertCall:
@@ -319,15 +321,21 @@ class LM:
     `reference_kernels=True` runs the reference kernels, as `Model`. A path is mapped, not
     copied, as by `Model`, its payloads checked at open (`verify="full"`) or on demand
     (`verify="none"`, then `LM.file.verify()`); `copy=True` reads it into memory instead.
+    `workers=N` (N > 1) runs each forward on N threads (colibri_lm_forward_ex over a colibri_pool,
+    the caller's thread one of them): the same logits, bit for bit, and so the same ids; the
+    arena grows by colibri_model_size_ex's per-worker scratch (`arena_size`).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview, reference_kernels: bool = False,
-                 *, copy: bool = False, verify: str = "full", lock=None):
+                 *, copy: bool = False, verify: str = "full", lock=None, workers: int = 1):
         if verify == "on_use":
             raise ValueError("a token model runs every layer on every token, so there is no first use to verify "
                              "on: verify='full' (at open) or 'none' (LM.file.verify() on demand)")
-        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, False)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive int, got {workers!r}")
+        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, False, workers)
         self.kernels: str = self._ctx.kernels()
+        self.workers: int = workers
         info = self._ctx.info()
         if not info["vocab_size"]:
             raise error_for(Status.MODEL_KIND, "a feature model (float rows in): open it with colibri.Model")
@@ -335,7 +343,7 @@ class LM:
         self.vocab_size: int = info["vocab_size"]
         self.max_seq_len: int = info["max_seq_len"]
         self.max_batch: int = info["max_batch"]
-        self.arena_size: int = info["arena_size"]
+        self.arena_size: int = self._ctx.arena_size()
         self.kv_cache_bytes: int = info["kv_cache_bytes"]
         # One sequence, so one change to it at a time: every call that changes it (reset,
         # forward_tokens, generate, a stream's step) holds this lock and bumps _epoch; a stream
@@ -455,7 +463,8 @@ class LM:
 
     def __repr__(self) -> str:
         return (f"colibri.LM(vocab={self.vocab_size}, max_seq_len={self.max_seq_len}, max_batch={self.max_batch}, "
-                f"arena={self.arena_size} B, kv_cache={self.kv_cache_bytes} B, position={self.position})")
+                f"arena={self.arena_size} B, kv_cache={self.kv_cache_bytes} B, workers={self.workers}, "
+                f"position={self.position})")
 
 
 def validate(image: bytes | bytearray | memoryview, *, check: str = "full") -> None:
@@ -471,8 +480,9 @@ def image_status(image: bytes | bytearray | memoryview, *, check: str = "full") 
     return _engine.validate(image) if check == "full" else _engine.validate_structure(image)
 
 
-def arena_size(image: bytes | bytearray | memoryview) -> int:
-    status, size = _engine.model_size(image)
+def arena_size(image: bytes | bytearray | memoryview, workers: int = 1) -> int:
+    """colibri_model_size (workers 1), or colibri_model_size_ex for that many workers."""
+    status, size = _engine.model_size(image) if workers == 1 else _engine.model_size_ex(image, workers)
     if status != 0:
         raise error_for(status)
     return size

@@ -308,6 +308,14 @@ extern "C" {
         logits: *mut f32,
         logits_len: usize,
     ) -> colibri_status;
+    pub fn colibri_lm_forward_ex(
+        ctx: *mut colibri_ctx,
+        exec: *const colibri_exec,
+        tokens: *const i32,
+        n: u32,
+        logits: *mut f32,
+        logits_len: usize,
+    ) -> colibri_status;
     pub fn colibri_rng_seed(rng: *mut colibri_rng, seed: u64);
     pub fn colibri_lm_sample(
         ctx: *mut colibri_ctx,

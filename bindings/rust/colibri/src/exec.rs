@@ -274,19 +274,17 @@ unsafe extern "C" fn parallel_for(
     }
 }
 
-/// Runs `colibri_forward_ex` with `exec`'s callbacks (see Model::forward_ex).
+/// Builds the `colibri_exec` of `exec`'s callbacks and runs `call` with it;
+/// every callback's state lives on this frame for the whole C call.
 ///
-/// SAFETY: `ctx` is a live context over `image`, borrowed exclusively.
-pub(crate) unsafe fn forward_ex<M>(
-    ctx: *mut sys::colibri_ctx,
+/// SAFETY: `call` passes the exec to one engine call on a live context over
+/// `image`, borrowed exclusively.
+unsafe fn with_exec<M>(
     image: &[u8],
     exec: &mut Exec<'_, M>,
-    input: &[f32],
-    output: &mut [f32],
-    batch: usize,
+    call: impl FnOnce(&sys::colibri_exec) -> sys::colibri_status,
 ) -> sys::colibri_status {
     let mut raw = sys::colibri_exec::INIT;
-    // Each callback's state lives on this frame for the whole C call.
     let mut serial;
     let shared;
     match &mut exec.hook {
@@ -315,7 +313,44 @@ pub(crate) unsafe fn forward_ex<M>(
         raw.parallel_for_user = ptr::addr_of!(pool).cast_mut().cast();
         raw.workers = u32::try_from(p.workers()).unwrap_or(u32::MAX);
     }
+    call(&raw)
+}
+
+/// Runs `colibri_forward_ex` with `exec`'s callbacks (see Model::forward_ex).
+///
+/// SAFETY: `ctx` is a live context over `image`, borrowed exclusively.
+pub(crate) unsafe fn forward_ex<M>(
+    ctx: *mut sys::colibri_ctx,
+    image: &[u8],
+    exec: &mut Exec<'_, M>,
+    input: &[f32],
+    output: &mut [f32],
+    batch: usize,
+) -> sys::colibri_status {
     // SAFETY: the caller's context; the engine checks the lengths against
-    // batch, and every user pointer outlives the call (locals above).
-    unsafe { sys::colibri_forward_ex(ctx, &raw, batch, input.as_ptr(), input.len(), output.as_mut_ptr(), output.len()) }
+    // batch, and every user pointer outlives the call (with_exec's frame).
+    unsafe {
+        with_exec(image, exec, |raw| {
+            sys::colibri_forward_ex(ctx, raw, batch, input.as_ptr(), input.len(), output.as_mut_ptr(), output.len())
+        })
+    }
+}
+
+/// Runs `colibri_lm_forward_ex` with `exec`'s callbacks (see Model::lm_forward_ex).
+///
+/// SAFETY: `ctx` is a live context over `image`, borrowed exclusively.
+pub(crate) unsafe fn lm_forward_ex<M>(
+    ctx: *mut sys::colibri_ctx,
+    image: &[u8],
+    exec: &mut Exec<'_, M>,
+    tokens: &[i32],
+    n: u32,
+    logits: &mut [f32],
+) -> sys::colibri_status {
+    // SAFETY: as forward_ex; the engine checks n and logits.len() first.
+    unsafe {
+        with_exec(image, exec, |raw| {
+            sys::colibri_lm_forward_ex(ctx, raw, tokens.as_ptr(), n, logits.as_mut_ptr(), logits.len())
+        })
+    }
 }

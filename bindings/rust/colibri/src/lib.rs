@@ -381,6 +381,19 @@ impl Model<'_> {
         check(unsafe { sys::colibri_lm_forward(self.ctx, tokens.as_ptr(), n, logits.as_mut_ptr(), logits.len()) })
     }
 
+    /// [`Model::lm_forward`] with caller-supplied options
+    /// (`colibri_lm_forward_ex`): with a [`ParallelFor`] pool, one token's
+    /// large matrices run in row blocks on its workers, the experts and
+    /// attention heads side by side, and the logits are bit for bit those
+    /// of `lm_forward`. The arena must hold the workers
+    /// ([`Model::arena_size_for`], else [`Status::BadExec`]); a hook's or
+    /// callback's failure stops the pass and is returned here, the cache as it was.
+    pub fn lm_forward_ex<M>(&mut self, exec: &mut Exec<'_, M>, tokens: &[i32], logits: &mut [f32]) -> Result<(), Status> {
+        let n = u32::try_from(tokens.len()).map_err(|_| Status::BadBatch)?;
+        // SAFETY: the live context over self.image, borrowed exclusively.
+        check(unsafe { exec::lm_forward_ex(self.ctx, self.image, exec, tokens, n, logits) })
+    }
+
     /// Draws one token from one row of logits (`[vocab]`) with scratch in the arena.
     pub fn lm_sample(&mut self, sampler: &Sampler, logits: &[f32], rng: &mut Rng) -> Result<i32, Status> {
         let raw = sampler.raw();
@@ -400,6 +413,20 @@ impl Model<'_> {
     /// past max_seq_len [`Status::CacheFull`].
     pub fn lm_generate(
         &mut self,
+        prompt: &[i32],
+        sampler: &Sampler,
+        rng: &mut Rng,
+        logits: &mut [f32],
+        out: &mut [i32],
+    ) -> Result<(), Status> {
+        self.lm_generate_ex(&mut Exec::new(), prompt, sampler, rng, logits, out)
+    }
+
+    /// [`Model::lm_generate`] with every forward pass run with `exec`
+    /// ([`Model::lm_forward_ex`]): with a pool, the same tokens.
+    pub fn lm_generate_ex<M>(
+        &mut self,
+        exec: &mut Exec<'_, M>,
         prompt: &[i32],
         sampler: &Sampler,
         rng: &mut Rng,
@@ -426,12 +453,12 @@ impl Model<'_> {
         }
         let mut last = 0;
         for chunk in prompt.chunks(rows) {
-            self.lm_forward(chunk, &mut logits[..chunk.len() * vocab])?;
+            self.lm_forward_ex(exec, chunk, &mut logits[..chunk.len() * vocab])?;
             last = chunk.len() - 1;
         }
         out[0] = self.lm_sample(sampler, &logits[last * vocab..(last + 1) * vocab], rng)?;
         for made in 1..out.len() {
-            self.lm_forward(&out[made - 1..made], &mut logits[..vocab])?;
+            self.lm_forward_ex(exec, &out[made - 1..made], &mut logits[..vocab])?;
             out[made] = self.lm_sample(sampler, &logits[..vocab], rng)?;
         }
         Ok(())

@@ -10,7 +10,7 @@
 //! - the same over a thread pool (`ParallelFor`), where the hook runs on the workers;
 //! - a panicking hook, which aborts the process rather than unwinding through the engine.
 use colibri::{
-    Activation, Exec, ExpertCall, ExpertKind, ExpertOutcome, Model, ParallelFor, Route, Status, Weight,
+    Activation, Exec, ExpertCall, ExpertKind, ExpertOutcome, Model, ParallelFor, Rng, Route, Sampler, Status, Weight,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -333,6 +333,59 @@ unsafe impl ParallelFor for Threads {
             work(0);
         });
         Ok(())
+    }
+}
+
+/// Token models on the pool (`lm_forward_ex`, `lm_generate_ex`): prefill and each decode step give
+/// `lm_forward`'s logits bit for bit, with the optimised and the reference kernels, and the same
+/// generated tokens as the Python engine; one byte short of the pool's arena is `BadExec`.
+#[test]
+fn a_thread_pool_runs_token_models_bit_identically() {
+    let pool = Threads(2);
+    for case in cases("lm") {
+        let name = case[1].as_str();
+        let sampler = Sampler { temperature: case[2].parse().unwrap(), top_k: case[3].parse().unwrap(),
+                                top_p: case[4].parse().unwrap() };
+        let (seed, new): (u64, usize) = (case[5].parse().unwrap(), case[6].parse().unwrap());
+        let (words, len) = image(name);
+        let image = bytes(&words, len);
+        let info = Model::info(image).unwrap();
+        let vocab = info.vocab_size as usize;
+        let prompt = i32s(fixtures().join(format!("{name}.prompt.i32")));
+        let one = Model::arena_size(image).unwrap();
+        let need = Model::arena_size_for(image, 2).unwrap();
+        assert!(need > one, "{name}: the pool's arena");
+        let (mut a1, mut a2) = (arena(one), arena(need));
+        let mut single = Model::new(image, arena_bytes(&mut a1, one)).unwrap();
+        let mut model = Model::new(image, arena_bytes(&mut a2, need)).unwrap();
+        for reference in [false, true] {
+            single.use_reference_kernels(reference).unwrap();
+            model.use_reference_kernels(reference).unwrap();
+            single.lm_reset().unwrap();
+            model.lm_reset().unwrap();
+            let (mut want, mut got) = (vec![0f32; prompt.len() * vocab], vec![0f32; prompt.len() * vocab]);
+            single.lm_forward(&prompt, &mut want).unwrap();
+            model.lm_forward_ex(&mut Exec::parallel(&pool), &prompt, &mut got).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{name}: prefill on the pool");
+            for step in 0..(info.max_seq_len as usize - prompt.len()).min(24) {
+                let token = [(step * 7 % vocab) as i32];
+                single.lm_forward(&token, &mut want[..vocab]).unwrap();
+                model.lm_forward_ex(&mut Exec::parallel(&pool), &token, &mut got[..vocab]).unwrap();
+                assert_eq!(bits(&got[..vocab]), bits(&want[..vocab]), "{name}: decode step {step} on the pool");
+            }
+        }
+        model.use_reference_kernels(true).unwrap();
+        let mut logits = vec![0f32; info.max_batch as usize * vocab];
+        let mut out = vec![-1i32; new];
+        model.lm_generate_ex(&mut Exec::parallel(&pool), &prompt, &sampler, &mut Rng::new(seed), &mut logits, &mut out)
+            .unwrap();
+        assert_eq!(out, i32s(fixtures().join(format!("{name}.gen.i32"))), "{name}: generated on the pool");
+
+        let mut short = arena(need);
+        let mut small = Model::new(image, arena_bytes(&mut short, need - 1)).unwrap();
+        assert_eq!(small.lm_forward_ex(&mut Exec::parallel(&pool), &prompt[..1], &mut logits[..vocab]),
+                   Err(Status::BadExec), "{name}: one byte short of two workers");
+        assert_eq!(small.lm_position(), Ok(0));
     }
 }
 
