@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 CORE := firmware/colibri_core
 
-.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-exec \
+.PHONY: setup demo test engine engine-all c-tests firmware header measure clean fuzz fuzz-smoke bench bench-q4 bench-blocks bench-exec \
         libs install bench-riscv-insns bench-edge-mmap bench-edge-mmap-full bench-edge-jitter upstream-check train-tiny-lm demo-lm evaluate-tiny-lm
 
 setup:
@@ -100,6 +100,16 @@ build/bench/q4_kernels: bench/q4_kernels.c engine
 
 bench-q4: build/bench/q4_kernels
 	./build/bench/q4_kernels
+
+# The block form of int8 activations against f32 and per-row int8 activations on the expert layers of
+# the 100 M-class Mixtral (bench/block_kernels.c): µs and weight GB/s per call, every x86 level, and
+# the single-core read rate.
+build/bench/block_kernels: bench/block_kernels.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/src $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+bench-blocks: build/bench/block_kernels
+	./build/bench/block_kernels
 
 # Instructions per multiply-accumulate of the meter and edge models' linear layers under
 # qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.

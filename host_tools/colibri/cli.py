@@ -281,6 +281,9 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
                      help="Leave matching weights in f32, e.g. '*.router' or 'layers.0' (repeatable)."),
         click.option("--int8-act", multiple=True, metavar="PATTERN",
                      help="Run matching layers/experts with int8 activations, e.g. 'layers.*' (repeatable)."),
+        click.option("--int8-blocks", multiple=True, metavar="PATTERN",
+                     help="Run matching layers/experts with int8 activations in blocks of 32 columns, each with its "
+                          "own scale (INT8_BLOCKS; not with --int8-act on the same layer), e.g. 'layers.*.experts.*'."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -304,7 +307,8 @@ def _quant_options(fn=None, *, dtype_required: bool = False):
 @_quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool, no_check: bool, dtype: str, compensation: float,
-           group: int, q8: tuple[str, ...], keep: tuple[str, ...], int8_act: tuple[str, ...]) -> None:
+           group: int, q8: tuple[str, ...], keep: tuple[str, ...], int8_act: tuple[str, ...],
+           int8_blocks: tuple[str, ...]) -> None:
     """Export MODEL (a torch.save'd module or package.module:factory) to a model image.
 
     MODEL is a file written by torch.save(model, path), or package.module:factory, a function
@@ -326,7 +330,8 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
         calib = _load_inputs(calibration, width, calibration=True)
     result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
-                       keep=keep, int8_act=int8_act, check=not no_check, group=group, q8=q8)
+                       keep=keep, int8_act=int8_act, int8_blocks=int8_blocks, check=not no_check, group=group,
+                       q8=q8)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, result.image)
     for line in result.pruned.lines():
@@ -396,7 +401,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             tied = table is not None and layer.weight is table
             row.update(shape=f"{layer.in_features}->{layer.out_features}",
                        params=numel(layer.bias) if tied else numel(layer.weight, layer.bias),
-                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else ""), tied=tied)
+                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else "")
+                       + (" int8-blocks" if layer.int8_blocks else ""), tied=tied)
         elif isinstance(layer, Activation):
             row.update(shape=layer.act.name.lower(), params=0)
         elif isinstance(layer, (LayerNorm, RMSNorm)):
@@ -411,7 +417,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             weights = [layer.router_weight] + [w for e in experts for w in (e.w1, e.w2, e.w3) if w is not None]
             row.update(
                 shape=f"{layer.d_model}->{layer.d_model}", params=n, dtype=_storage(weights)
-                + (" int8-act" if any(e.int8_act for e in experts) else ""),
+                + (" int8-act" if any(e.int8_act for e in experts) else "")
+                + (" int8-blocks" if any(e.int8_blocks for e in experts) else ""),
                 routing=layer.routing.name.lower(), top_k=layer.top_k, renormalize=layer.renormalize,
                 experts=len(layer.experts), router_outputs=layer.route_count, pruned=pruned,
                 expert=f"{e0.kind.name.lower()} {e0.act.name.lower()} hidden {e0.hidden}",
@@ -607,7 +614,8 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
                    "inputs' activation statistics when given, which also rank the compensation E.")
 def quantize(source: Path, output: Path, dtype: str | None, compensation: float, group: int, q8: tuple[str, ...],
              keep: tuple[str, ...],
-             int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
+             int8_act: tuple[str, ...], int8_blocks: tuple[str, ...], calibration: Path | None, show_report: bool,
+             plot: Path | None,
              page_aligned: bool, target: str | None, quantize_routers: bool, router_inputs: str | None,
              clip: bool) -> None:
     """Quantise an f32 model image SOURCE to OUTPUT (image to image).
@@ -631,8 +639,9 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
     if target is not None and q8:
         raise click.UsageError("--q8 has no effect with --target (the plan chooses each weight's dtype)")
-    if target is not None and int8_act:
-        raise click.UsageError("--int8-act has no effect with --target (the plan keeps f32 activations)")
+    if target is not None and (int8_act or int8_blocks):
+        raise click.UsageError("--int8-act and --int8-blocks have no effect with --target (the plan keeps f32 "
+                               "activations)")
     # Calibration inputs weigh the weights' errors (clip search, E, the plan) only when asked to: a --report
     # alone must not change what it reports on.
     weighting = calib if calib is not None and (clip or target) and not graph.is_token_model else None
@@ -646,7 +655,8 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
             click.echo(line)
         quantised = chosen.graph
     else:
-        quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
+        quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                               int8_blocks=int8_blocks, progress=True,
                                quantize_routers=quantize_routers, clip=clip, calibration=weighting,
                                router_inputs=router_inputs, group=group, q8=q8)
     if target is not None:

@@ -91,7 +91,7 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
     /* Only with INT8_ACT (Q > 0): Q is the widest row quantised at once, a
      * LINEAR's in_features or an expert's d_model and hidden. */
     size[P_QROWS] = B * Q * sizeof(int8_t);
-    size[P_QSCALE] = Q ? B * f32 : 0;
+    size[P_QSCALE] = Q ? B * (m->qblocks > 1u ? m->qblocks : 1u) * f32 : 0; /* a scale per row, or per block */
     size[P_PLAN_ATTENTION] = (uint64_t)m->attn_layers * sizeof(colibri_plan_attention);
     size[P_KV_CACHE] = m->kv_bytes;
     size[P_ATT_Q] = B * m->q_width * f32;
@@ -153,7 +153,8 @@ static void exec_layout(const colibri_model *m, uint64_t *fixed, uint64_t *per_w
     const uint64_t B = m->hdr.max_batch, W = m->width, H = m->hidden, Q = m->qwidth;
     const uint64_t K = m->select, S = m->shared_experts, tasks = (uint64_t)m->experts + S;
     *fixed = round8(B * (K + S) * W * sizeof(float)) + round8(tasks * 3u * sizeof(uint32_t));
-    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * sizeof(float)) : 0u);
+    const uint64_t scales = m->qblocks > 1u ? m->qblocks : 1u;
+    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * scales * sizeof(float)) : 0u);
 }
 
 colibri_status colibri_model_size_ex(const void *image, size_t image_len, size_t workers, size_t *arena_size)
@@ -305,7 +306,9 @@ static void plan_expert(colibri_plan_expert *p, const uint8_t *image, const coli
     p->hidden = e.hidden;
     p->glu = (uint8_t)glu;
     p->activation = e.activation;
-    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
+    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_BLOCKS) ? COLIBRI_INT8_BLOCKS
+                  : (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT)  ? COLIBRI_INT8_ROWS
+                                                              : 0;
 }
 
 /* MOE layer record `index`: its entry, and its routed then shared experts
@@ -404,7 +407,9 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image, uint8_t *k
         const int embed = l.op == COLIBRI_OP_EMBED, attention = l.op == COLIBRI_OP_ATTENTION;
         p->op = l.op;
         p->act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0;
-        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0;
+        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_BLOCKS) ? COLIBRI_INT8_BLOCKS
+                      : (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT)  ? COLIBRI_INT8_ROWS
+                                                                 : 0;
         p->in = l.in_features;
         p->eps = l.eps;
         p->entry = 0;
@@ -573,11 +578,26 @@ static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t wo
 
 /* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
  * scratch's int8 rows; returns the view the linear kernels take. */
-static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, const float *x, const uint16_t *rows,
-                              size_t n, size_t in)
+static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, uint8_t mode, const float *x,
+                              const uint16_t *rows, size_t n, size_t in)
 {
-    c->k.quantize_rows(x, rows, n, in, sc->q, sc->qa);
+    if (mode == COLIBRI_INT8_BLOCKS)
+        c->k.quantize_blocks(x, rows, n, in, sc->q, sc->qa);
+    else
+        c->k.quantize_rows(x, rows, n, in, sc->q, sc->qa);
     return (colibri_qrows){sc->q, sc->qa};
+}
+
+/* The linear kernels for an activation mode: the block form's, or those
+ * taking f32 or per-row int8 activations. */
+static colibri_linear_fn linear_for(const colibri_ctx *c, uint8_t mode)
+{
+    return mode == COLIBRI_INT8_BLOCKS ? c->k.linear_blocks : c->k.linear;
+}
+
+static colibri_linear_acc_fn linear_acc_for(const colibri_ctx *c, uint8_t mode)
+{
+    return mode == COLIBRI_INT8_BLOCKS ? c->k.linear_acc_blocks : c->k.linear_acc;
 }
 
 /* y[yrows[i]] += scale[i] · expert(x[xrows[i]]) for i < n (an index list
@@ -592,18 +612,19 @@ static void expert_forward(const colibri_ctx *c, const scratch *sc, const colibr
     float *h = sc->h0;
     colibri_qrows q = {NULL, NULL};
 
+    const colibri_linear_fn linear = linear_for(c, e->int8_act);
     if (e->int8_act)
-        q = quantize(c, sc, x, xrows, n, d);
-    c->k.linear(x, xrows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
+        q = quantize(c, sc, e->int8_act, x, xrows, n, d);
+    linear(x, xrows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
     c->k.activation(h, n * hid, e->activation);
     if (e->glu) {
         float *g = sc->h1;
-        c->k.linear(x, xrows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
+        linear(x, xrows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
         c->k.mul(h, g, n * hid);
     }
     if (e->int8_act)
-        q = quantize(c, sc, h, NULL, n, hid);
-    c->k.linear_acc(h, n, &e->w2, e->b2, yrows, scale, e->int8_act ? &q : NULL, y);
+        q = quantize(c, sc, e->int8_act, h, NULL, n, hid);
+    linear_acc_for(c, e->int8_act)(h, n, &e->w2, e->b2, yrows, scale, e->int8_act ? &q : NULL, y);
 }
 
 /* expert_forward, offered first to the caller's expert hook (if any). */
@@ -823,9 +844,11 @@ static void linear_task(void *arg, size_t t, size_t worker)
     const size_t n = t + 1 == a->tasks ? a->batch - t0 : a->chunk; /* the last takes the rest */
     colibri_qrows q = {NULL, NULL};
     (void)worker;
-    if (a->q)
-        q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0};
-    a->c->k.linear(a->x + t0 * in, NULL, n, &a->l->w, a->l->t1, a->q ? &q : NULL, a->y + t0 * out);
+    if (a->q) { /* per-token scales, or colibri_act_blocks(in) of them a token */
+        const size_t scales = a->l->int8_act == COLIBRI_INT8_BLOCKS ? colibri_act_blocks(in) : 1u;
+        q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0 * scales};
+    }
+    linear_for(a->c, a->l->int8_act)(a->x + t0 * in, NULL, n, &a->l->w, a->l->t1, a->q ? &q : NULL, a->y + t0 * out);
 }
 
 /* y = x Wᵀ + b for a LINEAR layer over batch tokens; split across the
@@ -837,7 +860,7 @@ static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, cons
     colibri_qrows q = {NULL, NULL};
     if (l->int8_act) {
         const scratch sc0 = worker_scratch(c, NULL, 0);
-        q = quantize(c, &sc0, x, NULL, batch, in);
+        q = quantize(c, &sc0, l->int8_act, x, NULL, batch, in);
     }
     if (workers > 1 && batch >= 8 && (uint64_t)batch * in * l->w.rows >= PAR_LINEAR_MIN_MACS) {
         size_t chunk = (batch + workers - 1) / workers;
@@ -846,7 +869,7 @@ static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, cons
         if (a.tasks > 1)
             return o->exec.parallel_for(o->exec.parallel_for_user, linear_task, (void *)&a, a.tasks);
     }
-    c->k.linear(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, y);
+    linear_for(c, l->int8_act)(x, NULL, batch, &l->w, l->t1, l->int8_act ? &q : NULL, y);
     return COLIBRI_OK;
 }
 

@@ -130,61 +130,63 @@ BLK_INLINE BLK_AVX2 __m256 q4_scales8(const uint16_t *const sc[8], size_t g)
 
 /* ---- The per-block products, one per instruction set ---- */
 
-/* Σ over 32 columns of Q·xq into 8 int32 lanes (I8, sign trick). */
-BLK_INLINE BLK_AVX2 __m256i q8dot_avx2(__m256i wv, __m256i xv)
+/* Σ over 32 columns into 8 int32 lanes of |Q| (u8) times xq with Q's sign
+ * (s8), I8; or of u = Q + 8 (u8, 0..15) times xq (s8), I4. vpmaddubsw's
+ * pairs stay below 2^15: 2·128·127 and 2·15·128. */
+BLK_INLINE BLK_AVX2 __m256i dot_avx2(__m256i u, __m256i xs)
 {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)),
-                             _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1));
 }
 
-BLK_INLINE BLK_AVXVNNI __m256i q8dot_avxvnni(__m256i wv, __m256i xv)
+BLK_INLINE BLK_AVXVNNI __m256i dot_avxvnni(__m256i u, __m256i xs)
 {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xs);
 }
 
-BLK_INLINE BLK_VNNI512 __m256i q8dot_vl(__m256i wv, __m256i xv)
+BLK_INLINE BLK_VNNI512 __m256i dot_vl(__m256i u, __m256i xs)
 {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xs);
 }
 
-/* Σ u·xq over 32 columns (u unsigned 0..15: pairs at most 2·15·128). */
-BLK_INLINE BLK_AVX2 __m256i q4dot_avx2(__m256i u, __m256i xv)
-{
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
-}
+/* ---- One block of 8 rows for T <= 4 tokens: each token's running values
+ * take block b; each row's weights are loaded (and decoded) once for the T
+ * tokens. T is a constant at every call (the functions are inlined). ---- */
 
-BLK_INLINE BLK_AVXVNNI __m256i q4dot_avxvnni(__m256i u, __m256i xv)
-{
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xv);
-}
-
-BLK_INLINE BLK_VNNI512 __m256i q4dot_vl(__m256i u, __m256i xv)
-{
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
-}
-
-/* ---- One block of 8 rows, one token: the running values take block b ---- */
-
-/* I8: acc[r] += (float)Σ_{j in b} Q·xq · a_b. */
 #define BLK_DEFINE_BLOCK(SFX, TGT)                                                                            \
-    BLK_INLINE TGT __m256 q8_block_##SFX(const int8_t *const row[8], const int8_t *xq, size_t c, size_t n,     \
-                                         float ab, __m256 acc)                                                \
+    /* I8: acc[t][r] += (float)Σ_{j in b} Q·xq_t · a_tb. */                                                   \
+    BLK_INLINE TGT void q8_block_##SFX(int T, const int8_t *const row[8], const int8_t *const *xq, size_t c,  \
+                                       size_t n, const float *ab, __m256 *acc)                                \
     {                                                                                                         \
-        const __m256i xv = load_i8(xq + c, n);                                                                \
-        __m256i s[8];                                                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) s[r] = q8dot_##SFX(load_i8(row[r] + c, n), xv);  \
-        return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(s)), _mm256_set1_ps(ab)));         \
+        __m256i xv[4], s[4][8];                                                                               \
+        for (int t = 0; t < T; t++)                                                                           \
+            xv[t] = load_i8(xq[t] + c, n);                                                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)                                                   \
+        {                                                                                                     \
+            const __m256i wv = load_i8(row[r] + c, n), wa = _mm256_abs_epi8(wv);                              \
+            for (int t = 0; t < T; t++)                                                                       \
+                s[t][r] = dot_##SFX(wa, _mm256_sign_epi8(xv[t], wv));                                         \
+        }                                                                                                     \
+        for (int t = 0; t < T; t++)                                                                           \
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(s[t])), _mm256_set1_ps(ab[t]))); \
     }                                                                                                         \
-    /* I4: acc[r] += (float)Σ_{c in b} Q·xq · (s_g[r] · a_b). */                                              \
-    BLK_INLINE TGT __m256 q4_block_##SFX(const uint8_t *const row[8], __m256 sg, const int8_t *xq, size_t c,  \
-                                         size_t n, float ab, __m256 acc)                                      \
+    /* I4: acc[t][r] += (float)Σ_{c in b} Q·xq_t · (s_g[r] · a_tb). */                                        \
+    BLK_INLINE TGT void q4_block_##SFX(int T, const uint8_t *const row[8], __m256 sg, const int8_t *const *xq, \
+                                       size_t c, size_t n, const float *ab, __m256 *acc)                      \
     {                                                                                                         \
-        const __m256i xv = q4_split(load_i8(xq + c, n));                                                      \
-        __m256i s[8];                                                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) s[r] =                                            \
-            q4dot_##SFX(q4_unsigned(q4_packed(row[r], c, n)), xv);                                            \
-        const __m256i d = _mm256_sub_epi32(hsum8(s), _mm256_set1_epi32(eight_sum(xv)));                      \
-        return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sg, _mm256_set1_ps(ab)))); \
+        __m256i xv[4], s[4][8];                                                                               \
+        for (int t = 0; t < T; t++)                                                                           \
+            xv[t] = q4_split(load_i8(xq[t] + c, n));                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)                                                   \
+        {                                                                                                     \
+            const __m256i u = q4_unsigned(q4_packed(row[r], c, n));                                           \
+            for (int t = 0; t < T; t++)                                                                       \
+                s[t][r] = dot_##SFX(u, xv[t]);                                                                \
+        }                                                                                                     \
+        for (int t = 0; t < T; t++) {                                                                         \
+            const __m256i d = _mm256_sub_epi32(hsum8(s[t]), _mm256_set1_epi32(eight_sum(xv[t])));            \
+            acc[t] = _mm256_add_ps(acc[t],                                                                    \
+                                   _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sg, _mm256_set1_ps(ab[t])))); \
+        }                                                                                                     \
     }
 
 BLK_DEFINE_BLOCK(avx2, BLK_AVX2)
@@ -193,120 +195,186 @@ BLK_DEFINE_BLOCK(vl, BLK_VNNI512)
 
 /* ---- AVX-512 VNNI: two full blocks (64 columns) a step ---- */
 
-/* The 8 rows' two block sums: s[r] lanes 0-7 block A, 8-15 block B. */
+/* The 8 rows' two block sums from s[r] (lanes 0-7 block A, 8-15 block B):
+ * *a lane r = row r's A, *b its B. Pairs of rows interleaved and added
+ * (unpack 32, then 64), so each 128-bit lane k holds 4 rows' partial sums
+ * of lane group k; groups 0, 1 are A's and 2, 3 B's: 23 operations for the
+ * 16 sums. */
 BLK_INLINE BLK_VNNI512 void hsum8x2(const __m512i s[8], __m256i *a, __m256i *b)
 {
-    __m256i lo[8], hi[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) {
-        lo[r] = _mm512_castsi512_si256(s[r]);
-        hi[r] = _mm512_extracti64x4_epi64(s[r], 1);
-    }
-    *a = hsum8(lo);
-    *b = hsum8(hi);
+    __m512i p[4], q[2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]),
+                                _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+    /* p[i]: per 128-bit lane [r0, r1, r0, r1] partials of rows 2i, 2i+1 */
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                                _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    /* q[0]: per 128-bit lane k, rows 0-3's sums over that lane's group; q[1] rows 4-7 */
+    const __m512i even = _mm512_shuffle_i32x4(q[0], q[1], 0x88); /* lanes q0.0, q0.2, q1.0, q1.2 */
+    const __m512i odd = _mm512_shuffle_i32x4(q[0], q[1], 0xDD);  /* lanes q0.1, q0.3, q1.1, q1.3 */
+    const __m512i sum = _mm512_add_epi32(even, odd);             /* [A r0-3, B r0-3, A r4-7, B r4-7] */
+    const __m512i ordered = _mm512_shuffle_i32x4(sum, sum, 0xD8); /* [A r0-3, A r4-7, B r0-3, B r4-7] */
+    *a = _mm512_castsi512_si256(ordered);
+    *b = _mm512_extracti64x4_epi64(ordered, 1);
 }
 
-BLK_INLINE BLK_VNNI512 __m256 q8_pair_vnni(const int8_t *const row[8], const int8_t *xq, size_t c, float a0, float a1,
-                                           __m256 acc)
+/* I8, T tokens: (xq + 128) as u8 times Q, less 128 · Σ Q of each row's
+ * blocks (once for the T tokens): exact in wrapping int32. */
+BLK_INLINE BLK_VNNI512 void q8_pair_vnni(int T, const int8_t *const row[8], const int8_t *const *xq, size_t c,
+                                         const float *a0, const float *a1, __m256 *acc)
 {
-    const __m512i xf = _mm512_xor_si512(_mm512_loadu_si512(xq + c), _mm512_set1_epi8(-128));
     const __m512i c128 = _mm512_set1_epi8(-128); /* 0x80: 128 as u8 */
-    __m512i s[8];
+    __m512i xf[4], s[4][8], corr[8];
+    for (int t = 0; t < T; t++)
+        xf[t] = _mm512_xor_si512(_mm512_loadu_si512(xq[t] + c), c128);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) {
         const __m512i wv = _mm512_loadu_si512(row[r] + c);
-        s[r] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xf, wv),
-                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv));
+        corr[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
+        for (int t = 0; t < T; t++)
+            s[t][r] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xf[t], wv), corr[r]);
     }
-    __m256i d0, d1;
-    hsum8x2(s, &d0, &d1);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(a0)));
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(a1)));
+    for (int t = 0; t < T; t++) {
+        __m256i d0, d1;
+        hsum8x2(s[t], &d0, &d1);
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(a0[t])));
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(a1[t])));
+    }
 }
 
 /* I4, 64 columns: u of the 32 bytes as [low nibbles, high nibbles], xq as
  * [evens of A, evens of B, odds of A, odds of B]; so lanes 0-3 and 8-11 of
- * a row's sum are block A, 4-7 and 12-15 block B, folded to 8 lanes each
- * ([A in 0-3, B in 4-7] after adding the halves). */
-BLK_INLINE BLK_VNNI512 __m256 q4_pair_vnni(const uint8_t *const row[8], __m256 sg0, __m256 sg1, const int8_t *xq,
-                                           size_t c, float a0, float a1, __m256 acc)
+ * a row's sum are block A, 4-7 and 12-15 block B; the halves added first
+ * ([A in 0-3, B in 4-7]), then reduced as hsum8 does, keeping A and B in
+ * their 128-bit halves. */
+BLK_INLINE BLK_VNNI512 void q4_pair_vnni(int T, const uint8_t *const row[8], __m256 sg0, __m256 sg1,
+                                         const int8_t *const *xq, size_t c, const float *a0, const float *a1,
+                                         __m256 *acc)
 {
-    const __m256i xa = q4_split(_mm256_loadu_si256((const __m256i *)(xq + c)));
-    const __m256i xb = q4_split(_mm256_loadu_si256((const __m256i *)(xq + c + 32)));
-    /* xa = [A's 16 evens | A's 16 odds] by 128-bit lane, xb the same for B */
-    const __m256i evens = _mm256_permute2x128_si256(xa, xb, 0x20), odds = _mm256_permute2x128_si256(xa, xb, 0x31);
-    const __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(evens), odds, 1);
+    __m512i xv[4], s[4][8];
+    int32_t ea[4], eb[4];
+    for (int t = 0; t < T; t++) {
+        const __m256i xa = q4_split(_mm256_loadu_si256((const __m256i *)(xq[t] + c)));
+        const __m256i xb = q4_split(_mm256_loadu_si256((const __m256i *)(xq[t] + c + 32)));
+        /* xa = [A's 16 evens | A's 16 odds] by 128-bit lane, xb the same for B */
+        xv[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(xa, xb, 0x20)),
+                                   _mm256_permute2x128_si256(xa, xb, 0x31), 1);
+        ea[t] = eight_sum(xa);
+        eb[t] = eight_sum(xb);
+    }
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m512i s[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) {
         const __m256i p = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r] + (c >> 1))),
                                            _mm256_set1_epi8((char)0x88));
         const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, mask)),
                                              _mm256_and_si256(_mm256_srli_epi16(p, 4), mask), 1);
-        s[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);
+        for (int t = 0; t < T; t++)
+            s[t][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv[t]);
     }
-    /* fold: lanes 0-7 + 8-15, then per row 0-3 block A, 4-7 block B */
-    __m256i f[8];
+    for (int t = 0; t < T; t++) {
+        __m256i f[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++)
-        f[r] = _mm256_add_epi32(_mm512_castsi512_si256(s[r]), _mm512_extracti64x4_epi64(s[r], 1));
-    /* hadd twice as hsum8 does, keeping the 128-bit halves (A, B) apart */
-    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
-    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(f[4], f[5]), _mm256_hadd_epi32(f[6], f[7]));
-    /* h0 = [rows 0-3 of A | rows 0-3 of B], h1 the same for rows 4-7 */
-    const __m256i ea = _mm256_set1_epi32(eight_sum(xa));
-    const __m256i eb = _mm256_set1_epi32(eight_sum(xb));
-    const __m256i d0 = _mm256_sub_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), ea);
-    const __m256i d1 = _mm256_sub_epi32(_mm256_permute2x128_si256(h0, h1, 0x31), eb);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(sg0, _mm256_set1_ps(a0))));
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(sg1, _mm256_set1_ps(a1))));
+        for (int r = 0; r < 8; r++)
+            f[r] = _mm256_add_epi32(_mm512_castsi512_si256(s[t][r]), _mm512_extracti64x4_epi64(s[t][r], 1));
+        const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
+        const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(f[4], f[5]), _mm256_hadd_epi32(f[6], f[7]));
+        /* h0 = [rows 0-3 of A | rows 0-3 of B], h1 the same for rows 4-7 */
+        const __m256i d0 = _mm256_sub_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_set1_epi32(ea[t]));
+        const __m256i d1 = _mm256_sub_epi32(_mm256_permute2x128_si256(h0, h1, 0x31), _mm256_set1_epi32(eb[t]));
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(sg0, _mm256_set1_ps(a0[t]))));
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(sg1, _mm256_set1_ps(a1[t]))));
+    }
 }
 
-/* ---- One token, 8 rows: v[r] the running value after every block ---- */
+/* ---- T tokens, 8 rows: v[t·8 + r] the running value after every block ---- */
+
+/* Block b's scale of each of the T tokens (token t's scales at a[t] + b). */
+BLK_INLINE void block_scales(int T, const float *const *a, size_t b, float *ab)
+{
+    for (int t = 0; t < T; t++)
+        ab[t] = a[t][b];
+}
 
 #define BLK_DEFINE_ROWS(SFX, TGT, PAIRS)                                                                       \
-    static TGT void q8_rows8_##SFX(const colibri_matrix *w, size_t o, const int8_t *xq, const float *a,        \
-                                   float v[8])                                                                 \
+    BLK_INLINE TGT void q8_rows8_##SFX(int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,     \
+                                       const float *const *a, float *v)                                       \
     {                                                                                                          \
         const size_t in = w->cols;                                                                             \
         const int8_t *row[8];                                                                                  \
         rows8_q8(w, o, row);                                                                                   \
-        __m256 acc = _mm256_setzero_ps();                                                                      \
+        __m256 acc[4];                                                                                         \
+        float a0[4], a1[4];                                                                                    \
+        for (int t = 0; t < T; t++)                                                                            \
+            acc[t] = _mm256_setzero_ps();                                                                      \
         size_t c = 0;                                                                                          \
         if (PAIRS)                                                                                             \
-            for (; c + 64 <= in; c += 64)                                                                      \
-                acc = q8_pair_vnni(row, xq, c, a[c / 32], a[c / 32 + 1], acc);                                 \
-        for (; c < in; c += 32)                                                                                \
-            acc = q8_block_##SFX(row, xq, c, in - c < 32 ? in - c : 32, a[c / 32], acc);                       \
-        _mm256_storeu_ps(v, acc);                                                                              \
+            for (; c + 64 <= in; c += 64) {                                                                    \
+                block_scales(T, a, c / 32, a0);                                                                \
+                block_scales(T, a, c / 32 + 1, a1);                                                            \
+                q8_pair_vnni(T, row, xq, c, a0, a1, acc);                                                      \
+            }                                                                                                  \
+        for (; c < in; c += 32) {                                                                              \
+            block_scales(T, a, c / 32, a0);                                                                    \
+            q8_block_##SFX(T, row, xq, c, in - c < 32 ? in - c : 32, a0, acc);                                 \
+        }                                                                                                      \
+        for (int t = 0; t < T; t++)                                                                            \
+            _mm256_storeu_ps(v + 8 * t, acc[t]);                                                               \
     }                                                                                                          \
-    static TGT void q4_rows8_##SFX(const colibri_matrix *w, size_t o, const int8_t *xq, const float *a,        \
-                                   float v[8])                                                                 \
+    BLK_INLINE TGT void q4_rows8_##SFX(int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,     \
+                                       const float *const *a, float *v)                                       \
     {                                                                                                          \
         const size_t in = w->cols, log2 = w->q4_group_log2;                                                    \
         const uint8_t *row[8];                                                                                 \
         const uint16_t *sc[8];                                                                                 \
         rows8_q4(w, o, row, sc);                                                                               \
-        __m256 acc = _mm256_setzero_ps();                                                                      \
+        __m256 acc[4];                                                                                         \
+        float a0[4], a1[4];                                                                                    \
+        for (int t = 0; t < T; t++)                                                                            \
+            acc[t] = _mm256_setzero_ps();                                                                      \
         size_t c = 0;                                                                                          \
         if (PAIRS)                                                                                             \
-            for (; c + 64 <= in; c += 64)                                                                      \
-                acc = q4_pair_vnni(row, q4_scales8(sc, c >> log2), q4_scales8(sc, (c + 32) >> log2), xq, c,    \
-                                   a[c / 32], a[c / 32 + 1], acc);                                             \
-        for (; c < in; c += 32)                                                                                \
-            acc = q4_block_##SFX(row, q4_scales8(sc, c >> log2), xq, c, in - c < 32 ? in - c : 32, a[c / 32],  \
-                                 acc);                                                                         \
-        _mm256_storeu_ps(v, acc);                                                                              \
+            for (; c + 64 <= in; c += 64) {                                                                    \
+                block_scales(T, a, c / 32, a0);                                                                \
+                block_scales(T, a, c / 32 + 1, a1);                                                            \
+                q4_pair_vnni(T, row, q4_scales8(sc, c >> log2), q4_scales8(sc, (c + 32) >> log2), xq, c, a0,   \
+                             a1, acc);                                                                         \
+            }                                                                                                  \
+        for (; c < in; c += 32) {                                                                              \
+            block_scales(T, a, c / 32, a0);                                                                    \
+            q4_block_##SFX(T, row, q4_scales8(sc, c >> log2), xq, c, in - c < 32 ? in - c : 32, a0, acc);      \
+        }                                                                                                      \
+        for (int t = 0; t < T; t++)                                                                            \
+            _mm256_storeu_ps(v + 8 * t, acc[t]);                                                               \
+    }                                                                                                          \
+    /* One row block for T = 1, 2, 3 or 4 tokens (each specialised). */                                       \
+    static TGT void rows8_##SFX(int i4, int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,     \
+                                const float *const *a, float *v)                                               \
+    {                                                                                                          \
+        switch (T * 2 + i4) {                                                                                  \
+        case 2: q8_rows8_##SFX(1, w, o, xq, a, v); break;                                                      \
+        case 3: q4_rows8_##SFX(1, w, o, xq, a, v); break;                                                      \
+        case 4: q8_rows8_##SFX(2, w, o, xq, a, v); break;                                                      \
+        case 5: q4_rows8_##SFX(2, w, o, xq, a, v); break;                                                      \
+        case 6: q8_rows8_##SFX(3, w, o, xq, a, v); break;                                                      \
+        case 7: q4_rows8_##SFX(3, w, o, xq, a, v); break;                                                      \
+        case 8: q8_rows8_##SFX(4, w, o, xq, a, v); break;                                                      \
+        default: q4_rows8_##SFX(4, w, o, xq, a, v); break;                                                     \
+        }                                                                                                      \
     }
 
 BLK_DEFINE_ROWS(avx2, BLK_AVX2, 0)
 BLK_DEFINE_ROWS(avxvnni, BLK_AVXVNNI, 0)
 BLK_DEFINE_ROWS(vl, BLK_VNNI512, 1)
 
-typedef void (*rows8_fn)(const colibri_matrix *w, size_t o, const int8_t *xq, const float *a, float v[8]);
+typedef void (*rows8_fn)(int i4, int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,
+                         const float *const *a, float *v);
 
-/* ---- The driver: rows in blocks of 8, the call's tokens inside ---- */
+/* ---- The driver: rows in blocks of 8, the call's tokens inside in groups
+ * of up to 4 (a group's weights decoded once) ---- */
 
 /* Token i reads x row xrows ? xrows[i] : i (for E) and block rows i of xq;
  * writes y row yrows ? yrows[i] : i, stored (acc 0) or added with gate s_i. */
@@ -314,23 +382,31 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
                         const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y, size_t n, int acc)
 {
     const int i4 = w->dtype == COLIBRI_DTYPE_I4;
-    const rows8_fn rows8 = isa == 2   ? (i4 ? q4_rows8_vl : q8_rows8_vl)
-                           : isa == 1 ? (i4 ? q4_rows8_avxvnni : q8_rows8_avxvnni)
-                                      : (i4 ? q4_rows8_avx2 : q8_rows8_avx2);
+    const rows8_fn rows8 = isa == 2 ? rows8_vl : isa == 1 ? rows8_avxvnni : rows8_avx2;
     const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
     for (size_t o = 0; o < out; o += 8) {
         const size_t R = out - o < 8 ? out - o : 8;
-        for (size_t i = 0; i < n; i++) {
-            const float *xi = x + (xrows ? xrows[i] : i) * in;
-            float *yi = y + (yrows ? yrows[i] : i) * out;
-            const float s = scale ? scale[i] : 1.0f;
-            float v[8];
-            rows8(w, o, xq->q + i * in, xq->a + i * nb, v);
-            for (size_t r = 0; r < R; r++) {
-                const size_t row = o + r;
-                const float vr = i4 ? colibri_q4_epilogue(w, row, xi, v[r])
-                                    : colibri_q8_compensate(w, row, xi, v[r] * colibri_q8_scale(w, row));
-                colibri_emit(yi, row, vr, b, acc, s);
+        for (size_t i = 0; i < n; i += 4) {
+            const int T = n - i < 4 ? (int)(n - i) : 4;
+            const int8_t *q[4];
+            const float *a[4];
+            float v[32];
+            for (int t = 0; t < T; t++) {
+                q[t] = xq->q + (i + (size_t)t) * in;
+                a[t] = xq->a + (i + (size_t)t) * nb;
+            }
+            rows8(i4, T, w, o, q, a, v);
+            for (int t = 0; t < T; t++) {
+                const size_t ti = i + (size_t)t;
+                const float *xi = x + (xrows ? xrows[ti] : ti) * in;
+                float *yi = y + (yrows ? yrows[ti] : ti) * out;
+                const float s = scale ? scale[ti] : 1.0f;
+                for (size_t r = 0; r < R; r++) {
+                    const size_t row = o + r;
+                    const float vr = i4 ? colibri_q4_epilogue(w, row, xi, v[8 * t + (int)r])
+                                        : colibri_q8_compensate(w, row, xi, v[8 * t + (int)r] * colibri_q8_scale(w, row));
+                    colibri_emit(yi, row, vr, b, acc, s);
+                }
             }
         }
     }
