@@ -81,18 +81,22 @@ def test_reference_q4_blocks_is_the_definition(group: int) -> None:
             assert y[i, o] == v
 
 
-def test_blocks_are_closer_to_f32_than_one_scale_per_row() -> None:
-    """The point of the form: a row whose blocks differ in scale keeps its small blocks' precision."""
+def test_blocks_are_closer_to_f32_activations_than_one_scale_per_row() -> None:
+    """The point of the form: one large block (an outlier feature) no longer coarsens the others. The
+    outlier's columns meet zero weights, so the error is what the other blocks' quantisation costs;
+    the same q8 weights throughout, so only the activations' form differs."""
     rng = np.random.default_rng(3)
     w = rng.standard_normal((64, 256)).astype(np.float32)
-    x = _x(rng, 16, 256)
-    want = reference.run(Graph([Linear(w)], 256, 64), x)
+    w[:, :32] = 0
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    x[:, :32] *= 1000
+    g = Graph([Linear(w)], 256, 64, max_batch=16)
+    want = reference.run(quantize(g, "q8", compensation=0.0), x)
     err = {}
-    for form in ("rows", "blocks"):
-        g = quantize(Graph([Linear(w)], 256, 64, max_batch=16), "q8", compensation=0.0,
-                     **{f"int8_{'act' if form == 'rows' else 'blocks'}": ["layers.0"]})
-        err[form] = float(np.abs(reference.run(g, x) - want).max())
-    assert err["blocks"] < err["rows"] / 4, err
+    for form in ("int8_act", "int8_blocks"):
+        got = reference.run(quantize(g, "q8", compensation=0.0, **{form: ["layers.0"]}), x)
+        err[form] = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err["int8_blocks"] < 0.02 < 0.2 < err["int8_act"], err
 
 
 ENGINE_VARIANTS = {
@@ -108,8 +112,8 @@ ENGINE_VARIANTS = {
 @pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 @pytest.mark.parametrize("model", ["quickstart", "random-0", "random-1", "random-2"])
 def test_engine_matches_reference_on_feature_models(model: str, variant: str) -> None:
-    """Bit for bit without E (integer sums, the same f32 steps); with E the reference adds E as a
-    matrix product, the engine entry by entry: within a few ulps."""
+    """Within a few ulps: the numpy reference adds E as a matrix product and runs the models' f32 parts
+    (routers, norms) in numpy's summation order. Single layers bit for bit: test_wide_layers_bit_for_bit."""
     dtype, kw = ENGINE_VARIANTS[variant]
     graph = TQ.ENGINE_MODELS[model]()
     img = image.write(quantize(graph, dtype, int8_blocks=["layers.*"], **kw))
@@ -121,10 +125,7 @@ def test_engine_matches_reference_on_feature_models(model: str, variant: str) ->
         want = reference.run(img, x)
         for kernels in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
             got = kernels.forward(x)
-            if kw.get("compensation") == 0.0:
-                np.testing.assert_array_equal(got, want)
-            else:
-                assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
+            assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
 
 
 def test_wide_layers_bit_for_bit() -> None:
