@@ -158,15 +158,15 @@ BLK_INLINE BLK_VNNI512 __m256i dot_vl(__m256i u, __m256i xs)
                                        size_t n, const float *ab, __m256 *acc)                                \
     {                                                                                                         \
         __m256i xv[4], s[4][8];                                                                               \
-        for (int t = 0; t < T; t++)                                                                           \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                           \
             xv[t] = load_i8(xq[t] + c, n);                                                                    \
         _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)                                                   \
         {                                                                                                     \
             const __m256i wv = load_i8(row[r] + c, n), wa = _mm256_abs_epi8(wv);                              \
-            for (int t = 0; t < T; t++)                                                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                       \
                 s[t][r] = dot_##SFX(wa, _mm256_sign_epi8(xv[t], wv));                                         \
         }                                                                                                     \
-        for (int t = 0; t < T; t++)                                                                           \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                           \
             acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(s[t])), _mm256_set1_ps(ab[t]))); \
     }                                                                                                         \
     /* I4: acc[t][r] += (float)Σ_{c in b} Q·xq_t · (s_g[r] · a_tb). */                                        \
@@ -174,15 +174,15 @@ BLK_INLINE BLK_VNNI512 __m256i dot_vl(__m256i u, __m256i xs)
                                        size_t c, size_t n, const float *ab, __m256 *acc)                      \
     {                                                                                                         \
         __m256i xv[4], s[4][8];                                                                               \
-        for (int t = 0; t < T; t++)                                                                           \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                           \
             xv[t] = q4_split(load_i8(xq[t] + c, n));                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)                                                   \
         {                                                                                                     \
             const __m256i u = q4_unsigned(q4_packed(row[r], c, n));                                           \
-            for (int t = 0; t < T; t++)                                                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                       \
                 s[t][r] = dot_##SFX(u, xv[t]);                                                                \
         }                                                                                                     \
-        for (int t = 0; t < T; t++) {                                                                         \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) {                                                                         \
             const __m256i d = _mm256_sub_epi32(hsum8(s[t]), _mm256_set1_epi32(eight_sum(xv[t])));            \
             acc[t] = _mm256_add_ps(acc[t],                                                                    \
                                    _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sg, _mm256_set1_ps(ab[t])))); \
@@ -228,15 +228,18 @@ BLK_INLINE BLK_VNNI512 void q8_pair_vnni(int T, const int8_t *const row[8], cons
 {
     const __m512i c128 = _mm512_set1_epi8(-128); /* 0x80: 128 as u8 */
     __m512i xf[4], s[4][8], corr[8];
+    #pragma GCC unroll 4
     for (int t = 0; t < T; t++)
         xf[t] = _mm512_xor_si512(_mm512_loadu_si512(xq[t] + c), c128);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) {
         const __m512i wv = _mm512_loadu_si512(row[r] + c);
         corr[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
+        #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             s[t][r] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xf[t], wv), corr[r]);
     }
+    #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         __m256i d0, d1;
         hsum8x2(s[t], &d0, &d1);
@@ -256,6 +259,7 @@ BLK_INLINE BLK_VNNI512 void q4_pair_vnni(int T, const uint8_t *const row[8], __m
 {
     __m512i xv[4], s[4][8];
     int32_t ea[4], eb[4];
+    #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         const __m256i xa = q4_split(_mm256_loadu_si256((const __m256i *)(xq[t] + c)));
         const __m256i xb = q4_split(_mm256_loadu_si256((const __m256i *)(xq[t] + c + 32)));
@@ -272,9 +276,11 @@ BLK_INLINE BLK_VNNI512 void q4_pair_vnni(int T, const uint8_t *const row[8], __m
                                            _mm256_set1_epi8((char)0x88));
         const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, mask)),
                                              _mm256_and_si256(_mm256_srli_epi16(p, 4), mask), 1);
+        #pragma GCC unroll 4
         for (int t = 0; t < T; t++)
             s[t][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv[t]);
     }
+    #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         __m256i f[8];
 #pragma GCC unroll 8
@@ -292,9 +298,20 @@ BLK_INLINE BLK_VNNI512 void q4_pair_vnni(int T, const uint8_t *const row[8], __m
 
 /* ---- T tokens, 8 rows: v[t·8 + r] the running value after every block ---- */
 
+/* One token (GEMV, the decode step): the 8 rows two row blocks ahead
+ * (`ahead` bytes on), the cache line at byte `at` of each; beyond the
+ * matrix a prefetch is a no-op (it never faults). From memory the hardware
+ * prefetcher alone does not follow 8 interleaved row streams. */
+BLK_INLINE void prefetch8(const int8_t *const row[8], size_t ahead, size_t at)
+{
+    for (int r = 0; r < 8; r++)
+        __builtin_prefetch(row[r] + ahead + at);
+}
+
 /* Block b's scale of each of the T tokens (token t's scales at a[t] + b). */
 BLK_INLINE void block_scales(int T, const float *const *a, size_t b, float *ab)
 {
+    #pragma GCC unroll 4
     for (int t = 0; t < T; t++)
         ab[t] = a[t][b];
 }
@@ -308,20 +325,24 @@ BLK_INLINE void block_scales(int T, const float *const *a, size_t b, float *ab)
         rows8_q8(w, o, row);                                                                                   \
         __m256 acc[4];                                                                                         \
         float a0[4], a1[4];                                                                                    \
-        for (int t = 0; t < T; t++)                                                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                            \
             acc[t] = _mm256_setzero_ps();                                                                      \
         size_t c = 0;                                                                                          \
         if (PAIRS)                                                                                             \
             for (; c + 64 <= in; c += 64) {                                                                    \
+                if (T == 1)                                                                                    \
+                    prefetch8(row, 16 * in, c);                                                                \
                 block_scales(T, a, c / 32, a0);                                                                \
                 block_scales(T, a, c / 32 + 1, a1);                                                            \
                 q8_pair_vnni(T, row, xq, c, a0, a1, acc);                                                      \
             }                                                                                                  \
         for (; c < in; c += 32) {                                                                              \
+            if (T == 1 && !(c & 63))                                                                           \
+                prefetch8(row, 16 * in, c);                                                                    \
             block_scales(T, a, c / 32, a0);                                                                    \
             q8_block_##SFX(T, row, xq, c, in - c < 32 ? in - c : 32, a0, acc);                                 \
         }                                                                                                      \
-        for (int t = 0; t < T; t++)                                                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                            \
             _mm256_storeu_ps(v + 8 * t, acc[t]);                                                               \
     }                                                                                                          \
     BLK_INLINE TGT void q4_rows8_##SFX(int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,     \
@@ -333,21 +354,26 @@ BLK_INLINE void block_scales(int T, const float *const *a, size_t b, float *ab)
         rows8_q4(w, o, row, sc);                                                                               \
         __m256 acc[4];                                                                                         \
         float a0[4], a1[4];                                                                                    \
-        for (int t = 0; t < T; t++)                                                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                            \
             acc[t] = _mm256_setzero_ps();                                                                      \
         size_t c = 0;                                                                                          \
+        const size_t ahead = 16 * ((in + 1) / 2);                                                              \
         if (PAIRS)                                                                                             \
             for (; c + 64 <= in; c += 64) {                                                                    \
+                if (T == 1 && !(c & 127))                                                                      \
+                    prefetch8((const int8_t *const *)(const void *)row, ahead, c / 2);                         \
                 block_scales(T, a, c / 32, a0);                                                                \
                 block_scales(T, a, c / 32 + 1, a1);                                                            \
                 q4_pair_vnni(T, row, q4_scales8(sc, c >> log2), q4_scales8(sc, (c + 32) >> log2), xq, c, a0,   \
                              a1, acc);                                                                         \
             }                                                                                                  \
         for (; c < in; c += 32) {                                                                              \
+            if (T == 1 && !(c & 127))                                                                          \
+                prefetch8((const int8_t *const *)(const void *)row, ahead, c / 2);                             \
             block_scales(T, a, c / 32, a0);                                                                    \
             q4_block_##SFX(T, row, q4_scales8(sc, c >> log2), xq, c, in - c < 32 ? in - c : 32, a0, acc);      \
         }                                                                                                      \
-        for (int t = 0; t < T; t++)                                                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                                                            \
             _mm256_storeu_ps(v + 8 * t, acc[t]);                                                               \
     }                                                                                                          \
     /* One row block for T = 1, 2, 3 or 4 tokens (each specialised). */                                       \
@@ -391,11 +417,13 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
             const int8_t *q[4];
             const float *a[4];
             float v[32];
+            #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 q[t] = xq->q + (i + (size_t)t) * in;
                 a[t] = xq->a + (i + (size_t)t) * nb;
             }
             rows8(i4, T, w, o, q, a, v);
+            #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 const size_t ti = i + (size_t)t;
                 const float *xi = x + (xrows ? xrows[ti] : ti) * in;
