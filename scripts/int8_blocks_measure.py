@@ -9,7 +9,7 @@ activations (INT8_ACT) and with INT8_BLOCKS on every expert and the LM head:
    tok/s (128 tokens after a 16-token prompt, one thread, the best of --repeats, the images
    alternating) at f32 / f16 / q8 / q4.
 
-    .venv/bin/python scripts/int8_blocks_measure.py [--part tiny|mixtral|both] [--repeats 3]
+    .venv/bin/python scripts/int8_blocks_measure.py [--part tiny|mixtral|mixtral-speed|both] [--repeats 3]
 
 Images are cached in build/int8_blocks/. Prints the CPU and the kernels in use.
 """
@@ -114,10 +114,17 @@ def logits_of(path: Path, ids: list[int]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def mixtral(repeats: int) -> None:
+def mixtral(repeats: int, accuracy: bool = True, speed: bool = True) -> None:
     paths = mixtral_images()
     rng = np.random.default_rng(1)
     ids = [int(t) for t in rng.integers(0, 4096, 64)]
+    if accuracy:
+        mixtral_accuracy(paths, ids)
+    if speed:
+        mixtral_speed(paths, ids, repeats)
+
+
+def mixtral_accuracy(paths: dict[str, Path], ids: list[int]) -> None:
     want = logits_of(paths["f32 f32-act"], ids)
     scale = float(np.abs(want).max())
     print(f"random Mixtral, logits against the f32 image over {len(ids)} positions (max |f32 logit| {scale:.3g}):")
@@ -130,6 +137,9 @@ def mixtral(repeats: int) -> None:
         print(f"  {key:16} max|Δ|/max|l| {err.max() / scale:.2e}  mean|Δ|/max|l| {err.mean() / scale:.2e}  "
               f"argmax agreement {int((got.argmax(axis=1) == greedy).sum())}/{len(ids)}", flush=True)
 
+
+
+def mixtral_speed(paths: dict[str, Path], ids: list[int], repeats: int) -> None:
     prompt, new = ids[:16], 128
     best = {k: math.inf for k in paths}
     lms = {k: colibri.LM(p) for k, p in paths.items()}
@@ -148,7 +158,7 @@ def mixtral(repeats: int) -> None:
 
 
 @click.command()
-@click.option("--part", type=click.Choice(["tiny", "mixtral", "both"]), default="both")
+@click.option("--part", type=click.Choice(["tiny", "mixtral", "mixtral-speed", "both"]), default="both")
 @click.option("--windows", type=int, default=None, help="tiny model: score only the first N windows")
 @click.option("--repeats", type=int, default=3)
 def main(part: str, windows: int | None, repeats: int) -> None:
@@ -157,6 +167,8 @@ def main(part: str, windows: int | None, repeats: int) -> None:
         tiny(windows)
     if part in ("mixtral", "both"):
         mixtral(repeats)
+    if part == "mixtral-speed":
+        mixtral(repeats, accuracy=False)
 
 
 if __name__ == "__main__":
