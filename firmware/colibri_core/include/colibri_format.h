@@ -35,7 +35,6 @@
 #define COLIBRI_FLAG_PAGE_ALIGNED 1u
 
 #define COLIBRI_LAYER_FLAG_INT8_ACT 1u
-/* int8 activations with one scale per 32 columns (not with INT8_ACT) */
 #define COLIBRI_LAYER_FLAG_INT8_BLOCKS 2u
 
 #define COLIBRI_EXPERT_FLAG_INT8_ACT 1u

@@ -12,9 +12,10 @@
  *                                     weights, every element-wise kernel
  *   kernels/colibri_kernels_f16.c     reference: f16 weights, f32 activations
  *   kernels/colibri_kernels_q8.c      reference: int8 weights with f32 or
- *                                     int8 activations, the quantiser
+ *                                     int8 activations (per row or in blocks
+ *                                     of 32), both quantisers
  *   kernels/colibri_kernels_q4.c      reference: int4 weights in groups, f32
- *                                     or int8 activations
+ *                                     or int8 activations (per row or blocks)
  *   kernels/colibri_kernels_select.c  the table: reference, then the backend
  *   kernels/<backend>/                an optimised backend (x86, neon, cmsis),
  *                                     compiled to nothing unless selected
