@@ -27,8 +27,9 @@
  *   Σ u·xq - 8 · Σ xq, the correction once per token and block for 8 rows.
  *   Groups of 32 columns or more (a block lies in one group); smaller
  *   groups (8, 16) run the reference kernel.
- * - E, the companion bias and the layer bias: colibri_q8_compensate,
- *   colibri_q4_epilogue and colibri_emit themselves, so E costs its entries.
+ * - E, the companion bias and the layer bias: the operations of
+ *   colibri_q8_compensate, colibri_q4_epilogue and colibri_emit in their
+ *   order, f16 widened by F16C, so E costs a few instructions an entry.
  *
  * A row's partial last block is copied into zero-padded buffers (zero
  * weights and zero activations add nothing, nothing is read past a row).
@@ -402,6 +403,31 @@ typedef void (*rows8_fn)(int i4, int T, const colibri_matrix *w, size_t o, const
 /* ---- The driver: rows in blocks of 8, the call's tokens inside in groups
  * of up to 4 (a group's weights decoded once) ---- */
 
+/* The end of rows o .. o + R - 1 of one token from their running values v:
+ * the reference's operations in its order (colibri_q8_compensate,
+ * colibri_q4_epilogue, colibri_emit) with the f16 values widened by F16C
+ * (exact, as the portable conversion), so E costs a few instructions an
+ * entry: its time follows its share of the weights. */
+static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t R, const float *v, const float *xi,
+                              float *yi, const float *b, int acc, float s)
+{
+    for (size_t r = 0; r < R; r++) {
+        const size_t row = o + r;
+        float vr = i4 ? v[r] : v[r] * colibri_q8_scale(w, row);
+        if (w->q8_ptr) {
+            uint32_t k, end;
+            colibri_q8_terms(w, row, &k, &end);
+            for (; k < end; k++)
+                vr += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+        }
+        if (i4 && w->q4_bias)
+            vr += _cvtsh_ss(w->q4_bias[row]);
+        else if (!i4 && w->q8_bias)
+            vr += colibri_q8_param(w, (size_t)w->rows + row);
+        colibri_emit(yi, row, vr, b, acc, s);
+    }
+}
+
 /* Token i reads x row xrows ? xrows[i] : i (for E) and block rows i of xq;
  * writes y row yrows ? yrows[i] : i, stored (acc 0) or added with gate s_i. */
 static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
@@ -426,15 +452,8 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
             #pragma GCC unroll 4
             for (int t = 0; t < T; t++) {
                 const size_t ti = i + (size_t)t;
-                const float *xi = x + (xrows ? xrows[ti] : ti) * in;
-                float *yi = y + (yrows ? yrows[ti] : ti) * out;
-                const float s = scale ? scale[ti] : 1.0f;
-                for (size_t r = 0; r < R; r++) {
-                    const size_t row = o + r;
-                    const float vr = i4 ? colibri_q4_epilogue(w, row, xi, v[8 * t + (int)r])
-                                        : colibri_q8_compensate(w, row, xi, v[8 * t + (int)r] * colibri_q8_scale(w, row));
-                    colibri_emit(yi, row, vr, b, acc, s);
-                }
+                epilogue(w, i4, o, R, v + 8 * t, x + (xrows ? xrows[ti] : ti) * in, y + (yrows ? yrows[ti] : ti) * out,
+                         b, acc, scale ? scale[ti] : 1.0f);
             }
         }
     }
