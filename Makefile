@@ -7,7 +7,7 @@ CORE := firmware/colibri_core
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
         fuzz-smoke bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
-        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads
+        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks
 
 setup:
 	./scripts/setup.sh
@@ -121,6 +121,16 @@ build/bench/q4_kernels: bench/q4_kernels.c tests/c/colibri_rng.h engine
 
 bench-q4: build/bench/q4_kernels
 	./build/bench/q4_kernels
+
+# The block form of int8 activations against f32 and per-row int8 activations on the expert layers of
+# the 100 M-class Mixtral (bench/block_kernels.c): µs and weight GB/s per call, every x86 level, and
+# the single-core read rate.
+build/bench/block_kernels: bench/block_kernels.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/src $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+bench-blocks: build/bench/block_kernels
+	./build/bench/block_kernels
 
 # Instructions per multiply-accumulate of the meter and edge models' linear layers under
 # qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.

@@ -129,3 +129,19 @@ def test_export_f16(tmp_path: Path) -> None:
     assert "numpy reference vs PyTorch" in r.stdout
     m = colibri.image.read((tmp_path / "f16.clb").read_bytes())
     assert isinstance(m.layers[0].weight, colibri.model.ir.F16Weight)
+
+
+def test_quantize_with_int8_blocks(exported: Path) -> None:
+    """--int8-blocks sets INT8_BLOCKS on the matching layers and experts; info shows it; with --int8-act
+    on the same layer it is refused by name and nothing is written."""
+    d = exported.parent
+    r = cli("quantize", exported.name, "q4b.clb", "--dtype", "q4", "--int8-blocks", "layers.*", cwd=d)
+    assert r.returncode == 0, r.stderr
+    back = colibri.image.read((d / "q4b.clb").read_bytes())
+    assert any(getattr(layer, "int8_blocks", False) for layer in back.layers)
+    info = cli("info", "q4b.clb", cwd=d)
+    assert info.returncode == 0 and "int8-blocks" in info.stdout, info.stdout
+    both = cli("quantize", exported.name, "both.clb", "--dtype", "q8", "--int8-blocks", "layers.*", "--int8-act",
+               "layers.*", cwd=d)
+    assert both.returncode != 0 and "choose one activation form" in both.stderr, both.stderr
+    assert not (d / "both.clb").exists()

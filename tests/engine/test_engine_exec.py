@@ -46,7 +46,8 @@ def images(tmp_path_factory) -> list[Path]:
     torch.manual_seed(9)
     wide = torch.nn.Sequential(torch.nn.Linear(40, 256), cnn.MoE(256, 4, 24, top_k=2, routing="topk_softmax"),
                                torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 7)).eval()
-    for name, kw in (("f32", {}), ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2"]})):
+    for name, kw in (("f32", {}), ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2"]}),
+                     ("q4-int8blocks", {"dtype": "q4", "int8_blocks": ["layers.0", "layers.1.experts.*", "layers.2"]})):
         p = folder / f"wide-{name}.clb"
         export(wide, p, max_batch=BATCH, **kw)
         paths.append(p)

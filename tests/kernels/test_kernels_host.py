@@ -69,6 +69,29 @@ def test_q4_kernel_driver(c_drivers: Path) -> None:
         assert "x86-64 avx2+fma+f16c vs reference: f32-act worst err/tol" in r.stdout, r.stdout
 
 
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_block_kernel_driver(c_drivers: Path) -> None:
+    """tests/c/colibri_blocks_test.c: INT8_BLOCKS on I8 and I4 matrices built directly (random shapes with
+    tails, every group size, E and biases present or absent, blocks of very different magnitudes, zero,
+    subnormal, NaN/inf): the reference quantiser and kernels against the definition, then every x86-64
+    level the CPU has (AVX2, AVX-VNNI, AVX-512 VNNI, each forced) bit for bit against the reference."""
+    r = subprocess.run([str(c_drivers / "colibri_blocks_test")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "blocks: 360 cases" in r.stdout and " 0 failures" in r.stdout, r.stdout
+    if X86:
+        flags = _cpu_flags()
+        levels = ["x86 AVX2"] + (["x86 AVX-VNNI"] if "avx_vnni" in flags else []) + (
+            ["x86 AVX-512 VNNI"] if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags else [])
+        for level in levels:
+            assert f"block kernels: {level}\n" in r.stdout, (level, r.stdout)
+
+
 @pytest.fixture(scope="module")
 def small_image() -> bytes:
     model, _, max_batch = random_model(3)

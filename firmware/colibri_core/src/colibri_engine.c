@@ -91,7 +91,7 @@ static void arena_layout(const colibri_model *m, uint64_t off[P_COUNT + 1])
     /* Only with INT8_ACT (Q > 0): Q is the widest row quantised at once, a
      * LINEAR's in_features or an expert's d_model and hidden. */
     size[P_QROWS] = B * Q * sizeof(int8_t);
-    size[P_QSCALE] = Q ? B * f32 : 0;
+    size[P_QSCALE] = Q ? B * (m->qblocks > 1u ? m->qblocks : 1u) * f32 : 0; /* a scale per row, or per block */
     size[P_PLAN_ATTENTION] = (uint64_t)m->attn_layers * sizeof(colibri_plan_attention);
     size[P_KV_CACHE] = m->kv_bytes;
     size[P_ATT_Q] = B * m->q_width * f32;
@@ -184,8 +184,9 @@ static void exec_layout(const colibri_model *m, uint64_t *fixed, uint64_t *per_w
     const uint64_t K = m->select, S = m->shared_experts, tasks = (uint64_t)m->experts + S;
     uint64_t lm_hidden, lm_status, lm_scores;
     lm_exec_layout(m, &lm_hidden, &lm_status, &lm_scores);
+    const uint64_t scales = m->qblocks > 1u ? m->qblocks : 1u; /* INT8_BLOCKS: a scale per block of a row */
     *fixed = round8(B * (K + S) * W * sizeof(float)) + round8(tasks * 3u * sizeof(uint32_t)) + lm_hidden + lm_status;
-    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * sizeof(float)) : 0u) +
+    *per_worker = 2u * round8(B * H * sizeof(float)) + round8(B * Q) + (Q ? round8(B * scales * sizeof(float)) : 0u) +
                   lm_scores;
 }
 
@@ -338,7 +339,9 @@ static void plan_expert(colibri_plan_expert *p, const uint8_t *image, const coli
     p->hidden = e.hidden;
     p->glu = (uint8_t)glu;
     p->activation = e.activation;
-    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) != 0;
+    p->int8_act = (e.flags & COLIBRI_EXPERT_FLAG_INT8_BLOCKS) ? COLIBRI_INT8_BLOCKS
+                  : (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT)  ? COLIBRI_INT8_ROWS
+                                                              : 0;
 }
 
 /* MOE layer record `index`: its entry, and its routed then shared experts
@@ -439,7 +442,9 @@ static NOINLINE void build_plan(colibri_ctx *c, const uint8_t *image, uint8_t *k
         const int embed = l.op == COLIBRI_OP_EMBED, attention = l.op == COLIBRI_OP_ATTENTION;
         p->op = l.op;
         p->act = l.op == COLIBRI_OP_ACTIVATION ? l.kind : 0;
-        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) != 0;
+        p->int8_act = (l.flags & COLIBRI_LAYER_FLAG_INT8_BLOCKS) ? COLIBRI_INT8_BLOCKS
+                      : (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT)  ? COLIBRI_INT8_ROWS
+                                                                 : 0;
         p->in = l.in_features;
         p->eps = l.eps;
         p->entry = 0;
@@ -631,11 +636,26 @@ static void lm_region(const colibri_ctx *c, const run_opts *o, float **hidden, i
 
 /* Quantises n rows of x (through the index list rows, or 0 .. n-1) into the
  * scratch's int8 rows; returns the view the linear kernels take. */
-static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, const float *x, const uint16_t *rows,
-                              size_t n, size_t in)
+static colibri_qrows quantize(const colibri_ctx *c, const scratch *sc, uint8_t mode, const float *x,
+                              const uint16_t *rows, size_t n, size_t in)
 {
-    c->k.quantize_rows(x, rows, n, in, sc->q, sc->qa);
+    if (mode == COLIBRI_INT8_BLOCKS)
+        c->k.quantize_blocks(x, rows, n, in, sc->q, sc->qa);
+    else
+        c->k.quantize_rows(x, rows, n, in, sc->q, sc->qa);
     return (colibri_qrows){sc->q, sc->qa};
+}
+
+/* The linear kernels for an activation mode: the block form's, or those
+ * taking f32 or per-row int8 activations. */
+static colibri_linear_fn linear_for(const colibri_ctx *c, uint8_t mode)
+{
+    return mode == COLIBRI_INT8_BLOCKS ? c->k.linear_blocks : c->k.linear;
+}
+
+static colibri_linear_acc_fn linear_acc_for(const colibri_ctx *c, uint8_t mode)
+{
+    return mode == COLIBRI_INT8_BLOCKS ? c->k.linear_acc_blocks : c->k.linear_acc;
 }
 
 /* y[yrows[i]] += scale[i] · expert(x[xrows[i]]) for i < n (an index list
@@ -650,18 +670,19 @@ static void expert_forward(const colibri_ctx *c, const scratch *sc, const colibr
     float *h = sc->h0;
     colibri_qrows q = {NULL, NULL};
 
+    const colibri_linear_fn linear = linear_for(c, e->int8_act);
     if (e->int8_act)
-        q = quantize(c, sc, x, xrows, n, d);
-    c->k.linear(x, xrows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
+        q = quantize(c, sc, e->int8_act, x, xrows, n, d);
+    linear(x, xrows, n, &e->w1, e->b1, e->int8_act ? &q : NULL, h);
     c->k.activation(h, n * hid, e->activation);
     if (e->glu) {
         float *g = sc->h1;
-        c->k.linear(x, xrows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
+        linear(x, xrows, n, &e->w3, e->b3, e->int8_act ? &q : NULL, g);
         c->k.mul(h, g, n * hid);
     }
     if (e->int8_act)
-        q = quantize(c, sc, h, NULL, n, hid);
-    c->k.linear_acc(h, n, &e->w2, e->b2, yrows, scale, e->int8_act ? &q : NULL, y);
+        q = quantize(c, sc, e->int8_act, h, NULL, n, hid);
+    linear_acc_for(c, e->int8_act)(h, n, &e->w2, e->b2, yrows, scale, e->int8_act ? &q : NULL, y);
 }
 
 /* expert_forward, offered first to the caller's expert hook (if any). */
@@ -826,6 +847,7 @@ typedef struct row_piece {
     const colibri_qrows *xq; /* x's int8 row, or NULL */
     float *y;                /* [rows] */
     size_t blocks;
+    uint8_t mode;            /* xq's activation mode (INT8_ACT or INT8_BLOCKS) */
 } row_piece;
 
 /* Up to three matrices over one loop (q, k and v). */
@@ -845,7 +867,7 @@ static void row_task(void *arg, size_t t, size_t worker)
     const row_piece *pc = &j->piece[p];
     const size_t n = block_rows(pc->w->rows, pc->blocks, t, &r0);
     const colibri_matrix w = matrix_rows(pc->w, r0, n);
-    j->c->k.linear(pc->x, NULL, 1, &w, pc->b ? pc->b + r0 : NULL, pc->xq, pc->y + r0);
+    linear_for(j->c, pc->mode)(pc->x, NULL, 1, &w, pc->b ? pc->b + r0 : NULL, pc->xq, pc->y + r0);
 }
 
 static NOINLINE colibri_status run_rows(const run_opts *o, row_job *j)
@@ -917,13 +939,13 @@ static void expert_up_task(void *arg, size_t t, size_t worker)
     float *h = j->hidden + a * c->model.hidden + r0;
     colibri_qrows q = {NULL, NULL};
     if (e->int8_act)
-        q = quantize(c, &sc, j->x, NULL, 1, j->moe->d);
+        q = quantize(c, &sc, e->int8_act, j->x, NULL, 1, j->moe->d);
     const colibri_matrix w1 = matrix_rows(&e->w1, r0, n);
-    c->k.linear(j->x, NULL, 1, &w1, e->b1 ? e->b1 + r0 : NULL, e->int8_act ? &q : NULL, h);
+    linear_for(c, e->int8_act)(j->x, NULL, 1, &w1, e->b1 ? e->b1 + r0 : NULL, e->int8_act ? &q : NULL, h);
     c->k.activation(h, n, e->activation);
     if (e->glu) {
         const colibri_matrix w3 = matrix_rows(&e->w3, r0, n);
-        c->k.linear(j->x, NULL, 1, &w3, e->b3 ? e->b3 + r0 : NULL, e->int8_act ? &q : NULL, sc.h1);
+        linear_for(c, e->int8_act)(j->x, NULL, 1, &w3, e->b3 ? e->b3 + r0 : NULL, e->int8_act ? &q : NULL, sc.h1);
         c->k.mul(h, sc.h1, n);
     }
     j->status[t] = COLIBRI_OK;
@@ -948,10 +970,10 @@ static void expert_down_task(void *arg, size_t t, size_t worker)
         y[i] = -0.0f; /* as expert_task's staging rows */
     colibri_qrows q = {NULL, NULL};
     if (e->int8_act)
-        q = quantize(c, &sc, h, NULL, 1, e->hidden);
+        q = quantize(c, &sc, e->int8_act, h, NULL, 1, e->hidden);
     const colibri_matrix w2 = matrix_rows(&e->w2, r0, n);
     const float *scale = s < j->moe->n_experts ? c->ring_weight + s : j->gate; /* batch 1: ring s starts at s */
-    c->k.linear_acc(h, 1, &w2, e->b2 ? e->b2 + r0 : NULL, NULL, scale, e->int8_act ? &q : NULL, y);
+    linear_acc_for(c, e->int8_act)(h, 1, &w2, e->b2 ? e->b2 + r0 : NULL, NULL, scale, e->int8_act ? &q : NULL, y);
     j->status[t] = COLIBRI_OK;
 }
 
@@ -1137,6 +1159,7 @@ typedef struct par_linear {
     float *y;
     size_t batch, chunk, tasks;
     const colibri_qrows *q;  /* the whole batch's int8 rows, or NULL */
+    uint8_t mode;            /* q's activation mode (INT8_ACT or INT8_BLOCKS) */
 } par_linear;
 
 static void linear_task(void *arg, size_t t, size_t worker)
@@ -1146,36 +1169,39 @@ static void linear_task(void *arg, size_t t, size_t worker)
     const size_t n = t + 1 == a->tasks ? a->batch - t0 : a->chunk; /* the last takes the rest */
     colibri_qrows q = {NULL, NULL};
     (void)worker;
-    if (a->q)
-        q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0};
-    a->c->k.linear(a->x + t0 * in, NULL, n, a->w, a->b, a->q ? &q : NULL, a->y + t0 * out);
+    if (a->q) { /* per-token scales, or colibri_act_blocks(in) of them a token */
+        const size_t scales = a->mode == COLIBRI_INT8_BLOCKS ? colibri_act_blocks(in) : 1u;
+        q = (colibri_qrows){a->q->q + t0 * in, a->q->a + t0 * scales};
+    }
+    linear_for(a->c, a->mode)(a->x + t0 * in, NULL, n, a->w, a->b, a->q ? &q : NULL, a->y + t0 * out);
 }
 
 /* y = x Wᵀ + b for one row x, in row blocks on the workers. */
 static NOINLINE colibri_status linear_rows(const colibri_ctx *c, const run_opts *o, const colibri_matrix *w,
-                                           const float *b, const colibri_qrows *q, const float *x, float *y)
+                                           const float *b, const colibri_qrows *q, uint8_t mode, const float *x,
+                                           float *y)
 {
-    row_job j = {c, {{w, b, x, q, y, 0}}, 1};
+    row_job j = {c, {{w, b, x, q, y, 0, mode}}, 1};
     return run_rows(o, &j);
 }
 
-/* y = x Wᵀ + b over batch tokens (q: their int8 rows, or NULL); the tokens
+/* y = x Wᵀ + b over batch tokens (q: their int8 rows in activation mode, or NULL); the tokens
  * split across the workers when there are several and the matrix is large
  * enough, and (a token model) one token's rows split in blocks. */
 static colibri_status linear_split(const colibri_ctx *c, const run_opts *o, const colibri_matrix *w, const float *b,
-                                   const colibri_qrows *q, const float *x, float *y, size_t batch)
+                                   const colibri_qrows *q, uint8_t mode, const float *x, float *y, size_t batch)
 {
     const size_t in = w->cols, workers = o && o->region ? o->exec.workers : 1;
     if (lm_parallel(c, o) && batch == 1 && (uint64_t)in * w->rows >= LM_PAR_MIN_MACS)
-        return linear_rows(c, o, w, b, q, x, y);
+        return linear_rows(c, o, w, b, q, mode, x, y);
     if (workers > 1 && batch >= 8 && (uint64_t)batch * in * w->rows >= PAR_LINEAR_MIN_MACS) {
         size_t chunk = (batch + workers - 1) / workers;
         chunk = (chunk + 3u) & ~(size_t)3u;
-        const par_linear a = {c, w, b, x, y, batch, chunk, batch / chunk, q};
+        const par_linear a = {c, w, b, x, y, batch, chunk, batch / chunk, q, mode};
         if (a.tasks > 1)
             return o->exec.parallel_for(o->exec.parallel_for_user, linear_task, (void *)&a, a.tasks);
     }
-    c->k.linear(x, NULL, batch, w, b, q, y);
+    linear_for(c, mode)(x, NULL, batch, w, b, q, y);
     return COLIBRI_OK;
 }
 
@@ -1186,9 +1212,9 @@ static colibri_status linear_layer(const colibri_ctx *c, const run_opts *o, cons
     colibri_qrows q = {NULL, NULL};
     if (l->int8_act) {
         const scratch sc0 = worker_scratch(c, NULL, 0);
-        q = quantize(c, &sc0, x, NULL, batch, l->in);
+        q = quantize(c, &sc0, l->int8_act, x, NULL, batch, l->in);
     }
-    return linear_split(c, o, &l->w, l->t1, l->int8_act ? &q : NULL, x, y, batch);
+    return linear_split(c, o, &l->w, l->t1, l->int8_act ? &q : NULL, l->int8_act, x, y, batch);
 }
 
 /* ---- Attention (token models, docs/lm.md "Semantics") ---- */
@@ -1220,9 +1246,9 @@ static NOINLINE colibri_status qkv_rows(const colibri_ctx *c, const run_opts *o,
                                         const float *x)
 {
     row_job j = {c,
-                 {{&a->q, a->q_bias, x, NULL, c->att_q, 0},
-                  {&a->k, a->k_bias, x, NULL, c->att_k, 0},
-                  {&a->v, a->v_bias, x, NULL, c->att_v, 0}},
+                 {{&a->q, a->q_bias, x, NULL, c->att_q, 0, 0},
+                  {&a->k, a->k_bias, x, NULL, c->att_k, 0, 0},
+                  {&a->v, a->v_bias, x, NULL, c->att_v, 0, 0}},
                  3};
     return run_rows(o, &j);
 }
@@ -1236,10 +1262,10 @@ static colibri_status attention_qkv(const colibri_ctx *c, const run_opts *o, con
     if (lm_parallel(c, o) && n == 1 &&
         ((uint64_t)a->q.rows + a->k.rows + a->v.rows) * a->q.cols >= LM_PAR_MIN_MACS)
         return qkv_rows(c, o, a, x);
-    if ((st = linear_split(c, o, &a->q, a->q_bias, NULL, x, c->att_q, n)) < 0 ||
-        (st = linear_split(c, o, &a->k, a->k_bias, NULL, x, c->att_k, n)) < 0)
+    if ((st = linear_split(c, o, &a->q, a->q_bias, NULL, 0, x, c->att_q, n)) < 0 ||
+        (st = linear_split(c, o, &a->k, a->k_bias, NULL, 0, x, c->att_k, n)) < 0)
         return st;
-    return linear_split(c, o, &a->v, a->v_bias, NULL, x, c->att_v, n);
+    return linear_split(c, o, &a->v, a->v_bias, NULL, 0, x, c->att_v, n);
 }
 
 /* Each head of each row over positions 0 .. its own (causal); query head h
@@ -1334,7 +1360,7 @@ static colibri_status attention_forward(colibri_ctx *c, const run_opts *o, const
     }
     if ((st = attention_heads(c, o, a, n, pos)) < 0)
         return st;
-    return linear_split(c, o, &a->o, a->o_bias, NULL, q, y, n);
+    return linear_split(c, o, &a->o, a->o_bias, NULL, 0, q, y, n);
 }
 
 /* Whether [a, a + an) and [b, b + bn) (floats) share memory. */

@@ -746,7 +746,8 @@ static colibri_status check_expert(checker *c, uint32_t index, uint32_t d)
     colibri_read_expert(c->image, h, index, &e);
     const int glu = e.kind == COLIBRI_EXPERT_GLU;
     if ((e.kind != COLIBRI_EXPERT_MLP && !glu) || !is_activation(e.activation) ||
-        (e.flags & ~COLIBRI_EXPERT_FLAG_INT8_ACT) || e.hidden == 0)
+        (e.flags & ~(COLIBRI_EXPERT_FLAG_INT8_ACT | COLIBRI_EXPERT_FLAG_INT8_BLOCKS)) ||
+        (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT && e.flags & COLIBRI_EXPERT_FLAG_INT8_BLOCKS) || e.hidden == 0)
         return COLIBRI_E_BAD_MOE;
     if (glu ? e.w3 == COLIBRI_NONE : (e.w3 != COLIBRI_NONE || e.b3 != COLIBRI_NONE))
         return COLIBRI_E_BAD_MOE;
@@ -769,12 +770,16 @@ static colibri_status check_expert(checker *c, uint32_t index, uint32_t d)
         (st = check_vector(c, e.b3, OPTIONAL, hid)) != COLIBRI_OK)
         return st;
 
-    /* INT8_ACT: every weight int8 or int4 (the references are valid by now). */
-    if (e.flags & COLIBRI_EXPERT_FLAG_INT8_ACT) {
+    /* INT8_ACT, INT8_BLOCKS: every weight int8 or int4 (the references are valid by now). */
+    if (e.flags & (COLIBRI_EXPERT_FLAG_INT8_ACT | COLIBRI_EXPERT_FLAG_INT8_BLOCKS)) {
         if (!is_int(c, e.w1) || !is_int(c, e.w2) || (glu && !is_int(c, e.w3)))
             return COLIBRI_E_BAD_MOE;
         widen(&c->m->qwidth, d); /* quantised rows: x for w1 (w3), then the hidden for w2 */
         widen(&c->m->qwidth, hid);
+        if (e.flags & COLIBRI_EXPERT_FLAG_INT8_BLOCKS) {
+            widen(&c->m->qblocks, (uint32_t)colibri_act_blocks(d));
+            widen(&c->m->qblocks, (uint32_t)colibri_act_blocks(hid));
+        }
     }
     widen(&c->m->hidden, hid);
     return COLIBRI_OK;
@@ -976,8 +981,9 @@ static colibri_status check_layer_fields(const colibri_layer *l, uint32_t width,
     unsigned rules = l->op < sizeof op_rules ? op_rules[l->op] : 0u;
     if ((rules & TOKEN_OP) && !token_model)
         rules = 0;
-    if (!(rules & KNOWN) || l->reserved_set || (l->flags & ~COLIBRI_LAYER_FLAG_INT8_ACT) ||
-        ((l->flags & COLIBRI_LAYER_FLAG_INT8_ACT) && l->op != COLIBRI_OP_LINEAR) ||
+    const uint32_t int8_flags = COLIBRI_LAYER_FLAG_INT8_ACT | COLIBRI_LAYER_FLAG_INT8_BLOCKS;
+    if (!(rules & KNOWN) || l->reserved_set || (l->flags & ~int8_flags) ||
+        ((l->flags & int8_flags) && l->op != COLIBRI_OP_LINEAR) || (l->flags & int8_flags) == int8_flags ||
         (l->op == COLIBRI_OP_ACTIVATION ? !is_activation(l->kind) : l->kind != 0))
         return COLIBRI_E_BAD_LAYER;
     if (l->in_features != width)
@@ -1020,10 +1026,12 @@ static colibri_status check_program(checker *c)
             if ((st = check_matmul(c, l.t0, REQUIRED, out, in)) != COLIBRI_OK ||
                 (st = check_vector(c, l.t1, OPTIONAL, out)) != COLIBRI_OK)
                 return st;
-            if (l.flags & COLIBRI_LAYER_FLAG_INT8_ACT) {
+            if (l.flags & (COLIBRI_LAYER_FLAG_INT8_ACT | COLIBRI_LAYER_FLAG_INT8_BLOCKS)) {
                 if (!is_int(c, l.t0))
                     return COLIBRI_E_BAD_LAYER;
                 widen(&m->qwidth, in);
+                if (l.flags & COLIBRI_LAYER_FLAG_INT8_BLOCKS)
+                    widen(&m->qblocks, (uint32_t)colibri_act_blocks(in));
             }
             break;
         case COLIBRI_OP_LAYERNORM:

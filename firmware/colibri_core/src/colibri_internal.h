@@ -135,7 +135,8 @@ typedef struct colibri_model {
     uint32_t select;         /* K: largest selection of one token */
     uint32_t experts;        /* N: most routed experts of one MoE layer */
     uint32_t depth;          /* deepest residual stack */
-    uint32_t qwidth;         /* Q: widest input row of an INT8_ACT matrix, 0 if none */
+    uint32_t qwidth;         /* Q: widest input row of an INT8_ACT or INT8_BLOCKS matrix, 0 if none */
+    uint32_t qblocks;        /* the most activation blocks of an INT8_BLOCKS row, 0 if none */
     /* For colibri_get_info(), summed over MoE layers. */
     uint32_t moe_layers;
     uint32_t routed_experts;
@@ -206,6 +207,11 @@ int colibri_router_find(uint32_t mode, colibri_router *out);
  * layer, per MoE layer and per expert, so colibri_forward() reads no record
  * of the image. docs/model-format.md "Arena" gives each entry's bytes. */
 
+/* How a layer's or expert's activations reach its integer weights: f32
+ * (0), int8 rows with one scale per token (INT8_ACT), or int8 with one scale
+ * per COLIBRI_ACT_BLOCK columns (INT8_BLOCKS). */
+enum { COLIBRI_INT8_ROWS = 1, COLIBRI_INT8_BLOCKS = 2 };
+
 /* One expert: x [n, d] -> act(x W1ᵀ + b1) (⊙ (x W3ᵀ + b3) if GLU) W2ᵀ + b2. */
 typedef struct colibri_plan_expert {
     colibri_matrix w1;        /* [hidden, d] */
@@ -215,7 +221,7 @@ typedef struct colibri_plan_expert {
     uint32_t hidden;
     uint8_t glu;              /* COLIBRI_EXPERT_GLU */
     uint8_t activation;       /* COLIBRI_ACT_* after w1 */
-    uint8_t int8_act;         /* COLIBRI_EXPERT_FLAG_INT8_ACT: int8 activation rows */
+    uint8_t int8_act;         /* 0 f32 activations, COLIBRI_INT8_ROWS (INT8_ACT) or COLIBRI_INT8_BLOCKS */
 } colibri_plan_expert;
 
 /* One MOE layer: router, dispatch, its routed then shared experts. */
@@ -251,7 +257,7 @@ typedef struct colibri_plan_attention {
 typedef struct colibri_plan_layer {
     uint8_t op;               /* COLIBRI_OP_* */
     uint8_t act;              /* ACTIVATION: COLIBRI_ACT_* */
-    uint8_t int8_act;         /* LINEAR: COLIBRI_LAYER_FLAG_INT8_ACT */
+    uint8_t int8_act;         /* LINEAR: 0, COLIBRI_INT8_ROWS or COLIBRI_INT8_BLOCKS */
     uint32_t in;              /* in_features (the activation width) */
     float eps;                /* LAYERNORM, RMSNORM */
     uint32_t entry;           /* MOE: index into the plan's MoE layers; ATTENTION: into its attention layers */

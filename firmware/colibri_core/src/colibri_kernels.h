@@ -12,9 +12,10 @@
  *                                     weights, every element-wise kernel
  *   kernels/colibri_kernels_f16.c     reference: f16 weights, f32 activations
  *   kernels/colibri_kernels_q8.c      reference: int8 weights with f32 or
- *                                     int8 activations, the quantiser
+ *                                     int8 activations (per row or in blocks
+ *                                     of 32), both quantisers
  *   kernels/colibri_kernels_q4.c      reference: int4 weights in groups, f32
- *                                     or int8 activations
+ *                                     or int8 activations (per row or blocks)
  *   kernels/colibri_kernels_select.c  the table: reference, then the backend
  *   kernels/<backend>/                an optimised backend (x86, neon, cmsis),
  *                                     compiled to nothing unless selected
@@ -70,11 +71,23 @@ typedef struct colibri_matrix {
 } colibri_matrix;
 
 /* Int8 activations of the n rows one call reads (colibri_quantize_rows):
- * q [n, cols] and the per-row dequantisation scales a [n]. */
+ * q [n, cols] and the per-row dequantisation scales a [n]. In the block form
+ * (INT8_BLOCKS, colibri_quantize_blocks) a holds one scale per block of
+ * COLIBRI_ACT_BLOCK columns: a [n, colibri_act_blocks(cols)]. */
 typedef struct colibri_qrows {
     const int8_t *q;
     const float *a;
 } colibri_qrows;
+
+/* Columns per activation scale of the block form: the q4 default group, so
+ * a q4 group of 32 and a block coincide and one scale product serves both. */
+#define COLIBRI_ACT_BLOCK 32u
+
+/* Blocks of a row of `cols` activations (the last one maybe partial). */
+static inline size_t colibri_act_blocks(size_t cols)
+{
+    return (cols + COLIBRI_ACT_BLOCK - 1u) / COLIBRI_ACT_BLOCK;
+}
 
 /* ---- The kernel table: the seam between the graph and the arithmetic ----
  *
@@ -109,6 +122,13 @@ typedef void (*colibri_linear_acc_fn)(const float *x, size_t n, const colibri_ma
  * Exact: every backend gives the reference's bits. */
 typedef void (*colibri_quantize_fn)(const float *x, const uint16_t *rows, size_t n, size_t in,
                                     int8_t *restrict q, float *restrict a);
+
+/* The block form of the quantiser (INT8_BLOCKS, docs/model-format.md):
+ * each block of COLIBRI_ACT_BLOCK columns of row r (the last maybe shorter)
+ * is quantised exactly as colibri_quantize_fn quantises a whole row, its
+ * scale going to a[i · colibri_act_blocks(in) + block]. Exact: every backend
+ * gives the reference's bits. */
+typedef colibri_quantize_fn colibri_quantize_blocks_fn;
 
 /* x[i] = act(x[i]) for i < n; kind is a COLIBRI_ACT_* code. */
 typedef void (*colibri_activation_fn)(float *x, size_t n, uint32_t kind);
@@ -149,6 +169,14 @@ typedef struct colibri_kernels {
     colibri_linear_fn linear;
     colibri_linear_acc_fn linear_acc;
     colibri_quantize_fn quantize_rows;
+    /* The block form of int8 activations (INT8_BLOCKS): xq's scales per
+     * block (colibri_qrows), for I8 and I4 weights only. Contracts: the
+     * reference kernels colibri_quantize_blocks_ref, colibri_linear_blocks_ref
+     * and colibri_linear_acc_blocks_ref; every backend gives their bits. A
+     * backend without its own keeps these. */
+    colibri_quantize_blocks_fn quantize_blocks;
+    colibri_linear_fn linear_blocks;
+    colibri_linear_acc_fn linear_acc_blocks;
     colibri_activation_fn activation;
     colibri_binary_fn mul, add;
     colibri_layernorm_fn layernorm;
@@ -177,6 +205,13 @@ void colibri_linear_acc_ref(const float *x, size_t n, const colibri_matrix *w, c
                             float *restrict y);
 void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
                                int8_t *restrict q, float *restrict a);
+void colibri_quantize_blocks_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
+                                 int8_t *restrict q, float *restrict a);
+void colibri_linear_blocks_ref(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                               const float *b, const colibri_qrows *xq, float *restrict y);
+void colibri_linear_acc_blocks_ref(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                                   const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                                   float *restrict y);
 void colibri_activation_ref(float *x, size_t n, uint32_t kind);
 void colibri_mul_ref(float *x, const float *y, size_t n);
 void colibri_add_ref(float *x, const float *y, size_t n);
@@ -229,6 +264,21 @@ void colibri_matvec_q4(const colibri_matrix *w, const float *x, const float *b,
  *       + Σ_E e · x_c + bias_o, E applied to the unquantised x. */
 void colibri_matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *xq, float a,
                          const float *b, int acc, float s, float *restrict y);
+
+/* I8, int8 activations in blocks (INT8_BLOCKS): xq [w->cols], a [blocks]
+ * one scale per COLIBRI_ACT_BLOCK columns:
+ * v_o = (Σ_b (float)(Σ_{j in b} Q_oj · xq_j in int32) · a_b) · s_o
+ *       + Σ_E e · x_j + b_o, the blocks in order, E on the unquantised x. */
+void colibri_matvec_q8b(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,
+                        const float *b, int acc, float s, float *restrict y);
+
+/* I4, int8 activations in blocks: the columns split where a group or a
+ * block ends (units of min(group, 32) columns, group and block both powers
+ * of two), in column order:
+ * v_o = Σ_u (float)(Σ_{c in u} Q_oc · xq_c in int32) · (s_g(u) · a_b(u))
+ *       + Σ_E e · x_c + bias_o, E on the unquantised x. */
+void colibri_matvec_q4b(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,
+                        const float *b, int acc, float s, float *restrict y);
 
 /* The end of every matvec kernel for output o: add the bias, then either
  * store (acc 0) or add the gated value s · v into y (acc 1). */

@@ -489,8 +489,8 @@ def _where(graph: Graph, name: str) -> str:
 
 
 def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAULT_COMPENSATION,
-                      keep: Sequence[str] = (), int8_act: Sequence[str] = (), group: int = Q.Q4_DEFAULT_GROUP,
-                      q8: Sequence[str] = ()) -> None:
+                      keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
+                      group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = ()) -> None:
     """Give every PlannedWeight the kind `quantize.quantize(graph, dtype, ...)` would store it as (the
     options `export_lm` passes), in place; move each bias the companion will hold out of its owner."""
     if dtype not in Q.DTYPES:
@@ -504,7 +504,7 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
     slots = list(weight_slots(graph))
     names = [n for n, _, _ in slots]
     targets = list(_act_targets(graph))
-    for pattern in list(keep) + list(int8_act) + list(q8):
+    for pattern in list(keep) + list(int8_act) + list(int8_blocks) + list(q8):
         if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in targets]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
     tables = {id(layer.table) for layer in graph.layers if isinstance(layer, Embedding)}
@@ -527,12 +527,15 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
             else:
                 w.bias = None
     for name, target in targets:
-        if not name_matches(name, int8_act):
+        rows, blocks = name_matches(name, int8_act), name_matches(name, int8_blocks)
+        if not (rows or blocks):
             continue
+        if rows and blocks:
+            raise ExportError(f"{name}: int8_act and int8_blocks both match it; choose one activation form")
         weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
         if not all(isinstance(w, PlannedWeight) and w.kind in ("q8", "q4") for w in weights):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
-        target.int8_act = True
+        target.int8_act, target.int8_blocks = rows, blocks
 
 
 @dataclass
@@ -546,8 +549,8 @@ class FolderExport:
 
 def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | None = None, max_batch: int = 1,
                   dtype: str = "f32", kv_dtype: str = "f32", compensation: float = Q.DEFAULT_COMPENSATION,
-                  keep: Sequence[str] = (), int8_act: Sequence[str] = (), group: int = Q.Q4_DEFAULT_GROUP,
-                  q8: Sequence[str] = (), check: bool = True,
+                  keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
+                  group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
                   on_tensor: Callable[[int, int, int], None] | None = None) -> FolderExport:
     """Export a Hugging Face folder to a token-model image at `path`, one tensor in memory at a time.
 
@@ -572,7 +575,8 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
         if isinstance(layer, MoE) and layer.route_count > F.MAX_ROUTES:
             raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
                               f"{F.MAX_ROUTES}")
-    plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, group=group, q8=q8)
+    plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                      int8_blocks=int8_blocks, group=group, q8=q8)
 
     def validate(tmp: Path) -> None:
         import mmap

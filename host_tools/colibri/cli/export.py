@@ -167,7 +167,7 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool, no_check: bool, max_seq_len: int | None, kv_dtype: str,
            dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
-           int8_act: tuple[str, ...]) -> None:
+           int8_act: tuple[str, ...], int8_blocks: tuple[str, ...]) -> None:
     """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
 
     A Hugging Face folder (config.json and safetensors shards; Mixtral, Qwen2-MoE, Qwen3-MoE,
@@ -183,6 +183,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
     token_options = dict(max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype, dtype=dtype,
                          compensation=compensation, group=group, q8=q8, keep=keep, int8_act=int8_act,
+                         int8_blocks=int8_blocks,
                          check=not no_check)
     feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration,
                     "--page-aligned": page_aligned}
@@ -210,7 +211,8 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
         calib = load_inputs(calibration, width, calibration=True)
     result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
-                       keep=keep, int8_act=int8_act, check=not no_check, group=group, q8=q8)
+                       keep=keep, int8_act=int8_act, int8_blocks=int8_blocks, check=not no_check, group=group,
+                       q8=q8)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, result.image)
     for line in result.pruned.lines():

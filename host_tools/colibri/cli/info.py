@@ -74,7 +74,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             tied = table is not None and layer.weight is table
             row.update(shape=f"{layer.in_features}->{layer.out_features}",
                        params=numel(layer.bias) if tied else numel(layer.weight, layer.bias),
-                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else ""), tied=tied)
+                       dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else "")
+                       + (" int8-blocks" if layer.int8_blocks else ""), tied=tied)
         elif isinstance(layer, Activation):
             row.update(shape=layer.act.name.lower(), params=0)
         elif isinstance(layer, (LayerNorm, RMSNorm)):
@@ -89,7 +90,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             weights = [layer.router_weight] + [w for e in experts for w in (e.w1, e.w2, e.w3) if w is not None]
             row.update(
                 shape=f"{layer.d_model}->{layer.d_model}", params=n, dtype=_storage(weights)
-                + (" int8-act" if any(e.int8_act for e in experts) else ""),
+                + (" int8-act" if any(e.int8_act for e in experts) else "")
+                + (" int8-blocks" if any(e.int8_blocks for e in experts) else ""),
                 routing=layer.routing.name.lower(), top_k=layer.top_k, renormalize=layer.renormalize,
                 experts=len(layer.experts), router_outputs=layer.route_count, pruned=pruned,
                 expert=f"{e0.kind.name.lower()} {e0.act.name.lower()} hidden {e0.hidden}",

@@ -41,7 +41,7 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
                    "inputs' activation statistics when given, which also rank the compensation E.")
 def quantize(source: Path, output: Path, dtype: str | None, compensation: float, group: int, q8: tuple[str, ...],
              keep: tuple[str, ...],
-             int8_act: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
+             int8_act: tuple[str, ...], int8_blocks: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
              page_aligned: bool, target: str | None, quantize_routers: bool, router_inputs: str | None,
              clip: bool) -> None:
     """Quantise an f32 model image SOURCE to OUTPUT (image to image).
@@ -65,8 +65,9 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
     if target is not None and q8:
         raise click.UsageError("--q8 has no effect with --target (the plan chooses each weight's dtype)")
-    if target is not None and int8_act:
-        raise click.UsageError("--int8-act has no effect with --target (the plan keeps f32 activations)")
+    if target is not None and (int8_act or int8_blocks):
+        raise click.UsageError("--int8-act and --int8-blocks have no effect with --target (the plan keeps f32 "
+                               "activations)")
     # Calibration inputs weigh the weights' errors (clip search, E, the plan) only when asked to: a --report
     # alone must not change what it reports on.
     weighting = calib if calib is not None and (clip or target) and not graph.is_token_model else None
@@ -80,7 +81,8 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
             click.echo(line)
         quantised = chosen.graph
     else:
-        quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act, progress=True,
+        quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                               int8_blocks=int8_blocks, progress=True,
                                quantize_routers=quantize_routers, clip=clip, calibration=weighting,
                                router_inputs=router_inputs, group=group, q8=q8)
     if target is not None:

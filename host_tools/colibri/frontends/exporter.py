@@ -511,14 +511,15 @@ def export(
     group: int = quantize.Q4_DEFAULT_GROUP,
     q8: Sequence[str] = (),
     quantize_routers: bool = False,
+    int8_blocks: Sequence[str] = (),
 ) -> ExportResult:
     """Export a PyTorch model to a Colibri model image (written to `path` if given).
 
     `dtype` stores the weight matrices as f32, f16, q8 (int8 per output
     channel plus a sparse f16 compensation of `compensation` share of the
     weights) or q4 (int4 in groups of `group` columns, the same E; format v5);
-    `keep`, `int8_act` and `q8` (weights kept int8 in a q4 model) are colibri.quant.quantize patterns.
-    Routers and shared gates stay f32 unless `quantize_routers` (colibri.quant.quantize).
+    `keep`, `int8_act`, `int8_blocks` and `q8` (weights kept int8 in a q4 model) are colibri.quant.quantize
+    patterns. Routers and shared gates stay f32 unless `quantize_routers` (colibri.quant.quantize).
 
     The graph is validated before anything is written (widths, residual
     nesting, finite weights, q8 compensation within f16); a refusal is an
@@ -538,7 +539,7 @@ def export(
         check_finite(f32_graph)
         check_limits(f32_graph)
         graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                                  group=group, q8=q8, quantize_routers=quantize_routers)
+                                  int8_blocks=int8_blocks, group=group, q8=q8, quantize_routers=quantize_routers)
         data = image.write(graph, page_aligned=page_aligned)
         _engine_validate(data)
         err, checks = None, []

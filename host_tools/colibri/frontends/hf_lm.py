@@ -319,6 +319,7 @@ def export_lm(
     check: bool = True,
     group: int = quantize.Q4_DEFAULT_GROUP,
     q8: Sequence[str] = (),
+    int8_blocks: Sequence[str] = (),
 ) -> ExportResult:
     """Export a Hugging Face MoE causal LM or a colibri.nn.MoETransformer to a token-model image
     (format v4, docs/lm.md; v5 with q4 weights).
@@ -344,7 +345,7 @@ def export_lm(
     check_finite(f32_graph)
     check_limits(f32_graph)
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                              group=group, q8=q8)
+                              int8_blocks=int8_blocks, group=group, q8=q8)
     data = image.write(graph)
     image.read(data)  # the reader is the validator's twin (tests/lm/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))

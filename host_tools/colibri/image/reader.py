@@ -199,7 +199,9 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
     def expert(j: int, d: int, where: str) -> Expert:
         kind, act, e_flags, hidden, w1, b1, w2, b2, w3, b3 = e_recs[j]
         work.visits += 1
-        if kind not in iter(ExpertKind) or act not in iter(Act) or e_flags & ~int(F.ExpertFlag.INT8_ACT) or hidden == 0:
+        both = int(F.ExpertFlag.INT8_ACT | F.ExpertFlag.INT8_BLOCKS)
+        if (kind not in iter(ExpertKind) or act not in iter(Act) or e_flags & ~both or e_flags == both
+                or hidden == 0):
             _fail(Status.BAD_MOE, f"{where}: kind {kind} activation {act} flags {e_flags} hidden {hidden}")
         glu = kind == ExpertKind.GLU
         if (w3 != NONE) != glu or (not glu and b3 != NONE):
@@ -217,11 +219,13 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
             w3=weight(w3, (hidden, d), f"{where} w3", optional=True),
             b3=tensor(b3, (hidden,), f"{where} b3", optional=True),
             int8_act=bool(e_flags & F.ExpertFlag.INT8_ACT),
+            int8_blocks=bool(e_flags & F.ExpertFlag.INT8_BLOCKS),
         )
-        if e.int8_act:
+        if e.int8_act or e.int8_blocks:
             work.visits += 2 + glu
-        if e.int8_act and not all(isinstance(w, QuantWeight) for w in (e.w1, e.w2, e.w3) if w is not None):
-            _fail(Status.BAD_MOE, f"{where}: INT8_ACT needs int8 or int4 weights")
+        if (e.int8_act or e.int8_blocks) and not all(isinstance(w, QuantWeight) for w in (e.w1, e.w2, e.w3)
+                                                     if w is not None):
+            _fail(Status.BAD_MOE, f"{where}: INT8_ACT and INT8_BLOCKS need int8 or int4 weights")
         return e
 
     seq_len: list[int] = []  # max_seq_len of the first attention record read: every other must match
@@ -291,7 +295,8 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
     for i, (op, kind, l_flags, in_f, out_f, t0, t1, eps, res1, res2) in enumerate(l_recs):
         where = f"layer {i}"
         work.visits += 1
-        bad_flags = l_flags & ~int(F.LayerFlag.INT8_ACT)
+        both = int(F.LayerFlag.INT8_ACT | F.LayerFlag.INT8_BLOCKS)
+        bad_flags = l_flags & ~both or l_flags == both
         if op not in iter(Op) or bad_flags or res1 or res2 or (kind != 0) != (op == Op.ACTIVATION):
             _fail(Status.BAD_LAYER, f"{where}: op {op} kind {kind}")
         if op in (Op.EMBED, Op.ATTENTION) and not token_model:
@@ -300,7 +305,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         if token_model and (i == 0) != (op == Op.EMBED):
             _fail(Status.BAD_LAYER, f"{where}: a token model's layer 0 is EMBED, and no other layer is")
         if l_flags and op != Op.LINEAR:
-            _fail(Status.BAD_LAYER, f"{where}: INT8_ACT on a {Op(op).name} layer (LINEAR only)")
+            _fail(Status.BAD_LAYER, f"{where}: INT8_ACT or INT8_BLOCKS on a {Op(op).name} layer (LINEAR only)")
         if in_f != width:
             _fail(Status.BAD_LAYER, f"{where}: in_features {in_f}, current width {width}")
         if op not in (Op.LINEAR, Op.EMBED) and out_f != in_f:
@@ -314,7 +319,8 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         if op == Op.LINEAR:
             w = weight(t0, (out_f, in_f), f"{where} weight")
             b = tensor(t1, (out_f,), f"{where} bias", optional=True)
-            layers.append(Linear(w, b, int8_act=bool(l_flags & F.LayerFlag.INT8_ACT)))
+            layers.append(Linear(w, b, int8_act=bool(l_flags & F.LayerFlag.INT8_ACT),
+                                 int8_blocks=bool(l_flags & F.LayerFlag.INT8_BLOCKS)))
         elif op == Op.EMBED:
             table = weight(t0, (in_f, out_f), f"{where} table", int4=False)
             if isinstance(table, Q8Weight) and table.bias is not None:
@@ -355,7 +361,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         if l_flags:
             work.visits += 1
             if not isinstance(layers[-1].weight, QuantWeight):
-                _fail(Status.BAD_LAYER, f"{where}: INT8_ACT needs an int8 or int4 weight")
+                _fail(Status.BAD_LAYER, f"{where}: INT8_ACT and INT8_BLOCKS need an int8 or int4 weight")
         width = out_f
     if depth_widths:
         _fail(Status.BAD_LAYER, "residual push without add at end of program")

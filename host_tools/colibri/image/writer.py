@@ -224,7 +224,7 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
     width = graph.input_size
 
     def expert_record(e: Expert) -> bytes:
-        flags = F.ExpertFlag.INT8_ACT if e.int8_act else 0
+        flags = (F.ExpertFlag.INT8_ACT if e.int8_act else 0) | (F.ExpertFlag.INT8_BLOCKS if e.int8_blocks else 0)
         w1 = tensors.add(e.w1, page=True)
         b1 = tensors.add(e.b1)
         w2 = tensors.add(e.w2)
@@ -241,7 +241,7 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
         in_f = width
         if isinstance(layer, Linear):
             op = Op.LINEAR
-            flags = F.LayerFlag.INT8_ACT if layer.int8_act else 0
+            flags = (F.LayerFlag.INT8_ACT if layer.int8_act else 0) | (F.LayerFlag.INT8_BLOCKS if layer.int8_blocks else 0)
             tied = token_model and layer.weight is graph.layers[0].table
             t0 = table_ref if tied else tensors.add(layer.weight)
             t1 = tensors.add(layer.bias)

@@ -166,10 +166,12 @@ def q8_layout(version: int, rows: int, nnz: int, param_bytes: int = 4, bias: boo
 
 class LayerFlag(enum.IntFlag):
     INT8_ACT = 1  # LINEAR with an I8 weight: int8 activations, int32 accumulation
+    INT8_BLOCKS = 2  # the same with one activation scale per 32 columns (not with INT8_ACT)
 
 
 class ExpertFlag(enum.IntFlag):
     INT8_ACT = 1  # all of the expert's weights I8: int8 activations
+    INT8_BLOCKS = 2  # int8 activations, a scale per 32 columns (not with INT8_ACT)
 
 
 class Op(enum.IntEnum):

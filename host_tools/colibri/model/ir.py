@@ -123,6 +123,7 @@ class Linear:
     weight: Weight  # [out, in]
     bias: np.ndarray | None = None  # [out]
     int8_act: bool = False  # int8 activations (I8 weight only)
+    int8_blocks: bool = False  # int8 activations with a scale per 32 columns (I8 or I4 weight; not with int8_act)
 
     @property
     def in_features(self) -> int:
@@ -174,6 +175,7 @@ class Expert:
     w3: Weight | None = None  # [hidden, d], GLU only
     b3: np.ndarray | None = None  # [hidden], GLU only
     int8_act: bool = False  # int8 activations (all weights I8 only)
+    int8_blocks: bool = False  # int8 activations with a scale per 32 columns (not with int8_act)
 
     @property
     def hidden(self) -> int:

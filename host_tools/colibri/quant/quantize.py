@@ -7,7 +7,8 @@ Every weight matrix has a name (colibri.model.walks): `layers.3` for a Linear,
 `layers.5.shared.0.w3`. `keep` takes fnmatch patterns of names to leave in
 f32 (`*.router`, `layers.0`); `int8_act` patterns select the layers and
 experts (`layers.0`, `layers.5.experts.*`) that also run with int8
-activations.
+activations (one scale per token row), `int8_blocks` those that run with int8
+activations in blocks (one scale per 32 columns: INT8_BLOCKS).
 
 Routers and shared-expert gates stay f32 unless `quantize_routers`: they are a
 sliver of the bytes, and a quantised router logit that crosses a near-tie sends
@@ -292,6 +293,7 @@ def quantize(
     compensation: float = DEFAULT_COMPENSATION,
     keep: Sequence[str] = (),
     int8_act: Sequence[str] = (),
+    int8_blocks: Sequence[str] = (),
     progress: bool = False,
     compact: bool = True,
     quantize_routers: bool = False,
@@ -351,7 +353,7 @@ def quantize(
     if "q4" in (dtype, *(dtypes or {}).values()) and (group < 8 or group > 256 or group & (group - 1)):
         raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
     tables = {id(layer.table) for layer in out.layers if isinstance(layer, Embedding)}
-    for pattern in list(keep) + list(int8_act) + list(q8):
+    for pattern in list(keep) + list(int8_act) + list(int8_blocks) + list(q8):
         if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
 
@@ -404,10 +406,13 @@ def quantize(
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
     for name, target in _act_targets(out):
-        if not name_matches(name, int8_act):
+        rows, blocks = name_matches(name, int8_act), name_matches(name, int8_blocks)
+        if not (rows or blocks):
             continue
+        if rows and blocks:
+            raise ExportError(f"{name}: int8_act and int8_blocks both match it; choose one activation form")
         weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
         if not all(isinstance(w, QuantWeight) for w in weights):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
-        target.int8_act = True
+        target.int8_act, target.int8_blocks = rows, blocks
     return out

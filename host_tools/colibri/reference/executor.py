@@ -92,6 +92,48 @@ def _quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xq, a
 
 
+ACT_BLOCK = 32  # columns per activation scale of the block form (INT8_BLOCKS)
+
+
+def quantize_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The block form of int8 activations (INT8_BLOCKS): each block of 32 columns of a row (the last
+    maybe shorter) quantised as `quantize_rows` quantises a row. Returns (xq int64 [n, d],
+    a f32 [n, ceil(d / 32)]). Zero padding of the last block changes neither its maximum nor its values.
+    """
+    x = np.asarray(x, dtype=f32)
+    n, d = x.shape
+    nb = -(-d // ACT_BLOCK)
+    padded = np.zeros((n, nb * ACT_BLOCK), dtype=f32)
+    padded[:, :d] = x
+    xq, a = quantize_rows(padded.reshape(n * nb, ACT_BLOCK))
+    return xq.reshape(n, nb * ACT_BLOCK)[:, :d], a.reshape(n, nb)
+
+
+def _block_dots(xq: np.ndarray, q: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Exact integer Σ q·xq over columns [lo, hi) for every row and output, as f32 (|Σ| <= 32 · 128 · 127)."""
+    return (xq[:, lo:hi] @ q[:, lo:hi].astype(np.int64).T).astype(f32)
+
+
+def _linear_blocks(x: np.ndarray, w: Q8Weight | Q4Weight) -> np.ndarray:
+    """The integer part of an INT8_BLOCKS linear layer (docs/model-format.md "INT8_BLOCKS"), before E and
+    the biases: I8 v = (Σ_b (f32)d_b · a_b) · s; I4 v = Σ_u (f32)d_u · (s_g · a_b) over units of
+    min(group, 32) columns. Every f32 operation in the engine's order."""
+    xq, a = quantize_blocks(x)
+    n, (rows, cols) = x.shape[0], w.shape
+    v = np.zeros((n, rows), dtype=f32)
+    if isinstance(w, Q4Weight):
+        scale = w.scale.astype(f32)
+        unit = min(w.group, ACT_BLOCK)
+        for lo in range(0, cols, unit):
+            sa = (scale[None, :, lo // w.group] * a[:, lo // ACT_BLOCK, None]).astype(f32)
+            v = (v + (_block_dots(xq, w.q, lo, min(cols, lo + unit)) * sa).astype(f32)).astype(f32)
+        return v
+    for b in range(a.shape[1]):
+        lo = b * ACT_BLOCK
+        v = (v + (_block_dots(xq, w.q, lo, min(cols, lo + ACT_BLOCK)) * a[:, b, None]).astype(f32)).astype(f32)
+    return (v * w.scale.astype(f32)[None, :]).astype(f32)
+
+
 # Sums whose terms could reach f32's range are added in index order, as the engine adds them: there,
 # where an intermediate overflows (inf, or inf - inf = NaN) depends on the order. Elsewhere the order
 # only moves the last bits, and a matrix product is much faster.
@@ -161,10 +203,18 @@ def _add_compensation(y: np.ndarray, x: np.ndarray, w: Q8Weight | Q4Weight) -> n
     return out
 
 
-def linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False) -> np.ndarray:
+def linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = False,
+           int8_blocks: bool = False) -> np.ndarray:
     """y = x Wᵀ + b for every weight storage, by the formulas of docs/model-format.md."""
     x = np.asarray(x, dtype=f32)
-    if isinstance(w, Q4Weight):
+    if int8_blocks and isinstance(w, (Q8Weight, Q4Weight)):
+        with np.errstate(invalid="ignore", over="ignore"):
+            y = _linear_blocks(x, w)
+            if w.nnz:
+                y = _add_compensation(y, x, w)
+            if w.bias is not None:  # the companion's bias, after E, before the layer's own
+                y = (y + w.bias.astype(f32)).astype(f32)
+    elif isinstance(w, Q4Weight):
         with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf propagate as in the engine
             y = _q4_groups(x, w, int8_act)
         if w.nnz:
@@ -189,10 +239,10 @@ def linear(x: np.ndarray, w: Weight, b: np.ndarray | None, int8_act: bool = Fals
 
 
 def expert_forward(e: Expert, x: np.ndarray) -> np.ndarray:
-    h = activation(e.act, linear(x, e.w1, e.b1, e.int8_act))
+    h = activation(e.act, linear(x, e.w1, e.b1, e.int8_act, e.int8_blocks))
     if e.kind == ExpertKind.GLU:
-        h = h * linear(x, e.w3, e.b3, e.int8_act)
-    return linear(h, e.w2, e.b2, e.int8_act)
+        h = h * linear(x, e.w3, e.b3, e.int8_act, e.int8_blocks)
+    return linear(h, e.w2, e.b2, e.int8_act, e.int8_blocks)
 
 
 def route(moe: MoE, x: np.ndarray) -> list[list[tuple[int, float]]]:
@@ -291,7 +341,7 @@ def _run(graph: Graph, x: np.ndarray, on_route, on_layer) -> np.ndarray:
 def _apply(layer, x: np.ndarray, stack: list[np.ndarray], on_route) -> np.ndarray:
     """One layer of the feature program on rows x (residual pushes and adds use `stack`)."""
     if isinstance(layer, Linear):
-        return linear(x, layer.weight, layer.bias, layer.int8_act)
+        return linear(x, layer.weight, layer.bias, layer.int8_act, layer.int8_blocks)
     if isinstance(layer, Activation):
         return activation(layer.act, x)
     if isinstance(layer, LayerNorm):

@@ -70,6 +70,13 @@ void colibri_kernels_x86(struct colibri_kernels *k);
  * 3: AVX-512 VNNI as well),
  * for the kernel tests to cover every level the CPU has. */
 void colibri_kernels_x86_level(struct colibri_kernels *k, int max_level);
+/* The same with AVX-VNNI (the VEX vpdpbusd on ymm, used by the block form of
+ * int8 activations below AVX-512 VNNI) allowed or not, so the tests reach
+ * the AVX2 block kernels on a CPU that has AVX-VNNI. */
+void colibri_kernels_x86_caps(struct colibri_kernels *k, int max_level, int allow_avx_vnni);
+/* The x86-64 block-form kernels (x86/colibri_kernels_x86_blocks.c) into *k:
+ * isa 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI (BW, VL); the caller checked the CPU. */
+void colibri_x86_blocks(struct colibri_kernels *k, int isa);
 void colibri_kernels_neon(struct colibri_kernels *k);
 /* The x86-64 backend's I4 linear kernels (x86/colibri_kernels_x86_q4.c, a
  * file of its own to keep the other's compile time): n tokens, token i

@@ -75,3 +75,20 @@ void colibri_matvec_q4q8(const colibri_matrix *w, const float *x, const int8_t *
         colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v * a), b, acc, s);
     }
 }
+
+void colibri_matvec_q4b(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,
+                        const float *b, int acc, float s, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows, log2 = w->q4_group_log2;
+    const size_t unit = log2 < 5 ? (size_t)1 << log2 : COLIBRI_ACT_BLOCK; /* both powers of two */
+    for (size_t o = 0; o < out; o++) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *scales = colibri_q4_scales(w, o);
+        float v = 0.0f;
+        for (size_t c = 0; c < in; c += unit) {
+            const size_t end = c + unit < in ? c + unit : in;
+            v += (float)group_dot_i8(row, xq, c, end) * (group_scale(scales, c >> log2) * a[c / COLIBRI_ACT_BLOCK]);
+        }
+        colibri_emit(y, o, colibri_q4_epilogue(w, o, x, v), b, acc, s);
+    }
+}

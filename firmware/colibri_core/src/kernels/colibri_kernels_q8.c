@@ -90,3 +90,33 @@ void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, s
         a[i] = m / 127.0f;
     }
 }
+
+/* ---- The block form (INT8_BLOCKS): a scale per COLIBRI_ACT_BLOCK columns ---- */
+
+void colibri_quantize_blocks_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
+                                 int8_t *restrict q, float *restrict a)
+{
+    const size_t nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        for (size_t blk = 0; blk < nb; blk++) {
+            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            colibri_quantize_rows_ref(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
+        }
+    }
+}
+
+void colibri_matvec_q8b(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,
+                        const float *b, int acc, float s, float *restrict y)
+{
+    const int8_t *qo = w->data;
+    const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
+    for (size_t o = 0; o < out; o++, qo += in) {
+        float v = 0.0f;
+        for (size_t blk = 0; blk < nb; blk++) {
+            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            v += (float)dot_i8(qo + c, xq + c, len) * a[blk];
+        }
+        colibri_emit(y, o, colibri_q8_compensate(w, o, x, v * colibri_q8_scale(w, o)), b, acc, s);
+    }
+}

@@ -55,6 +55,35 @@ void colibri_linear_acc_ref(const float *x, size_t n, const colibri_matrix *w, c
                b, 1, scale ? scale[i] : 1.0f, y + (rows ? rows[i] : i) * out);
 }
 
+/* The block form (INT8_BLOCKS): I8 and I4 weights only (validated); token
+ * i's block scales are row i of xq->a [n, colibri_act_blocks(in)]. */
+static void matvec_blocks(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,
+                          const float *b, int acc, float s, float *restrict y)
+{
+    if (w->dtype == COLIBRI_DTYPE_I4)
+        colibri_matvec_q4b(w, x, xq, a, b, acc, s, y);
+    else
+        colibri_matvec_q8b(w, x, xq, a, b, acc, s, y);
+}
+
+void colibri_linear_blocks_ref(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                               const float *b, const colibri_qrows *xq, float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++)
+        matvec_blocks(w, x + (rows ? rows[i] : i) * in, xq->q + i * in, xq->a + i * nb, b, 0, 1.0f, y + i * out);
+}
+
+void colibri_linear_acc_blocks_ref(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                                   const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                                   float *restrict y)
+{
+    const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++)
+        matvec_blocks(w, x + i * in, xq->q + i * in, xq->a + i * nb, b, 1, scale ? scale[i] : 1.0f,
+                      y + (rows ? rows[i] : i) * out);
+}
+
 void colibri_matvec_f32(const colibri_matrix *w, const float *x, const float *b,
                         int acc, float s, float *restrict y)
 {

@@ -11,6 +11,9 @@ void colibri_kernels_reference(colibri_kernels *k)
     k->linear = colibri_linear_ref;
     k->linear_acc = colibri_linear_acc_ref;
     k->quantize_rows = colibri_quantize_rows_ref;
+    k->quantize_blocks = colibri_quantize_blocks_ref;
+    k->linear_blocks = colibri_linear_blocks_ref;
+    k->linear_acc_blocks = colibri_linear_acc_blocks_ref;
     k->activation = colibri_activation_ref;
     k->mul = colibri_mul_ref;
     k->add = colibri_add_ref;

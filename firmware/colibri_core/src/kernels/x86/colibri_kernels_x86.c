@@ -1025,11 +1025,30 @@ static int x86_level(void)
     return (c & bit_AVX512VNNI) && (b & bit_AVX512BW) ? 3 : 2;
 }
 
+/* The block form's instruction set (colibri_x86_blocks): 2 AVX-512 VNNI
+ * with BW and VL (level 3 and VL), 1 AVX-VNNI (CPUID.(7,1):EAX bit 4, the
+ * YMM state saved), 0 AVX2. */
+static int x86_blocks_isa(int level, int allow_avx_vnni)
+{
+    unsigned a, b, c, d;
+    if (level >= 3 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_AVX512VL))
+        return 2;
+    if (allow_avx_vnni && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4)))
+        return 1;
+    return 0;
+}
+
 void colibri_kernels_x86_level(colibri_kernels *k, int max_level)
+{
+    colibri_kernels_x86_caps(k, max_level, 1);
+}
+
+void colibri_kernels_x86_caps(colibri_kernels *k, int max_level, int allow_avx_vnni)
 {
     const int cpu = x86_level(), level = cpu < max_level ? cpu : max_level;
     if (level < 1)
         return; /* the reference kernels stand */
+    colibri_x86_blocks(k, x86_blocks_isa(level, allow_avx_vnni));
     if (level >= 3) {
         k->name = "x86-64 avx512f+vnni+avx2+fma+f16c";
         k->linear = linear_vnni;
