@@ -85,7 +85,7 @@ def test_forward_tokens_calls_from_threads_are_each_whole(lm_image: bytes) -> No
     threads always leave a position that is a multiple of 3, and each call's logits are those of the
     position it got."""
     lm = colibri.LM(lm_image)
-    ref = reference.LMState(lm_image)
+    ref = reference.LMState(image.read(lm_image))
     ids = np.array([3, 9, 27])
 
     def worker(_: int) -> int:
@@ -126,7 +126,7 @@ BAD_INTEGERS = [dict(max_new_tokens=2.7), dict(max_new_tokens=2.0), dict(top_k=1
 
 @pytest.mark.parametrize("bad", BAD_INTEGERS, ids=lambda d: ",".join(f"{k}={v!r}" for k, v in d.items()))
 def test_a_float_where_an_integer_is_meant_is_a_type_error(lm_image: bytes, bad: dict) -> None:
-    lm, ref = colibri.LM(lm_image), reference.LMState(lm_image)
+    lm, ref = colibri.LM(lm_image), reference.LMState(image.read(lm_image))
     args = dict(max_new_tokens=3, temperature=0.5, top_k=4, seed=1) | bad
     name = next(iter(bad))
     for what, call in (("LM.generate", lambda: lm.generate([1, 2], **args)),
@@ -143,7 +143,7 @@ def test_integer_types_other_than_int_are_accepted(lm_image: bytes) -> None:
     lm = colibri.LM(lm_image)
     want = lm.generate([1, 2], 3, temperature=0.5, top_k=4, seed=1)
     assert lm.generate([1, 2], np.int64(3), temperature=0.5, top_k=np.uint8(4), seed=np.int32(1)) == want
-    assert reference.LMState(lm_image).generate([1, 2], np.int16(3), temperature=0.5, top_k=4, seed=True) == \
+    assert reference.LMState(image.read(lm_image)).generate([1, 2], np.int16(3), temperature=0.5, top_k=4, seed=True) == \
         lm.generate([1, 2], 3, temperature=0.5, top_k=4, seed=1)
 
 

@@ -258,7 +258,7 @@ def test_an_image_past_4_gib_is_refused_before_writing(tmp_path):
 
 
 def test_cli_folder_export_needs_no_torch(folders, tmp_path):
-    from test_without_torch import LAUNCH, REFUSED
+    from helpers.without_torch import LAUNCH, REFUSED
 
     folder, out = folders["olmoe", "bf16"], tmp_path / "o.clb"
     run = subprocess.run([sys.executable, "-c", LAUNCH, "export", str(folder), str(out), "--max-seq-len", "16",

@@ -297,8 +297,8 @@ def test_a_nonfinite_later_token_leaves_earlier_rows_alone(bad: float) -> None:
     g.layers[0].table[7] = bad
     data = image.write(g)
     prompt = [1, 2, 3, 7, 4]
-    whole = LMState(data).forward_tokens(prompt)
-    state = LMState(data)
+    whole = LMState(image.read(data)).forward_tokens(prompt)
+    state = LMState(image.read(data))
     split = np.concatenate([state.forward_tokens([t]) for t in prompt])
     assert np.isfinite(whole[:3]).all()
     np.testing.assert_allclose(whole[:3], split[:3], rtol=1e-5, atol=1e-5)

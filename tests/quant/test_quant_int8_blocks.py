@@ -123,7 +123,7 @@ def test_engine_matches_reference_on_feature_models(model: str, variant: str) ->
         e.int8_blocks for layer in back.layers for e in getattr(layer, "experts", []))
     for batch in sorted({1, graph.max_batch}):
         x = inputs(batch, graph.input_size, seed=11 + batch)
-        want = reference.run(img, x)
+        want = reference.run(image.read(img), x)
         for kernels in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
             got = kernels.forward(x)
             assert np.abs(got - want).max() <= 1e-5 * (1 + np.abs(want).max())
@@ -139,7 +139,7 @@ def test_wide_layers_bit_for_bit() -> None:
                                    int8_blocks=["layers.*"]))
         for n in (1, 8):
             x = rng.standard_normal((n, 512)).astype(np.float32)
-            want = reference.run(img, x)
+            want = reference.run(image.read(img), x)
             for m in (colibri.Model(img), colibri.Model(img, reference_kernels=True)):
                 np.testing.assert_array_equal(m.forward(x), want)
 
@@ -153,7 +153,7 @@ def test_token_model_with_blocks_matches_the_reference(dtype: str) -> None:
     rng = np.random.default_rng(4)
     calls = [list(rng.integers(0, 40, 8))] + [[int(rng.integers(0, 40))] for _ in range(6)]
     for reference_kernels in (False, True):
-        lm, twin = colibri.LM(data, reference_kernels=reference_kernels), reference.LMState(data)
+        lm, twin = colibri.LM(data, reference_kernels=reference_kernels), reference.LMState(image.read(data))
         for ids in calls:
             got, want = lm.forward_tokens(ids), twin.forward_tokens(ids)
             assert np.abs(got - want).max() <= 1e-4 * (1 + np.abs(want).max()), (reference_kernels, ids)
