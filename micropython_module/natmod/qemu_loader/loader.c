@@ -206,7 +206,9 @@ static size_t vuint(void)
     return v;
 }
 
-static _Alignas(16) uint8_t text_ram[64 * 1024];
+/* The module's text runs from here: room for the engine with every dtype and kernel form (67 KiB at
+ * armv7emsp today), and a module that would not fit is refused rather than copied past the end. */
+static _Alignas(16) uint8_t text_ram[128 * 1024];
 static uint8_t *bss;
 
 static void load(void)
@@ -232,6 +234,10 @@ static void load(void)
     if ((head & 7u) != 2)
         finish(2);
     size_t text_len = head >> 3;
+    if (text_len > sizeof text_ram) {
+        outf("text %u B does not fit the loader's %u B\n", (unsigned)text_len, (unsigned)sizeof text_ram);
+        finish(2);
+    }
     memcpy(text_ram, rd, text_len);
     rd += text_len;
     size_t flags = vuint();
