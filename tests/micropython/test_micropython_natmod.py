@@ -229,3 +229,17 @@ def test_linker_refuses(fixture: str, arch: str, tmp_path: Path) -> None:
     assert not any("entry.o" in p for p in problems), problems
     assert len(set(problems)) == len(problems), f"repeated problems: {problems}"
     assert not any(re.search(r"'\$[adtx](\.\w*)?'", p) for p in problems), f"ARM mapping symbol named: {problems}"
+
+
+def test_rodata_and_bss_are_in_the_loaders_order(tmp_path: Path) -> None:
+    """A module with both rodata and bss: MicroPython reads the rodata size, the bss size, then the rodata
+    bytes. write_mpy writes that order; the independent reader and read_mpy both find the same sections."""
+    from colibri.target import natmod
+
+    path = tmp_path / "both.mpy"
+    text, rodata = bytes(range(16)) * 4, b"read-only bytes!"
+    natmod.write_mpy(path, "x64", ["both.py", "f"], text, rodata=rodata, bss_size=40)
+    mine = parse_mpy(path.read_bytes())
+    assert (mine.text, mine.rodata_len, mine.bss_len) == (text, len(rodata), 40)
+    theirs = natmod.read_mpy(path)
+    assert (theirs.text, theirs.rodata, theirs.bss_size) == (text, rodata, 40)

@@ -255,10 +255,12 @@ def write_mpy(path: Path, arch: str | Arch, qstrs: Sequence[str], text: bytes, *
     out += _vuint(len(text) << 3 | RAW_CODE_NATIVE_VIPER) + text
     flags = (SCOPE_RELOCATIONS if relocations else 0) | (SCOPE_RODATA if rodata else 0) | (SCOPE_BSS if bss_size else 0)
     out += _vuint(flags)
+    # MicroPython's loader reads both sizes first (rodata's, then bss's), then the rodata bytes.
     if rodata:
-        out += _vuint(len(rodata)) + rodata
+        out += _vuint(len(rodata))
     if bss_size:
         out += _vuint(bss_size)
+    out += rodata
     if relocations:
         out += encode_relocations(relocations) + b"\xff"
     path.write_bytes(out)
@@ -344,8 +346,9 @@ def read_mpy(path: Path | str | bytes) -> MpyFile:
         raise ValueError("raw code with children: not a native module of this kind")
     text = r.bytes(text_len)
     flags = r.vuint()
-    rodata = r.bytes(r.vuint()) if flags & SCOPE_RODATA else b""
+    rodata_size = r.vuint() if flags & SCOPE_RODATA else 0
     bss_size = r.vuint() if flags & SCOPE_BSS else 0
+    rodata = r.bytes(rodata_size)
     relocations = _decode_relocations(r) if flags & SCOPE_RELOCATIONS else []
     if r.pos != len(data):
         raise ValueError(f"{len(data) - r.pos} bytes after the end of the module")
