@@ -30,7 +30,8 @@ from ..model import format as F
 from ..model.errors import ExportError
 from ..model.format import Act, DType, ExpertKind, Routing
 from ..model.ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
-from ..model.walks import BIAS_OF, name_matches, weight_slots
+from ..model.walks import BIAS_OF, act_targets, name_matches, weight_slots
+from ..model.walks import where as _where
 from ..quant import quantize as Q
 
 LM_CLASSES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
@@ -473,21 +474,6 @@ def build_folder_graph(ck: Checkpoint, *, max_seq_len: int, max_batch: int = 1, 
     return Graph(layers=layers, input_size=vocab, output_size=vocab, max_batch=max_batch, paths=paths)
 
 
-def _act_targets(graph: Graph):
-    """(name, layer or expert) that int8_act patterns choose among, named as `quantize.quantize` names them."""
-    for i, layer in enumerate(graph.layers):
-        if isinstance(layer, Linear):
-            yield f"layers.{i}", layer
-        elif isinstance(layer, MoE):
-            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
-                for j, e in enumerate(experts):
-                    yield f"layers.{i}.{group}.{j}", e
-
-
-def _where(graph: Graph, name: str) -> str:
-    return f"{graph.paths[int(name.split('.')[1])]} ({name})"
-
-
 def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAULT_COMPENSATION,
                       keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
                       group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = ()) -> None:
@@ -503,7 +489,7 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
     slots = list(weight_slots(graph))
     names = [n for n, _, _ in slots]
-    targets = list(_act_targets(graph))
+    targets = list(act_targets(graph))
     for pattern in list(keep) + list(int8_act) + list(int8_blocks) + list(q8):
         if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in targets]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")

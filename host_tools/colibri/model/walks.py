@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator, Sequence
 
-from .ir import Attention, Embedding, Graph, Linear, MoE
+from .ir import Attention, Embedding, Expert, Graph, Linear, MoE
 
 
 def weight_slots(graph: Graph) -> Iterator[tuple[str, object, str]]:
@@ -65,3 +65,21 @@ def name_matches(name: str, patterns: Sequence[str]) -> bool:
     """`name` matches an fnmatch pattern, or a pattern names a module it belongs to (`layers.5` matches
     `layers.5.experts.2.w1`)."""
     return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
+    """(name, layer or expert) that int8_act / int8_blocks patterns choose among: `layers.N` for a Linear,
+    `layers.N.experts.E` and `layers.N.shared.S` inside a MoE."""
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, Linear):
+            yield f"layers.{i}", layer
+        elif isinstance(layer, MoE):
+            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
+                for j, e in enumerate(experts):
+                    yield f"layers.{i}.{group}.{j}", e
+
+
+def where(graph: Graph, name: str) -> str:
+    """`model.3.experts (layers.5.experts.2.w1)`: the module path too when the graph records it."""
+    index = int(name.split(".")[1])
+    return f"{graph.paths[index]} ({name})" if index < len(graph.paths) else name

@@ -17,14 +17,15 @@ the token to another expert, which moves its whole output row.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from rich.progress import track
 
 from ..model.errors import ExportError
-from ..model.ir import Embedding, Expert, F16Weight, Graph, Linear, MoE, Q4Weight, Q8Weight, QuantWeight, Weight
-from ..model.walks import BIAS_OF, name_matches, router_feeders, weight_slots
+from ..model.ir import Embedding, F16Weight, Graph, Linear, Q4Weight, Q8Weight, QuantWeight, Weight
+from ..model.walks import BIAS_OF, act_targets, name_matches, router_feeders, weight_slots
+from ..model.walks import where as _where
 
 DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
@@ -270,22 +271,6 @@ def quantize_f16(w: np.ndarray) -> F16Weight:
     return F16Weight(w.astype(np.float16))
 
 
-def _act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
-    for i, layer in enumerate(graph.layers):
-        if isinstance(layer, Linear):
-            yield f"layers.{i}", layer
-        elif isinstance(layer, MoE):
-            for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
-                for j, e in enumerate(experts):
-                    yield f"layers.{i}.{group}.{j}", e
-
-
-def _where(graph: Graph, name: str) -> str:
-    """`model.3.experts (layers.5.experts.2.w1)`: the module path too when the graph records it."""
-    index = int(name.split(".")[1])
-    return f"{graph.paths[index]} ({name})" if index < len(graph.paths) else name
-
-
 def quantize(
     graph: Graph,
     dtype: str = "q8",
@@ -354,7 +339,7 @@ def quantize(
         raise ExportError(f"q4 group must be a power of two from 8 to 256, got {group}")
     tables = {id(layer.table) for layer in out.layers if isinstance(layer, Embedding)}
     for pattern in list(keep) + list(int8_act) + list(int8_blocks) + list(q8):
-        if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in _act_targets(out)]):
+        if not any(name_matches(n, [pattern]) for n in names + [n for n, _ in act_targets(out)]):
             raise ExportError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
 
     def dtype_of(name: str) -> str:
@@ -405,7 +390,7 @@ def quantize(
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
-    for name, target in _act_targets(out):
+    for name, target in act_targets(out):
         rows, blocks = name_matches(name, int8_act), name_matches(name, int8_blocks)
         if not (rows or blocks):
             continue
