@@ -368,3 +368,22 @@ def test_lock_dense_pins_every_tensor_but_the_experts(paged: bytes, tmp_path: Pa
     np.testing.assert_array_equal(lm.forward_tokens(PROMPT), colibri.LM(paged).forward_tokens(PROMPT))
     with pytest.raises(ValueError, match="'dense'"):
         colibri.LM(path, lock="hot")
+
+
+def test_advice_reaches_madvise_for_pages_out_of_memory_only(paged: bytes, tmp_path: Path) -> None:
+    path = _write(tmp_path, paged)
+    _drop(path)
+    probe = engine.open_file(path, verify="none")
+    if probe.resident() > len(paged) - _expert_pages(probe):
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    del probe
+    lm = colibri.LM(path, verify="none")
+    lm.forward_tokens(PROMPT[:1])
+    cold = lm.file.advice()
+    assert cold["route_advised"] > 0 and cold["ahead_advised"] > 0  # out of memory: advised
+    lm.file.verify()  # reads every page: all resident now
+    cold = lm.file.advice()
+    lm.forward_tokens(PROMPT[1:3])
+    warm = lm.file.advice()
+    assert warm["route_calls"] > cold["route_calls"] and warm["ahead_calls"] > cold["ahead_calls"]
+    assert warm["route_advised"] == cold["route_advised"] and warm["ahead_advised"] == cold["ahead_advised"]

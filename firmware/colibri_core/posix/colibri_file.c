@@ -51,7 +51,7 @@ struct colibri_file {
     uint32_t *dense_first;
     file_range *dense;
     uint32_t ahead;     /* stages advised past the one routing ran for (colibri_file_set_ahead) */
-    atomic_ullong advice[4]; /* colibri_file_advice: route calls, route bytes, ahead calls, ahead bytes */
+    atomic_ullong advice[6]; /* colibri_file_advice's fields, in order */
 };
 
 static void set_diag(colibri_file_diag *d, int err)
@@ -329,6 +329,36 @@ static void page_range(const colibri_file *f, uint64_t start, uint64_t end, void
     *len = (size_t)(b - a);
 }
 
+/* MADV_WILLNEED over [start, end) unless its pages look resident already: up to 16 pages spread over the
+ * range asked with mincore (one page each, so the cost does not grow with the range). Advising resident
+ * pages is not free: the kernel walks every page of the range, some 0.5 us each here, which for the
+ * ranges a token model advises every token (its shared experts, attention, head) cost more than a tenth
+ * of a decode step (bench/lm_open.py). Evicted pages (memory pressure) show in the samples and are
+ * advised again. Returns the bytes advised (0: skipped). */
+static size_t advise_range(const colibri_file *f, uint64_t start, uint64_t end)
+{
+    void *addr;
+    size_t len;
+    page_range(f, start, end, &addr, &len);
+    if (!len)
+        return 0;
+    const size_t pages = (len + f->page - 1u) / f->page, step = pages > 16u ? pages / 16u : 1u;
+    int resident = 1;
+    for (size_t p = 0; resident && p < pages; p += step) {
+        unsigned char v = 0;
+        if (mincore((uint8_t *)addr + p * f->page, f->page, &v) != 0 || !(v & 1u))
+            resident = 0;
+    }
+    if (resident) {
+        unsigned char v = 0; /* the last page too: a range's tail is what a partial eviction leaves out */
+        resident = mincore((uint8_t *)addr + (pages - 1u) * f->page, f->page, &v) == 0 && (v & 1u);
+    }
+    if (resident)
+        return 0;
+    (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
+    return len;
+}
+
 static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, colibri_file_diag *diag,
                                  uint64_t total)
 {
@@ -349,23 +379,48 @@ static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, 
     return COLIBRI_OK;
 }
 
+/* Every payload against its CRC (colibri_validate), the mapping read sequentially meanwhile (readahead in
+ * large requests, pages dropped behind), then random access again. */
+static colibri_status verify_all(colibri_file *f)
+{
+    (void)madvise((void *)(uintptr_t)f->base, f->map_len, MADV_SEQUENTIAL);
+    const colibri_status st = colibri_validate(f->base, f->image_size);
+    (void)madvise((void *)(uintptr_t)f->base, f->map_len, MADV_RANDOM);
+    if (st == COLIBRI_OK)
+        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
+            atomic_store(&f->experts[i].verified, 1);
+    return st;
+}
+
 static colibri_status apply_options(colibri_file *f, const colibri_file_options *o, colibri_file_diag *diag,
                                     const uint8_t *owned)
 {
     const colibri_header *h = &f->model.hdr;
     colibri_status st;
     if (f->verify == COLIBRI_VERIFY_FULL) {
-        uint64_t work;
-        colibri_model m;
-        if ((st = colibri_check_level(f->base, f->image_size, &m, &work, COLIBRI_CHECK_FULL)) != COLIBRI_OK)
+        if ((st = verify_all(f)) != COLIBRI_OK)
             return st;
-        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
-            atomic_store(&f->experts[i].verified, 1);
     } else if (f->verify == COLIBRI_VERIFY_ON_USE) {
-        /* Everything but the experts: routers, dense layers, norms, maps. */
-        for (uint32_t i = 0; i < h->tensor_count; i++)
-            if (!(owned[i / 8u] & (1u << (i % 8u))) && (st = verify_tensor(f, i)) != COLIBRI_OK)
-                return st;
+        /* Everything but the experts: embeddings, attention, routers, dense layers, norms, maps. Advised
+         * first, all of it: the kernel then reads them in large requests, where the CRC's faults under
+         * MADV_RANDOM would read a page at a time (a cold open: about 10x slower, bench/lm_open.py). */
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t i = 0; i < h->tensor_count; i++) {
+                if (owned[i / 8u] & (1u << (i % 8u)))
+                    continue;
+                if (pass == 1) {
+                    if ((st = verify_tensor(f, i)) != COLIBRI_OK)
+                        return st;
+                    continue;
+                }
+                colibri_tensor t;
+                colibri_read_tensor(f->base, h, i, &t);
+                void *addr;
+                size_t len;
+                page_range(f, t.offset, (uint64_t)t.offset + t.nbytes, &addr, &len);
+                if (len && t.offset < f->map_len)
+                    (void)madvise(addr, len, MADV_WILLNEED);
+            }
     }
     if (!o || o->lock == COLIBRI_LOCK_NONE)
         return COLIBRI_OK;
@@ -525,13 +580,10 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
         file_expert *x = slot(f, layer, experts[i]);
         if (!x)
             return COLIBRI_E_NO_SUCH_EXPERT;
-        void *addr;
-        size_t len;
-        page_range(f, x->start, x->end, &addr, &len);
-        if (len)
-            (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
+        const size_t len = advise_range(f, x->start, x->end);
         atomic_fetch_add_explicit(&f->advice[0], 1u, memory_order_relaxed);
-        atomic_fetch_add_explicit(&f->advice[1], len, memory_order_relaxed);
+        atomic_fetch_add_explicit(&f->advice[1], (uint64_t)(x->end - x->start), memory_order_relaxed);
+        atomic_fetch_add_explicit(&f->advice[4], len, memory_order_relaxed);
     }
     if (f->verify != COLIBRI_VERIFY_ON_USE)
         return COLIBRI_OK;
@@ -554,13 +606,11 @@ static void advise_ahead(colibri_file *f, uint32_t layer)
     for (uint32_t k = 1; k <= ahead; k++) {
         const uint32_t s = (layer + k) % stages;
         for (uint32_t i = f->dense_first[s]; i < f->dense_first[s + 1u]; i++) {
-            void *addr;
-            size_t len;
-            page_range(f, f->dense[i].start, f->dense[i].end, &addr, &len);
-            if (len)
-                (void)madvise(addr, len, MADV_WILLNEED);
+            const uint64_t end = f->dense[i].end < f->map_len ? f->dense[i].end : f->map_len;
+            const size_t len = advise_range(f, f->dense[i].start, end);
             atomic_fetch_add_explicit(&f->advice[2], 1u, memory_order_relaxed);
-            atomic_fetch_add_explicit(&f->advice[3], len, memory_order_relaxed);
+            atomic_fetch_add_explicit(&f->advice[3], end - f->dense[i].start, memory_order_relaxed);
+            atomic_fetch_add_explicit(&f->advice[5], len, memory_order_relaxed);
         }
     }
 }
@@ -582,6 +632,8 @@ colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_ad
     out->route_bytes = atomic_load_explicit(&m->advice[1], memory_order_relaxed);
     out->ahead_calls = atomic_load_explicit(&m->advice[2], memory_order_relaxed);
     out->ahead_bytes = atomic_load_explicit(&m->advice[3], memory_order_relaxed);
+    out->route_advised = atomic_load_explicit(&m->advice[4], memory_order_relaxed);
+    out->ahead_advised = atomic_load_explicit(&m->advice[5], memory_order_relaxed);
     return COLIBRI_OK;
 }
 
@@ -648,11 +700,7 @@ colibri_status colibri_file_verify(colibri_file *f)
     colibri_status st = colibri_file_check(f);
     if (st != COLIBRI_OK)
         return st;
-    st = colibri_validate(f->base, f->image_size);
-    if (st == COLIBRI_OK)
-        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
-            atomic_store(&f->experts[i].verified, 1);
-    return st;
+    return verify_all(f);
 }
 
 colibri_status colibri_file_expert_range(const colibri_file *f, uint32_t layer, uint32_t expert, size_t *offset,

@@ -126,11 +126,14 @@ COLIBRI_API colibri_status colibri_file_on_route(void *file, const colibri_route
  * layer L's experts compute; docs/linux-edge.md gives what it measured. */
 COLIBRI_API colibri_status colibri_file_set_ahead(colibri_file *f, uint32_t stages);
 
-/* The advice given so far: colibri_file_will_need's ranges (one a selected expert, on_route's included)
- * and advise_ahead's (one a merged page range of a stage). For tests and benches. */
+/* The advice so far: colibri_file_will_need's ranges (one a selected expert, on_route's included) and
+ * the advice ahead's (one a merged page range of a stage), counted as asked; *_advised the bytes of
+ * those that reached madvise (a range whose sampled pages are all resident is skipped: advising
+ * resident pages costs a page walk and brings nothing). For tests and benches. */
 typedef struct colibri_file_advice {
-    uint64_t route_calls, route_bytes; /* MADV_WILLNEED over experts routing selected */
-    uint64_t ahead_calls, ahead_bytes; /* MADV_WILLNEED over the stages ahead */
+    uint64_t route_calls, route_bytes; /* experts routing selected */
+    uint64_t ahead_calls, ahead_bytes; /* ranges of the stages ahead */
+    uint64_t route_advised, ahead_advised; /* bytes given MADV_WILLNEED */
 } colibri_file_advice;
 COLIBRI_API colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_advice *out);
 

@@ -299,8 +299,9 @@ static PyObject *File_advice(FileObject *self, PyObject *Py_UNUSED(ignored)) {
     if (st != COLIBRI_OK) {
         return raise_status(st);
     }
-    return Py_BuildValue("(KKKK)", (unsigned long long)a.route_calls, (unsigned long long)a.route_bytes,
-                         (unsigned long long)a.ahead_calls, (unsigned long long)a.ahead_bytes);
+    return Py_BuildValue("(KKKKKK)", (unsigned long long)a.route_calls, (unsigned long long)a.route_bytes,
+                         (unsigned long long)a.ahead_calls, (unsigned long long)a.ahead_bytes,
+                         (unsigned long long)a.route_advised, (unsigned long long)a.ahead_advised);
 }
 
 static PyObject *File_ahead_ranges(FileObject *self, PyObject *args) {
@@ -353,7 +354,7 @@ static PyMethodDef File_methods[] = {
     {"resident", (PyCFunction)File_resident, METH_NOARGS, "bytes of the mapping resident now (mincore)"},
     {"set_ahead", (PyCFunction)File_set_ahead, METH_VARARGS, "set_ahead(stages): colibri_file_set_ahead"},
     {"advice", (PyCFunction)File_advice, METH_NOARGS,
-     "(route calls, route bytes, ahead calls, ahead bytes) of MADV_WILLNEED so far"},
+     "(route calls, route bytes, ahead calls, ahead bytes, route advised, ahead advised) so far"},
     {"ahead_ranges", (PyCFunction)File_ahead_ranges, METH_VARARGS,
      "ahead_ranges(stage) -> [(start, end)]: the page ranges the advice ahead covers for a stage"},
     {"close", (PyCFunction)File_close, METH_NOARGS, "unmap (refused while a buffer is exported)"},

@@ -79,8 +79,10 @@ class ModelFile:
         _call(self.raw.set_ahead, operator.index(stages))
 
     def advice(self) -> dict[str, int]:
-        """MADV_WILLNEED given so far: over routed/shared experts (route_calls, route_bytes) and ahead."""
-        names = ("route_calls", "route_bytes", "ahead_calls", "ahead_bytes")
+        """The advice so far (colibri_file_advice_counts): the experts routing selected (route_calls,
+        route_bytes) and the stages ahead's ranges (ahead_calls, ahead_bytes), as asked; route_advised and
+        ahead_advised the bytes that reached MADV_WILLNEED (ranges already resident are skipped)."""
+        names = ("route_calls", "route_bytes", "ahead_calls", "ahead_bytes", "route_advised", "ahead_advised")
         return dict(zip(names, _call(self.raw.advice)))
 
     def ahead_ranges(self, stage: int) -> list[tuple[int, int]]:
