@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--feature-layers", type=int, default=2)
     ap.add_argument("--feature-experts", type=int, default=32)
+    ap.add_argument("--feature-d", type=int, default=512)
+    ap.add_argument("--feature-hidden", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--dir", type=Path, default=None)
@@ -180,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         lm_path, fm_path = Path(tmp) / "lm.clb", Path(tmp) / "feature.clb"
         write(token_graph(args.layers, args.d, args.hidden, args.experts, args.vocab), lm_path)
-        write(feature_graph(args.feature_layers, args.feature_experts, 512, 1024), fm_path)
+        write(feature_graph(args.feature_layers, args.feature_experts, args.feature_d, args.feature_hidden), fm_path)
         for kind, path in (("lm", lm_path), ("feature", fm_path)):
             data = path.read_bytes()[:80]
             flags = int.from_bytes(data[16:20], "little")

@@ -387,3 +387,17 @@ def test_advice_reaches_madvise_for_pages_out_of_memory_only(paged: bytes, tmp_p
     warm = lm.file.advice()
     assert warm["route_calls"] > cold["route_calls"] and warm["ahead_calls"] > cold["ahead_calls"]
     assert warm["route_advised"] == cold["route_advised"] and warm["ahead_advised"] == cold["ahead_advised"]
+
+
+def test_lm_open_bench_runs_small(tmp_path: Path) -> None:
+    """bench/lm_open.py (make bench-lm-open) does not rot: tiny models, every row printed."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "bench" / "lm_open.py"), "--layers", "2", "--d", "64", "--hidden",
+                          "64", "--experts", "4", "--vocab", "256", "--feature-layers", "1", "--feature-experts", "4",
+                          "--feature-d", "64", "--feature-hidden", "64", "--repeat", "1", "--decode", "2",
+                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count(" ms ") >= 12 and "refused" not in out.stdout
+    assert out.stdout.count("checking's share of the first output") == 4
+    assert all(f"ahead {n}: first token" in out.stdout for n in (0, 1, 2))
+    assert list(tmp_path.iterdir()) == []
