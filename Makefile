@@ -7,7 +7,8 @@ CORE := firmware/colibri_core
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
         fuzz-smoke bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
-        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks
+        train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
+        bench-lm-open
 
 setup:
 	./scripts/setup.sh
@@ -131,6 +132,23 @@ build/bench/block_kernels: bench/block_kernels.c engine
 
 bench-blocks: build/bench/block_kernels
 	./build/bench/block_kernels
+
+# The engine's CRC-32 against zlib's (bench/crc_bench.c): MB/s of the microcontroller build's nibble loop
+# and of the Linux build's slicing-by-8 (COLIBRI_CRC_SLICING), the same colibri_image.c built both ways.
+build/bench/crc_bench_%: bench/crc_bench.c $(CORE)/src/colibri_image.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -DCOLIBRI_CRC_SLICING=$* -I$(CORE)/include -I$(CORE)/src bench/crc_bench.c \
+	  $(CORE)/src/colibri_image.c $(filter-out %/colibri_image.o,$(wildcard $(CORE)/build/host/obj/*.o)) -lz -lm -o $@
+
+bench-crc: build/bench/crc_bench_0 build/bench/crc_bench_1
+	./build/bench/crc_bench_0
+	./build/bench/crc_bench_1
+
+# Opening model files (issue 27, bench/lm_open.py): open time, RSS growth and time to the first output of a
+# token model and a feature model of ~100-400 MB, warm and cold page cache (posix_fadvise DONTNEED), by
+# default (structure at open, payloads on first use) against verify="full"; prefetch-ahead on and off.
+bench-lm-open: setup
+	$(PY) bench/lm_open.py
 
 # Instructions per multiply-accumulate of the meter and edge models' linear layers under
 # qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.

@@ -224,8 +224,9 @@ def test_arena_is_exact_with_the_kv_cache(c_drivers: Path) -> None:
 
 
 def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Path) -> None:
-    """LM(path) maps the file as Model(path) does (no copy); verify="full" checks every payload CRC at
-    open, "none" leaves it to LM.file.verify(); "on_use" has no first use to hook for a token model."""
+    """LM(path) maps the file as Model(path) does (no copy); the default verify="on_use" checks at open
+    the payloads every token reads (the head here), "full" every payload, "none" leaves it to
+    LM.file.verify()."""
     path = tmp_path / "lm.colibri"
     path.write_bytes(lm_data)
     ids = [1, 5, 2, 7]
@@ -247,8 +248,9 @@ def test_a_path_is_mapped_and_its_payloads_verified(lm_data: bytes, tmp_path: Pa
     with pytest.raises(ImageError) as exc:
         unchecked.file.verify()
     assert exc.value.status == Status.BAD_PAYLOAD_CRC
-    with pytest.raises(ValueError, match="no first use"):
-        colibri.LM(path, verify="on_use")
+    with pytest.raises(ImageError) as exc:
+        colibri.LM(path, verify="full")
+    assert exc.value.status == Status.BAD_PAYLOAD_CRC
     with pytest.raises(ValueError, match="lock applies to a mapped file"):
         colibri.LM(lm_data, lock="all")
 

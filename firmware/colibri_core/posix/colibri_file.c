@@ -25,6 +25,11 @@ typedef struct file_expert {
     atomic_uchar verified;
 } file_expert;
 
+/* Pages [start, end) of the mapping, page-aligned. */
+typedef struct file_range {
+    uint64_t start, end;
+} file_range;
+
 struct colibri_file {
     int fd;
     char *path;
@@ -39,6 +44,14 @@ struct colibri_file {
     uint32_t moe_layers;
     uint32_t *layer_first; /* [moe_layers + 1]: slots of layer L are experts[layer_first[L] .. layer_first[L+1]) */
     file_expert *experts;
+    /* What each stage of the program reads besides routed experts, for the advice ahead: stage s < moe_layers
+     * is the layers after MoE layer s - 1 up to MoE layer s's router (attention, norms, dense layers) and
+     * that layer's shared experts; stage moe_layers the layers after the last one (final norm, head). Its
+     * page ranges are dense[dense_first[s] .. dense_first[s + 1]), merged, in file order. */
+    uint32_t *dense_first;
+    file_range *dense;
+    uint32_t ahead;     /* stages advised past the one routing ran for (colibri_file_set_ahead) */
+    atomic_ullong advice[6]; /* colibri_file_advice's fields, in order */
 };
 
 static void set_diag(colibri_file_diag *d, int err)
@@ -87,8 +100,8 @@ static unsigned expert_tensors(const colibri_file *f, uint32_t record, uint32_t 
         if (refs[i] != COLIBRI_NONE && refs[i] < count) {
             colibri_tensor t;
             colibri_read_tensor(f->base, &f->model.hdr, refs[i], &t);
-            if (t.dtype == COLIBRI_DTYPE_I8)
-                aux = t.aux;
+            if (t.dtype == COLIBRI_DTYPE_I8 || t.dtype == COLIBRI_DTYPE_I4)
+                aux = t.aux; /* Q8_PARAMS / Q4_PARAMS: read with the matrix, so part of the expert */
         }
         out[n++] = aux;
     }
@@ -182,6 +195,129 @@ static colibri_status index_experts(colibri_file *f, uint8_t *owned)
     return COLIBRI_OK;
 }
 
+/* A stage's ranges as they are collected (colibri_file's dense): one per tensor, then merged. */
+typedef struct range_list {
+    file_range *r;
+    size_t n, cap;
+} range_list;
+
+static int push_range(range_list *l, uint64_t start, uint64_t end)
+{
+    if (start >= end)
+        return 1;
+    if (l->n == l->cap) {
+        const size_t cap = l->cap ? 2u * l->cap : 64u;
+        file_range *r = realloc(l->r, cap * sizeof *r);
+        if (!r)
+            return 0;
+        l->r = r;
+        l->cap = cap;
+    }
+    l->r[l->n++] = (file_range){start, end};
+    return 1;
+}
+
+/* A tensor and, for an I8 / I4 matrix, its Q8_PARAMS / Q4_PARAMS companion. */
+static int push_tensor(const colibri_file *f, range_list *l, uint32_t index)
+{
+    const colibri_header *h = &f->model.hdr;
+    for (int k = 0; k < 2 && index != COLIBRI_NONE && index < h->tensor_count; k++) {
+        colibri_tensor t;
+        colibri_read_tensor(f->base, h, index, &t);
+        if (!push_range(l, t.offset, (uint64_t)t.offset + t.nbytes))
+            return 0;
+        index = t.dtype == COLIBRI_DTYPE_I8 || t.dtype == COLIBRI_DTYPE_I4 ? t.aux : COLIBRI_NONE;
+    }
+    return 1;
+}
+
+static int by_start(const void *a, const void *b)
+{
+    const file_range *x = a, *y = b;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+/* Page-rounds, sorts and merges l->r[from ..) in place; returns the new count. */
+static size_t merge_ranges(const colibri_file *f, range_list *l, size_t from)
+{
+    const uint64_t page = f->page;
+    for (size_t i = from; i < l->n; i++) {
+        l->r[i].start &= ~(page - 1u);
+        l->r[i].end = (l->r[i].end + page - 1u) & ~(page - 1u);
+    }
+    qsort(l->r + from, l->n - from, sizeof *l->r, by_start);
+    size_t out = from;
+    for (size_t i = from; i < l->n; i++) {
+        if (out > from && l->r[i].start <= l->r[out - 1u].end) {
+            if (l->r[i].end > l->r[out - 1u].end)
+                l->r[out - 1u].end = l->r[i].end;
+        } else {
+            l->r[out++] = l->r[i];
+        }
+    }
+    return out;
+}
+
+/* The pages each stage reads besides its routed experts (struct colibri_file's dense): the tensors of
+ * its layers in program order, an EMBED table excepted (a token reads one row of it), and the shared
+ * experts of the stage's MoE layer. Run after index_experts. */
+static colibri_status index_stages(colibri_file *f)
+{
+    const colibri_header *h = &f->model.hdr;
+    range_list l = {NULL, 0, 0};
+    f->dense_first = calloc((size_t)f->moe_layers + 2u, sizeof *f->dense_first);
+    if (!f->dense_first)
+        return COLIBRI_E_FILE_OPEN;
+    uint32_t stage = 0;
+    size_t from = 0;
+    int ok = 1;
+    for (uint32_t i = 0; ok && i < h->layer_count; i++) {
+        colibri_layer ly;
+        colibri_read_layer(f->base, h, i, &ly);
+        switch (ly.op) {
+        case COLIBRI_OP_LINEAR:
+        case COLIBRI_OP_LAYERNORM:
+            ok = push_tensor(f, &l, ly.t0) && push_tensor(f, &l, ly.t1);
+            break;
+        case COLIBRI_OP_RMSNORM:
+            ok = push_tensor(f, &l, ly.t0);
+            break;
+        case COLIBRI_OP_ATTENTION: {
+            colibri_attention a;
+            colibri_read_attention(f->base, h, ly.t0, &a);
+            const uint32_t refs[10] = {a.q_w, a.q_b, a.k_w, a.k_b, a.v_w, a.v_b, a.o_w, a.o_b, a.q_norm, a.k_norm};
+            for (unsigned k = 0; ok && k < 10; k++)
+                ok = push_tensor(f, &l, refs[k]);
+            break;
+        }
+        case COLIBRI_OP_MOE: {
+            colibri_moe m;
+            colibri_read_moe(f->base, h, ly.t0, &m);
+            ok = push_tensor(f, &l, m.router_weight) && push_tensor(f, &l, m.router_bias) &&
+                 push_tensor(f, &l, m.expert_map) && push_tensor(f, &l, m.shared_gate);
+            for (uint32_t j = m.expert_count; ok && stage < f->moe_layers && j < m.expert_count + m.shared_count; j++) {
+                const file_expert *x = &f->experts[f->layer_first[stage] + j];
+                ok = push_range(&l, x->start, x->end);
+            }
+            if (ok) {
+                l.n = merge_ranges(f, &l, from);
+                f->dense_first[++stage] = (uint32_t)l.n;
+                from = l.n;
+            }
+            break;
+        }
+        default: /* EMBED (one row a token), ACTIVATION, RESIDUAL_*: nothing to advise */
+            break;
+        }
+    }
+    if (ok) {
+        l.n = merge_ranges(f, &l, from);
+        f->dense_first[stage + 1u] = (uint32_t)l.n;
+    }
+    f->dense = l.r;
+    return ok ? COLIBRI_OK : COLIBRI_E_FILE_OPEN;
+}
+
 /* Page range of [start, end) inside the mapping. */
 static void page_range(const colibri_file *f, uint64_t start, uint64_t end, void **addr, size_t *len)
 {
@@ -191,6 +327,36 @@ static void page_range(const colibri_file *f, uint64_t start, uint64_t end, void
         b = f->map_len;
     *addr = (void *)(uintptr_t)(f->base + a);
     *len = (size_t)(b - a);
+}
+
+/* MADV_WILLNEED over [start, end) unless its pages look resident already: up to 16 pages spread over the
+ * range asked with mincore (one page each, so the cost does not grow with the range). Advising resident
+ * pages is not free: the kernel walks every page of the range, some 0.5 us each here, which for the
+ * ranges a token model advises every token (its shared experts, attention, head) cost more than a tenth
+ * of a decode step (bench/lm_open.py). Evicted pages (memory pressure) show in the samples and are
+ * advised again. Returns the bytes advised (0: skipped). */
+static size_t advise_range(const colibri_file *f, uint64_t start, uint64_t end)
+{
+    void *addr;
+    size_t len;
+    page_range(f, start, end, &addr, &len);
+    if (!len)
+        return 0;
+    const size_t pages = (len + f->page - 1u) / f->page, step = pages > 16u ? pages / 16u : 1u;
+    int resident = 1;
+    for (size_t p = 0; resident && p < pages; p += step) {
+        unsigned char v = 0;
+        if (mincore((uint8_t *)addr + p * f->page, f->page, &v) != 0 || !(v & 1u))
+            resident = 0;
+    }
+    if (resident) {
+        unsigned char v = 0; /* the last page too: a range's tail is what a partial eviction leaves out */
+        resident = mincore((uint8_t *)addr + (pages - 1u) * f->page, f->page, &v) == 0 && (v & 1u);
+    }
+    if (resident)
+        return 0;
+    (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
+    return len;
 }
 
 static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, colibri_file_diag *diag,
@@ -213,28 +379,68 @@ static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, 
     return COLIBRI_OK;
 }
 
+/* Every payload against its CRC (colibri_validate), the mapping read sequentially meanwhile (readahead in
+ * large requests, pages dropped behind), then random access again. */
+static colibri_status verify_all(colibri_file *f)
+{
+    (void)madvise((void *)(uintptr_t)f->base, f->map_len, MADV_SEQUENTIAL);
+    const colibri_status st = colibri_validate(f->base, f->image_size);
+    (void)madvise((void *)(uintptr_t)f->base, f->map_len, MADV_RANDOM);
+    if (st == COLIBRI_OK)
+        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
+            atomic_store(&f->experts[i].verified, 1);
+    return st;
+}
+
 static colibri_status apply_options(colibri_file *f, const colibri_file_options *o, colibri_file_diag *diag,
                                     const uint8_t *owned)
 {
     const colibri_header *h = &f->model.hdr;
     colibri_status st;
     if (f->verify == COLIBRI_VERIFY_FULL) {
-        uint64_t work;
-        colibri_model m;
-        if ((st = colibri_check_level(f->base, f->image_size, &m, &work, COLIBRI_CHECK_FULL)) != COLIBRI_OK)
+        if ((st = verify_all(f)) != COLIBRI_OK)
             return st;
-        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
-            atomic_store(&f->experts[i].verified, 1);
     } else if (f->verify == COLIBRI_VERIFY_ON_USE) {
-        /* Everything but the experts: routers, dense layers, norms, maps. */
-        for (uint32_t i = 0; i < h->tensor_count; i++)
-            if (!(owned[i / 8u] & (1u << (i % 8u))) && (st = verify_tensor(f, i)) != COLIBRI_OK)
-                return st;
+        /* Everything but the experts: embeddings, attention, routers, dense layers, norms, maps. Advised
+         * first, all of it: the kernel then reads them in large requests, where the CRC's faults under
+         * MADV_RANDOM would read a page at a time (a cold open: about 10x slower, bench/lm_open.py). */
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t i = 0; i < h->tensor_count; i++) {
+                if (owned[i / 8u] & (1u << (i % 8u)))
+                    continue;
+                if (pass == 1) {
+                    if ((st = verify_tensor(f, i)) != COLIBRI_OK)
+                        return st;
+                    continue;
+                }
+                colibri_tensor t;
+                colibri_read_tensor(f->base, h, i, &t);
+                void *addr;
+                size_t len;
+                page_range(f, t.offset, (uint64_t)t.offset + t.nbytes, &addr, &len);
+                if (len && t.offset < f->map_len)
+                    (void)madvise(addr, len, MADV_WILLNEED);
+            }
     }
     if (!o || o->lock == COLIBRI_LOCK_NONE)
         return COLIBRI_OK;
     if (o->lock == COLIBRI_LOCK_ALL)
         return lock_range(f, 0, f->map_len, diag, f->map_len);
+    if (o->lock == COLIBRI_LOCK_DENSE) {
+        uint64_t want = 0;
+        for (int pass = 0; pass < 2; pass++)
+            for (uint32_t i = 0; i < h->tensor_count; i++) {
+                if (owned[i / 8u] & (1u << (i % 8u)))
+                    continue;
+                colibri_tensor t;
+                colibri_read_tensor(f->base, h, i, &t);
+                if (pass == 0)
+                    want += t.nbytes;
+                else if ((st = lock_range(f, t.offset, (uint64_t)t.offset + t.nbytes, diag, want)) != COLIBRI_OK)
+                    return st;
+            }
+        return COLIBRI_OK;
+    }
     if (o->lock != COLIBRI_LOCK_EXPERTS || (o->lock_count && !o->lock_experts))
         return COLIBRI_E_NULL_ARG;
     uint64_t total = 0;
@@ -272,7 +478,7 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
     if (!path)
         return COLIBRI_E_NULL_ARG;
     const uint32_t verify = opts ? opts->verify : COLIBRI_VERIFY_ON_USE;
-    if (verify > COLIBRI_VERIFY_NONE || (opts && opts->lock > COLIBRI_LOCK_EXPERTS))
+    if (verify > COLIBRI_VERIFY_NONE || (opts && opts->lock > COLIBRI_LOCK_DENSE))
         return COLIBRI_E_UNSUPPORTED;
 
     colibri_file *f = calloc(1, sizeof *f);
@@ -336,7 +542,9 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
         st = COLIBRI_E_FILE_OPEN;
         goto fail;
     }
-    if ((st = index_experts(f, owned)) != COLIBRI_OK || (st = apply_options(f, opts, diag, owned)) != COLIBRI_OK)
+    f->ahead = 1;
+    if ((st = index_experts(f, owned)) != COLIBRI_OK || (st = index_stages(f)) != COLIBRI_OK ||
+        (st = apply_options(f, opts, diag, owned)) != COLIBRI_OK)
         goto fail;
     free(owned);
     *out = f;
@@ -358,6 +566,8 @@ void colibri_file_close(colibri_file *f)
         close(f->fd);
     free(f->layer_first);
     free(f->experts);
+    free(f->dense_first);
+    free(f->dense);
     free(f->path);
     free(f);
 }
@@ -370,11 +580,10 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
         file_expert *x = slot(f, layer, experts[i]);
         if (!x)
             return COLIBRI_E_NO_SUCH_EXPERT;
-        void *addr;
-        size_t len;
-        page_range(f, x->start, x->end, &addr, &len);
-        if (len)
-            (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
+        const size_t len = advise_range(f, x->start, x->end);
+        atomic_fetch_add_explicit(&f->advice[0], 1u, memory_order_relaxed);
+        atomic_fetch_add_explicit(&f->advice[1], (uint64_t)(x->end - x->start), memory_order_relaxed);
+        atomic_fetch_add_explicit(&f->advice[4], len, memory_order_relaxed);
     }
     if (f->verify != COLIBRI_VERIFY_ON_USE)
         return COLIBRI_OK;
@@ -382,6 +591,64 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
         colibri_status st = verify_slot(f, slot(f, layer, experts[i]));
         if (st != COLIBRI_OK)
             return st;
+    }
+    return COLIBRI_OK;
+}
+
+/* MADV_WILLNEED over what the next f->ahead stages read besides their routed experts, known before their
+ * routing is: the attention and norms ahead of each MoE layer, its router and its shared experts, and
+ * after the last one the head; past the head, the next token's first stages. The kernel reads them in
+ * while this layer's experts compute. Advice only: verification stays with each expert's own layer. */
+static void advise_ahead(colibri_file *f, uint32_t layer)
+{
+    const uint32_t stages = f->moe_layers + 1u;
+    const uint32_t ahead = f->ahead < stages - 1u ? f->ahead : stages - 1u;
+    for (uint32_t k = 1; k <= ahead; k++) {
+        const uint32_t s = (layer + k) % stages;
+        for (uint32_t i = f->dense_first[s]; i < f->dense_first[s + 1u]; i++) {
+            const uint64_t end = f->dense[i].end < f->map_len ? f->dense[i].end : f->map_len;
+            const size_t len = advise_range(f, f->dense[i].start, end);
+            atomic_fetch_add_explicit(&f->advice[2], 1u, memory_order_relaxed);
+            atomic_fetch_add_explicit(&f->advice[3], end - f->dense[i].start, memory_order_relaxed);
+            atomic_fetch_add_explicit(&f->advice[5], len, memory_order_relaxed);
+        }
+    }
+}
+
+colibri_status colibri_file_set_ahead(colibri_file *f, uint32_t stages)
+{
+    if (!f)
+        return COLIBRI_E_NULL_ARG;
+    f->ahead = stages;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_advice *out)
+{
+    if (!f || !out)
+        return COLIBRI_E_NULL_ARG;
+    colibri_file *m = (colibri_file *)(uintptr_t)f; /* atomic loads take a non-const pointer in C11 */
+    out->route_calls = atomic_load_explicit(&m->advice[0], memory_order_relaxed);
+    out->route_bytes = atomic_load_explicit(&m->advice[1], memory_order_relaxed);
+    out->ahead_calls = atomic_load_explicit(&m->advice[2], memory_order_relaxed);
+    out->ahead_bytes = atomic_load_explicit(&m->advice[3], memory_order_relaxed);
+    out->route_advised = atomic_load_explicit(&m->advice[4], memory_order_relaxed);
+    out->ahead_advised = atomic_load_explicit(&m->advice[5], memory_order_relaxed);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_ahead_ranges(const colibri_file *f, uint32_t stage, size_t *count, uint64_t *ranges,
+                                         size_t capacity)
+{
+    if (!f || !count || (capacity && !ranges))
+        return COLIBRI_E_NULL_ARG;
+    if (stage > f->moe_layers)
+        return COLIBRI_E_NO_SUCH_EXPERT;
+    const uint32_t a = f->dense_first[stage], b = f->dense_first[stage + 1u];
+    *count = b - a;
+    for (size_t i = 0; i < *count && i < capacity / 2u; i++) {
+        ranges[2u * i] = f->dense[a + i].start;
+        ranges[2u * i + 1u] = f->dense[a + i].end < f->map_len ? f->dense[a + i].end : f->map_len;
     }
     return COLIBRI_OK;
 }
@@ -412,7 +679,10 @@ colibri_status colibri_file_on_route(void *file, const colibri_route *route)
             n = 0;
         }
     }
-    return n ? colibri_file_will_need(f, route->layer, ids, n) : COLIBRI_OK;
+    colibri_status st = n ? colibri_file_will_need(f, route->layer, ids, n) : COLIBRI_OK;
+    if (st == COLIBRI_OK)
+        advise_ahead(f, route->layer);
+    return st;
 }
 
 colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert)
@@ -430,11 +700,7 @@ colibri_status colibri_file_verify(colibri_file *f)
     colibri_status st = colibri_file_check(f);
     if (st != COLIBRI_OK)
         return st;
-    st = colibri_validate(f->base, f->image_size);
-    if (st == COLIBRI_OK)
-        for (uint32_t i = 0; i < f->model.routed_experts + f->model.shared_experts; i++)
-            atomic_store(&f->experts[i].verified, 1);
-    return st;
+    return verify_all(f);
 }
 
 colibri_status colibri_file_expert_range(const colibri_file *f, uint32_t layer, uint32_t expert, size_t *offset,

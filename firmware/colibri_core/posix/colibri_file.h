@@ -61,6 +61,7 @@ typedef enum colibri_file_lock_mode {
     COLIBRI_LOCK_NONE = 0,    /* nothing pinned */
     COLIBRI_LOCK_ALL = 1,     /* the whole mapping */
     COLIBRI_LOCK_EXPERTS = 2, /* the pages of lock_experts[0..lock_count) */
+    COLIBRI_LOCK_DENSE = 3,   /* every tensor that is no expert's: embeddings, attention, norms, routers, head */
 } colibri_file_lock_mode;
 
 typedef enum colibri_file_verify_mode {
@@ -108,12 +109,38 @@ COLIBRI_API colibri_status colibri_file_will_need(colibri_file *f, uint32_t laye
 
 /* The engine's on_route callback (colibri_exec, include/colibri.h): with
  *   exec.on_route = colibri_file_on_route; exec.on_route_user = file;
- * colibri_forward_ex advises (and verifies on first use) the routed experts
- * the batch selected and the layer's shared experts before they run; a
- * runs, so a corrupted expert stops the forward pass with BAD_PAYLOAD_CRC,
+ * colibri_forward_ex and colibri_lm_forward_ex advise (and verify on first
+ * use) the routed experts the batch selected and the layer's shared experts
+ * before they run, then advise the stages ahead (colibri_file_set_ahead),
+ * so a corrupted expert stops the forward pass with BAD_PAYLOAD_CRC,
  * and a file whose size changed under the mapping with FILE_CHANGED
  * (colibri_file_check, before each MoE layer's experts touch their pages). */
 COLIBRI_API colibri_status colibri_file_on_route(void *file, const colibri_route *route);
+
+/* Advice ahead (on by default, 1 stage): after colibri_file_on_route has advised (and verified on first
+ * use) the experts of MoE layer L, it advises with MADV_WILLNEED what the next `stages` stages read that
+ * is known before their routing: stage L + 1 is the layers after MoE layer L up to MoE layer L + 1's
+ * router (attention, norms, dense layers) and that layer's shared experts; the stage after the last MoE
+ * layer is the rest of the program (final norm, the head), and the stage after it the next token's first
+ * one (an EMBED table excepted: a token reads one row). 0 turns it off. The pages are read in while
+ * layer L's experts compute; docs/linux-edge.md gives what it measured. */
+COLIBRI_API colibri_status colibri_file_set_ahead(colibri_file *f, uint32_t stages);
+
+/* The advice so far: colibri_file_will_need's ranges (one a selected expert, on_route's included) and
+ * the advice ahead's (one a merged page range of a stage), counted as asked; *_advised the bytes of
+ * those that reached madvise (a range whose sampled pages are all resident is skipped: advising
+ * resident pages costs a page walk and brings nothing). For tests and benches. */
+typedef struct colibri_file_advice {
+    uint64_t route_calls, route_bytes; /* experts routing selected */
+    uint64_t ahead_calls, ahead_bytes; /* ranges of the stages ahead */
+    uint64_t route_advised, ahead_advised; /* bytes given MADV_WILLNEED */
+} colibri_file_advice;
+COLIBRI_API colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_advice *out);
+
+/* The merged page ranges of stage `stage` (0 .. colibri_file_moe_layers(f)) that the advice ahead
+ * covers: *count ranges; the first capacity / 2 written as (start, end) byte offsets into ranges. */
+COLIBRI_API colibri_status colibri_file_ahead_ranges(const colibri_file *f, uint32_t stage, size_t *count,
+                                                     uint64_t *ranges, size_t capacity);
 
 /* Verifies one expert's payload CRCs now (a no-op once verified). */
 COLIBRI_API colibri_status colibri_file_verify_expert(colibri_file *f, uint32_t layer, uint32_t expert);

@@ -192,8 +192,41 @@ void colibri_read_attention(const uint8_t *image, const colibri_header *h, uint3
     a->reserved_set = any_set(p + 65, COLIBRI_ATTENTION_SIZE - 65u);
 }
 
-/* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32), a nibble at a time ---- */
+/* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32) ----
+ *
+ * Two builds of the same function. A microcontroller (no OS: the Cortex-M
+ * firmware, the MicroPython modules) keeps the compact one, a nibble at a time
+ * from a 64-byte table: it checks an image once, at boot. Linux and host builds
+ * check payloads of hundreds of MB on the first token (verify on use), so they
+ * fold eight bytes a step through 8 KiB of tables (slicing-by-8; about 10x the
+ * nibble loop, bench/crc_bench.c). -DCOLIBRI_CRC_SLICING=0 or =1 overrides. */
 
+#ifndef COLIBRI_CRC_SLICING
+#if defined(__linux__) || defined(__APPLE__) || defined(_WIN32) || defined(__unix__)
+#define COLIBRI_CRC_SLICING 1
+#else
+#define COLIBRI_CRC_SLICING 0
+#endif
+#endif
+
+#if COLIBRI_CRC_SLICING
+#include "colibri_crc_tables.h"
+
+uint32_t colibri_crc32(const uint8_t *p, size_t n)
+{
+    const uint32_t(*const t)[256] = colibri_crc_slices;
+    uint32_t crc = 0xFFFFFFFFu;
+    for (; n >= 8u; n -= 8u, p += 8) {
+        /* Little-endian loads from bytes: any alignment, any host byte order. */
+        const uint32_t lo = crc ^ colibri_rd_u32(p), hi = colibri_rd_u32(p + 4);
+        crc = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
+              t[3][hi & 0xFFu] ^ t[2][(hi >> 8) & 0xFFu] ^ t[1][(hi >> 16) & 0xFFu] ^ t[0][hi >> 24];
+    }
+    for (; n; n--, p++)
+        crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xFFu];
+    return crc ^ 0xFFFFFFFFu;
+}
+#else
 uint32_t colibri_crc32(const uint8_t *p, size_t n)
 {
     static const uint32_t table[16] = {
@@ -210,6 +243,7 @@ uint32_t colibri_crc32(const uint8_t *p, size_t n)
     }
     return crc ^ 0xFFFFFFFFu;
 }
+#endif
 
 /* ---- Header, tables ---- */
 

@@ -537,10 +537,12 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
                   dtype: str = "f32", kv_dtype: str = "f32", compensation: float = Q.DEFAULT_COMPENSATION,
                   keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
                   group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
-                  on_tensor: Callable[[int, int, int], None] | None = None) -> FolderExport:
+                  on_tensor: Callable[[int, int, int], None] | None = None,
+                  page_aligned: bool | None = None) -> FolderExport:
     """Export a Hugging Face folder to a token-model image at `path`, one tensor in memory at a time.
 
-    The options are `hf_lm.export_lm`'s. `check` validates the written file's structure with the
+    The options are `hf_lm.export_lm`'s (`page_aligned` None: experts on pages of their own once the image
+    would be at least 16 MiB, docs/linux-edge.md "Export defaults"). `check` validates the written file's structure with the
     reader (the C engine's twin: header, tables, records, references; `colibri_validate_ex`'s
     COLIBRI_CHECK_STRUCTURE) from a mapping, before it is renamed into place. It does not re-read
     the payloads: their CRCs are computed from the very bytes written, and mapping them all would
@@ -577,7 +579,8 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
             raise ExportError(f"{path}: the written image fails validation ({F.STATUS_TEXT[F.Status(code)]}); "
                               "nothing written")
 
-    report = stream.write_file(graph, path, on_tensor=on_tensor, finish=validate if check else None)
+    report = stream.write_file(graph, path, on_tensor=on_tensor, finish=validate if check else None,
+                               page_aligned=page_aligned)
     return FolderExport(path=report.path, bytes_written=report.bytes_written, tensors=report.tensors,
                         version=report.version, graph=graph)
 

@@ -152,9 +152,11 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
 @click.option("--prune", help="Experts to drop: '1,3' or per MoE layer '0:1,3;1:2'.")
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Inputs (.npy/.csv): experts no calibration token selects are dropped.")
-@click.option("--page-aligned", is_flag=True,
-              help="Put each expert's tensors on 4 KiB pages of their own (one madvise/mlock range), with one CRC per "
-                   "tensor (format v3): for model files mapped on Linux.")
+@click.option("--page-aligned/--compact", default=None,
+              help="--page-aligned puts each expert's tensors on 4 KiB pages of their own (one madvise/mlock range), "
+                   "with one CRC per tensor (format v3+): a model file mapped on Linux then opens without reading "
+                   "its weights. --compact packs them (a microcontroller slot). Default: page-aligned when the model "
+                   "has experts and its compact image would be at least 16 MiB, else compact.")
 @click.option("--no-check", is_flag=True,
               help="With --input-size: write the image even if it does not match PyTorch on a random batch; "
                    "for a token model, even if its logits do not; for a folder, skip validating the written file.")
@@ -165,7 +167,7 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
               help="Token models: the KV cache's storage.")
 @quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
-           calibration: Path | None, page_aligned: bool, no_check: bool, max_seq_len: int | None, kv_dtype: str,
+           calibration: Path | None, page_aligned: bool | None, no_check: bool, max_seq_len: int | None, kv_dtype: str,
            dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
            int8_act: tuple[str, ...], int8_blocks: tuple[str, ...]) -> None:
     """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
@@ -183,10 +185,9 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
     token_options = dict(max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype, dtype=dtype,
                          compensation=compensation, group=group, q8=q8, keep=keep, int8_act=int8_act,
-                         int8_blocks=int8_blocks,
+                         int8_blocks=int8_blocks, page_aligned=page_aligned,
                          check=not no_check)
-    feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration,
-                    "--page-aligned": page_aligned}
+    feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration}
     if Path(model).is_dir():  # a Hugging Face folder: streamed, no torch
         token_export.refuse_feature_options(model, feature_only)
         token_export.export_folder_command(Path(model), output, **token_options)

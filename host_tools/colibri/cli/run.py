@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -63,8 +64,15 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
 @click.option("--echo/--no-echo", default=True, show_default=True, help="Print the prompt before the continuation.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1, max=256),
               help="Threads each forward pass runs on (colibri.LM(workers=N)): the same tokens as one.")
+@click.option("--verify", type=click.Choice(("on_use", "full", "none")), default="on_use", show_default=True,
+              help="When payloads are checked against their CRCs: on_use (the tables and the tensors every token "
+                   "reads at open, each expert when routing first picks it), full (every byte at open), none.")
+@click.option("--lock", "lock_all", is_flag=True,
+              help="mlock the whole file (pinned pages never fault); if RLIMIT_MEMLOCK refuses, say so and go on "
+                   "unpinned.")
 def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int, tokenizer_spec: str, stop_id: int | None, echo: bool, threads: int) -> None:
+             seed: int, tokenizer_spec: str, stop_id: int | None, echo: bool, threads: int, verify: str,
+             lock_all: bool) -> None:
     """Continue a text prompt with a token model, streaming tokens as the C engine makes them.
 
     The prompt is tokenized, run through the model (its KV cache holds max_seq_len positions), and
@@ -75,7 +83,12 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     from ..runtime import tokenizer as tok
 
     tokenizer = tok.load(tokenizer_spec)
-    lm = engine.LM(image_path, workers=threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the refusal is printed below, once
+        lm = engine.LM(image_path, workers=threads, verify=verify, lock="all" if lock_all else None,
+                       lock_required=False)
+    if lm.lock_error is not None:
+        click.echo(f"colibri generate: {lm.lock_error}; going on unpinned", err=True)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty once tokenized: give some text")

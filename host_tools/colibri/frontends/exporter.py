@@ -23,6 +23,7 @@ from torch import nn
 
 from ..model import format as F
 from .. import image
+from ..image.writer import linux_layout
 from ..quant import quantize
 from ..reference import executor as reference
 from . import nn as cnn
@@ -502,7 +503,7 @@ def export(
     example_input: torch.Tensor | np.ndarray | None = None,
     prune: Mapping[int, Sequence[int]] | Sequence[int] | None = None,
     calibration: torch.Tensor | np.ndarray | None = None,
-    page_aligned: bool = False,
+    page_aligned: bool | None = None,
     dtype: str = "f32",
     compensation: float = quantize.DEFAULT_COMPENSATION,
     keep: Sequence[str] = (),
@@ -519,7 +520,10 @@ def export(
     channel plus a sparse f16 compensation of `compensation` share of the
     weights) or q4 (int4 in groups of `group` columns, the same E; format v5);
     `keep`, `int8_act`, `int8_blocks` and `q8` (weights kept int8 in a q4 model) are colibri.quant.quantize
-    patterns. Routers and shared gates stay f32 unless `quantize_routers` (colibri.quant.quantize).
+    patterns. `page_aligned` puts each expert on pages of its own with one CRC per tensor (format v3), so
+    a mapped file opens without reading its weights; None (the default) does so when the model has experts
+    and its compact image would be at least image.writer.LINUX_LAYOUT_MIN_BYTES (16 MiB: no
+    microcontroller slot holds it), False keeps the compact layout. Routers and shared gates stay f32 unless `quantize_routers` (colibri.quant.quantize).
 
     The graph is validated before anything is written (widths, residual
     nesting, finite weights, q8 compensation within f16); a refusal is an
@@ -540,6 +544,8 @@ def export(
         check_limits(f32_graph)
         graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                                   int8_blocks=int8_blocks, group=group, q8=q8, quantize_routers=quantize_routers)
+        if page_aligned is None:  # docs/linux-edge.md "Export defaults"
+            page_aligned = linux_layout(graph)
         data = image.write(graph, page_aligned=page_aligned)
         _engine_validate(data)
         err, checks = None, []

@@ -37,6 +37,7 @@ from torch import nn
 from ..model import format as F
 from . import hf  # noqa: F401  registers the sparse-block converters
 from .. import image
+from ..image.writer import linux_layout
 from ..quant import quantize
 from ..reference import executor as reference
 from ..model.errors import ExportCheckError, ExportError
@@ -320,6 +321,7 @@ def export_lm(
     group: int = quantize.Q4_DEFAULT_GROUP,
     q8: Sequence[str] = (),
     int8_blocks: Sequence[str] = (),
+    page_aligned: bool | None = None,
 ) -> ExportResult:
     """Export a Hugging Face MoE causal LM or a colibri.nn.MoETransformer to a token-model image
     (format v4, docs/lm.md; v5 with q4 weights).
@@ -329,7 +331,8 @@ def export_lm(
     weights as colibri.export's. The export check runs the image (numpy reference) over a fixed
     sequence of min(max_seq_len, 32) tokens and compares every position's logits with the model's:
     within 1e-4·(1 + max|logits|) for f32 (ExportCheckError and nothing written otherwise); for f16
-    and q8 the error is only reported, in `max_abs_error`.
+    and q8 the error is only reported, in `max_abs_error`. `page_aligned` as colibri.export's (None: the
+    experts on pages of their own once the image would be at least 16 MiB; docs/linux-edge.md).
     """
     if max_seq_len is None:
         raise ExportError(f"{type(model).__name__} is a token model: give max_seq_len (the KV cache's positions), "
@@ -346,7 +349,7 @@ def export_lm(
     check_limits(f32_graph)
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                               int8_blocks=int8_blocks, group=group, q8=q8)
-    data = image.write(graph)
+    data = image.write(graph, page_aligned=linux_layout(graph) if page_aligned is None else page_aligned)
     image.read(data)  # the reader is the validator's twin (tests/lm/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))
     # The image holds the weights widened to f32 exactly; a bf16/f16 model's own forward rounds every

@@ -56,13 +56,19 @@ def least_size(plan: writer.Layout) -> int:
 
 
 def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int, int], None] | None = None,
-               finish: Callable[[Path], None] | None = None) -> StreamReport:
+               finish: Callable[[Path], None] | None = None, page_aligned: bool | None = None) -> StreamReport:
     """Write `graph`'s image to `path`, making each payload (its `image_entries` thunk) only when its
     turn comes. `on_tensor(index, count, nbytes)` after each payload (a progress bar). `finish(tmp)`
     runs on the complete temporary file before the rename (a validation); raising there, or anywhere,
-    leaves no file at `path`. Token models only (format v4/v5: per-tensor CRCs)."""
+    leaves no file at `path`. Token models only (format v4/v5: per-tensor CRCs). `page_aligned` puts each
+    expert on pages of its own; None: once the compact image would be at least
+    writer.LINUX_LAYOUT_MIN_BYTES (the records alone say it, no payload is made twice)."""
     path = Path(path)
     plan = writer.layout(graph)
+    if page_aligned is None:
+        page_aligned = least_size(plan) >= writer.LINUX_LAYOUT_MIN_BYTES and any(e.page for e in plan.tensors.entries)
+    if page_aligned:
+        plan = writer.layout(graph, page_aligned=True)
     if not plan.tensor_crc:
         raise ValueError("streaming needs per-tensor CRCs (format version 3 or later); this graph's image "
                          f"is version {plan.version}")

@@ -127,6 +127,23 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     return bytes(buf)
 
 
+# Exports meant for Linux (colibri export, colibri.export, the streamed folder export) lay experts out on
+# pages of their own, with one CRC per tensor, once the compact image would reach this size: far past any
+# microcontroller's model slot (the boards' slots are a few MiB of flash), and where opening a mapped file
+# without reading it starts to matter (docs/linux-edge.md "Export defaults"). Smaller images stay compact.
+LINUX_LAYOUT_MIN_BYTES = 16 << 20
+
+
+def linux_layout(graph: Graph) -> bool:
+    """Whether an export of `graph` that names no layout is page-aligned (format v3+, per-tensor CRCs):
+    it has experts and its compact image would be at least LINUX_LAYOUT_MIN_BYTES."""
+    if not any(isinstance(layer, MoE) and (layer.experts or layer.shared) for layer in graph.layers):
+        return False
+    from .stream import least_size
+
+    return least_size(layout(graph)) >= LINUX_LAYOUT_MIN_BYTES
+
+
 @dataclass
 class Layout:
     """An image's records before its payloads are placed: what `write` and `image.stream` share.

@@ -62,10 +62,6 @@ typedef struct {
     size_t arena_size;       /* bytes allocated: colibri_model_size_ex for the workers */
 } ContextObject;
 
-/* The exec of a context's token-model calls: NULL on one worker. */
-static const colibri_exec *lm_exec(const ContextObject *self) {
-    return self->pool != NULL ? &self->exec : NULL;
-}
 
 static PyObject *status_error(int status) {
     return Py_BuildValue("(is)", status, colibri_strerror(status));
@@ -283,6 +279,60 @@ static PyObject *File_resident(FileObject *self, PyObject *Py_UNUSED(ignored)) {
     return f == NULL ? NULL : PyLong_FromLongLong(colibri_file_resident(f));
 }
 
+static PyObject *File_set_ahead(FileObject *self, PyObject *args) {
+    unsigned int stages;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "I", &stages)) {
+        return NULL;
+    }
+    colibri_status st = colibri_file_set_ahead(f, stages);
+    return st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+}
+
+static PyObject *File_advice(FileObject *self, PyObject *Py_UNUSED(ignored)) {
+    colibri_file_advice a;
+    colibri_file *f = open_file(self);
+    if (f == NULL) {
+        return NULL;
+    }
+    colibri_status st = colibri_file_advice_counts(f, &a);
+    if (st != COLIBRI_OK) {
+        return raise_status(st);
+    }
+    return Py_BuildValue("(KKKKKK)", (unsigned long long)a.route_calls, (unsigned long long)a.route_bytes,
+                         (unsigned long long)a.ahead_calls, (unsigned long long)a.ahead_bytes,
+                         (unsigned long long)a.route_advised, (unsigned long long)a.ahead_advised);
+}
+
+static PyObject *File_ahead_ranges(FileObject *self, PyObject *args) {
+    unsigned int stage;
+    size_t count = 0;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "I", &stage)) {
+        return NULL;
+    }
+    colibri_status st = colibri_file_ahead_ranges(f, stage, &count, NULL, 0);
+    if (st != COLIBRI_OK) {
+        return raise_status(st);
+    }
+    uint64_t *r = PyMem_RawMalloc(2u * (count ? count : 1u) * sizeof *r);
+    if (r == NULL) {
+        return PyErr_NoMemory();
+    }
+    st = colibri_file_ahead_ranges(f, stage, &count, r, 2u * count);
+    PyObject *out = st == COLIBRI_OK ? PyList_New((Py_ssize_t)count) : raise_status(st);
+    for (size_t i = 0; out != NULL && i < count; i++) {
+        PyObject *t = Py_BuildValue("(KK)", (unsigned long long)r[2u * i], (unsigned long long)r[2u * i + 1u]);
+        if (t == NULL) {
+            Py_CLEAR(out);
+        } else {
+            PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+        }
+    }
+    PyMem_RawFree(r);
+    return out;
+}
+
 static PyObject *File_close(FileObject *self, PyObject *Py_UNUSED(ignored)) {
     if (self->exports > 0) {
         PyErr_SetString(PyExc_BufferError, "model file still in use (a Model or memoryview holds its mapping)");
@@ -302,6 +352,11 @@ static PyMethodDef File_methods[] = {
     {"check", (PyCFunction)File_check, METH_NOARGS, "0, or FILE_CHANGED if the file's size changed under the mapping"},
     {"replaced", (PyCFunction)File_replaced, METH_NOARGS, "whether the path now names another file"},
     {"resident", (PyCFunction)File_resident, METH_NOARGS, "bytes of the mapping resident now (mincore)"},
+    {"set_ahead", (PyCFunction)File_set_ahead, METH_VARARGS, "set_ahead(stages): colibri_file_set_ahead"},
+    {"advice", (PyCFunction)File_advice, METH_NOARGS,
+     "(route calls, route bytes, ahead calls, ahead bytes, route advised, ahead advised) so far"},
+    {"ahead_ranges", (PyCFunction)File_ahead_ranges, METH_VARARGS,
+     "ahead_ranges(stage) -> [(start, end)]: the page ranges the advice ahead covers for a stage"},
     {"close", (PyCFunction)File_close, METH_NOARGS, "unmap (refused while a buffer is exported)"},
     {NULL, NULL, 0, NULL},
 };
@@ -568,6 +623,21 @@ static colibri_status py_on_route(void *user, const colibri_route *r) {
     return st;
 }
 
+/* The exec of a token-model call: the pool's parallel_for (workers > 1), and on_route: a Python
+ * callable (rc->fn, which advises a mapped file first), else the file layer's own advice and verify
+ * on use (a mapped model unless advise is off), else none. */
+static colibri_exec lm_exec(const ContextObject *self, route_call *rc) {
+    colibri_exec e = self->pool != NULL ? self->exec : (colibri_exec)COLIBRI_EXEC_INIT;
+    if (rc->fn != NULL) {
+        e.on_route = py_on_route;
+        e.on_route_user = rc;
+    } else if (rc->file != NULL) {
+        e.on_route = colibri_file_on_route;
+        e.on_route_user = rc->file;
+    }
+    return e;
+}
+
 /* colibri_exec.expert into a Python callable (the accelerator hook, include/colibri.h):
  * fn(layer, expert, kind, activation, d, hidden, payloads, n, x, x_rows, gate, y, y_rows) with
  * payloads the byte offsets in the image of (w1, w2, w3, b1, b2, b3), -1 for an absent one (engine.py
@@ -806,9 +876,13 @@ static PyObject *Context_lm_position(ContextObject *self, PyObject *Py_UNUSED(ig
 /* lm_forward(tokens, logits, n): tokens a C-contiguous int32 buffer of n ids, logits a
  * writable float32 buffer of n * vocab; colibri_lm_forward with the GIL released. */
 static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
-    PyObject *tok_obj, *out_obj;
+    PyObject *tok_obj, *out_obj, *fn = Py_None;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &tok_obj, &out_obj, &n) || ready(self) == NULL) {
+    if (!PyArg_ParseTuple(args, "OOn|O", &tok_obj, &out_obj, &n, &fn) || ready(self) == NULL) {
+        return NULL;
+    }
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "on_route must be callable");
         return NULL;
     }
     if (n < 0 || n > (Py_ssize_t)UINT32_MAX) {
@@ -831,15 +905,20 @@ static PyObject *Context_lm_forward(ContextObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "fewer tokens than n");
     } else {
         int st;
+        route_call rc = {fn == Py_None ? NULL : fn, 0, self->file != NULL && self->advise ? self->file->file : NULL};
+        const colibri_exec exec = lm_exec(self, &rc);
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         st = file_unchanged(self);
         if (st == COLIBRI_OK)
-            st = colibri_lm_forward_ex(self->ctx, lm_exec(self), (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
-                                    (size_t)(out.len / 4));
+            st = colibri_lm_forward_ex(self->ctx, &exec, (const int32_t *)tok.buf, (uint32_t)n, (float *)out.buf,
+                                       (size_t)(out.len / 4));
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
-        result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
+        if (rc.raised)
+            result = NULL; /* the callback's exception is set */
+        else
+            result = st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
     }
     PyBuffer_Release(&tok);
     PyBuffer_Release(&out);
@@ -916,6 +995,8 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
         int st = COLIBRI_OK;
         size_t made = 0;
         const int32_t *p = prompt.buf;
+        route_call rc = {NULL, 0, self->file != NULL && self->advise ? self->file->file : NULL};
+        const colibri_exec exec = lm_exec(self, &rc);
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         colibri_rng rng;
@@ -926,7 +1007,7 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
         for (size_t at = 0; st == COLIBRI_OK && at < n_prompt; at += chunk) {
             const size_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
             if ((st = file_unchanged(self)) == COLIBRI_OK)
-                st = colibri_lm_forward_ex(self->ctx, lm_exec(self), p + at, (uint32_t)n, logits, n * vocab);
+                st = colibri_lm_forward_ex(self->ctx, &exec, p + at, (uint32_t)n, logits, n * vocab);
             last = n - 1;
         }
         while (st == COLIBRI_OK && made < (size_t)max_new) {
@@ -935,7 +1016,7 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
                 break;
             /* The last new token needs no forward: nothing reads its logits. */
             if (++made < (size_t)max_new && (st = file_unchanged(self)) == COLIBRI_OK) {
-                st = colibri_lm_forward_ex(self->ctx, lm_exec(self), &ids[made - 1], 1, logits, vocab);
+                st = colibri_lm_forward_ex(self->ctx, &exec, &ids[made - 1], 1, logits, vocab);
                 last = 0;
             }
         }
@@ -983,7 +1064,7 @@ static PyMethodDef Context_methods[] = {
     {"lm_reset", (PyCFunction)Context_lm_reset, METH_NOARGS, "colibri_lm_reset: empty the KV cache"},
     {"lm_position", (PyCFunction)Context_lm_position, METH_NOARGS, "colibri_lm_position: positions cached"},
     {"lm_forward", (PyCFunction)Context_lm_forward, METH_VARARGS,
-     "lm_forward(tokens int32, logits float32 [n * vocab], n): colibri_lm_forward"},
+     "lm_forward(tokens int32, logits float32 [n * vocab], n, on_route=None): colibri_lm_forward_ex"},
     {"lm_sample", (PyCFunction)Context_lm_sample, METH_VARARGS,
      "lm_sample(logits float32 [vocab], temperature, top_k, top_p, rng_state) -> (token, rng_state)"},
     {"lm_generate", (PyCFunction)Context_lm_generate, METH_VARARGS,

@@ -6,12 +6,13 @@ import operator
 import os
 import stat
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from . import _engine, sources
-from ..model.errors import error_for
+from ..model.errors import ColibriError, error_for
 from ..model.format import Status
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
 from ..model.sampler import check_sampler, integer_arg
@@ -31,7 +32,7 @@ def _call(fn, *args, **kwargs):
 
 CHECK_FULL, CHECK_STRUCTURE = 0, 1  # COLIBRI_CHECK_*
 VERIFY = {"on_use": 0, "full": 1, "none": 2}  # COLIBRI_VERIFY_* (posix/colibri_file.h)
-LOCK = {None: 0, "none": 0, "all": 1}  # COLIBRI_LOCK_*; a list of (layer, expert) is COLIBRI_LOCK_EXPERTS
+LOCK = {None: 0, "none": 0, "all": 1, "dense": 3}  # COLIBRI_LOCK_*; a list of (layer, expert) is COLIBRI_LOCK_EXPERTS
 
 
 class ModelFile:
@@ -72,6 +73,22 @@ class ModelFile:
         """Bytes of the mapping resident in memory now (mincore)."""
         return self.raw.resident()
 
+    def set_ahead(self, stages: int) -> None:
+        """How many stages past the MoE layer being routed the route callback advises in (colibri_file_set_ahead;
+        default 1, 0 off): the attention, norms, router and shared experts of the next MoE layers, the head."""
+        _call(self.raw.set_ahead, operator.index(stages))
+
+    def advice(self) -> dict[str, int]:
+        """The advice so far (colibri_file_advice_counts): the experts routing selected (route_calls,
+        route_bytes) and the stages ahead's ranges (ahead_calls, ahead_bytes), as asked; route_advised and
+        ahead_advised the bytes that reached MADV_WILLNEED (ranges already resident are skipped)."""
+        names = ("route_calls", "route_bytes", "ahead_calls", "ahead_bytes", "route_advised", "ahead_advised")
+        return dict(zip(names, _call(self.raw.advice)))
+
+    def ahead_ranges(self, stage: int) -> list[tuple[int, int]]:
+        """The page ranges (start, end) the advice ahead covers for stage 0..len(experts())."""
+        return _call(self.raw.ahead_ranges, stage)
+
     def close(self) -> None:
         """Unmaps; BufferError while a Model or memoryview still reads the mapping."""
         self.raw.close()
@@ -89,7 +106,7 @@ def open_file(path: str | os.PathLike, *, verify: str = "on_use", lock=None) -> 
     experts = None
     if isinstance(lock, str) or lock is None:
         if lock not in LOCK:
-            raise ValueError(f"lock must be None, 'all', 'none' or a list of (layer, expert), got {lock!r}")
+            raise ValueError(f"lock must be None, 'all', 'dense', 'none' or a list of (layer, expert), got {lock!r}")
         mode = LOCK[lock]
     else:
         mode, experts = 2, [(int(layer), int(e)) for layer, e in lock]
@@ -143,19 +160,33 @@ def read_model_file(path: str | os.PathLike) -> bytes:
         os.close(fd)
 
 
-def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool, workers: int = 1):
-    """(mapping or None, image buffer, engine context) for a path (mapped unless copy) or bytes;
-    workers > 1: the context's arena and thread pool serve that many (token models)."""
+def _open_pinned(path, verify: str, lock, lock_required: bool) -> tuple[ModelFile, Exception | None]:
+    """open_file; with lock_required=False, an mlock the system refuses (RLIMIT_MEMLOCK) opens the file
+    unpinned instead, with a warning: (file, the refusal or None)."""
+    try:
+        return open_file(path, verify=verify, lock=lock), None
+    except ColibriError as exc:
+        if lock_required or lock is None or lock == "none" or exc.status != Status.MLOCK_FAILED:
+            raise
+        warnings.warn(f"{exc}; serving unpinned (lock_required=False)", RuntimeWarning, stacklevel=4)
+        return open_file(path, verify=verify), exc
+
+
+def _open(source, reference_kernels: bool, copy: bool, verify: str, lock, advise: bool, workers: int = 1,
+          ahead: int = 1, lock_required: bool = True):
+    """(mapping or None, image buffer, engine context, mlock refusal or None) for a path (mapped unless
+    copy) or bytes; workers > 1: the context's arena and thread pool serve that many (token models)."""
     if isinstance(source, (str, os.PathLike)) and not copy:
-        file = open_file(source, verify=verify, lock=lock)
+        file, refused = _open_pinned(source, verify, lock, lock_required)
+        file.set_ahead(ahead)
         return file, memoryview(file.raw), _call(_engine.Context, file.raw, reference_kernels, CHECK_STRUCTURE, advise,
-                                                 workers)
+                                                 workers), refused
     if lock is not None:
         raise ValueError("lock applies to a mapped file: pass the path, without copy=True")
     if isinstance(source, (str, os.PathLike)):
         source = read_model_file(source)
     image = bytes(source)
-    return None, image, _call(_engine.Context, image, reference_kernels, workers=workers)
+    return None, image, _call(_engine.Context, image, reference_kernels, workers=workers), None
 
 
 class ExpertCall:
@@ -228,19 +259,25 @@ class Model:
     the engine's on_route callback, with MADV_WILLNEED), "full" (at open) or
     "none" (`Model.file.verify()` on demand); `advise=False` (with "full"
     or "none") runs without the route callback (no MADV_WILLNEED, for the
-    bench's comparison); `lock` pins pages: "all" or a
-    list of (moe_layer, expert). `model.file` is the mapping (`will_need`,
-    `resident`, `check`, `replaced`). A file replaced by rename keeps serving
+    bench's comparison); `ahead` is how many stages past the routed layer
+    the callback advises in (`ModelFile.set_ahead`: the next layers' dense
+    tensors and shared experts; 0 off); `lock` pins pages: "all" or a
+    list of (moe_layer, expert), or "dense" (every tensor that is no expert's:
+    embeddings, attention, norms, routers, the head), and `lock_required=False` serves unpinned,
+    with a RuntimeWarning and the refusal in `lock_error`, when the system
+    refuses the mlock (RLIMIT_MEMLOCK). `model.file` is the mapping (`will_need`,
+    `resident`, `check`, `replaced`, `advice`). A file replaced by rename keeps serving
     the old mapping; a new Model(path) maps the new one. To copy the file
     into memory instead, pass `copy=True` (or the bytes themselves).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview,
                  reference_kernels: bool = False, *, copy: bool = False, verify: str = "on_use", lock=None,
-                 advise: bool = True):
+                 advise: bool = True, ahead: int = 1, lock_required: bool = True):
         if not advise and verify == "on_use":
             raise ValueError("advise=False skips the route callback that verifies on use: verify='full' or 'none'")
-        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, advise)
+        self.file, self.image, self._ctx, self.lock_error = _open(source, reference_kernels, copy, verify, lock, advise,
+                                                                  ahead=ahead, lock_required=lock_required)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
         if info["vocab_size"]:
@@ -319,21 +356,28 @@ class LM:
     returns the new token ids, sampled in C (greedy at temperature 0, else temperature,
     top-k and top-p with a SplitMix64 seeded by `seed`): `reference.LMState` draws the same.
     `reference_kernels=True` runs the reference kernels, as `Model`. A path is mapped, not
-    copied, as by `Model`, its payloads checked at open (`verify="full"`) or on demand
-    (`verify="none"`, then `LM.file.verify()`); `copy=True` reads it into memory instead.
+    copied, as by `Model`: opening checks the structure (header, tables, references) and, with the
+    default `verify="on_use"`, the payloads every token reads (embeddings, attention, norms, routers,
+    the head) against their CRCs; each expert's payloads are checked when routing first selects it
+    (BAD_PAYLOAD_CRC stops that forward), its pages advised in (MADV_WILLNEED) with the next stages'
+    (`ahead`, as `Model`). `verify="full"` checks every payload at open (reads the whole file),
+    `"none"` none (`LM.file.verify()` on demand); `advise=False` (with "full" or "none") runs without
+    the route callback. `lock` and `lock_required` pin pages as `Model`'s. `copy=True` reads the file
+    into memory instead.
     `workers=N` (N > 1) runs each forward on N threads (colibri_lm_forward_ex over a colibri_pool,
     the caller's thread one of them): the same logits, bit for bit, and so the same ids; the
     arena grows by colibri_model_size_ex's per-worker scratch (`arena_size`).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview, reference_kernels: bool = False,
-                 *, copy: bool = False, verify: str = "full", lock=None, workers: int = 1):
-        if verify == "on_use":
-            raise ValueError("a token model runs every layer on every token, so there is no first use to verify "
-                             "on: verify='full' (at open) or 'none' (LM.file.verify() on demand)")
+                 *, copy: bool = False, verify: str = "on_use", lock=None, workers: int = 1, advise: bool = True,
+                 ahead: int = 1, lock_required: bool = True):
+        if not advise and verify == "on_use":
+            raise ValueError("advise=False skips the route callback that verifies on use: verify='full' or 'none'")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
-        self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, False, workers)
+        self.file, self.image, self._ctx, self.lock_error = _open(source, reference_kernels, copy, verify, lock, advise,
+                                                                  workers, ahead, lock_required)
         self.kernels: str = self._ctx.kernels()
         self.workers: int = workers
         info = self._ctx.info()
@@ -377,19 +421,21 @@ class LM:
             raise error_for(Status.CACHE_FULL, f"{self.position} positions cached + {needed} > max_seq_len "
                                                f"{self.max_seq_len} (reset() starts a new sequence)")
 
-    def forward_tokens(self, ids) -> np.ndarray:
+    def forward_tokens(self, ids, on_route: Callable[[int, list[int], list[int]], object] | None = None) -> np.ndarray:
         """Appends ids to the sequence; returns their logits, float32 [len(ids), vocab]. Nothing is
-        appended if any id is outside the vocabulary or the cache cannot hold them all."""
+        appended if any id is outside the vocabulary or the cache cannot hold them all. on_route, as
+        `Model.forward`'s: on_route(layer, experts, tokens) for each MoE layer of each chunk, after its
+        routing and before its experts run (a mapped file's advice and verification first)."""
         tokens = self._ids(ids, "ids")
         with self._sequence_lock:
-            return self._forward_locked(tokens)
+            return self._forward_locked(tokens, on_route)
 
-    def _forward_locked(self, tokens: np.ndarray) -> np.ndarray:
+    def _forward_locked(self, tokens: np.ndarray, on_route=None) -> np.ndarray:
         self._room(len(tokens))
         out = np.empty((len(tokens), self.vocab_size), dtype=np.float32)
         for start in range(0, len(tokens), self.max_batch):
             chunk = tokens[start : start + self.max_batch]
-            _call(self._ctx.lm_forward, chunk, out[start : start + len(chunk)], len(chunk))
+            _call(self._ctx.lm_forward, chunk, out[start : start + len(chunk)], len(chunk), on_route)
         self._epoch += 1
         return out
 

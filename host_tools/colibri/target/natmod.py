@@ -155,7 +155,9 @@ ARCHS: dict[str, Arch] = {
                           "-Wa,-mrelax-relocations=no",
                           # the reference kernels: the x86-64 backend's AVX constants want 32- and
                           # 64-byte aligned read-only data, and the loader aligns to 16
-                          "-DCOLIBRI_KERNELS_REF"),
+                          "-DCOLIBRI_KERNELS_REF",
+                          # a MicroPython module stays as small as on the boards: the nibble CRC
+                          "-DCOLIBRI_CRC_SLICING=0"),
         8, _X64_RELOCS, frozenset({9, 41, 42}), frozenset({1}),
     ),
     "armv7emsp": Arch(
