@@ -464,7 +464,7 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
         return COLIBRI_E_BAD_TENSOR;
 
     if (t->dtype == COLIBRI_DTYPE_TOKENIZER) /* a byte payload; its contents after the program */
-        return t->nbytes == t->rows ? COLIBRI_OK : COLIBRI_E_BAD_TENSOR;
+        return t->nbytes == t->rows && t->ndim == 1 ? COLIBRI_OK : COLIBRI_E_BAD_TENSOR;
     if (t->dtype == COLIBRI_DTYPE_I4) {
         /* ceil(cols / 2) bytes a row; < 2^63, and above 2^32 it cannot match nbytes. */
         const uint64_t size = (uint64_t)t->rows * (((uint64_t)t->cols + 1u) / 2u);

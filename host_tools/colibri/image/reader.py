@@ -450,7 +450,7 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
                 _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}")
         elif dtype == DType.TOKENIZER:
             # One section of `rows` bytes, in a token model only (docs/lm.md "Tokenizer section").
-            if nbytes != rows or not r.token or r.tokenizer is not None:
+            if nbytes != rows or ndim != 1 or not r.token or r.tokenizer is not None:
                 _fail(Status.BAD_TENSOR, f"tensor {i}: a tokenizer section of {nbytes} bytes, rows {rows}" + (
                     ", a second one" if r.tokenizer is not None else "" if r.token else ", in a feature model"))
             r.tokenizer = i

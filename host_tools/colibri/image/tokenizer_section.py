@@ -55,6 +55,17 @@ class TokenizerSection:
         """The special ids the section names: {"bos": id, ...}, absent ones left out."""
         return {name: v for name in ("bos", "eos", "pad", "unk") if (v := getattr(self, name)) is not None}
 
+    def summary(self) -> str:
+        """One line: kind, tokens, special ids, e.g. `SentencePiece BPE, 32000 tokens, bos 1, eos 2`."""
+        names = {TokenizerKind.BYTE_BPE: "byte-level BPE", TokenizerKind.SENTENCEPIECE_BPE: "SentencePiece BPE",
+                 TokenizerKind.SENTENCEPIECE_UNIGRAM: "SentencePiece unigram"}
+        unused = int(np.sum(self.types == TokenType.UNUSED))
+        parts = [names[self.kind], f"{self.vocab_size} tokens" + (f" ({unused} unused)" if unused else "")]
+        parts += [f"{name} {v} {self.tokens[v].decode('utf-8', 'replace')!r}" for name, v in self.specials().items()]
+        if self.kind == TokenizerKind.BYTE_BPE:
+            parts.append(f"{len(self.merges)} merges")
+        return ", ".join(parts)
+
     def padded(self, vocab: int) -> TokenizerSection:
         """The section for a model of `vocab` embedding rows (>= this tokenizer's): the rows past it
         (a vocabulary padded to a multiple, as Qwen's) become UNUSED tokens, which decode to nothing."""
@@ -253,3 +264,17 @@ def parse(data: bytes | bytearray | memoryview, vocab: int, work=None) -> Tokeni
         merges=merges.copy(), byte_ids=byte_ids.copy(), bos=special(bos), eos=special(eos), pad=special(pad),
         unk=special(unk))
 
+
+
+def find(image: bytes | bytearray | memoryview) -> bytes | None:
+    """The tokenizer section's bytes in a validated image (its TOKENIZER tensor), without reading
+    the rest of it into a graph; None when it has none."""
+    buf = memoryview(image).cast("B")
+    if int.from_bytes(buf[4:6], "little") < F.TOKENIZER_VERSION:
+        return None
+    count, table = F.HEADER.unpack_from(buf, 0)[9:11]
+    for i in range(count):
+        off, nbytes, _, _, dtype, *_ = F.TENSOR.unpack_from(buf, table + i * F.TENSOR.size)
+        if dtype == F.DType.TOKENIZER:
+            return bytes(buf[off : off + nbytes])
+    return None

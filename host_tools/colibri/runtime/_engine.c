@@ -880,7 +880,7 @@ static PyObject *Context_lm_sample(ContextObject *self, PyObject *args) {
     return result;
 }
 
-/* lm_generate(prompt, max_new, temperature, top_k, top_p, seed) -> list of new ids: reset, the
+/* lm_generate(prompt, max_new, temperature, top_k, top_p, seed[, stop]) -> list of new ids: reset, the
  * prompt in chunks of max_batch, then one token at a time, each drawn by colibri_lm_sample from
  * the last row's logits with a SplitMix64 seeded once. The whole loop runs in C without the GIL. */
 static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
@@ -889,7 +889,8 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
     float temperature, top_p;
     unsigned int top_k;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OnfIfK", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed) ||
+    long long stop = -1; /* an id that ends the generation once drawn (EOS); -1: none */
+    if (!PyArg_ParseTuple(args, "OnfIfK|L", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed, &stop) ||
         ready(self) == NULL) {
         return NULL;
     }
@@ -934,6 +935,10 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
             st = colibri_lm_sample(self->ctx, &sampler, logits + last * vocab, vocab, &rng, &ids[made]);
             if (st != COLIBRI_OK)
                 break;
+            if ((long long)ids[made] == stop) {
+                made++;
+                break;
+            }
             /* The last new token needs no forward: nothing reads its logits. */
             if (++made < (size_t)max_new && (st = file_unchanged(self)) == COLIBRI_OK) {
                 st = colibri_lm_forward_ex(self->ctx, lm_exec(self), &ids[made - 1], 1, logits, vocab);
@@ -988,7 +993,8 @@ static PyMethodDef Context_methods[] = {
     {"lm_sample", (PyCFunction)Context_lm_sample, METH_VARARGS,
      "lm_sample(logits float32 [vocab], temperature, top_k, top_p, rng_state) -> (token, rng_state)"},
     {"lm_generate", (PyCFunction)Context_lm_generate, METH_VARARGS,
-     "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed) -> list of new token ids"},
+     "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed[, stop]) -> list of new token ids, "
+     "ending after stop if drawn"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -228,6 +228,29 @@ def from_folder(folder: str | Path) -> TokenizerSection | None:
     return section
 
 
+def from_spec(spec: str | Path | TokenizerSection) -> TokenizerSection:
+    """A section from a model folder, a tokenizer.json, a SentencePiece .model file or a section."""
+    if isinstance(spec, TokenizerSection):
+        return spec
+    path = Path(spec)
+    if path.is_dir():
+        section = from_folder(path)
+        if section is None:
+            raise ExportError(f"{path}: no tokenizer.model or tokenizer.json in the folder; nothing written")
+        return section
+    if not path.is_file():
+        raise ExportError(f"{path}: no such tokenizer file or folder; nothing written")
+    return from_sentencepiece(path) if path.suffix == ".model" else from_tokenizer_json(path)
+
+
+def packed_for(spec: str | Path | TokenizerSection, vocab: int, where: str) -> bytes:
+    """The packed section of `spec` for a model of `vocab` rows, refused before anything is written
+    when it cannot be that model's (see `for_model`)."""
+    from ..image.tokenizer_section import pack
+
+    return pack(for_model(from_spec(spec), vocab, where))
+
+
 def for_model(section: TokenizerSection, vocab: int, where: str) -> TokenizerSection:
     """The section padded to the model's `vocab` rows; a tokenizer with ids past them is refused
     (the model could not take them) before anything is written."""
