@@ -12,14 +12,12 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 import colibri
-from colibri import image
 from colibri.checkpoints import hf_folder
 from colibri.cli import main
 from colibri.frontends import hf_lm
 from colibri.image import tokenizer_section as TS
 from colibri.model import format as F
 from colibri.model.errors import ExportError
-
 from helpers import tokenizers_trained as trained
 from helpers.hf_lm_models import mixtral
 

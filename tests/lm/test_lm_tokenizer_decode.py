@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.image import tokenizer_section as TS
 from colibri import image
+from colibri.image import tokenizer_section as TS
 from colibri.model.errors import ColibriError
 from colibri.model.format import Status, TokenizerFlag, TokenizerKind, TokenType
 from colibri.runtime import _engine, tokenizer_build
 from colibri.runtime.tokenizer import SectionTokenizer
-
 from helpers import lmmodels
 from helpers import tokenizers_trained as trained
 

@@ -13,7 +13,6 @@ from colibri.image import tokenizer_section as TS
 from colibri.model import format as F
 from colibri.model.format import DType, Status, TokenizerFlag, TokenType
 from colibri.runtime import _engine, tokenizer_build
-
 from helpers import lmmodels
 from helpers import tokenizers_trained as trained
 

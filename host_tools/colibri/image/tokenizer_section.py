@@ -139,7 +139,8 @@ def pack(section: TokenizerSection) -> bytes:
     for off, a in zip(at, arrays):
         buf[off : off + len(a)] = a
     F.TOKENIZER_HEADER.pack_into(
-        buf, 0, F.TOKENIZER_MAGIC, F.TOKENIZER_SECTION_VERSION, int(section.kind), int(section.flags), vocab, len(merges),
+        buf, 0, F.TOKENIZER_MAGIC, F.TOKENIZER_SECTION_VERSION, int(section.kind), int(section.flags), vocab,
+        len(merges),
         _id(section.bos), _id(section.eos), _id(section.pad), _id(section.unk),
         int(section.normalizer), int(section.pre_tokenizer), 0,
         at[0], at[1], len(blob), at[2], at[3], at[4], at[5], at[6], at[7], len(pattern))

@@ -32,7 +32,8 @@ def _byte_decoder() -> dict[str, int]:
     try:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
     except ImportError as e:  # pragma: no cover - the tokenizer extra installs it
-        raise ExportError("a byte-level BPE tokenizer section needs `transformers` (pip install colibri-moe[tokenizer])") from e
+        raise ExportError("a byte-level BPE tokenizer section needs `transformers` "
+                          "(pip install colibri-moe[tokenizer])") from e
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
@@ -60,6 +61,17 @@ def _specials_from_config(folder: Path, section: TokenizerSection, by_text: dict
                 v = v[0] if v else None
             if isinstance(v, int) and 0 <= v < section.vocab_size and getattr(section, name) is None:
                 setattr(section, name, v)
+
+
+def _split_then_byte_level(pre: dict) -> bool:
+    """Sequence[Split(Regex, isolated, not inverted), ByteLevel(use_regex=False)]: the Qwen2 form."""
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(steps) != 2:
+        return False
+    split, level = steps
+    return (split.get("type") == "Split" and "Regex" in split.get("pattern", {})
+            and split.get("behavior") == "Isolated" and not split.get("invert")
+            and level.get("type") == "ByteLevel" and not level.get("use_regex", True))
 
 
 def from_tokenizer_json(path: str | Path) -> TokenizerSection:
@@ -92,10 +104,7 @@ def from_tokenizer_json(path: str | Path) -> TokenizerSection:
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         kind_pre, level = PreTokenizer.BYTE_LEVEL, pre
-    elif (pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 2
-          and pre["pretokenizers"][0].get("type") == "Split" and "Regex" in pre["pretokenizers"][0].get("pattern", {})
-          and pre["pretokenizers"][0].get("behavior") == "Isolated" and not pre["pretokenizers"][0].get("invert")
-          and pre["pretokenizers"][1].get("type") == "ByteLevel" and not pre["pretokenizers"][1].get("use_regex", True)):
+    elif _split_then_byte_level(pre):
         kind_pre, level = PreTokenizer.SPLIT_BYTE_LEVEL, pre["pretokenizers"][1]
         pattern = pre["pretokenizers"][0]["pattern"]["Regex"]
     else:
@@ -141,9 +150,8 @@ def from_tokenizer_json(path: str | Path) -> TokenizerSection:
         if None in ids:
             _refuse(path, f"merge {left!r} + {right!r} names a token the vocabulary lacks")
         merges.append(ids)
-    by_symbol = {c: b for c, b in to_byte.items()}
     byte_ids = np.full(F.TOKENIZER_BYTE_IDS, NONE, np.uint32)
-    for c, b in by_symbol.items():
+    for c, b in to_byte.items():
         if c not in vocab:
             _refuse(path, f"the vocabulary lacks byte 0x{b:02x} ({c!r}): not a byte-level BPE")
         byte_ids[b] = vocab[c]
