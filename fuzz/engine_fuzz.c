@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "colibri.h"
+#include "colibri_tokenizer.h"
 #include "crc32.h"
 
 /* Arenas above this are not allocated (an absurd but valid max_batch). */
@@ -202,6 +203,43 @@ static void change_under_context(colibri_ctx *ctx, const colibri_model_info *inf
     free(where);
 }
 
+/* The tokenizer section (format v6): open agrees with the structure check
+ * (NO_TOKENIZER when the image has none), and decoding every id, then a run
+ * of ids the input's bytes choose, through a buffer of the documented size
+ * stays in bounds (ASan) and gives only BAD_TOKEN for ids past the vocabulary. */
+static void decode_all(const uint8_t *image, size_t size, colibri_status structure)
+{
+    colibri_tokenizer tok;
+    const colibri_status st = colibri_tokenizer_open(&tok, image, size);
+    if (structure != COLIBRI_OK) {
+        if (st != structure)
+            abort();
+        return;
+    }
+    if (st == COLIBRI_E_NO_TOKENIZER)
+        return;
+    if (st != COLIBRI_OK)
+        abort();
+    static uint8_t out[COLIBRI_TOKENIZER_DECODE_BYTES(1u << 16)];
+    const size_t cap = COLIBRI_TOKENIZER_DECODE_BYTES(tok.max_piece);
+    if (cap > sizeof out)
+        return;
+    colibri_text_stream s;
+    colibri_text_stream_init(&s);
+    size_t n;
+    for (uint32_t id = 0; id < tok.vocab && id < 4096u; id++)
+        if (colibri_tokenizer_decode(&tok, &s, (int32_t)id, out, cap, &n) != COLIBRI_OK || n > cap)
+            abort();
+    for (size_t i = 0; i + 1 < size && i < 512; i += 2) {
+        const int32_t id = (int32_t)(((uint32_t)image[i] << 8 | image[i + 1]) % (tok.vocab + 2u)) - 1;
+        const colibri_status d = colibri_tokenizer_decode(&tok, &s, id, out, cap, &n);
+        if (d != ((id < 0 || (uint32_t)id >= tok.vocab) ? COLIBRI_E_BAD_TOKEN : COLIBRI_OK))
+            abort();
+    }
+    if (colibri_tokenizer_flush(&s, out, cap, &n) != COLIBRI_OK || n > 3)
+        abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     uint8_t *image = malloc(size ? size : 1);
@@ -218,6 +256,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * by a payload CRC (format v3). */
     if (sz != vs || (v != vs && v != COLIBRI_E_BAD_PAYLOAD_CRC))
         abort();
+    decode_all(image, size, vs);
     if (sz == COLIBRI_OK) {
         colibri_model_info info;
         if (colibri_get_info(image, size, &info) != COLIBRI_OK || info.arena_size != need)

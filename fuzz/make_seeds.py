@@ -12,7 +12,8 @@ of one input column. q8 comes in both model image formats: version 2 (what
 the exporter writes: f16 scales, biases in the Q8_PARAMS companions, row
 pointers of 1 or 2 bytes, and a companion whose parameters fall back to f32)
 and version 1 (f32 scales, 4-byte row pointers); version 3 (one CRC per
-tensor payload) page-aligned and not. The runner
+tensor payload) page-aligned and not; version 6, token models with a byte-level
+BPE and a SentencePiece tokenizer section. The runner
 fuzzer also loads one of them (runner-model.clb) into its emulated flash.
 """
 from __future__ import annotations
@@ -115,6 +116,55 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
 }
 
 
+def _token_model_with_tokenizer(kind: str) -> bytes:
+    """Format version 6: a tiny token model (embedding, one attention block, head) carrying a
+    tokenizer section, byte-level BPE (256 byte tokens, merges, a special token) or SentencePiece
+    (control pieces, 256 byte-fallback pieces, scored pieces with spaces)."""
+    import numpy as np
+
+    from colibri.image.tokenizer_section import TokenizerSection, pack
+    from colibri.model import format as F
+    from colibri.model.ir import Attention, Embedding, Graph, Linear, RMSNorm
+
+    T = F.TokenType
+    if kind == "bpe":
+        extra = [b"th", b"the", b" the", "é".encode(), "🎉".encode()[:2], "🎉".encode()]
+        tokens = [bytes([b]) for b in range(256)] + extra + [b"<|endoftext|>"]
+        merges = [(ord("t"), ord("h"), 256), (256, ord("e"), 257), (ord(" "), 257, 258), (0xC3, 0xA9, 259),
+                  (0xF0, 0x9F, 260), (260, 0x8E, 261)]
+        section = TokenizerSection(
+            kind=F.TokenizerKind.BYTE_BPE, tokens=tokens,
+            types=np.array([T.NORMAL] * (len(tokens) - 1) + [T.CONTROL], np.uint8),
+            pre_tokenizer=F.PreTokenizer.BYTE_LEVEL, merges=np.array(merges, np.uint32),
+            byte_ids=np.arange(256, dtype=np.uint32), bos=len(tokens) - 1, eos=len(tokens) - 1)
+    else:
+        pieces = [b"<unk>", b"<s>", b"</s>"] + [bytes([b]) for b in range(256)] + [b" a", b" the", b"ok", "日".encode()]
+        types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * 4
+        section = TokenizerSection(
+            kind=F.TokenizerKind.SENTENCEPIECE_BPE, tokens=pieces, types=np.array(types, np.uint8),
+            flags=int(F.TokenizerFlag.ADD_DUMMY_PREFIX | F.TokenizerFlag.BYTE_FALLBACK),
+            scores=-np.arange(len(pieces), dtype=np.float32), byte_ids=np.arange(3, 259, dtype=np.uint32),
+            bos=1, eos=2, unk=0)
+    vocab, d = section.vocab_size + 2, 4  # two padding rows
+    rng = np.random.default_rng(26)
+
+    def w(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    attn = Attention(n_heads=1, n_kv_heads=1, head_dim=4, q_w=w(4, d), k_w=w(4, d), v_w=w(4, d), o_w=w(d, 4),
+                     rope_theta=10000.0, max_seq_len=8, kv_dtype=F.DType.F32)
+    table = w(vocab, d)
+    g = Graph(layers=[Embedding(table), RMSNorm(d, 1e-5, np.ones(d, np.float32)), attn,
+                      RMSNorm(d, 1e-5, np.ones(d, np.float32)), Linear(table)],
+              input_size=vocab, output_size=vocab, max_batch=2)
+    g.tokenizer = pack(section.padded(vocab))
+    return image.write(g)
+
+
+# Format version 6: token models carrying a tokenizer section (not torch exports: built as graphs).
+TOKEN_SEEDS = {"tokenizer-bpe-v6": "bpe", "tokenizer-sentencepiece-v6": "sp"}
+
+
 def seed_image(factory: Callable[[], torch.nn.Module], opts: dict) -> bytes:
     """The export of one seed model; with "version": 1 in opts, q8 in format version 1. The f16 and
     q8 seeds quantise their routers too (the exporter's default keeps them f32), so the fuzzers keep
@@ -141,6 +191,11 @@ def main(out: Path, only: str = "") -> None:
         data = seed_image(factory, opts)
         (out / f"{name}.clb").write_bytes(data)
         print(f"{name}.clb: {len(data)} bytes")
+    for name, kind in TOKEN_SEEDS.items():
+        if only in name:
+            data = _token_model_with_tokenizer(kind)
+            (out / f"{name}.clb").write_bytes(data)
+            print(f"{name}.clb: {len(data)} bytes")
     # The runner fuzzer boots this one from its emulated flash slot.
     if (out / "top1-f32.clb").exists():
         (out / "runner-model.clb").write_bytes((out / "top1-f32.clb").read_bytes())

@@ -103,6 +103,33 @@ def group_engine() -> list[Figure]:
             fig("engine.data", data, "engine .data"), fig("engine.bss", bss, "engine .bss")]
 
 
+CM7_FLAGS = ["-std=c11", "-mcpu=cortex-m7", "-mthumb", "-mfpu=fpv5-d16", "-mfloat-abi=hard", "-O2",
+             "-ffunction-sections", "-fdata-sections", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def cm7_object_text(source: Path, *defines: str) -> int:
+    """arm-none-eabi-size's text of one engine source compiled with the Cortex-M7 flags."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        obj = Path(tmp) / "unit.o"
+        subprocess.run(["arm-none-eabi-gcc", *CM7_FLAGS, *defines, f"-I{CORE / 'include'}", f"-I{CORE / 'src'}",
+                        "-c", str(source), "-o", str(obj)], check=True)
+        out = subprocess.run(["arm-none-eabi-size", str(obj)], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def group_tokenizer() -> list[Figure]:
+    """The tokenizer's decoder on the Cortex-M7 (src/colibri_tokenizer.c, docs/lm.md "Decoding"), with
+    and without COLIBRI_NO_TOKENIZER; the section's validation is part of colibri_image.c."""
+    source = CORE / "src" / "colibri_tokenizer.c"
+    return [fig("tokenizer.m7.text", cm7_object_text(source), "tokenizer decoder, Cortex-M7 -O2, text bytes"),
+            fig("tokenizer.m7.text_off", cm7_object_text(source, "-DCOLIBRI_NO_TOKENIZER"),
+                "the same built with COLIBRI_NO_TOKENIZER (make TOKENIZER=0)"),
+            fig("image.m7.text", cm7_object_text(CORE / "src" / "colibri_image.c"),
+                "the validator (colibri_image.c, the tokenizer section's checks included), Cortex-M7 -O2, text bytes")]
+
+
 def runner_elf(board: str) -> Path:
     """The runner for `board`, built if needed (under the lock colibri.pytest_plugin.build_runner takes,
     so parallel test workers never build it at once; after `make firmware` this is a no-op)."""
@@ -735,6 +762,7 @@ def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False, reference_ke
 GROUPS: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
     "engine": ("The engine's code on the Cortex-M7", group_engine),
     "plan": ("The init-time plan in the arena", group_plan),
+    "tokenizer": ("The tokenizer's decoder on the Cortex-M7", group_tokenizer),
     "runner": ("The runner firmware", group_runner),
     "quickstart": ("The quickstart model", group_quickstart),
     "smart_meter": ("The smart meter (`make demo`)", group_smart_meter),

@@ -29,8 +29,8 @@ def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def mixtral() -> torch.nn.Module:
-    cfg = MixtralConfig(**COMMON, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+def mixtral(vocab_size: int = COMMON["vocab_size"]) -> torch.nn.Module:
+    cfg = MixtralConfig(**{**COMMON, "vocab_size": vocab_size}, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return randomised(MixtralForCausalLM(cfg), 1)

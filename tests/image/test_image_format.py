@@ -4,12 +4,14 @@ from __future__ import annotations
 import re
 import struct
 
+import numpy as np
 import pytest
 import torch
 
 import colibri
 from colibri.model import format as F
 from colibri import image
+from colibri.image import tokenizer_section
 from colibri.model.errors import ImageError
 from colibri.frontends.exporter import export
 
@@ -95,10 +97,20 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
     # v4 holds token models only (docs/lm.md; the reader's checks: tests/lm/test_lm_format.py)
     assert image.write(lmmodels.token_model(0))[4] == F.LM_VERSION
     # v5 is written for int4 weights only (the reader's checks: tests/quant/test_quant_q4.py)
-    assert F.MAX_READ_VERSION == F.Q4_VERSION
     data = image.write(quantize(image.read(tiny_image), "q4"))
     assert data[4] == F.Q4_VERSION
     image.read(data)
+    colibri.validate(data)
+    # v6 for a token model with a tokenizer section only (tests/lm/test_lm_tokenizer_section.py)
+    assert F.MAX_READ_VERSION == F.TOKENIZER_VERSION
+    g = lmmodels.token_model(0, vocab=256)
+    g.tokenizer = tokenizer_section.pack(tokenizer_section.TokenizerSection(
+        kind=F.TokenizerKind.BYTE_BPE, tokens=[bytes([b]) for b in range(256)],
+        types=np.full(256, F.TokenType.NORMAL, np.uint8), pre_tokenizer=F.PreTokenizer.BYTE_LEVEL,
+        byte_ids=np.arange(256, dtype=np.uint32)))
+    data = image.write(g)
+    assert data[4] == F.TOKENIZER_VERSION
+    assert image.read(data).tokenizer == g.tokenizer
     colibri.validate(data)
 
 

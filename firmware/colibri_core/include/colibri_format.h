@@ -5,7 +5,7 @@
 #define COLIBRI_MAGIC 0x52424C43u
 #define COLIBRI_FORMAT_VERSION 2u
 #define COLIBRI_FORMAT_VERSION_MIN 1u
-#define COLIBRI_FORMAT_VERSION_MAX 5u
+#define COLIBRI_FORMAT_VERSION_MAX 6u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -25,6 +25,11 @@
 #define COLIBRI_Q4_GROUP_LOG2_MIN 3u
 #define COLIBRI_Q4_GROUP_LOG2_MAX 8u
 #define COLIBRI_MAX_SEQ_LEN 1048576u
+#define COLIBRI_TOKENIZER_VERSION 6u
+#define COLIBRI_TOKENIZER_MAGIC 0x4B544C43u
+#define COLIBRI_TOKENIZER_SECTION_VERSION 1u
+#define COLIBRI_TOKENIZER_HEADER_SIZE 80u
+#define COLIBRI_TOKENIZER_BYTE_IDS 256u
 
 #define COLIBRI_HEADER_SIZE 80u
 #define COLIBRI_TENSOR_SIZE 24u
@@ -48,6 +53,7 @@
 #define COLIBRI_DTYPE_Q8_PARAMS 5u
 #define COLIBRI_DTYPE_I4 6u
 #define COLIBRI_DTYPE_Q4_PARAMS 7u
+#define COLIBRI_DTYPE_TOKENIZER 8u
 
 #define COLIBRI_OP_LINEAR 1u
 #define COLIBRI_OP_ACTIVATION 2u
@@ -75,6 +81,30 @@
 
 #define COLIBRI_EXPERT_MLP 1u
 #define COLIBRI_EXPERT_GLU 2u
+
+#define COLIBRI_TOKENIZER_BYTE_BPE 1u
+#define COLIBRI_TOKENIZER_SENTENCEPIECE_BPE 2u
+#define COLIBRI_TOKENIZER_SENTENCEPIECE_UNIGRAM 3u
+
+#define COLIBRI_TOKENIZER_FLAG_ADD_DUMMY_PREFIX 1u
+#define COLIBRI_TOKENIZER_FLAG_BYTE_FALLBACK 2u
+#define COLIBRI_TOKENIZER_FLAG_REMOVE_EXTRA_WHITESPACES 4u
+#define COLIBRI_TOKENIZER_FLAG_ADD_PREFIX_SPACE 8u
+#define COLIBRI_TOKENIZER_FLAG_IGNORE_MERGES 16u
+
+#define COLIBRI_TOKEN_NORMAL 1u
+#define COLIBRI_TOKEN_BYTE 2u
+#define COLIBRI_TOKEN_CONTROL 3u
+#define COLIBRI_TOKEN_UNKNOWN 4u
+#define COLIBRI_TOKEN_USER_DEFINED 5u
+#define COLIBRI_TOKEN_UNUSED 6u
+
+#define COLIBRI_NORMALIZER_NONE 0u
+#define COLIBRI_NORMALIZER_NFC 1u
+
+#define COLIBRI_PRE_TOKENIZER_NONE 0u
+#define COLIBRI_PRE_TOKENIZER_BYTE_LEVEL 1u
+#define COLIBRI_PRE_TOKENIZER_SPLIT_BYTE_LEVEL 2u
 
 typedef enum colibri_status {
     COLIBRI_OK = 0, /* ok */
@@ -114,6 +144,8 @@ typedef enum colibri_status {
     COLIBRI_E_MODEL_KIND = -34, /* wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model */
     COLIBRI_E_BAD_SAMPLER = -35, /* invalid sampler settings (struct_size, temperature, top_k or top_p) */
     COLIBRI_E_NAN_LOGITS = -36, /* the logits contain NaN (or Inf when sampling): no token can be drawn */
+    COLIBRI_E_BAD_TOKENIZER = -38, /* invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids) */
+    COLIBRI_E_NO_TOKENIZER = -39, /* the model image holds no tokenizer section (or this engine was built without the tokenizer) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -155,6 +187,8 @@ typedef enum colibri_status {
     X(-34, "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model") \
     X(-35, "invalid sampler settings (struct_size, temperature, top_k or top_p)") \
     X(-36, "the logits contain NaN (or Inf when sampling): no token can be drawn") \
+    X(-38, "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)") \
+    X(-39, "the model image holds no tokenizer section (or this engine was built without the tokenizer)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

@@ -483,6 +483,10 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
         if (h->version < COLIBRI_Q4_VERSION)
             return COLIBRI_E_BAD_TENSOR;
         break;
+    case COLIBRI_DTYPE_TOKENIZER: /* the tokenizer section: format v6 */
+        if (h->version < COLIBRI_TOKENIZER_VERSION)
+            return COLIBRI_E_BAD_TENSOR;
+        break;
     default:
         return COLIBRI_E_BAD_TENSOR;
     }
@@ -493,6 +497,8 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
     if (t->dtype != COLIBRI_DTYPE_I8 && t->dtype != COLIBRI_DTYPE_I4 && t->aux != COLIBRI_NONE)
         return COLIBRI_E_BAD_TENSOR;
 
+    if (t->dtype == COLIBRI_DTYPE_TOKENIZER) /* a byte payload; its contents after the program */
+        return t->nbytes == t->rows && t->ndim == 1 ? COLIBRI_OK : COLIBRI_E_BAD_TENSOR;
     if (t->dtype == COLIBRI_DTYPE_I4) {
         /* ceil(cols / 2) bytes a row; < 2^63, and above 2^32 it cannot match nbytes. */
         const uint64_t size = (uint64_t)t->rows * (((uint64_t)t->cols + 1u) / 2u);
@@ -1123,6 +1129,165 @@ static colibri_status check_program(checker *c)
     return COLIBRI_OK;
 }
 
+/* ---- The tokenizer section (format v6, docs/lm.md "Tokenizer section") ---- */
+
+/* Length of the well-formed UTF-8 sequence at p (Unicode Table 3-7: no
+ * overlong forms, surrogates or code points past U+10FFFF), 0 if none of
+ * at most n bytes starts there. */
+static uint32_t utf8_sequence(const uint8_t *p, uint32_t n)
+{
+    const uint8_t b = p[0];
+    uint32_t len;
+    uint8_t lo = 0x80u, hi = 0xBFu; /* the second byte's range */
+    if (b < 0x80u)
+        return 1;
+    if (b >= 0xC2u && b <= 0xDFu)
+        len = 2;
+    else if (b >= 0xE0u && b <= 0xEFu) {
+        len = 3;
+        lo = b == 0xE0u ? 0xA0u : 0x80u;
+        hi = b == 0xEDu ? 0x9Fu : 0xBFu;
+    } else if (b >= 0xF0u && b <= 0xF4u) {
+        len = 4;
+        lo = b == 0xF0u ? 0x90u : 0x80u;
+        hi = b == 0xF4u ? 0x8Fu : 0xBFu;
+    } else
+        return 0;
+    if (n < len || p[1] < lo || p[1] > hi)
+        return 0;
+    for (uint32_t i = 2; i < len; i++)
+        if (p[i] < 0x80u || p[i] > 0xBFu)
+            return 0;
+    return len;
+}
+
+/* An array of `size` bytes at section offset `at`: offset 0 when empty,
+ * else 4-aligned, after the header, inside the section. */
+static int section_array_ok(uint32_t at, uint64_t size, uint32_t section)
+{
+    if (size == 0)
+        return at == 0;
+    return at % 4u == 0 && at >= COLIBRI_TOKENIZER_HEADER_SIZE && (uint64_t)at + size <= section;
+}
+
+colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t vocab, uint64_t *work)
+{
+    if (size < COLIBRI_TOKENIZER_HEADER_SIZE)
+        return COLIBRI_E_BAD_TOKENIZER;
+    (*work)++;
+    const uint32_t kind = p[6], flags = p[7], count = colibri_rd_u32(p + 8), merges = colibri_rd_u32(p + 12);
+    const uint32_t normalizer = p[32], pre = p[33];
+    const uint32_t offsets_at = colibri_rd_u32(p + 36), bytes_at = colibri_rd_u32(p + 40),
+                   bytes_size = colibri_rd_u32(p + 44), types_at = colibri_rd_u32(p + 48),
+                   scores_at = colibri_rd_u32(p + 52), merges_at = colibri_rd_u32(p + 56),
+                   order_at = colibri_rd_u32(p + 60), byte_ids_at = colibri_rd_u32(p + 64),
+                   pattern_at = colibri_rd_u32(p + 68), pattern_size = colibri_rd_u32(p + 72);
+    if (colibri_rd_u32(p) != COLIBRI_TOKENIZER_MAGIC || colibri_rd_u16(p + 4) != COLIBRI_TOKENIZER_SECTION_VERSION)
+        return COLIBRI_E_BAD_TOKENIZER;
+    const int sp = kind == COLIBRI_TOKENIZER_SENTENCEPIECE_BPE || kind == COLIBRI_TOKENIZER_SENTENCEPIECE_UNIGRAM;
+    if (!sp && kind != COLIBRI_TOKENIZER_BYTE_BPE)
+        return COLIBRI_E_BAD_TOKENIZER;
+    const uint32_t allowed =
+        sp ? COLIBRI_TOKENIZER_FLAG_ADD_DUMMY_PREFIX | COLIBRI_TOKENIZER_FLAG_BYTE_FALLBACK |
+                 COLIBRI_TOKENIZER_FLAG_REMOVE_EXTRA_WHITESPACES
+           : COLIBRI_TOKENIZER_FLAG_ADD_PREFIX_SPACE | COLIBRI_TOKENIZER_FLAG_IGNORE_MERGES;
+    if (flags & ~allowed)
+        return COLIBRI_E_BAD_TOKENIZER;
+    if (sp ? (normalizer != COLIBRI_NORMALIZER_NONE || pre != COLIBRI_PRE_TOKENIZER_NONE)
+           : (normalizer > COLIBRI_NORMALIZER_NFC ||
+              (pre != COLIBRI_PRE_TOKENIZER_BYTE_LEVEL && pre != COLIBRI_PRE_TOKENIZER_SPLIT_BYTE_LEVEL)))
+        return COLIBRI_E_BAD_TOKENIZER;
+    if (colibri_rd_u16(p + 34) != 0 || any_set(p + 76, 4))
+        return COLIBRI_E_BAD_TOKENIZER;
+    if (count != vocab)
+        return COLIBRI_E_BAD_TOKENIZER;
+    for (uint32_t s = 16; s < 32; s += 4) { /* bos, eos, pad, unk */
+        const uint32_t id = colibri_rd_u32(p + s);
+        if (id != COLIBRI_NONE && id >= count)
+            return COLIBRI_E_BAD_TOKENIZER;
+    }
+    if ((sp && merges != 0) || ((pattern_size != 0) != (pre == COLIBRI_PRE_TOKENIZER_SPLIT_BYTE_LEVEL)))
+        return COLIBRI_E_BAD_TOKENIZER;
+    if (!section_array_ok(offsets_at, 4u * ((uint64_t)count + 1u), size) ||
+        !section_array_ok(bytes_at, bytes_size, size) || !section_array_ok(types_at, count, size) ||
+        !section_array_ok(scores_at, sp ? 4u * (uint64_t)count : 0u, size) ||
+        !section_array_ok(merges_at, 12u * (uint64_t)merges, size) ||
+        !section_array_ok(order_at, 4u * (uint64_t)merges, size) ||
+        !section_array_ok(byte_ids_at, 4u * COLIBRI_TOKENIZER_BYTE_IDS, size) ||
+        !section_array_ok(pattern_at, pattern_size, size))
+        return COLIBRI_E_BAD_TOKENIZER;
+
+    const uint8_t *offsets = p + offsets_at, *types = p + types_at, *blob = p + bytes_at;
+    *work += (uint64_t)count + 1u;
+    if (colibri_rd_u32(offsets) != 0 || colibri_rd_u32(offsets + 4u * (size_t)count) != bytes_size)
+        return COLIBRI_E_BAD_TOKENIZER;
+    for (uint32_t i = 0; i < count; i++)
+        if (colibri_rd_u32(offsets + 4u * (size_t)i + 4u) < colibri_rd_u32(offsets + 4u * (size_t)i))
+            return COLIBRI_E_BAD_TOKENIZER;
+    *work += count;
+    for (uint32_t i = 0; i < count; i++)
+        if (types[i] < COLIBRI_TOKEN_NORMAL || types[i] > COLIBRI_TOKEN_UNUSED)
+            return COLIBRI_E_BAD_TOKENIZER;
+    const int fallback = sp && (flags & COLIBRI_TOKENIZER_FLAG_BYTE_FALLBACK);
+    for (uint32_t i = 0; i < count; i++)
+        if (types[i] == COLIBRI_TOKEN_BYTE && !fallback)
+            return COLIBRI_E_BAD_TOKENIZER;
+    for (uint32_t i = 0; i < count; i++)
+        if (types[i] == COLIBRI_TOKEN_BYTE &&
+            colibri_rd_u32(offsets + 4u * (size_t)i + 4u) - colibri_rd_u32(offsets + 4u * (size_t)i) != 1u)
+            return COLIBRI_E_BAD_TOKENIZER;
+    if (sp) {
+        *work += count;
+        for (uint32_t i = 0; i < count; i++)
+            if (!isfinite(colibri_rd_f32(p + scores_at + 4u * (size_t)i)))
+                return COLIBRI_E_BAD_TOKENIZER;
+    }
+    if (merges != 0) {
+        *work += 2u * (uint64_t)merges;
+        for (uint64_t i = 0; i < 3u * (uint64_t)merges; i++)
+            if (colibri_rd_u32(p + merges_at + 4u * (size_t)i) >= count)
+                return COLIBRI_E_BAD_TOKENIZER;
+        for (uint32_t i = 0; i < merges; i++)
+            if (colibri_rd_u32(p + order_at + 4u * (size_t)i) >= merges)
+                return COLIBRI_E_BAD_TOKENIZER;
+        /* Strictly increasing pairs: the order is a permutation, and a pair
+         * has one merge (what the encoder's binary search needs). */
+        uint64_t prev = 0;
+        for (uint32_t i = 0; i < merges; i++) {
+            const uint8_t *rec = p + merges_at + 12u * (size_t)colibri_rd_u32(p + order_at + 4u * (size_t)i);
+            const uint64_t key = (uint64_t)colibri_rd_u32(rec) << 32 | colibri_rd_u32(rec + 4);
+            if (i > 0 && key <= prev)
+                return COLIBRI_E_BAD_TOKENIZER;
+            prev = key;
+        }
+    }
+    *work += COLIBRI_TOKENIZER_BYTE_IDS;
+    for (uint32_t b = 0; b < COLIBRI_TOKENIZER_BYTE_IDS; b++) {
+        const uint32_t id = colibri_rd_u32(p + byte_ids_at + 4u * b);
+        if (sp && !fallback) {
+            if (id != COLIBRI_NONE)
+                return COLIBRI_E_BAD_TOKENIZER;
+            continue;
+        }
+        if (id >= count)
+            return COLIBRI_E_BAD_TOKENIZER;
+        const uint32_t start = colibri_rd_u32(offsets + 4u * (size_t)id);
+        if (colibri_rd_u32(offsets + 4u * (size_t)id + 4u) - start != 1u || blob[start] != b ||
+            (sp && types[id] != COLIBRI_TOKEN_BYTE))
+            return COLIBRI_E_BAD_TOKENIZER;
+    }
+    if (pattern_size != 0) {
+        (*work)++;
+        for (uint32_t at = 0; at < pattern_size;) {
+            const uint32_t len = utf8_sequence(p + pattern_at + at, pattern_size - at);
+            if (len == 0)
+                return COLIBRI_E_BAD_TOKENIZER;
+            at += len;
+        }
+    }
+    return COLIBRI_OK;
+}
+
 /* ---- Everything, in order ---- */
 
 colibri_status colibri_check_level(const void *image, size_t image_len, colibri_model *m, uint64_t *work,
@@ -1159,6 +1324,13 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         if ((st = check_tensor(p, h, &t, prev_end, i, level)) != COLIBRI_OK)
             break;
         prev_end = (uint64_t)t.offset + t.nbytes;
+        if (t.dtype == COLIBRI_DTYPE_TOKENIZER) { /* one, in a token model */
+            if (!colibri_token_model(h) || m->tokenizer != 0) {
+                st = COLIBRI_E_BAD_TENSOR;
+                break;
+            }
+            m->tokenizer = i + 1u;
+        }
         if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8 ||
             t.dtype == COLIBRI_DTYPE_I4)
             m->parameters += (uint64_t)t.rows * t.cols;
@@ -1174,6 +1346,11 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
     }
     if (st == COLIBRI_OK)
         st = check_program(&c);
+    if (st == COLIBRI_OK && m->tokenizer != 0) {
+        colibri_tensor t;
+        read_tensor(&c, m->tokenizer - 1u, &t);
+        st = colibri_tokenizer_check(p + t.offset, t.nbytes, h->input_size, &c.work);
+    }
     *work = c.work;
     return st;
 }

@@ -150,7 +150,17 @@ typedef struct colibri_model {
     uint32_t kv_width;       /* widest KVH·hd: k and v rows */
     uint32_t head_dim;       /* largest hd: one position's cos and sin */
     uint64_t kv_bytes;       /* the KV cache, every attention layer's K and V */
+    /* Format v6 (docs/lm.md "Tokenizer section"): the TOKENIZER tensor's
+     * index + 1, 0 without one. */
+    uint32_t tokenizer;
 } colibri_model;
+
+/* The tokenizer section (docs/lm.md "Tokenizer section") of `size` bytes
+ * at p against a model of `vocab` tokens: COLIBRI_OK or BAD_TOKENIZER for
+ * the first fault, in the order of colibri.image.tokenizer_section.parse;
+ * *work grows by the entries scanned. In colibri_image.c, so validation is
+ * the same in a build without the tokenizer (COLIBRI_NO_TOKENIZER). */
+colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t vocab, uint64_t *work);
 
 /* Full validation (colibri_validate); fills *m on success. Reads the image
  * with byte loads only, so any image alignment is accepted here. */

@@ -538,7 +538,7 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
                   keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
                   group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
                   on_tensor: Callable[[int, int, int], None] | None = None,
-                  page_aligned: bool | None = None) -> FolderExport:
+                  page_aligned: bool | None = None, tokenizer: bool | str | Path = True) -> FolderExport:
     """Export a Hugging Face folder to a token-model image at `path`, one tensor in memory at a time.
 
     The options are `hf_lm.export_lm`'s (`page_aligned` None: experts on pages of their own once the image
@@ -547,7 +547,12 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
     COLIBRI_CHECK_STRUCTURE) from a mapping, before it is renamed into place. It does not re-read
     the payloads: their CRCs are computed from the very bytes written, and mapping them all would
     make the file's pages resident. The logits check of the in-memory export needs the PyTorch
-    model, which this path never builds."""
+    model, which this path never builds.
+
+    `tokenizer` (default True): the folder's tokenizer.model or tokenizer.json goes into the image
+    as its tokenizer section (format v6, docs/lm.md), if the folder has one; a path takes it from
+    there instead; False leaves it out. One that cannot be the model's (more tokens than the
+    embedding's rows, a kind Colibri does not carry) is refused before anything is written."""
     from ..image import stream
 
     if max_seq_len is None:
@@ -563,6 +568,12 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
         if isinstance(layer, MoE) and layer.route_count > F.MAX_ROUTES:
             raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
                               f"{F.MAX_ROUTES}")
+    if tokenizer is not False:
+        from ..runtime import tokenizer_build
+
+        spec = ck.folder if tokenizer is True else tokenizer
+        if tokenizer is not True or tokenizer_build.from_folder(ck.folder) is not None:
+            graph.tokenizer = tokenizer_build.packed_for(spec, graph.vocab_size, str(spec))
     plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                       int8_blocks=int8_blocks, group=group, q8=q8)
 

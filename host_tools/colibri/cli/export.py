@@ -165,9 +165,14 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
                    "the KV cache's positions. Required for them.")
 @click.option("--kv-dtype", type=click.Choice(("f32", "f16")), default="f32", show_default=True,
               help="Token models: the KV cache's storage.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Token models: carry this tokenizer (a folder, tokenizer.json or tokenizer.model) in the image "
+                   "(format v6). A Hugging Face folder's own tokenizer is carried without it.")
+@click.option("--no-tokenizer", is_flag=True, help="Token models: leave the folder's tokenizer out of the image.")
 @quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool | None, no_check: bool, max_seq_len: int | None, kv_dtype: str,
+           tokenizer_path: Path | None, no_tokenizer: bool,
            dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
            int8_act: tuple[str, ...], int8_blocks: tuple[str, ...]) -> None:
     """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
@@ -188,9 +193,12 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
                          int8_blocks=int8_blocks, page_aligned=page_aligned,
                          check=not no_check)
     feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration}
+    if tokenizer_path is not None and no_tokenizer:
+        raise ColibriError("--tokenizer and --no-tokenizer contradict each other: give one")
     if Path(model).is_dir():  # a Hugging Face folder: streamed, no torch
         token_export.refuse_feature_options(model, feature_only)
-        token_export.export_folder_command(Path(model), output, **token_options)
+        token_export.export_folder_command(Path(model), output, **token_options,
+                                           tokenizer=False if no_tokenizer else tokenizer_path or True)
         return
     # The front ends first: without torch they raise the error that names the extra to install.
     from ..frontends import hf  # noqa: F401  registers the Hugging Face converters
@@ -203,8 +211,10 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     module = _load_module(model)
     if token_export.is_token_module(module):
         token_export.refuse_feature_options(model, feature_only)
-        token_export.export_module_command(module, output, **token_options)
+        token_export.export_module_command(module, output, **token_options, tokenizer=tokenizer_path)
         return
+    if tokenizer_path is not None:
+        raise ColibriError(f"{model} is a feature model: --tokenizer is for token models")
     example = torch.randn(max_batch, input_size) if input_size else None
     calib = None
     if calibration is not None:

@@ -111,8 +111,23 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
         "shared_experts": sum(len(m.shared) for m in moes),
         "vocab_size": graph.vocab_size,
         "kv_cache_bytes": kv_cache,
+        "tokenizer": _tokenizer(graph),
         "layers": layers,
     }
+
+
+def _tokenizer(graph) -> dict | None:
+    """The tokenizer section (format v6): kind, tokens, special ids (with their text), merges."""
+    from ..image.tokenizer_section import parse
+
+    if graph.tokenizer is None:
+        return None
+    section = parse(graph.tokenizer, graph.vocab_size)
+    return {"kind": section.kind.name.lower(), "vocab_size": section.vocab_size,
+            "unused": int((section.types == F.TokenType.UNUSED).sum()),
+            "special": {name: {"id": v, "text": section.tokens[v].decode("utf-8", "replace")}
+                        for name, v in section.specials().items()},
+            "merges": len(section.merges), "summary": section.summary()}
 
 
 def _map_model(path: Path) -> mmap.mmap:
@@ -169,6 +184,8 @@ def info(image_path: Path, as_json: bool) -> None:
         f"image {d['image_bytes']:,} bytes  arena {d['arena_bytes']:,} bytes"
         + (f" (KV cache {d['kv_cache_bytes']:,} of them)  vocabulary {d['vocab_size']:,} tokens"
            if d["vocab_size"] else "")
+        + (f"\ntokenizer {d['tokenizer']['summary']}" if d["tokenizer"] else
+           "\ntokenizer none (colibri generate --tokenizer gives one)" if d["vocab_size"] else "")
     )
 
 

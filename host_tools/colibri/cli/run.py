@@ -57,10 +57,12 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
               help="Sample among the most likely tokens whose probabilities sum to p (1: all).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="Seeds the sampler's SplitMix64: one seed, one continuation.")
-@click.option("--tokenizer", "tokenizer_spec", default="byte", show_default=True, metavar="byte|PATH.json",
-              help="'byte' (a UTF-8 byte per token, ids 0..255) or a Hugging Face tokenizers JSON file.")
+@click.option("--tokenizer", "tokenizer_spec", default=None, metavar="byte|PATH.json|PATH.model",
+              help="Default: the image's own tokenizer (format v6), else 'byte'. 'byte' (a UTF-8 byte per token, "
+                   "ids 0..255), a Hugging Face tokenizers JSON file or a SentencePiece .model file.")
 @click.option("--stop-id", type=click.IntRange(min=0), default=None,
-              help="End once this token id is generated (e.g. 10, newline, for a byte-level model).")
+              help="End once this token id is generated (e.g. 10, newline, for a byte-level model). With the "
+                   "image's tokenizer, generation also ends at its end-of-sequence token.")
 @click.option("--echo/--no-echo", default=True, show_default=True, help="Print the prompt before the continuation.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1, max=256),
               help="Threads each forward pass runs on (colibri.LM(workers=N)): the same tokens as one.")
@@ -82,14 +84,24 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     from ..runtime import engine
     from ..runtime import tokenizer as tok
 
-    tokenizer = tok.load(tokenizer_spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the refusal is printed below, once
         lm = engine.LM(image_path, workers=threads, verify=verify, lock="all" if lock_all else None,
                        lock_required=False)
     if lm.lock_error is not None:
         click.echo(f"colibri generate: {lm.lock_error}; going on unpinned", err=True)
-    ids = tokenizer.encode(prompt)
+    own = tokenizer_spec is None and lm.has_tokenizer
+    if own:  # the image's tokenizer: encoded on the host by its library, decoded by the C engine
+        ids = lm.encode(prompt)
+    else:
+        tokenizer_spec = tokenizer_spec or "byte"
+        tokenizer = tok.load(tokenizer_spec)
+        # A file's tokenizer must fit the model; the byte tokenizer is a convention of ids 0..255, whose
+        # prompt ids are checked one by one below (small byte-level test models use a part of it).
+        if tokenizer_spec != "byte" and tokenizer.vocab_size > lm.vocab_size:
+            raise ValueError(f"--tokenizer {tokenizer_spec} has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                             f"is {lm.vocab_size}: it cannot be this model's tokenizer")
+        ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty once tokenized: give some text")
     if max(ids) >= lm.vocab_size:
@@ -97,15 +109,18 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
                          f"is --tokenizer {tokenizer_spec} the one the model was trained with?")
     if stop_id is not None and stop_id >= lm.vocab_size:
         raise ValueError(f"--stop-id {stop_id} is outside the model's vocabulary 0..{lm.vocab_size - 1}")
+    stops = {s for s in (stop_id, lm.eos if own else None) if s is not None}
     # Every check (sampler settings, room in the cache) is made before anything is printed.
     tokens = lm.stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       stop=stop_id)
+                       stop=None)
     # click.echo flushes after every write: each piece reaches a pipe or terminal as it is made.
     if echo:
         click.echo(prompt, nl=False)
-    decoder = tok.StreamDecoder(tokenizer)
+    decoder = lm.text_stream() if own else tok.StreamDecoder(tokenizer)
     for token in tokens:
         piece = decoder.push(token)
         if piece:
             click.echo(piece, nl=False)
+        if token in stops:
+            break
     click.echo(decoder.flush())

@@ -49,8 +49,16 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
 
         result = export_folder(folder, output, max_seq_len=max_seq_len, check=check, on_tensor=on_tensor, **options)
     seconds = time.perf_counter() - start
+    _echo_tokenizer(result.graph)
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+
+
+def _echo_tokenizer(graph) -> None:
+    from ..image.tokenizer_section import parse
+
+    if graph.tokenizer is not None:
+        click.echo(f"tokenizer: {parse(graph.tokenizer, graph.vocab_size).summary()}")
 
 
 def is_token_module(module: object) -> bool:
@@ -68,4 +76,5 @@ def export_module_command(module, output: Path, *, max_seq_len: int | None, chec
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, result.image)
     click.echo(f"numpy reference vs PyTorch on {min(max_seq_len, 32)} tokens: max |diff| {result.max_abs_error:.3g}")
+    _echo_tokenizer(result.graph)
     click.echo(f"wrote {output}: {len(result.image)} bytes; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")

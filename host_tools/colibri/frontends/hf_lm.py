@@ -322,6 +322,7 @@ def export_lm(
     q8: Sequence[str] = (),
     int8_blocks: Sequence[str] = (),
     page_aligned: bool | None = None,
+    tokenizer=None,
 ) -> ExportResult:
     """Export a Hugging Face MoE causal LM or a colibri.nn.MoETransformer to a token-model image
     (format v4, docs/lm.md; v5 with q4 weights).
@@ -333,6 +334,10 @@ def export_lm(
     within 1e-4·(1 + max|logits|) for f32 (ExportCheckError and nothing written otherwise); for f16
     and q8 the error is only reported, in `max_abs_error`. `page_aligned` as colibri.export's (None: the
     experts on pages of their own once the image would be at least 16 MiB; docs/linux-edge.md).
+
+    `tokenizer`: a model folder, a tokenizer.json, a SentencePiece tokenizer.model (or a
+    `TokenizerSection`) to carry in the image as its tokenizer section (format v6, docs/lm.md);
+    one that cannot be the model's is refused before anything is written. None: no section.
     """
     if max_seq_len is None:
         raise ExportError(f"{type(model).__name__} is a token model: give max_seq_len (the KV cache's positions), "
@@ -347,6 +352,10 @@ def export_lm(
         f32_graph = build(model, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
     check_finite(f32_graph)
     check_limits(f32_graph)
+    if tokenizer is not None:
+        from ..runtime import tokenizer_build
+
+        f32_graph.tokenizer = tokenizer_build.packed_for(tokenizer, f32_graph.vocab_size, str(tokenizer))
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                               int8_blocks=int8_blocks, group=group, q8=q8)
     data = image.write(graph, page_aligned=linux_layout(graph) if page_aligned is None else page_aligned)

@@ -21,6 +21,7 @@ from ..model.ir import (
     QuantWeight, ResidualAdd, ResidualPush, RMSNorm, Weight,
 )
 from .codecs import crc_of, q4_unpack
+from . import tokenizer_section
 
 
 def version_text(version: int, accepted: tuple[int, int] = (F.MIN_READ_VERSION, F.MAX_READ_VERSION),
@@ -61,6 +62,7 @@ class _Reader:
         self.work = Work() if work is None else work
         self.full = full  # check the payload CRCs (version 3)
         self.meta = 0  # version 3: the metadata ends here, payloads start at or after it
+        self.tokenizer: int | None = None  # version 6: the TOKENIZER tensor's index
         self.crc_off = 0
 
     def header(self) -> tuple:
@@ -369,12 +371,23 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         _fail(Status.BAD_LAYER, "a token model without an ATTENTION layer")
     if width != n_out:
         _fail(Status.BAD_LAYER, f"program ends at width {width}, output_size is {n_out}")
-    return Graph(layers=layers, input_size=n_in, output_size=n_out, max_batch=max_batch)
+    section = None
+    if r.tokenizer is not None:  # after the program, as colibri_check_level: BAD_TOKENIZER
+        off, nbytes = t_recs[r.tokenizer][:2]
+        section = bytes(r.buf[off : off + nbytes])
+        tokenizer_section.parse(section, n_in, work)
+    return Graph(layers=layers, input_size=n_in, output_size=n_out, max_batch=max_batch, tokenizer=section)
+
+
+class _Section:
+    """The tokenizer section's place among the tensors: no layer may name it (BAD_REF)."""
 
 
 def _describe(obj, ref: int, n_t: int) -> str:
     if ref >= n_t:
         return f"tensor {ref} of {n_t}"
+    if isinstance(obj, _Section):
+        return "the tokenizer section"
     if obj is None:
         return "a quantisation companion"
     return f"{type(obj).__name__} {obj.shape}" + (f" {obj.dtype}" if isinstance(obj, np.ndarray) else "")
@@ -403,9 +416,10 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
                 f" inside the metadata (ends at {r.meta})" if off < r.meta else ""))
         if r.meta and r.full and zlib.crc32(buf[off : off + nbytes]) & 0xFFFFFFFF != r.crcs[i][0]:
             _fail(Status.BAD_PAYLOAD_CRC, f"tensor {i} at {off}+{nbytes}")
-        if dtype not in iter(DType) or (dtype in (DType.I4, DType.Q4_PARAMS) and version < F.Q4_VERSION):
+        if dtype not in iter(DType) or (dtype in (DType.I4, DType.Q4_PARAMS) and version < F.Q4_VERSION) or (
+                dtype == DType.TOKENIZER and version < F.TOKENIZER_VERSION):
             _fail(Status.BAD_TENSOR, f"tensor {i} dtype {dtype}" + (
-                f" (int4 tensors are format version {F.Q4_VERSION})" if dtype in iter(DType) else ""))
+                f" (this dtype is not in format version {version})" if dtype in iter(DType) else ""))
         if ndim not in (1, 2) or (ndim == 1 and cols != 1) or rows == 0 or cols == 0 or res:
             _fail(Status.BAD_TENSOR, f"tensor {i} shape {rows}x{cols} ndim {ndim}")
         if aux != NONE and dtype not in (DType.I8, DType.I4):
@@ -434,6 +448,12 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
             want = F.q8_layout(version, rows, nnz, param, bias)["size"]
             if want != nbytes or (nnz and cols > 65536):
                 _fail(Status.BAD_TENSOR, f"tensor {i}: Q8_PARAMS of {nbytes} bytes for {rows}x{cols}, nnz {nnz}")
+        elif dtype == DType.TOKENIZER:
+            # One section of `rows` bytes, in a token model only (docs/lm.md "Tokenizer section").
+            if nbytes != rows or ndim != 1 or not r.token or r.tokenizer is not None:
+                _fail(Status.BAD_TENSOR, f"tensor {i}: a tokenizer section of {nbytes} bytes, rows {rows}" + (
+                    ", a second one" if r.tokenizer is not None else "" if r.token else ", in a feature model"))
+            r.tokenizer = i
         elif nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
             _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
         prev_end = off + nbytes
@@ -444,6 +464,8 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
         shape = (rows, cols) if ndim == 2 else (rows,)
         if dtype in (DType.Q8_PARAMS, DType.Q4_PARAMS):
             objs.append(None)
+        elif dtype == DType.TOKENIZER:
+            objs.append(_Section())
         elif dtype == DType.I4:
             packed = np.frombuffer(buf, dtype=np.uint8, count=rows * F.q4_row_bytes(cols), offset=off)
             objs.append(_q4(buf, t_recs, i, packed.reshape(rows, F.q4_row_bytes(cols)), r.work))

@@ -47,6 +47,8 @@ def least_size(plan: writer.Layout) -> int:
             size = t.rows * t.cols * _FIXED[t.dtype]
         elif t.dtype == DType.I4:
             size = t.rows * F.q4_row_bytes(t.cols)
+        elif t.dtype == DType.TOKENIZER:
+            size = t.rows
         elif t.dtype == DType.Q8_PARAMS:
             size = F.Q8_PARAMS_HEADER + 2 * t.rows
         else:  # Q4_PARAMS: at least one f16 scale a row

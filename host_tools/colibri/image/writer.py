@@ -208,7 +208,18 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
     token_model = any(isinstance(layer, (Embedding, Attention)) for layer in graph.layers)
-    if has_int4(graph):  # int4 weights are format version 5, which keeps v4's header and CRCs
+    if graph.tokenizer is not None:  # format version 6: version 5 plus the tokenizer section
+        if not token_model:
+            raise ValueError("a tokenizer section belongs to a token model (layer 0 an Embedding)")
+        if version not in (None, F.TOKENIZER_VERSION):
+            raise ValueError(f"a token model with a tokenizer section is format version {F.TOKENIZER_VERSION}, "
+                             f"not {version}")
+        if tensor_crc is False:
+            raise ValueError(f"format version {F.TOKENIZER_VERSION} (a tokenizer section) always has per-tensor CRCs")
+        version, tensor_crc = F.TOKENIZER_VERSION, True
+    elif version == F.TOKENIZER_VERSION:
+        raise ValueError(f"format version {F.TOKENIZER_VERSION} is written only with a tokenizer section")
+    elif has_int4(graph):  # int4 weights are format version 5, which keeps v4's header and CRCs
         if version not in (None, F.Q4_VERSION):
             raise ValueError(f"a graph with int4 weights is format version {F.Q4_VERSION}, not {version}")
         if tensor_crc is False:
@@ -309,6 +320,8 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
             raise TypeError(f"not a layer: {layer!r}")
         layer_recs.append(F.LAYER.pack(int(op), kind, int(flags), in_f, width, t0, t1, eps, 0, 0))
 
+    if graph.tokenizer is not None:  # the last payload: no layer names it
+        tensors._push(_Entry(bytes(graph.tokenizer), DType.TOKENIZER, len(graph.tokenizer), 1, 1))
     n_t = len(tensors.entries)
     at = {"tensor": F.HEADER_SIZE}
     at["layer"] = at["tensor"] + n_t * F.TENSOR.size

@@ -67,6 +67,7 @@ _IMAGE = {
     Status.TRUNCATED, Status.BAD_MAGIC, Status.BAD_VERSION, Status.UNSUPPORTED_VERSION, Status.BAD_HEADER, Status.BAD_CRC,
     Status.TABLE_BOUNDS, Status.TENSOR_BOUNDS, Status.BAD_TENSOR, Status.BAD_REF,
     Status.BAD_LAYER, Status.BAD_MOE, Status.IMAGE_ALIGN, Status.BAD_PAYLOAD_CRC, Status.BAD_ATTENTION,
+    Status.BAD_TOKENIZER,
 }
 _FILE = {Status.FILE_NOT_FOUND, Status.FILE_OPEN, Status.MMAP_FAILED, Status.MLOCK_FAILED, Status.FILE_CHANGED}
 
@@ -81,7 +82,7 @@ def error_for(status: int, detail: str | None = None) -> ColibriError:
     elif st in (Status.BAD_BATCH, Status.BUFFER_SIZE, Status.BAD_TOKEN, Status.CACHE_FULL, Status.BAD_SAMPLER,
                 Status.NAN_LOGITS, Status.MODEL_KIND):
         cls = InputError
-    elif st == Status.UNSUPPORTED:
+    elif st in (Status.UNSUPPORTED, Status.NO_TOKENIZER):
         cls = UnsupportedError
     elif st in _FILE:
         cls = ModelFileError

@@ -14,7 +14,7 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 5  # 4: token models (docs/lm.md); 5: int4 weights
+MAX_READ_VERSION = 6  # 4: token models (docs/lm.md); 5: int4 weights; 6: the tokenizer section
 # Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
 # tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
 # reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").
@@ -50,6 +50,12 @@ V4_FIELDS_OFFSET = 72
 # tensor, so every other image stays what older engines read. The header is v4's (a feature model's
 # attention table is empty).
 Q4_VERSION = 5
+# Version 6 (issue 26, docs/lm.md "Tokenizer section"): a version-5 token model whose tensor table may
+# hold one TOKENIZER tensor, the tokenizer section: its payload is the vocabulary as bytes, merges or
+# scores, token types, special ids and the normaliser and pre-tokenizer kinds, laid out with offset
+# tables so a device reads it in place. Written only for a token model exported with a tokenizer, so
+# every other image stays what older engines read.
+TOKENIZER_VERSION = 6
 # One self-attention block: d_model, n_heads, n_kv_heads, head_dim; tensor refs q_w, q_b, k_w, k_b,
 # v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype; reserved.
 ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIB15x")
@@ -67,6 +73,7 @@ class DType(enum.IntEnum):
     Q8_PARAMS = 5  # scales + sparse f16 compensation of one I8 tensor
     I4 = 6  # packed signed int4, two per byte, row stride ceil(cols/2); `aux` names its Q4_PARAMS (v5)
     Q4_PARAMS = 7  # group scales, optional bias, sparse f16 compensation of one I4 tensor (v5)
+    TOKENIZER = 8  # the tokenizer section (v6): a byte payload, rows = nbytes, cols 1, ndim 1
 
 
 # Bytes per element; Q8_PARAMS has its own layout (docs/model-format.md).
@@ -86,6 +93,67 @@ Q4_GROUP_LOG2_MAX = 8
 # (The header carries MAX_SEQ_LEN; the C validator writes the theta bound as 1.0f.)
 ROPE_THETA_MIN = 1.0
 MAX_SEQ_LEN = 1 << 20
+
+# The tokenizer section (format v6, docs/lm.md "Tokenizer section"): the payload of the one TOKENIZER
+# tensor. Its header, little-endian: magic, section version, kind, flags, vocab_count, merge_count,
+# bos, eos, pad, unk (NONE when absent), normalizer, pre_tokenizer, reserved u16, then the offsets
+# (from the section's start) of its arrays: token offsets (u32 x vocab+1), token bytes (and their
+# size), types (u8 x vocab), scores (f32 x vocab), merges (u32 x 3 x merge_count: left, right,
+# result), merge order (u32 x merge_count, merges sorted by (left, right)), byte ids (u32 x 256),
+# the pre-tokenizer's split pattern (UTF-8) and its size; 4 reserved bytes.
+TOKENIZER_MAGIC = 0x4B544C43  # b"CLTK" little-endian
+TOKENIZER_SECTION_VERSION = 1
+TOKENIZER_HEADER = struct.Struct("<IHBBIIIIIIBBHIIIIIIIIII4x")
+TOKENIZER_ARRAY_ALIGN = 4
+TOKENIZER_BYTE_IDS = 256
+
+
+class TokenizerKind(enum.IntEnum):
+    BYTE_BPE = 1  # byte-level BPE (GPT-2, Qwen, OLMoE): ranked merges over a 256-byte alphabet
+    SENTENCEPIECE_BPE = 2  # SentencePiece BPE (Llama, Mixtral): pieces with scores, U+2581 as space
+    SENTENCEPIECE_UNIGRAM = 3  # SentencePiece unigram: pieces with log-probability scores
+
+
+class TokenizerFlag(enum.IntFlag):
+    ADD_DUMMY_PREFIX = 1  # SentencePiece: a space before the text; decoding drops the first piece's
+    BYTE_FALLBACK = 2  # SentencePiece: <0xNN> pieces for bytes outside the vocabulary
+    REMOVE_EXTRA_WHITESPACES = 4  # SentencePiece's normaliser option
+    ADD_PREFIX_SPACE = 8  # byte-level BPE: the ByteLevel pre-tokenizer's add_prefix_space
+    IGNORE_MERGES = 16  # byte-level BPE: a word found whole in the vocabulary is not merged
+
+
+TOKENIZER_KIND_FLAGS = {
+    TokenizerKind.BYTE_BPE: TokenizerFlag.ADD_PREFIX_SPACE | TokenizerFlag.IGNORE_MERGES,
+    TokenizerKind.SENTENCEPIECE_BPE: (TokenizerFlag.ADD_DUMMY_PREFIX | TokenizerFlag.BYTE_FALLBACK
+                                      | TokenizerFlag.REMOVE_EXTRA_WHITESPACES),
+    TokenizerKind.SENTENCEPIECE_UNIGRAM: (TokenizerFlag.ADD_DUMMY_PREFIX | TokenizerFlag.BYTE_FALLBACK
+                                          | TokenizerFlag.REMOVE_EXTRA_WHITESPACES),
+}
+
+
+class TokenType(enum.IntEnum):
+    """How a token decodes (docs/lm.md "Decoding")."""
+
+    NORMAL = 1  # its bytes
+    BYTE = 2  # SentencePiece byte fallback <0xNN>: its one byte
+    CONTROL = 3  # BOS, EOS and other special tokens: nothing
+    UNKNOWN = 4  # byte-level BPE: its bytes; SentencePiece: the unknown surface U+2047 between spaces
+    USER_DEFINED = 5  # an added token that is not special: its bytes
+    UNUSED = 6  # an embedding row no tokenizer id names (a padded vocabulary): nothing
+
+
+class Normalizer(enum.IntEnum):
+    NONE = 0
+    NFC = 1  # byte-level BPE only (Qwen2)
+
+
+class PreTokenizer(enum.IntEnum):
+    NONE = 0  # SentencePiece (its own whitespace handling)
+    BYTE_LEVEL = 1  # ByteLevel(use_regex=True): GPT-2's split, then bytes to symbols
+    SPLIT_BYTE_LEVEL = 2  # Split(the section's pattern, isolated), then ByteLevel(use_regex=False)
+
+
+SENTENCEPIECE_UNKNOWN_SURFACE = " \u2047 ".encode()  # what SentencePiece decodes its unknown piece to
 
 
 class Q4Flag(enum.IntFlag):
@@ -253,6 +321,10 @@ class Status(enum.IntEnum):
     MODEL_KIND = -34
     BAD_SAMPLER = -35
     NAN_LOGITS = -36
+    # Issue 26: the tokenizer section (format v6, docs/lm.md "Tokenizer section"). (-37 is the
+    # 64-bit images' IMAGE_TOO_LARGE, numbered on another branch.)
+    BAD_TOKENIZER = -38
+    NO_TOKENIZER = -39
 
 
 STATUS_TEXT = {
@@ -293,6 +365,8 @@ STATUS_TEXT = {
     Status.MODEL_KIND: "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model",
     Status.BAD_SAMPLER: "invalid sampler settings (struct_size, temperature, top_k or top_p)",
     Status.NAN_LOGITS: "the logits contain NaN (or Inf when sampling): no token can be drawn",
+    Status.BAD_TOKENIZER: "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)",
+    Status.NO_TOKENIZER: "the model image holds no tokenizer section (or this engine was built without the tokenizer)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT,
@@ -329,6 +403,11 @@ def c_header() -> str:
         f"#define COLIBRI_Q4_GROUP_LOG2_MIN {Q4_GROUP_LOG2_MIN}u",
         f"#define COLIBRI_Q4_GROUP_LOG2_MAX {Q4_GROUP_LOG2_MAX}u",
         f"#define COLIBRI_MAX_SEQ_LEN {MAX_SEQ_LEN}u",
+        f"#define COLIBRI_TOKENIZER_VERSION {TOKENIZER_VERSION}u",
+        f"#define COLIBRI_TOKENIZER_MAGIC 0x{TOKENIZER_MAGIC:08X}u",
+        f"#define COLIBRI_TOKENIZER_SECTION_VERSION {TOKENIZER_SECTION_VERSION}u",
+        f"#define COLIBRI_TOKENIZER_HEADER_SIZE {TOKENIZER_HEADER.size}u",
+        f"#define COLIBRI_TOKENIZER_BYTE_IDS {TOKENIZER_BYTE_IDS}u",
         "",
     ]
     for name, rec in _RECORDS.items():
@@ -344,6 +423,11 @@ def c_header() -> str:
         (Routing, "ROUTING"),
         (MoEFlag, "MOE_FLAG"),
         (ExpertKind, "EXPERT"),
+        (TokenizerKind, "TOKENIZER"),
+        (TokenizerFlag, "TOKENIZER_FLAG"),
+        (TokenType, "TOKEN"),
+        (Normalizer, "NORMALIZER"),
+        (PreTokenizer, "PRE_TOKENIZER"),
     ):
         for member in enum_cls:
             out.append(f"#define COLIBRI_{prefix}_{member.name} {int(member)}u")

@@ -273,6 +273,9 @@ class Graph:
     # so errors found after conversion can still name the module; empty for graphs
     # read back from an image.
     paths: list[str] = field(default_factory=list)
+    # A token model's tokenizer section (format v6, docs/lm.md "Tokenizer section"), packed:
+    # written as the image's TOKENIZER tensor; None for an image without one.
+    tokenizer: bytes | None = None
 
     def where(self, index: int) -> str:
         """`model.2.body.0 (layers.5)`, or just `layers.5` without a recorded path."""

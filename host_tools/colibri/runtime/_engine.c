@@ -20,6 +20,7 @@
 #include "colibri.h"
 #include "colibri_file.h"
 #include "colibri_pool.h"
+#include "colibri_tokenizer.h"
 
 /* setup.py passes the hash of the sources it builds from (colibri/runtime/sources.py), so
  * a checkout can tell this binary is stale after a C edit. A build without it
@@ -958,7 +959,7 @@ static PyObject *Context_lm_sample(ContextObject *self, PyObject *args) {
     return result;
 }
 
-/* lm_generate(prompt, max_new, temperature, top_k, top_p, seed) -> list of new ids: reset, the
+/* lm_generate(prompt, max_new, temperature, top_k, top_p, seed[, stop]) -> list of new ids: reset, the
  * prompt in chunks of max_batch, then one token at a time, each drawn by colibri_lm_sample from
  * the last row's logits with a SplitMix64 seeded once. The whole loop runs in C without the GIL. */
 static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
@@ -967,7 +968,8 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
     float temperature, top_p;
     unsigned int top_k;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OnfIfK", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed) ||
+    long long stop = -1; /* an id that ends the generation once drawn (EOS); -1: none */
+    if (!PyArg_ParseTuple(args, "OnfIfK|L", &prompt_obj, &max_new, &temperature, &top_k, &top_p, &seed, &stop) ||
         ready(self) == NULL) {
         return NULL;
     }
@@ -1014,6 +1016,10 @@ static PyObject *Context_lm_generate(ContextObject *self, PyObject *args) {
             st = colibri_lm_sample(self->ctx, &sampler, logits + last * vocab, vocab, &rng, &ids[made]);
             if (st != COLIBRI_OK)
                 break;
+            if ((long long)ids[made] == stop) {
+                made++;
+                break;
+            }
             /* The last new token needs no forward: nothing reads its logits. */
             if (++made < (size_t)max_new && (st = file_unchanged(self)) == COLIBRI_OK) {
                 st = colibri_lm_forward_ex(self->ctx, &exec, &ids[made - 1], 1, logits, vocab);
@@ -1068,7 +1074,8 @@ static PyMethodDef Context_methods[] = {
     {"lm_sample", (PyCFunction)Context_lm_sample, METH_VARARGS,
      "lm_sample(logits float32 [vocab], temperature, top_k, top_p, rng_state) -> (token, rng_state)"},
     {"lm_generate", (PyCFunction)Context_lm_generate, METH_VARARGS,
-     "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed) -> list of new token ids"},
+     "lm_generate(prompt int32, max_new, temperature, top_k, top_p, seed[, stop]) -> list of new token ids, "
+     "ending after stop if drawn"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1157,6 +1164,135 @@ static PyObject *mod_version(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     return PyUnicode_FromString(colibri_version());
 }
 
+/* TextDecoder(image): the image's tokenizer section (colibri_tokenizer.h) and one text stream.
+ * push(id) -> the bytes that token completes, flush() -> the rest, piece(id) -> the token's own
+ * bytes, info() -> dict. The image buffer is held (read in place) for the decoder's life. */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    colibri_tokenizer tok;
+    colibri_text_stream stream;
+    uint8_t *out;
+    size_t out_cap;
+} TextDecoderObject;
+
+static int TextDecoder_init(TextDecoderObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"image", NULL};
+    PyObject *image;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &image)) {
+        return -1;
+    }
+    if (self->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "TextDecoder is already initialised");
+        return -1;
+    }
+    if (PyObject_GetBuffer(image, &self->view, PyBUF_CONTIG_RO) < 0) {
+        return -1;
+    }
+    self->has_view = 1;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = colibri_tokenizer_open(&self->tok, self->view.buf, (size_t)self->view.len);
+    Py_END_ALLOW_THREADS
+    if (st != COLIBRI_OK) {
+        raise_status(st);
+        return -1;
+    }
+    self->out_cap = COLIBRI_TOKENIZER_DECODE_BYTES(self->tok.max_piece);
+    self->out = PyMem_Malloc(self->out_cap);
+    if (self->out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    colibri_text_stream_init(&self->stream);
+    return 0;
+}
+
+static void TextDecoder_dealloc(TextDecoderObject *self) {
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+    }
+    PyMem_Free(self->out);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int decoder_ready(TextDecoderObject *self) {
+    if (!self->has_view || self->out == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "TextDecoder is not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+static int token_arg(PyObject *arg, int32_t *id) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) {
+        return 0;
+    }
+    *id = v < INT32_MIN || v > INT32_MAX ? -1 : (int32_t)v;
+    return 1;
+}
+
+static PyObject *TextDecoder_push(TextDecoderObject *self, PyObject *arg) {
+    int32_t id;
+    if (!decoder_ready(self) || !token_arg(arg, &id)) {
+        return NULL;
+    }
+    size_t n = 0;
+    int st = colibri_tokenizer_decode(&self->tok, &self->stream, id, self->out, self->out_cap, &n);
+    return st == COLIBRI_OK ? PyBytes_FromStringAndSize((const char *)self->out, (Py_ssize_t)n) : raise_status(st);
+}
+
+static PyObject *TextDecoder_flush(TextDecoderObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!decoder_ready(self)) {
+        return NULL;
+    }
+    size_t n = 0;
+    int st = colibri_tokenizer_flush(&self->stream, self->out, self->out_cap, &n);
+    return st == COLIBRI_OK ? PyBytes_FromStringAndSize((const char *)self->out, (Py_ssize_t)n) : raise_status(st);
+}
+
+static PyObject *TextDecoder_piece(TextDecoderObject *self, PyObject *arg) {
+    int32_t id;
+    if (!decoder_ready(self) || !token_arg(arg, &id)) {
+        return NULL;
+    }
+    const uint8_t *bytes;
+    size_t n;
+    int st = colibri_tokenizer_piece(&self->tok, id, &bytes, &n);
+    return st == COLIBRI_OK ? PyBytes_FromStringAndSize((const char *)bytes, (Py_ssize_t)n) : raise_status(st);
+}
+
+static PyObject *TextDecoder_info(TextDecoderObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!decoder_ready(self)) {
+        return NULL;
+    }
+    const colibri_tokenizer *t = &self->tok;
+    return Py_BuildValue("{s:I,s:I,s:I,s:I,s:i,s:i,s:i,s:i}", "kind", t->kind, "flags", t->flags, "vocab_size",
+                         t->vocab, "max_piece", t->max_piece, "bos", t->bos, "eos", t->eos, "pad", t->pad, "unk",
+                         t->unk);
+}
+
+static PyMethodDef TextDecoder_methods[] = {
+    {"push", (PyCFunction)TextDecoder_push, METH_O, "push(id) -> the bytes this token completes"},
+    {"flush", (PyCFunction)TextDecoder_flush, METH_NOARGS, "flush() -> what the stream still holds (U+FFFD)"},
+    {"piece", (PyCFunction)TextDecoder_piece, METH_O, "piece(id) -> the token's own bytes"},
+    {"info", (PyCFunction)TextDecoder_info, METH_NOARGS, "info() -> kind, flags, vocab_size, special ids"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TextDecoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "colibri.runtime._engine.TextDecoder",
+    .tp_basicsize = sizeof(TextDecoderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "TextDecoder(image): the C engine's streaming decoder over the image's tokenizer section",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)TextDecoder_init,
+    .tp_dealloc = (destructor)TextDecoder_dealloc,
+    .tp_methods = TextDecoder_methods,
+};
+
 static PyMethodDef module_methods[] = {
     {"validate", mod_validate, METH_O, "validate(image) -> status"},
     {"validate_structure", mod_validate_structure, METH_O, "validate_ex(image, COLIBRI_CHECK_STRUCTURE) -> status"},
@@ -1174,7 +1310,7 @@ static struct PyModuleDef engine_module = {
 
 PyMODINIT_FUNC PyInit__engine(void) {
     if (PyType_Ready(&ContextType) < 0 || PyType_Ready(&FileType) < 0 || PyType_Ready(&ArenaType) < 0 ||
-        PyType_Ready(&LeaseType) < 0) {
+        PyType_Ready(&LeaseType) < 0 || PyType_Ready(&TextDecoderType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&engine_module);
@@ -1184,8 +1320,10 @@ PyMODINIT_FUNC PyInit__engine(void) {
     EngineError = PyErr_NewException("colibri.runtime._engine.EngineError", NULL, NULL);
     Py_INCREF(&ContextType);
     Py_INCREF(&FileType);
+    Py_INCREF(&TextDecoderType);
     if (EngineError == NULL || PyModule_AddObject(m, "Context", (PyObject *)&ContextType) < 0 ||
         PyModule_AddObject(m, "File", (PyObject *)&FileType) < 0 ||
+        PyModule_AddObject(m, "TextDecoder", (PyObject *)&TextDecoderType) < 0 ||
         PyModule_AddObject(m, "EngineError", EngineError) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_HASH", COLIBRI_SOURCE_HASH) < 0) {
         Py_DECREF(m);

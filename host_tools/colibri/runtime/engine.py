@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _engine, sources
 from ..model.errors import ColibriError, error_for
-from ..model.format import Status
+from ..model.format import TOKENIZER_VERSION, Status
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
 from ..model.sampler import check_sampler, integer_arg
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
@@ -394,6 +394,64 @@ class LM:
         # refuses to go on once anything else changed its sequence (docs/threading.md).
         self._sequence_lock = threading.Lock()
         self._epoch = 0
+        # The image's tokenizer section (format v6, docs/lm.md), read by the C engine: its
+        # special ids; the host tokenizer (tokenizers / sentencepiece) is built on first use.
+        self._tokenizer_info: dict | None = None
+        if int.from_bytes(self.image[4:6], "little") >= TOKENIZER_VERSION:  # older images have none
+            try:
+                self._tokenizer_info = _engine.TextDecoder(self.image).info()
+            except _engine.EngineError as e:
+                if e.args[0] != Status.NO_TOKENIZER:
+                    raise error_for(e.args[0]) from None
+        self._host_tokenizer = None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the image carries a tokenizer section (format v6)."""
+        return self._tokenizer_info is not None
+
+    @property
+    def eos(self) -> int | None:
+        """The end-of-sequence id of the image's tokenizer, None without one (or without EOS)."""
+        info = self._tokenizer_info
+        return None if info is None or info["eos"] < 0 else info["eos"]
+
+    @property
+    def bos(self) -> int | None:
+        info = self._tokenizer_info
+        return None if info is None or info["bos"] < 0 else info["bos"]
+
+    def _need_tokenizer(self) -> None:
+        if self._tokenizer_info is None:
+            raise error_for(Status.NO_TOKENIZER, "export the model with its tokenizer (colibri export DIR keeps the "
+                                                 "folder's), or tokenize outside (colibri.runtime.tokenizer)")
+
+    @property
+    def tokenizer(self):
+        """The image's tokenizer on the host (`runtime.tokenizer.SectionTokenizer`: the `tokenizers` or
+        `sentencepiece` library rebuilt from the section); NO_TOKENIZER without a section."""
+        self._need_tokenizer()
+        if self._host_tokenizer is None:
+            from ..image.tokenizer_section import find, parse
+            from .tokenizer import SectionTokenizer
+
+            self._host_tokenizer = SectionTokenizer(parse(find(self.image), self.vocab_size))
+        return self._host_tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids with the image's tokenizer (on the host, by its library; no BOS added)."""
+        return self.tokenizer.encode(text)
+
+    def text_stream(self) -> "TextStream":
+        """The C engine's streaming decoder over the image's tokenizer: `push(id)` returns the text
+        that token completes (a character split across tokens comes out whole), `flush()` the rest."""
+        self._need_tokenizer()
+        return TextStream(self.image)
+
+    def decode(self, ids) -> str:
+        """Ids to text by the C engine's decoder (colibri_tokenizer_decode), as a device prints it."""
+        stream = self.text_stream()
+        return "".join(stream.push(int(i)) for i in ids) + stream.flush()
 
     @property
     def position(self) -> int:
@@ -455,15 +513,24 @@ class LM:
                                                f"{self.max_seq_len}")
         return prompt
 
+    def _stop(self, stop) -> int | None:
+        """`stop="eos"`: the image tokenizer's EOS (None without one); None; or an id."""
+        if isinstance(stop, str):
+            if stop != "eos":
+                raise ValueError(f"stop must be 'eos', None or a token id, got {stop!r}")
+            return self.eos
+        return None if stop is None else operator.index(stop)
+
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop: int | None = None) -> Iterator[int]:
+               top_p: float = 1.0, seed: int = 0, stop: int | str | None = "eos") -> Iterator[int]:
         """`generate` one token at a time: yields each new id as soon as it is drawn, the same ids
         `generate` returns (the same checks, all made before the first token; the same C sampler and
         SplitMix64 state, carried from draw to draw). `stop`: an id that ends the stream once
-        yielded (an end-of-text token). The loop runs in Python, one C call a token."""
+        yielded; "eos" (the default) is the image tokenizer's end-of-sequence id, if it has one.
+        The loop runs in Python, one C call a token."""
         prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
         return self._stream(prompt, operator.index(max_new_tokens), float(temperature), operator.index(top_k),
-                            float(top_p), operator.index(seed) % 2**64, stop)
+                            float(top_p), operator.index(seed) % 2**64, self._stop(stop))
 
     def _stream_step(self, epoch: int | None, tokens: np.ndarray) -> tuple[np.ndarray, int]:
         """One step of a stream under the sequence lock: (last row's logits, the new epoch). epoch
@@ -492,10 +559,13 @@ class LM:
             logits, epoch = self._stream_step(epoch, np.array([token], dtype=np.int32))
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, stop: int | str | None = "eos") -> list[int]:
         """Resets, feeds the prompt in chunks of max_batch, then draws max_new_tokens tokens from the
         last row's logits, each fed back but the last; the loop runs in C (reference.LMState.generate
-        is its twin: the same checks in the same order, the same draws)."""
+        is its twin: the same checks in the same order, the same draws). `stop` ends it early once
+        that id is drawn (it is the last id returned): "eos" (the default) is the image tokenizer's
+        end-of-sequence id, so an image with a tokenizer stops at its EOS; None never stops early."""
+        stop_id = self._stop(stop)
         prompt = self._check_generation(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
         # One lock over the whole generation (lm_generate resets, then runs the loop in C): a
         # reset() or forward_tokens() from another thread waits for it instead of cutting in.
@@ -505,12 +575,41 @@ class LM:
                 _call(self._ctx.lm_reset)
                 return []
             return _call(self._ctx.lm_generate, prompt, operator.index(max_new_tokens), float(temperature),
-                         operator.index(top_k), float(top_p), operator.index(seed) % 2**64)
+                         operator.index(top_k), float(top_p), operator.index(seed) % 2**64,
+                         -1 if stop_id is None else stop_id)
+
+    def generate_text(self, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int = 0, stop: int | str | None = "eos") -> str:
+        """Text in, text out with the image's tokenizer: the prompt encoded on the host, the
+        continuation generated (ending at EOS by default) and decoded by the C engine."""
+        ids = self.encode(prompt)
+        return self.decode(self.generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stop))
 
     def __repr__(self) -> str:
         return (f"colibri.LM(vocab={self.vocab_size}, max_seq_len={self.max_seq_len}, max_batch={self.max_batch}, "
                 f"arena={self.arena_size} B, kv_cache={self.kv_cache_bytes} B, workers={self.workers}, "
                 f"position={self.position})")
+
+
+class TextStream:
+    """The C engine's streaming decoder (colibri_tokenizer_decode) over an image's tokenizer."""
+
+    def __init__(self, image) -> None:
+        try:
+            self._decoder = _engine.TextDecoder(image)
+        except _engine.EngineError as e:
+            raise error_for(e.args[0]) from None
+
+    def push(self, token: int) -> str:
+        """The text token `token` completes (whole UTF-8 characters only)."""
+        try:
+            return self._decoder.push(operator.index(token)).decode("utf-8")
+        except _engine.EngineError as e:
+            raise error_for(e.args[0], f"token {token}") from None
+
+    def flush(self) -> str:
+        """What is still held (an incomplete character, as U+FFFD); the stream starts afresh."""
+        return self._decoder.flush().decode("utf-8")
 
 
 def validate(image: bytes | bytearray | memoryview, *, check: str = "full") -> None:

@@ -64,12 +64,68 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=self.skip_special)
+
+    skip_special = False  # a file given with --tokenizer shows its special tokens, as before
 
 
-def load(spec: str) -> ByteTokenizer | HFTokenizer:
-    """'byte' for the built-in byte-level tokenizer, else the path of a tokenizers JSON file."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+class SentencePieceTokenizer:
+    """A SentencePiece model (tokenizer.model, or the proto a tokenizer section rebuilds), run by the
+    `sentencepiece` library; `skip` ids (a padded vocabulary's UNUSED rows) decode to nothing."""
+
+    def __init__(self, model_proto: bytes, vocab_size: int | None = None) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+        self._size = self._sp.get_piece_size()
+        self.vocab_size = self._size if vocab_size is None else vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < self._size])
+
+
+class SectionTokenizer:
+    """The tokenizer of an image's tokenizer section (format v6, docs/lm.md), rebuilt for the
+    `tokenizers` library (byte-level BPE) or `sentencepiece` (SentencePiece), which encode and
+    decode; nothing is tokenized by hand. Special (CONTROL) tokens decode to nothing, as on the
+    device. `section` is the `TokenizerSection` (kind, special ids, token bytes)."""
+
+    def __init__(self, section) -> None:
+        from .tokenizer_build import rebuild
+
+        self.section = section
+        self.vocab_size = section.vocab_size
+        self._lib = rebuild(section)
+
+    @property
+    def eos(self) -> int | None:
+        return self.section.eos
+
+    @property
+    def bos(self) -> int | None:
+        return self.section.bos
+
+    def encode(self, text: str) -> list[int]:
+        return self._lib.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._lib.decode(ids)
+
+
+def load(spec: str) -> ByteTokenizer | HFTokenizer | SentencePieceTokenizer:
+    """'byte' for the built-in byte-level tokenizer, else the path of a tokenizers JSON file or of a
+    SentencePiece model (tokenizer.model)."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.endswith(".model"):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        return SentencePieceTokenizer(path.read_bytes())
+    return HFTokenizer(spec)
 
 
 class StreamDecoder:

@@ -20,7 +20,7 @@ pub type colibri_status = c_int;
 pub const COLIBRI_MAGIC: u32 = 0x52424C43;
 pub const COLIBRI_FORMAT_VERSION: u32 = 2;
 pub const COLIBRI_FORMAT_VERSION_MIN: u32 = 1;
-pub const COLIBRI_FORMAT_VERSION_MAX: u32 = 5;
+pub const COLIBRI_FORMAT_VERSION_MAX: u32 = 6;
 pub const COLIBRI_NONE: u32 = 0xFFFFFFFF;
 pub const COLIBRI_PAYLOAD_ALIGN: u32 = 32;
 pub const COLIBRI_PAGE_SIZE: u32 = 4096;
@@ -80,6 +80,32 @@ pub const COLIBRI_ROUTING_DENSE: u32 = 4;
 pub const COLIBRI_MOE_FLAG_RENORMALIZE: u32 = 1;
 pub const COLIBRI_EXPERT_MLP: u32 = 1;
 pub const COLIBRI_EXPERT_GLU: u32 = 2;
+// Format v6: the tokenizer section (docs/lm.md).
+pub const COLIBRI_TOKENIZER_VERSION: u32 = 6;
+pub const COLIBRI_TOKENIZER_MAGIC: u32 = 1263815747;
+pub const COLIBRI_TOKENIZER_SECTION_VERSION: u32 = 1;
+pub const COLIBRI_TOKENIZER_HEADER_SIZE: u32 = 80;
+pub const COLIBRI_TOKENIZER_BYTE_IDS: u32 = 256;
+pub const COLIBRI_DTYPE_TOKENIZER: u32 = 8;
+pub const COLIBRI_TOKENIZER_BYTE_BPE: u32 = 1;
+pub const COLIBRI_TOKENIZER_SENTENCEPIECE_BPE: u32 = 2;
+pub const COLIBRI_TOKENIZER_SENTENCEPIECE_UNIGRAM: u32 = 3;
+pub const COLIBRI_TOKENIZER_FLAG_ADD_DUMMY_PREFIX: u32 = 1;
+pub const COLIBRI_TOKENIZER_FLAG_BYTE_FALLBACK: u32 = 2;
+pub const COLIBRI_TOKENIZER_FLAG_REMOVE_EXTRA_WHITESPACES: u32 = 4;
+pub const COLIBRI_TOKENIZER_FLAG_ADD_PREFIX_SPACE: u32 = 8;
+pub const COLIBRI_TOKENIZER_FLAG_IGNORE_MERGES: u32 = 16;
+pub const COLIBRI_TOKEN_NORMAL: u32 = 1;
+pub const COLIBRI_TOKEN_BYTE: u32 = 2;
+pub const COLIBRI_TOKEN_CONTROL: u32 = 3;
+pub const COLIBRI_TOKEN_UNKNOWN: u32 = 4;
+pub const COLIBRI_TOKEN_USER_DEFINED: u32 = 5;
+pub const COLIBRI_TOKEN_UNUSED: u32 = 6;
+pub const COLIBRI_NORMALIZER_NONE: u32 = 0;
+pub const COLIBRI_NORMALIZER_NFC: u32 = 1;
+pub const COLIBRI_PRE_TOKENIZER_NONE: u32 = 0;
+pub const COLIBRI_PRE_TOKENIZER_BYTE_LEVEL: u32 = 1;
+pub const COLIBRI_PRE_TOKENIZER_SPLIT_BYTE_LEVEL: u32 = 2;
 
 // enum colibri_status
 pub const COLIBRI_OK: colibri_status = 0;
@@ -119,6 +145,8 @@ pub const COLIBRI_E_BAD_TOKEN: colibri_status = -33;
 pub const COLIBRI_E_MODEL_KIND: colibri_status = -34;
 pub const COLIBRI_E_BAD_SAMPLER: colibri_status = -35;
 pub const COLIBRI_E_NAN_LOGITS: colibri_status = -36;
+pub const COLIBRI_E_BAD_TOKENIZER: colibri_status = -38;
+pub const COLIBRI_E_NO_TOKENIZER: colibri_status = -39;
 
 // ---- colibri.h ----
 pub const COLIBRI_VERSION_MAJOR: u32 = 0;
