@@ -24,6 +24,7 @@ from colibri.cli import main
 from colibri.checkpoints import hf_folder
 from colibri.frontends import hf_lm
 from colibri.image import stream
+from colibri.model import format as F
 from colibri.model.errors import ExportError
 from colibri.model.ir import Embedding, Graph, Linear
 from helpers.hf_lm_models import ARCHS
@@ -246,14 +247,25 @@ def test_a_failure_leaves_the_old_file(folders, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.clb")] == []
 
 
-def test_an_image_past_4_gib_is_refused_before_writing(tmp_path):
+def _past_4_gib() -> Graph:
     def never():
         raise AssertionError("read")
 
     big = hf_folder.PlannedWeight(name="layers.0", where="x", shape=(70_000, 16_384), load=never)
-    graph = Graph(layers=[Embedding(big), Linear(big)], input_size=70_000, output_size=70_000)
-    with pytest.raises(ExportError, match="past the format's 32-bit sizes"):
-        stream.write_file(graph, tmp_path / "big.clb")
+    return Graph(layers=[Embedding(big), Linear(big)], input_size=70_000, output_size=70_000)
+
+
+def test_an_image_past_4_gib_is_laid_out_as_version_7_before_writing():
+    """4.3 GiB of f32 from the records alone: version 7 (64-bit sizes) is chosen before any tensor is
+    read; the 4 GiB refusal is gone."""
+    plan = stream.layout(_past_4_gib())
+    assert plan.version == F.WIDE_VERSION and stream.least_size(plan) > F.NARROW_LIMIT
+    assert plan.payload_start == F.WIDE_HEADER_SIZE + F.TENSOR_WIDE.size + 2 * F.LAYER.size + 4
+
+
+def test_an_image_past_4_gib_in_a_narrow_version_is_refused_before_writing(tmp_path):
+    with pytest.raises(ExportError, match="past format version 4's 32-bit sizes and offsets"):
+        stream.write_file(_past_4_gib(), tmp_path / "big.clb", version=F.LM_VERSION)
     assert list(tmp_path.iterdir()) == []
 
 

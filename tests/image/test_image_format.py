@@ -95,11 +95,35 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
     # v4 holds token models only (docs/lm.md; the reader's checks: tests/lm/test_lm_format.py)
     assert image.write(lmmodels.token_model(0))[4] == F.LM_VERSION
     # v5 is written for int4 weights only (the reader's checks: tests/quant/test_quant_q4.py)
-    assert F.MAX_READ_VERSION == F.Q4_VERSION
     data = image.write(quantize(image.read(tiny_image), "q4"))
     assert data[4] == F.Q4_VERSION
     image.read(data)
     colibri.validate(data)
+    # v6 is another branch's (the in-image tokenizer): inside the range, not read
+    assert F.RESERVED_VERSIONS == (6,)
+    # v7 (64-bit sizes) is written past 4 GiB or when asked (tests/image/test_image_wide.py)
+    assert F.MAX_READ_VERSION == F.WIDE_VERSION
+    data = image.write(image.read(tiny_image), version=F.WIDE_VERSION)
+    assert data[4] == F.WIDE_VERSION
+    image.read(data)
+    colibri.validate(data)
+
+
+def test_reserved_version_is_unsupported_in_c_and_python(tiny_image: bytes) -> None:
+    """Version 6 lies inside MIN..MAX but this engine does not read it: UNSUPPORTED_VERSION, with the
+    reason, from both readers and from the writer."""
+    data = image.write(image.read(tiny_image), version=F.WIDE_VERSION)
+    for version in F.RESERVED_VERSIONS:
+        relabelled = _with_version(data, version)
+        with pytest.raises(ImageError) as py:
+            image.read(relabelled)
+        assert py.value.status == F.Status.UNSUPPORTED_VERSION
+        assert f"image format version {version} is not read by this engine" in str(py.value)
+        with pytest.raises(ImageError) as c:
+            colibri.validate(relabelled)
+        assert c.value.status == F.Status.UNSUPPORTED_VERSION
+        with pytest.raises(ValueError, match="format version must be"):
+            image.write(image.read(tiny_image), version=version)
 
 
 @pytest.mark.parametrize("compensation", [0.0, 0.05])

@@ -5,7 +5,7 @@
 #define COLIBRI_MAGIC 0x52424C43u
 #define COLIBRI_FORMAT_VERSION 2u
 #define COLIBRI_FORMAT_VERSION_MIN 1u
-#define COLIBRI_FORMAT_VERSION_MAX 5u
+#define COLIBRI_FORMAT_VERSION_MAX 7u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -25,9 +25,17 @@
 #define COLIBRI_Q4_GROUP_LOG2_MIN 3u
 #define COLIBRI_Q4_GROUP_LOG2_MAX 8u
 #define COLIBRI_MAX_SEQ_LEN 1048576u
+#define COLIBRI_WIDE_VERSION 7u
+#define COLIBRI_WIDE_HEADER_SIZE 96u
+#define COLIBRI_WIDE_FIELDS_OFFSET 80u
+#define COLIBRI_NARROW_LIMIT 0xFFFFFFFFu
+#define COLIBRI_MAX_TENSOR_ELEMENTS 0xFFFFFFFFu
+/* Versions inside MIN..MAX this engine does not read (UNSUPPORTED_VERSION). */
+#define COLIBRI_FORMAT_VERSION_RESERVED(v) ((v) == 6u)
 
 #define COLIBRI_HEADER_SIZE 80u
 #define COLIBRI_TENSOR_SIZE 24u
+#define COLIBRI_TENSOR_WIDE_SIZE 32u
 #define COLIBRI_LAYER_SIZE 32u
 #define COLIBRI_MOE_SIZE 48u
 #define COLIBRI_EXPERT_SIZE 32u
@@ -114,6 +122,7 @@ typedef enum colibri_status {
     COLIBRI_E_MODEL_KIND = -34, /* wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model */
     COLIBRI_E_BAD_SAMPLER = -35, /* invalid sampler settings (struct_size, temperature, top_k or top_p) */
     COLIBRI_E_NAN_LOGITS = -36, /* the logits contain NaN (or Inf when sampling): no token can be drawn */
+    COLIBRI_E_IMAGE_TOO_LARGE = -37, /* the image is larger than this engine build can address (image_size past SIZE_MAX or COLIBRI_MAX_IMAGE_BYTES) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -155,6 +164,7 @@ typedef enum colibri_status {
     X(-34, "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model") \
     X(-35, "invalid sampler settings (struct_size, temperature, top_k or top_p)") \
     X(-36, "the logits contain NaN (or Inf when sampling): no token can be drawn") \
+    X(-37, "the image is larger than this engine build can address (image_size past SIZE_MAX or COLIBRI_MAX_IMAGE_BYTES)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

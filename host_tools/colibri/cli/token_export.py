@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..model import format as F
 from ..model.errors import ColibriError
 
 
@@ -44,13 +45,16 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
 
         def on_tensor(i: int, count: int, nbytes: int) -> None:
             nonlocal written
-            written += nbytes
+            written = nbytes if i == 0 else written + nbytes  # from 0 again if the image is rewritten as v7
             bar.update(task, total=count, completed=i + 1, written=f"{written / 2**20:.1f} MiB")
 
         result = export_folder(folder, output, max_seq_len=max_seq_len, check=check, on_tensor=on_tensor, **options)
     seconds = time.perf_counter() - start
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+    if result.bytes_written > F.NARROW_LIMIT:
+        click.echo(f"format v{result.version}: the image passes 4 GiB, so it runs on 64-bit hosts only; an engine built "
+                   "for a 32-bit target refuses it (IMAGE_TOO_LARGE)")
 
 
 def is_token_module(module: object) -> bool:
