@@ -249,7 +249,7 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, colib
     if (h->version == 0u || h->version == 0xFFFFu)
         return COLIBRI_E_BAD_VERSION;
     if (h->version < COLIBRI_FORMAT_VERSION_MIN || h->version > COLIBRI_FORMAT_VERSION_MAX ||
-        COLIBRI_FORMAT_VERSION_RESERVED(h->version))
+        h->version == COLIBRI_FORMAT_VERSION_RESERVED) /* inside the range, not read (format.py) */
         return COLIBRI_E_UNSUPPORTED_VERSION;
     const int wide = h->version >= COLIBRI_WIDE_VERSION;
     if (h->header_size != (wide ? COLIBRI_WIDE_HEADER_SIZE : COLIBRI_HEADER_SIZE))

@@ -129,6 +129,8 @@ static inline const void *colibri_payload(const uint8_t *image, const colibri_he
 {
     if (index == COLIBRI_NONE)
         return NULL;
+    if (h->version >= COLIBRI_WIDE_VERSION) /* v7: a u64 offset, inside the validated image (fits size_t) */
+        return image + (size_t)colibri_rd_u64(image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_WIDE_SIZE);
     return image + colibri_rd_u32(image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_SIZE);
 }
 

@@ -27,7 +27,7 @@ def version_text(version: int, accepted: tuple[int, int] = (F.MIN_READ_VERSION, 
                  reader: str = "this engine") -> str:
     """Why an image of `version` cannot run on a reader of the `accepted` (min, max) versions."""
     lo, hi = accepted
-    if lo <= version <= hi and version in F.RESERVED_VERSIONS:
+    if lo <= version <= hi and version == F.RESERVED_VERSION:
         return f"image format version {version} is not read by {reader} (it reads {lo}..{hi} but {version})"
     age = "newer" if version > hi else "older"
     return f"image format version {version} is {age} than {reader} reads ({lo}..{hi})"
@@ -39,7 +39,7 @@ def check_version(data: bytes | bytearray | memoryview, accepted: tuple[int, int
     if len(data) >= 6 and bytes(data[:4]) == F.MAGIC.to_bytes(4, "little"):
         version = int.from_bytes(bytes(data[4:6]), "little")
         if version not in F.INVALID_VERSIONS and (not accepted[0] <= version <= accepted[1]
-                                                  or version in F.RESERVED_VERSIONS):
+                                                  or version == F.RESERVED_VERSION):
             _fail(Status.UNSUPPORTED_VERSION, version_text(version, accepted, reader))
 
 
@@ -77,7 +77,7 @@ class _Reader:
             _fail(Status.BAD_MAGIC, f"magic 0x{magic:08x}")
         if version in F.INVALID_VERSIONS:
             _fail(Status.BAD_VERSION, f"version field 0x{version:04x}")
-        if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION or version in F.RESERVED_VERSIONS:
+        if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION or version == F.RESERVED_VERSION:
             _fail(Status.UNSUPPORTED_VERSION, version_text(version))
         self.header_size = F.header_size(version)
         if header_size != self.header_size:

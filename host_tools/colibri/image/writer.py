@@ -253,7 +253,7 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
         tensor_crc = page_aligned or version == F.TENSOR_CRC_VERSION
     if version is None:
         version = F.TENSOR_CRC_VERSION if tensor_crc else needed_version(graph)
-    if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION or version in F.RESERVED_VERSIONS:
+    if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION or version == F.RESERVED_VERSION:
         raise ValueError(f"format version must be {F.MIN_READ_VERSION}..{F.MAX_READ_VERSION}, got {version}")
     if tensor_crc != (version >= F.TENSOR_CRC_VERSION):
         raise ValueError(f"per-tensor CRCs are format version {F.TENSOR_CRC_VERSION} and later, not {version}")

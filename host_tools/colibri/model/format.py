@@ -15,9 +15,10 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
 MAX_READ_VERSION = 7  # 4: token models (docs/lm.md); 5: int4 weights; 7: images past 4 GiB
-# Versions inside MIN..MAX that this engine does not read (UNSUPPORTED_VERSION): 6 is the in-image
+# A version inside MIN..MAX that this engine does not read (UNSUPPORTED_VERSION): 6 is the in-image
 # tokenizer section (issue 26), specified on another branch; version 7 was numbered after it.
-RESERVED_VERSIONS = (6,)
+# 0 (never a version: BAD_VERSION first) once every version in the range is read.
+RESERVED_VERSION = 6
 # Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
 # tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
 # reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").
@@ -367,8 +368,7 @@ def c_header() -> str:
         f"#define COLIBRI_WIDE_FIELDS_OFFSET {WIDE_FIELDS_OFFSET}u",
         f"#define COLIBRI_NARROW_LIMIT 0x{NARROW_LIMIT:08X}u",
         f"#define COLIBRI_MAX_TENSOR_ELEMENTS 0x{MAX_TENSOR_ELEMENTS:08X}u",
-        "/* Versions inside MIN..MAX this engine does not read (UNSUPPORTED_VERSION). */",
-        "#define COLIBRI_FORMAT_VERSION_RESERVED(v) (" + (" || ".join(f"(v) == {v}u" for v in RESERVED_VERSIONS) or "0") + ")",
+        f"#define COLIBRI_FORMAT_VERSION_RESERVED {RESERVED_VERSION}u",
         "",
     ]
     for name, rec in _RECORDS.items():

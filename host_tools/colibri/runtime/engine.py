@@ -13,6 +13,7 @@ import numpy as np
 from . import _engine, sources
 from ..model.errors import error_for
 from ..model.format import Status
+from ..image.codecs import total_size
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
 from ..model.sampler import check_sampler, integer_arg
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
@@ -243,6 +244,8 @@ class Model:
         self.file, self.image, self._ctx = _open(source, reference_kernels, copy, verify, lock, advise)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
+        # colibri_model_info.image_size is the header's u32 field: 0xFFFFFFFF for a version-7 image past it
+        info["image_size"] = total_size(self.image)
         if info["vocab_size"]:
             raise error_for(Status.MODEL_KIND, "a token model (token ids in, logits out): open it with colibri.LM")
         self.info: dict[str, int] = info
@@ -337,6 +340,8 @@ class LM:
         self.kernels: str = self._ctx.kernels()
         self.workers: int = workers
         info = self._ctx.info()
+        # colibri_model_info.image_size is the header's u32 field: 0xFFFFFFFF for a version-7 image past it
+        info["image_size"] = total_size(self.image)
         if not info["vocab_size"]:
             raise error_for(Status.MODEL_KIND, "a feature model (float rows in): open it with colibri.Model")
         self.info: dict[str, int] = info

@@ -79,11 +79,12 @@ pub enum Status {
     ModelKind = sys::COLIBRI_E_MODEL_KIND,
     BadSampler = sys::COLIBRI_E_BAD_SAMPLER,
     NanLogits = sys::COLIBRI_E_NAN_LOGITS,
+    ImageTooLarge = sys::COLIBRI_E_IMAGE_TOO_LARGE,
 }
 
 impl Status {
     /// Every failure status, in the header's order.
-    pub const ALL: [Status; 36] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits];
+    pub const ALL: [Status; 37] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge];
 
     /// The C value.
     pub const fn code(self) -> i32 {
@@ -130,6 +131,7 @@ impl Status {
             sys::COLIBRI_E_MODEL_KIND => Status::ModelKind,
             sys::COLIBRI_E_BAD_SAMPLER => Status::BadSampler,
             sys::COLIBRI_E_NAN_LOGITS => Status::NanLogits,
+            sys::COLIBRI_E_IMAGE_TOO_LARGE => Status::ImageTooLarge,
             _ => return None,
         })
     }
