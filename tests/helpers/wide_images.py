@@ -112,7 +112,7 @@ def limited_check_driver(out_dir: Path, limit: int = LIMIT_32, *, sanitize: bool
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     sources = [str(CORE / s) for s in (CORE / "sources.txt").read_text().split()]
-    flags = ["-std=c11", "-O1", "-g", "-ffp-contract=off", "-fno-math-errno", "-DCOLIBRI_KERNELS_REF",
+    flags = ["-std=c11", "-O1" if sanitize else "-O0", "-ffp-contract=off", "-fno-math-errno", "-DCOLIBRI_KERNELS_REF",
              f"-DCOLIBRI_MAX_IMAGE_BYTES=0x{limit:X}ull", f"-I{CORE / 'include'}", f"-I{CORE / 'posix'}"]
     if sanitize:
         flags += ["-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]

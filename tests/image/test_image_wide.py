@@ -179,6 +179,13 @@ def _patched(data: bytes, *edits: tuple[int, str, int], crc: bool = True) -> byt
 
 
 @pytest.fixture(scope="module")
+def limited(tmp_path_factory) -> Path:
+    """colibri_check from an engine built with COLIBRI_MAX_IMAGE_BYTES = 2^32 - 1 (a 32-bit target's
+    SIZE_MAX), built once for the module."""
+    return limited_check_driver(tmp_path_factory.mktemp("limited"), sanitize=False)
+
+
+@pytest.fixture(scope="module")
 def wide_q8() -> bytes:
     return image.write(GRAPHS["q8-v2"][0], version=F.WIDE_VERSION)
 
@@ -229,12 +236,11 @@ def _named(wide: bytes) -> dict[str, tuple[bytes, Status, Status]]:
     }
 
 
-def test_named_wide_faults(c_drivers: Path, wide_q8: bytes, tmp_path_factory) -> None:
+def test_named_wide_faults(c_drivers: Path, wide_q8: bytes, limited: Path) -> None:
     """Each fault of a version-7 header or record: its status from C and Python alike, in a 64-bit
     engine and in one built for a 32-bit target (COLIBRI_MAX_IMAGE_BYTES = 2^32 - 1)."""
     cases = _named(wide_q8)
     datas = [d for d, _, _ in cases.values()]
-    limited = limited_check_driver(tmp_path_factory.mktemp("limited"), sanitize=False)
     for (name, (data, want64, want32)), f64, f32 in zip(cases.items(), check(c_drivers, datas), check(limited, datas)):
         assert status(f64) == want64 == image.status(data), name
         assert _engine.validate(data) == want64 == _engine.validate_structure(data), name
@@ -249,13 +255,12 @@ def _wide_images() -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_every_field_at_every_edge_c_and_python_agree(c_drivers: Path, tmp_path_factory) -> None:
+def test_every_field_at_every_edge_c_and_python_agree(c_drivers: Path, limited: Path) -> None:
     """Every integer field of the header and of each tensor record, one at a time, at every edge
     value (0, 1, ±1, ±32, 2^31 - 1, 2^32 - 1, 2^32, high words, 2^63, 2^64 - 1, the image's size):
     the 64-bit engine (normal and ASan + UBSan), the 32-bit-limited one and the Python reader at
     its two limits give the same status, full and structure level. An image that still validates
     runs (colibri_check's forwards)."""
-    limited = limited_check_driver(tmp_path_factory.mktemp("limited"))
     seen64: set[int] = set()
     seen32: set[int] = set()
     total = 0
@@ -278,9 +283,8 @@ def test_every_field_at_every_edge_c_and_python_agree(c_drivers: Path, tmp_path_
     assert Status.IMAGE_TOO_LARGE in seen32 and Status.IMAGE_TOO_LARGE not in seen64
 
 
-def test_random_field_mutations_c_and_python_agree(c_drivers: Path, tmp_path_factory) -> None:
+def test_random_field_mutations_c_and_python_agree(c_drivers: Path, limited: Path) -> None:
     """1 to 3 fields at once, 400 images per seed model, CRCs made right: same status everywhere."""
-    limited = limited_check_driver(tmp_path_factory.mktemp("limited"))
     rng = np.random.default_rng(26)
     for name, wide in _wide_images().items():
         cases = mutated(wide, rng, 400)
@@ -290,9 +294,8 @@ def test_random_field_mutations_c_and_python_agree(c_drivers: Path, tmp_path_fac
             assert status(f32) == image.status(data, max_image_bytes=LIMIT_32), name
 
 
-def test_narrow_images_are_unaffected_by_the_32_bit_limit(c_drivers: Path, tmp_path_factory) -> None:
+def test_narrow_images_are_unaffected_by_the_32_bit_limit(c_drivers: Path, limited: Path) -> None:
     """Versions 1..5 hold at most 4 GiB - 1, so the 32-bit build answers as the 64-bit one on them."""
-    limited = limited_check_driver(tmp_path_factory.mktemp("limited"), sanitize=False)
     cases = [image.write(g, **opts) for g, opts in GRAPHS.values()]
     cases += mutated(cases[2], np.random.default_rng(7), 300)
     for data, f64, f32 in zip(cases, check(c_drivers, cases), check(limited, cases)):

@@ -1172,6 +1172,12 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8 ||
             t.dtype == COLIBRI_DTYPE_I4)
             m->parameters += (uint64_t)t.rows * t.cols;
+        /* A bias held in its weight's companion (v2 Q8_PARAMS, Q4_PARAMS: BIAS) is a parameter as an
+         * F32 bias tensor is, so the count is the same whatever the dtype. */
+        else if ((t.dtype == COLIBRI_DTYPE_Q8_PARAMS && h->version >= 2u &&
+                  (p[(size_t)t.offset + 5u] & COLIBRI_Q8_FLAG_BIAS)) ||
+                 (t.dtype == COLIBRI_DTYPE_Q4_PARAMS && (p[(size_t)t.offset + 5u] & COLIBRI_Q4_FLAG_BIAS)))
+            m->parameters += t.rows;
     }
     /* Pass 2: every I8 and I4 tensor's companion, in index order. */
     for (uint32_t i = 0; st == COLIBRI_OK && i < h->tensor_count; i++) {
