@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from ..model import format as F
 from ..model.errors import ColibriError
 
 
@@ -35,6 +34,7 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..checkpoints.hf_folder import export_folder
+    from ..image import writer
 
     _need_seq_len(max_seq_len, str(folder))
     start = time.perf_counter()
@@ -52,7 +52,7 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
     seconds = time.perf_counter() - start
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
-    if result.bytes_written > F.NARROW_LIMIT:
+    if result.bytes_written > writer.NARROW_LIMIT:
         click.echo(f"format v{result.version}: the image passes 4 GiB, so it runs on 64-bit hosts only; an engine built "
                    "for a 32-bit target refuses it (IMAGE_TOO_LARGE)")
 
