@@ -56,7 +56,7 @@ typedef struct colibri_ctx colibri_ctx;
 
 typedef struct colibri_model_info {
     uint32_t format_version;
-    uint32_t image_size;       /* bytes */
+    uint32_t image_size;       /* bytes; 0xFFFFFFFF for a format v7 image of 4 GiB or more (its header's u32) */
     uint32_t flags;            /* COLIBRI_FLAG_* */
     uint32_t input_size;       /* features per token in */
     uint32_t output_size;      /* features per token out */
