@@ -18,7 +18,6 @@ from colibri.frontends.exporter import build_graph
 from colibri.model.ir import Q4Weight, Q8Weight
 from colibri.model.walks import weight_slots
 from colibri.quant.quantize import quantize
-
 from helpers import lmmodels
 
 DTYPES = {"f32": {}, "f16": {}, "q8": {}, "q4": {"group": 8}}

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 
 from colibri.model import format as F
-
 from helpers.build import CORE, ROOT
 
 LIMIT_32 = 0xFFFFFFFF  # what size_t holds on a 32-bit target

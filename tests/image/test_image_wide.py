@@ -31,7 +31,6 @@ from colibri.model.ir import Graph
 from colibri.quant.quantize import quantize
 from colibri.reference import executor as reference
 from colibri.runtime import _engine
-
 from helpers import lmmodels
 from helpers.c_drivers import check, status
 from helpers.wide_images import LIMIT_32, every_field_at_every_edge, fix_crcs, limited_check_driver, mutated
@@ -113,7 +112,8 @@ def test_version_7_runs_as_its_twin_bit_for_bit(twins, tmp_path) -> None:
     rng = np.random.default_rng(0)
     if token:
         ids = rng.integers(0, F.HEADER.unpack_from(wide)[6], 6)
-        runs = [lambda src, ref=ref: colibri.LM(src, reference_kernels=ref).forward_tokens(ids) for ref in (False, True)]
+        runs = [lambda src, ref=ref: colibri.LM(src, reference_kernels=ref).forward_tokens(ids)
+                for ref in (False, True)]
         numpy_run = lambda data: reference.LMState(image.read(data)).forward_tokens(ids)  # noqa: E731
     else:
         x = rng.standard_normal((3, F.HEADER.unpack_from(wide)[6])).astype(np.float32)
@@ -161,7 +161,7 @@ def test_streamed_writer_switches_as_write_does(name, monkeypatch, tmp_path) -> 
         monkeypatch.setattr(writer, "NARROW_LIMIT", limit)
         calls: list[int] = []
         out = tmp_path / f"{limit}.clb"
-        report = stream.write_file(graph, out, on_tensor=lambda i, n, b: calls.append(i))
+        report = stream.write_file(graph, out, on_tensor=lambda i, n, b, calls=calls: calls.append(i))
         assert out.read_bytes() == want, what
         assert report.version == want[4] and report.bytes_written == len(want), what
         assert calls.count(0) == passes, what  # the payloads were made twice only when the switch came late

@@ -14,7 +14,6 @@ from colibri import image
 from colibri.model import format as F
 from colibri.model.format import Status
 from colibri.target.device import Device, DeviceError
-
 from helpers.target import assert_bits_equal, model_image
 from helpers.wide_images import LIMIT_32, fix_crcs
 

@@ -121,7 +121,7 @@ typedef enum colibri_status {
     COLIBRI_E_MODEL_KIND = -34, /* wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model */
     COLIBRI_E_BAD_SAMPLER = -35, /* invalid sampler settings (struct_size, temperature, top_k or top_p) */
     COLIBRI_E_NAN_LOGITS = -36, /* the logits contain NaN (or Inf when sampling): no token can be drawn */
-    COLIBRI_E_IMAGE_TOO_LARGE = -37, /* the image is larger than this engine build can address (image_size past SIZE_MAX or COLIBRI_MAX_IMAGE_BYTES) */
+    COLIBRI_E_IMAGE_TOO_LARGE = -37, /* the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -163,7 +163,7 @@ typedef enum colibri_status {
     X(-34, "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model") \
     X(-35, "invalid sampler settings (struct_size, temperature, top_k or top_p)") \
     X(-36, "the logits contain NaN (or Inf when sampling): no token can be drawn") \
-    X(-37, "the image is larger than this engine build can address (image_size past SIZE_MAX or COLIBRI_MAX_IMAGE_BYTES)") \
+    X(-37, "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

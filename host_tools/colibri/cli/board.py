@@ -48,8 +48,9 @@ def refuse_what_it_cannot_hold(dev, name: str, data: bytes, host) -> None:
     arena is the target's to measure: the host's (64-bit pointers in the plan) is an upper bound."""
     hello = dev.hello()
     if len(data) > hello.model_capacity:
-        raise ColibriError(f"{name}: the image is {len(data):,} B and {hello.board}'s runner holds {hello.model_capacity:,} B "
-                           "of model: choose a smaller dtype (colibri quantize --target BOARD plans one); nothing uploaded")
+        raise ColibriError(f"{name}: the image is {len(data):,} B and {hello.board}'s runner holds "
+                           f"{hello.model_capacity:,} B of model: choose a smaller dtype (colibri quantize --target "
+                           "BOARD plans one); nothing uploaded")
     kv = host.info.get("kv_cache_bytes", 0)
     if kv > hello.arena_capacity:
         raise ColibriError(f"{name}: the KV cache alone is {kv:,} B and {hello.board}'s arena holds "

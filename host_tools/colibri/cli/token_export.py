@@ -53,7 +53,8 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     if result.bytes_written > writer.NARROW_LIMIT:
-        click.echo(f"format v{result.version}: the image passes 4 GiB, so it runs on 64-bit hosts only; an engine built "
+        click.echo(f"format v{result.version}: the image passes 4 GiB, so it runs on 64-bit hosts only; an engine "
+                   "built "
                    "for a 32-bit target refuses it (IMAGE_TOO_LARGE)")
 
 

@@ -77,7 +77,8 @@ def layout(graph: Graph, *, version: int | None = None, where: str = "the image"
     if plan.version < F.WIDE_VERSION and least > writer.NARROW_LIMIT:
         if version is not None:
             raise ExportError(f"{where}: the image would be at least {least / 2**30:.2f} GiB, past format version "
-                              f"{version}'s 32-bit sizes and offsets (version {F.WIDE_VERSION} holds it); nothing written")
+                              f"{version}'s 32-bit sizes and offsets (version {F.WIDE_VERSION} holds it); "
+                              "nothing written")
         plan.widen()
     return plan
 

@@ -196,7 +196,8 @@ class Layout:
         flags = F.Flag.PAGE_ALIGNED if self.page_aligned else 0
         wide = self.version >= F.WIDE_VERSION
         if not wide and image_size > F.NARROW_LIMIT:
-            raise ValueError(f"an image of {image_size} bytes needs format version {F.WIDE_VERSION}, not {self.version}")
+            raise ValueError(f"an image of {image_size} bytes needs format version {F.WIDE_VERSION}, "
+                             f"not {self.version}")
         buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
             F.MAGIC, self.version, F.header_size(self.version), 0, min(image_size, F.NARROW_LIMIT), int(flags),
             graph.input_size, graph.output_size, graph.max_batch,

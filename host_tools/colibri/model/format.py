@@ -326,10 +326,11 @@ STATUS_TEXT = {
     Status.MODEL_KIND: "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model",
     Status.BAD_SAMPLER: "invalid sampler settings (struct_size, temperature, top_k or top_p)",
     Status.NAN_LOGITS: "the logits contain NaN (or Inf when sampling): no token can be drawn",
-    Status.IMAGE_TOO_LARGE: "the image is larger than this engine build can address (image_size past SIZE_MAX or COLIBRI_MAX_IMAGE_BYTES)",
+    Status.IMAGE_TOO_LARGE: "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)",
 }
 
-_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "TENSOR_WIDE": TENSOR_WIDE, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT,
+_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "TENSOR_WIDE": TENSOR_WIDE, "LAYER": LAYER, "MOE": MOE,
+            "EXPERT": EXPERT,
             "ATTENTION": ATTENTION}
 
 
