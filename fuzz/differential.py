@@ -3,7 +3,7 @@
     .venv/bin/python fuzz/differential.py [libFuzzer options] [corpus dirs]
 
 Each input is an image (seeded from fuzz/corpus/differential: real exports of
-every dtype and option). The header CRC is rewritten over the mutated bytes
+every dtype and option, and format version 7 twins of some). The header CRC is rewritten over the mutated bytes
 when image_size lies within the input, so mutations reach the table and
 record checks instead of stopping at BAD_CRC (format v3 and later: the payload CRCs too). Then the engine
 (`colibri.runtime._engine.validate`, the C code) and `colibri.image.read` (the
@@ -33,11 +33,12 @@ def _fix_tensor_crcs(buf: bytearray, meta: int) -> None:
     payload lie inside the input (as fuzz/engine_fuzz.c), so mutations get past the payload CRCs."""
     n_t, t_off = int.from_bytes(buf[32:36], "little"), int.from_bytes(buf[36:40], "little")
     crc_off = int.from_bytes(buf[68:72], "little")
+    record = F.tensor_record(int.from_bytes(buf[4:6], "little"))  # v7: 32 bytes, u64 offset and nbytes
     for i in range(min(n_t, 4096)):
-        rec, slot = t_off + i * F.TENSOR.size, crc_off + 4 * i
-        if rec + F.TENSOR.size > len(buf) or slot + 4 > meta or slot < F.HEADER_SIZE:
+        rec, slot = t_off + i * record.size, crc_off + 4 * i
+        if rec + record.size > len(buf) or slot + 4 > meta or slot < F.HEADER_SIZE:
             return
-        off, nbytes = int.from_bytes(buf[rec : rec + 4], "little"), int.from_bytes(buf[rec + 4 : rec + 8], "little")
+        off, nbytes = record.unpack_from(buf, rec)[:2]
         if off + nbytes > len(buf) or off < meta:
             continue
         buf[slot : slot + 4] = (zlib.crc32(buf[off : off + nbytes]) & 0xFFFFFFFF).to_bytes(4, "little")

@@ -54,14 +54,18 @@ static void wr32(uint8_t *p, uint32_t v)
 static void fix_tensor_crcs(uint8_t *image, size_t len, uint32_t meta)
 {
     const uint32_t n = rd32(image + 32), t_off = rd32(image + 36), crc_off = rd32(image + 68);
+    const int wide = image[4] >= COLIBRI_WIDE_VERSION; /* v7: 32-byte records, u64 offset and nbytes */
+    const uint64_t record = wide ? COLIBRI_TENSOR_WIDE_SIZE : COLIBRI_TENSOR_SIZE;
     for (uint64_t i = 0; i < n && i < 4096u; i++) {
-        const uint64_t rec = (uint64_t)t_off + i * COLIBRI_TENSOR_SIZE, slot = (uint64_t)crc_off + 4u * i;
-        if (rec + COLIBRI_TENSOR_SIZE > len || slot + 4u > meta || slot < COLIBRI_HEADER_SIZE)
+        const uint64_t rec = (uint64_t)t_off + i * record, slot = (uint64_t)crc_off + 4u * i;
+        if (rec + record > len || slot + 4u > meta || slot < COLIBRI_HEADER_SIZE)
             return;
-        const uint32_t off = rd32(image + rec), nbytes = rd32(image + rec + 4);
-        if ((uint64_t)off + nbytes > len || off < meta)
+        const uint64_t off = wide ? rd32(image + rec) | (uint64_t)rd32(image + rec + 4) << 32 : rd32(image + rec);
+        const uint64_t nbytes = wide ? rd32(image + rec + 8) | (uint64_t)rd32(image + rec + 12) << 32
+                                     : rd32(image + rec + 4);
+        if (off > len || nbytes > len - off || off < meta)
             continue;
-        wr32(image + slot, crc32_update(0u, image + off, nbytes));
+        wr32(image + slot, crc32_update(0u, image + off, (size_t)nbytes));
     }
 }
 

@@ -107,6 +107,15 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], dict]] = {
     "wide-e-q4": (_wide_e, {"dtype": "q4", "compensation": 0.85, "group": 8}),
     "mixed-q4-q8": (lambda: _moe_model(routing="softmax_topk", top_k=2, renormalize=True),
                     {**Q4, "q8": ["layers.0", "layers.3.experts.0.*"]}),
+    # Format version 7 (64-bit image size, tensor offsets and sizes), forced on images of every kind
+    # the writer otherwise gives versions 1, 2, 3 and 5 (past 4 GiB it picks 7 itself).
+    "page-aligned-f32-v7": (lambda: _moe_model(experts=2, routing="top1", gated=True),
+                            {"page_aligned": True, "version": 7}),
+    "softmax-topk-q8-v7": (lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True),
+                           {**Q8, "version": 7}),
+    "glu-q4-int8act-v7": (
+        lambda: _moe_model(routing="topk_softmax", top_k=2, gated=True, num_shared=1, shared_gate=True),
+        {**Q4, "int8_act": ["layers.6", "layers.3.experts.*", "layers.3.shared.*"], "version": 7}),
     # Format version 1 (quantised with compact=False, written as version 1).
     "softmax-topk-q8-v1": (
         lambda: _moe_model(routing="softmax_topk", top_k=2, num_shared=1, shared_gate=True), {**Q8, "version": 1}),
@@ -174,6 +183,11 @@ def seed_image(factory: Callable[[], torch.nn.Module], opts: dict) -> bytes:
     if opts.get("tensor_crc"):  # version 3 without page alignment: written from the exported graph
         opts = {k: v for k, v in opts.items() if k != "tensor_crc"}
         return image.write(export(factory(), None, max_batch=3, **opts).graph, tensor_crc=True)
+    if opts.get("version") == 7:  # written from the exported graph, as the v3 seeds
+        opts = dict(opts)
+        page_aligned, version = opts.pop("page_aligned", False), opts.pop("version")
+        return image.write(export(factory(), None, max_batch=3, **opts).graph, page_aligned=page_aligned,
+                           version=version)
     if opts.get("version", 2) >= 2:
         return export(factory(), None, max_batch=3, **opts).image
     opts = dict(opts)

@@ -24,6 +24,7 @@ from colibri.cli import main
 from colibri.checkpoints import hf_folder
 from colibri.frontends import hf_lm
 from colibri.image import stream
+from colibri.model import format as F
 from colibri.model.errors import ExportError
 from colibri.model.ir import Embedding, Graph, Linear
 from helpers.hf_lm_models import ARCHS
@@ -246,14 +247,49 @@ def test_a_failure_leaves_the_old_file(folders, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.clb")] == []
 
 
-def test_an_image_past_4_gib_is_refused_before_writing(tmp_path):
+def _past_4_gib() -> Graph:
     def never():
         raise AssertionError("read")
 
     big = hf_folder.PlannedWeight(name="layers.0", where="x", shape=(70_000, 16_384), load=never)
-    graph = Graph(layers=[Embedding(big), Linear(big)], input_size=70_000, output_size=70_000)
-    with pytest.raises(ExportError, match="past the format's 32-bit sizes"):
-        stream.write_file(graph, tmp_path / "big.clb")
+    return Graph(layers=[Embedding(big), Linear(big)], input_size=70_000, output_size=70_000)
+
+
+def test_an_image_past_4_gib_is_laid_out_as_version_7_before_writing():
+    """4.3 GiB of f32 from the records alone: version 7 (64-bit sizes) is chosen before any tensor is
+    read; the 4 GiB refusal is gone."""
+    plan = stream.layout(_past_4_gib())
+    assert plan.version == F.WIDE_VERSION and stream.least_size(plan) > F.NARROW_LIMIT
+    assert plan.payload_start == F.WIDE_HEADER_SIZE + F.TENSOR_WIDE.size + 2 * F.LAYER.size + 4
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8"])
+def test_folder_export_past_the_narrow_limit_is_version_7(folders, tmp_path, monkeypatch, dtype):
+    """With the 4 GiB boundary moved below the image (writer.NARROW_LIMIT), the streamed export
+    writes version 7: the in-memory export's version-7 bytes, and the same logits as the narrow file,
+    bit for bit. The CLI says such an image runs on 64-bit hosts only."""
+    from colibri.image import writer
+
+    folder = folders["mixtral", "f32"]
+    narrow_path, wide_path = tmp_path / "narrow.clb", tmp_path / "wide.clb"
+    colibri.export(folder, narrow_path, max_seq_len=16, dtype=dtype)
+    narrow = narrow_path.read_bytes()
+    monkeypatch.setattr(writer, "NARROW_LIMIT", len(narrow) - 1)
+    result = CliRunner().invoke(main, ["export", str(folder), str(wide_path), "--max-seq-len", "16", "--dtype", dtype])
+    assert result.exit_code == 0, result.output
+    assert "format v7" in result.output and "runs on 64-bit hosts only" in result.output
+    wide = wide_path.read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert wide == hf_lm.export_lm(model, max_seq_len=16, dtype=dtype, check=False).image
+    assert wide[4] == F.WIDE_VERSION and narrow[4] == F.LM_VERSION
+    ids = [3, 1, 4, 1, 5]
+    got = colibri.LM(str(wide_path)).forward_tokens(ids)
+    assert got.tobytes() == colibri.LM(str(narrow_path)).forward_tokens(ids).tobytes()
+
+
+def test_an_image_past_4_gib_in_a_narrow_version_is_refused_before_writing(tmp_path):
+    with pytest.raises(ExportError, match="past format version 4's 32-bit sizes and offsets"):
+        stream.write_file(_past_4_gib(), tmp_path / "big.clb", version=F.LM_VERSION)
     assert list(tmp_path.iterdir()) == []
 
 

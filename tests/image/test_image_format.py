@@ -102,7 +102,6 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
     image.read(data)
     colibri.validate(data)
     # v6 for a token model with a tokenizer section only (tests/lm/test_lm_tokenizer_section.py)
-    assert F.MAX_READ_VERSION == F.TOKENIZER_VERSION
     g = lmmodels.token_model(0, vocab=256)
     g.tokenizer = tokenizer_section.pack(tokenizer_section.TokenizerSection(
         kind=F.TokenizerKind.BYTE_BPE, tokens=[bytes([b]) for b in range(256)],
@@ -110,6 +109,17 @@ def test_every_readable_version_is_read(tiny_image: bytes) -> None:
         byte_ids=np.arange(256, dtype=np.uint32)))
     data = image.write(g)
     assert data[4] == F.TOKENIZER_VERSION
+    assert image.read(data).tokenizer == g.tokenizer
+    colibri.validate(data)
+    # v7 (64-bit sizes) is written past 4 GiB or when asked (tests/image/test_image_wide.py)
+    assert F.MAX_READ_VERSION == F.WIDE_VERSION
+    data = image.write(image.read(tiny_image), version=F.WIDE_VERSION)
+    assert data[4] == F.WIDE_VERSION
+    image.read(data)
+    colibri.validate(data)
+    # v7 with a tokenizer section: a token model past 4 GiB keeps its tokenizer
+    data = image.write(g, version=F.WIDE_VERSION)
+    assert data[4] == F.WIDE_VERSION
     assert image.read(data).tokenizer == g.tokenizer
     colibri.validate(data)
 

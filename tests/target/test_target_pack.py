@@ -169,14 +169,14 @@ def test_flash_image_refuses_a_version_the_firmware_does_not_read(model_file: Pa
 
     from colibri import image
 
-    # relabelled from the newest layout (v5: a feature model with int4 weights), so a reader of the
-    # next version reads it as this one would
+    # relabelled from the newest layout (v7: a feature model with int4 weights, 96-byte header), so a
+    # reader of the next version reads it as this one would
     from colibri.frontends.exporter import export
 
     torch.manual_seed(0)
-    data = export(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
-                  dtype="q4", group=8).image
-    newer = with_version(data, F.MAX_READ_VERSION + 1)
+    graph = export(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                   dtype="q4", group=8).graph
+    newer = with_version(image.write(graph, version=F.MAX_READ_VERSION), F.MAX_READ_VERSION + 1)
     with pytest.raises(ImageError) as exc:  # newer than the engine packaged with this colibri
         flash_image(newer, tmp_path / "a")
     assert exc.value.status == F.Status.UNSUPPORTED_VERSION and not (tmp_path / "a.bin").exists()

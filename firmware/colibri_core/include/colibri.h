@@ -56,7 +56,7 @@ typedef struct colibri_ctx colibri_ctx;
 
 typedef struct colibri_model_info {
     uint32_t format_version;
-    uint32_t image_size;       /* bytes */
+    uint32_t image_size;       /* bytes; 0xFFFFFFFF for a format v7 image of 4 GiB or more (its header's u32) */
     uint32_t flags;            /* COLIBRI_FLAG_* */
     uint32_t input_size;       /* features per token in */
     uint32_t output_size;      /* features per token out */
@@ -66,7 +66,8 @@ typedef struct colibri_model_info {
     uint32_t num_moe_layers;
     uint32_t num_experts;      /* routed experts kept in the image, all MoE layers */
     uint32_t num_shared_experts;
-    uint64_t num_parameters;   /* elements of all F32, F16 and I8 tensors (not Q8_PARAMS, not I32) */
+    uint64_t num_parameters;   /* elements of all F32, F16, I8 and I4 tensors (not I32), plus the biases
+                                  Q8_PARAMS / Q4_PARAMS companions hold: the same whatever the dtype */
     size_t arena_size;         /* bytes, as colibri_model_size() */
     /* Token models (docs/lm.md); 0 for a feature model. */
     uint32_t vocab_size;       /* token ids are below it; logits rows are output_size (= vocab_size) */

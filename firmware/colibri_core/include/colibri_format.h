@@ -5,7 +5,7 @@
 #define COLIBRI_MAGIC 0x52424C43u
 #define COLIBRI_FORMAT_VERSION 2u
 #define COLIBRI_FORMAT_VERSION_MIN 1u
-#define COLIBRI_FORMAT_VERSION_MAX 6u
+#define COLIBRI_FORMAT_VERSION_MAX 7u
 #define COLIBRI_NONE 0xFFFFFFFFu
 #define COLIBRI_PAYLOAD_ALIGN 32u
 #define COLIBRI_PAGE_SIZE 4096u
@@ -30,9 +30,15 @@
 #define COLIBRI_TOKENIZER_SECTION_VERSION 1u
 #define COLIBRI_TOKENIZER_HEADER_SIZE 80u
 #define COLIBRI_TOKENIZER_BYTE_IDS 256u
+#define COLIBRI_WIDE_VERSION 7u
+#define COLIBRI_WIDE_HEADER_SIZE 96u
+#define COLIBRI_WIDE_FIELDS_OFFSET 80u
+#define COLIBRI_NARROW_LIMIT 0xFFFFFFFFu
+#define COLIBRI_MAX_TENSOR_ELEMENTS 0xFFFFFFFFu
 
 #define COLIBRI_HEADER_SIZE 80u
 #define COLIBRI_TENSOR_SIZE 24u
+#define COLIBRI_TENSOR_WIDE_SIZE 32u
 #define COLIBRI_LAYER_SIZE 32u
 #define COLIBRI_MOE_SIZE 48u
 #define COLIBRI_EXPERT_SIZE 32u
@@ -144,6 +150,7 @@ typedef enum colibri_status {
     COLIBRI_E_MODEL_KIND = -34, /* wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model */
     COLIBRI_E_BAD_SAMPLER = -35, /* invalid sampler settings (struct_size, temperature, top_k or top_p) */
     COLIBRI_E_NAN_LOGITS = -36, /* the logits contain NaN (or Inf when sampling): no token can be drawn */
+    COLIBRI_E_IMAGE_TOO_LARGE = -37, /* the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES) */
     COLIBRI_E_BAD_TOKENIZER = -38, /* invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids) */
     COLIBRI_E_NO_TOKENIZER = -39, /* the model image holds no tokenizer section (or this engine was built without the tokenizer) */
 } colibri_status;
@@ -187,6 +194,7 @@ typedef enum colibri_status {
     X(-34, "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model") \
     X(-35, "invalid sampler settings (struct_size, temperature, top_k or top_p)") \
     X(-36, "the logits contain NaN (or Inf when sampling): no token can be drawn") \
+    X(-37, "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)") \
     X(-38, "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)") \
     X(-39, "the model image holds no tokenizer section (or this engine was built without the tokenizer)") \
 

@@ -120,10 +120,10 @@ static colibri_status verify_tensor(const colibri_file *f, uint32_t index)
         return COLIBRI_E_BAD_REF;
     colibri_tensor t;
     colibri_read_tensor(f->base, h, index, &t);
-    if ((uint64_t)t.offset + t.nbytes > f->image_size)
+    if (t.offset > f->image_size || t.nbytes > f->image_size - t.offset) /* no wrap with v7's u64 fields */
         return COLIBRI_E_TENSOR_BOUNDS;
     const uint32_t want = colibri_rd_u32(f->base + h->crc_offset + 4u * (size_t)index);
-    return colibri_crc32(f->base + t.offset, t.nbytes) == want ? COLIBRI_OK : COLIBRI_E_BAD_PAYLOAD_CRC;
+    return colibri_crc32(f->base + (size_t)t.offset, (size_t)t.nbytes) == want ? COLIBRI_OK : COLIBRI_E_BAD_PAYLOAD_CRC;
 }
 
 static colibri_status verify_slot(colibri_file *f, file_expert *x)
@@ -518,7 +518,7 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
         goto fail;
     }
     if ((uint64_t)sb.st_size > SIZE_MAX) {
-        st = COLIBRI_E_MMAP_FAILED;
+        st = COLIBRI_E_IMAGE_TOO_LARGE; /* a 32-bit build cannot map it (format v7 images past 4 GiB) */
         goto fail;
     }
     f->map_len = (size_t)sb.st_size;
@@ -535,7 +535,7 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
     uint64_t work;
     if ((st = colibri_check_level(f->base, f->map_len, &f->model, &work, COLIBRI_CHECK_STRUCTURE)) != COLIBRI_OK)
         goto fail;
-    f->image_size = f->model.hdr.image_size;
+    f->image_size = (size_t)f->model.hdr.image_bytes; /* <= map_len, validated */
     f->path = strdup(path);
     owned = calloc((size_t)f->model.hdr.tensor_count / 8u + 1u, 1);
     if (!f->path || !owned) {

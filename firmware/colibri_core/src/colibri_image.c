@@ -79,6 +79,7 @@ void colibri_read_header(const uint8_t *p, colibri_header *h)
     h->header_size = colibri_rd_u16(p + 6);
     h->crc32 = colibri_rd_u32(p + 8);
     h->image_size = colibri_rd_u32(p + 12);
+    h->image_bytes = h->image_size; /* version 7: the u64 at 80, read by check_header */
     h->flags = colibri_rd_u32(p + 16);
     h->input_size = colibri_rd_u32(p + 20);
     h->output_size = colibri_rd_u32(p + 24);
@@ -92,7 +93,7 @@ void colibri_read_header(const uint8_t *p, colibri_header *h)
     h->expert_count = colibri_rd_u32(p + 56);
     h->expert_offset = colibri_rd_u32(p + 60);
     h->attention_count = h->attention_offset = 0;
-    if (h->version >= COLIBRI_LM_VERSION) { /* v4: v3's fields, then the attention table */
+    if (h->version >= COLIBRI_LM_VERSION) { /* v4: v3's fields, then the attention table (v5, v7 too) */
         h->meta_size = colibri_rd_u32(p + 64);
         h->crc_offset = colibri_rd_u32(p + 68);
         h->attention_count = colibri_rd_u32(p + 72);
@@ -110,6 +111,19 @@ void colibri_read_header(const uint8_t *p, colibri_header *h)
 
 void colibri_read_tensor(const uint8_t *image, const colibri_header *h, uint32_t index, colibri_tensor *t)
 {
+    if (h->version >= COLIBRI_WIDE_VERSION) { /* v7: offset and nbytes u64, then as before */
+        const uint8_t *p = image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_WIDE_SIZE;
+        t->offset = colibri_rd_u64(p + 0);
+        t->nbytes = colibri_rd_u64(p + 8);
+        p += 8;
+        t->rows = colibri_rd_u32(p + 8);
+        t->cols = colibri_rd_u32(p + 12);
+        t->dtype = p[16];
+        t->ndim = p[17];
+        t->reserved = colibri_rd_u16(p + 18);
+        t->aux = colibri_rd_u32(p + 20);
+        return;
+    }
     const uint8_t *p = image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_SIZE;
     t->offset = colibri_rd_u32(p + 0);
     t->nbytes = colibri_rd_u32(p + 4);
@@ -252,7 +266,15 @@ static int is_activation(uint32_t kind)
     return kind >= COLIBRI_ACT_RELU && kind <= COLIBRI_ACT_SIGMOID;
 }
 
-static colibri_status check_header(const uint8_t *image, size_t image_len, const colibri_header *h)
+/* The largest image this build addresses: SIZE_MAX, or a board's own limit
+ * (-DCOLIBRI_MAX_IMAGE_BYTES=..., e.g. its flash slot). A version-7 image
+ * past it is IMAGE_TOO_LARGE, not TRUNCATED: no buffer this build can be
+ * given would hold it. */
+#ifndef COLIBRI_MAX_IMAGE_BYTES
+#define COLIBRI_MAX_IMAGE_BYTES ((uint64_t)SIZE_MAX)
+#endif
+
+static colibri_status check_header(const uint8_t *image, size_t image_len, colibri_header *h)
 {
     if (h->magic != COLIBRI_MAGIC)
         return COLIBRI_E_BAD_MAGIC;
@@ -262,15 +284,30 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
         return COLIBRI_E_BAD_VERSION;
     if (h->version < COLIBRI_FORMAT_VERSION_MIN || h->version > COLIBRI_FORMAT_VERSION_MAX)
         return COLIBRI_E_UNSUPPORTED_VERSION;
-    if (h->header_size != COLIBRI_HEADER_SIZE || h->image_size < COLIBRI_HEADER_SIZE)
+    const int wide = h->version >= COLIBRI_WIDE_VERSION;
+    if (h->header_size != (wide ? COLIBRI_WIDE_HEADER_SIZE : COLIBRI_HEADER_SIZE))
         return COLIBRI_E_BAD_HEADER;
-    if (image_len < h->image_size)
+    if (wide) { /* v7: the 64-bit image_size at 80; the u32 at 12 its value up to 0xFFFFFFFF */
+        if (image_len < COLIBRI_WIDE_HEADER_SIZE)
+            return COLIBRI_E_TRUNCATED;
+        h->image_bytes = colibri_rd_u64(image + COLIBRI_WIDE_FIELDS_OFFSET);
+        h->reserved_set |= any_set(image + COLIBRI_WIDE_FIELDS_OFFSET + 8u, 8u);
+        const uint64_t low = h->image_bytes > COLIBRI_NARROW_LIMIT ? COLIBRI_NARROW_LIMIT : h->image_bytes;
+        if (h->image_size != low)
+            return COLIBRI_E_BAD_HEADER;
+    }
+    if (h->image_bytes < h->header_size)
+        return COLIBRI_E_BAD_HEADER;
+    if (h->image_bytes > COLIBRI_MAX_IMAGE_BYTES)
+        return COLIBRI_E_IMAGE_TOO_LARGE;
+    if (image_len < h->image_bytes)
         return COLIBRI_E_TRUNCATED;
     /* v3: the CRC covers the metadata [12, meta_size) (header and tables);
      * the payloads have their own CRCs (the CRC table). */
     if (h->version >= COLIBRI_TENSOR_CRC_VERSION &&
-        (h->meta_size % 4u != 0 || h->meta_size < h->header_size || h->meta_size > h->image_size))
+        (h->meta_size % 4u != 0 || h->meta_size < h->header_size || h->meta_size > h->image_bytes))
         return COLIBRI_E_BAD_HEADER;
+    /* Below v3 the CRC covers the whole image, which then fits 32 bits. */
     const uint32_t covered = h->version >= COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
     if (colibri_crc32(image + COLIBRI_CRC_START, covered - COLIBRI_CRC_START) != h->crc32)
         return COLIBRI_E_BAD_CRC;
@@ -287,9 +324,9 @@ static colibri_status check_header(const uint8_t *image, size_t image_len, const
 
 /* Where the tables may lie: up to image_size, in v3 up to meta_size (the
  * metadata the header CRC covers). */
-static uint32_t meta_end(const colibri_header *h)
+static uint64_t meta_end(const colibri_header *h)
 {
-    return h->version >= COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_size;
+    return h->version >= COLIBRI_TENSOR_CRC_VERSION ? h->meta_size : h->image_bytes;
 }
 
 /* A table of count records of record_size bytes at offset: 4-aligned, after
@@ -340,7 +377,7 @@ typedef struct colibri_q8_layout {
     /* Byte offsets from the payload start, col and val only when nnz > 0;
      * they are meaningful once size (in 64 bits: rows and nnz come from
      * unchecked fields) has been found equal to the record's nbytes. */
-    uint32_t scale, bias_at, row_ptr, col, val;
+    size_t scale, bias_at, row_ptr, col, val;
     uint64_t size;
 } colibri_q8_layout;
 
@@ -388,21 +425,22 @@ static ALWAYS_INLINE int colibri_q8_layout_of(const uint8_t *p, uint16_t version
         l->ptr = 4;
     else
         l->ptr = l->nnz > 0xFFu ? 2u : 1u;
-    /* Offsets are stored in 32 bits; only size, which decides validity,
-     * needs all 64. */
+    /* Offsets are stored in size_t; only size, which decides validity,
+     * needs all 64 (once it equals nbytes every offset lies inside the image,
+     * which fits size_t). */
     uint64_t pos = COLIBRI_Q8_PARAMS_HEADER + (uint64_t)l->param * rows;
     l->scale = COLIBRI_Q8_PARAMS_HEADER;
-    l->bias_at = (uint32_t)pos;
+    l->bias_at = (size_t)pos;
     if (l->bias)
         pos += (uint64_t)l->param * rows;
-    l->row_ptr = l->col = l->val = (uint32_t)pos;
+    l->row_ptr = l->col = l->val = (size_t)pos;
     if (l->ptr) {
         pos = colibri_up(pos, l->ptr);
-        l->row_ptr = (uint32_t)pos;
+        l->row_ptr = (size_t)pos;
         pos = colibri_up(pos + (uint64_t)l->ptr * (rows + 1u), 2u);
-        l->col = (uint32_t)pos;
+        l->col = (size_t)pos;
         pos = colibri_up(pos + 2u * (uint64_t)l->nnz, version < 2u ? 4u : 2u); /* v1 pads the columns to 4 bytes */
-        l->val = (uint32_t)pos;
+        l->val = (size_t)pos;
         pos += 2u * (uint64_t)l->nnz;
     }
     l->size = pos;
@@ -431,17 +469,17 @@ static ALWAYS_INLINE int colibri_q4_layout_of(const uint8_t *p, uint64_t rows, u
     *groups = (cols + (1ull << shift) - 1u) >> shift;
     uint64_t pos = COLIBRI_Q4_PARAMS_HEADER + 2u * rows * *groups;
     l->scale = COLIBRI_Q4_PARAMS_HEADER;
-    l->bias_at = (uint32_t)pos;
+    l->bias_at = (size_t)pos;
     if (l->bias)
         pos += 2u * rows;
-    l->row_ptr = l->col = l->val = (uint32_t)pos;
+    l->row_ptr = l->col = l->val = (size_t)pos;
     if (l->ptr) {
         pos = colibri_up(pos, l->ptr);
-        l->row_ptr = (uint32_t)pos;
+        l->row_ptr = (size_t)pos;
         pos = colibri_up(pos + (uint64_t)l->ptr * (rows + 1u), 2u);
-        l->col = (uint32_t)pos;
+        l->col = (size_t)pos;
         pos += 2u * (uint64_t)l->nnz;
-        l->val = (uint32_t)pos;
+        l->val = (size_t)pos;
         pos += 2u * (uint64_t)l->nnz;
     }
     l->size = pos;
@@ -454,14 +492,17 @@ static ALWAYS_INLINE int colibri_q4_layout_of(const uint8_t *p, uint64_t rows, u
 static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_header *h, const colibri_tensor *t,
                                    uint64_t prev_end, uint32_t index, uint32_t level)
 {
+    /* offset < image_bytes first, so image_bytes - offset cannot wrap (v7's
+     * u64 fields would in offset + nbytes). */
     if (t->offset % COLIBRI_PAYLOAD_ALIGN != 0 || t->offset < h->header_size || t->offset < prev_end ||
         t->offset < h->meta_size || /* v3: payloads after the metadata (meta_size 0 before) */
-        t->offset >= h->image_size || (uint64_t)t->offset + t->nbytes > h->image_size)
+        t->offset >= h->image_bytes || t->nbytes > h->image_bytes - t->offset)
         return COLIBRI_E_TENSOR_BOUNDS;
     /* v3, full check: the payload against its CRC table entry, before
-     * anything in it is interpreted. */
+     * anything in it is interpreted. Inside the image, which fits size_t. */
     if (h->version >= COLIBRI_TENSOR_CRC_VERSION && level == COLIBRI_CHECK_FULL &&
-        colibri_crc32(image + t->offset, t->nbytes) != colibri_rd_u32(image + h->crc_offset + 4u * (size_t)index))
+        colibri_crc32(image + (size_t)t->offset, (size_t)t->nbytes) !=
+            colibri_rd_u32(image + h->crc_offset + 4u * (size_t)index))
         return COLIBRI_E_BAD_PAYLOAD_CRC;
 
     uint64_t elem = 0; /* bytes per element; Q8_PARAMS has its own layout */
@@ -510,16 +551,17 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
             return COLIBRI_E_BAD_TENSOR;
         colibri_q8_layout l;
         uint64_t groups;
-        if (!colibri_q4_layout_of(image + t->offset, t->rows, t->cols, &l, &groups))
+        if (!colibri_q4_layout_of(image + (size_t)t->offset, t->rows, t->cols, &l, &groups))
             return COLIBRI_E_BAD_QUANT;
         if (t->nbytes != l.size || (l.nnz != 0 && t->cols > 65536u))
             return COLIBRI_E_BAD_TENSOR;
         return COLIBRI_OK;
     }
     if (t->dtype != COLIBRI_DTYPE_Q8_PARAMS) {
-        /* Exact: rows * cols < 2^64, and above 2^32 it cannot match nbytes. */
+        /* Exact: rows * cols < 2^64, at most 2^32 - 1 elements (v7's nbytes
+         * holds more bytes, not more elements), so count * elem < 2^35. */
         const uint64_t count = (uint64_t)t->rows * t->cols;
-        if (count > UINT32_MAX || count * elem != t->nbytes)
+        if (count > COLIBRI_MAX_TENSOR_ELEMENTS || count * elem != t->nbytes)
             return COLIBRI_E_BAD_TENSOR;
         return COLIBRI_OK;
     }
@@ -529,7 +571,7 @@ static NOINLINE colibri_status check_tensor(const uint8_t *image, const colibri_
     if (t->nbytes < COLIBRI_Q8_PARAMS_HEADER)
         return COLIBRI_E_BAD_TENSOR;
     colibri_q8_layout l;
-    if (!colibri_q8_layout_of(image + t->offset, h->version, t->rows, &l))
+    if (!colibri_q8_layout_of(image + (size_t)t->offset, h->version, t->rows, &l))
         return COLIBRI_E_BAD_QUANT;
     if (t->nbytes != l.size || (l.nnz != 0 && t->cols > 65536u))
         return COLIBRI_E_BAD_TENSOR;
@@ -629,7 +671,7 @@ static NOINLINE colibri_status check_quant(checker *ck, const colibri_tensor *t)
 
     /* Each scan below visits at most rows * cols + rows + 1 entries, no more
      * than the I8 tensor's own (non-overlapping) payload holds bytes. */
-    const uint8_t *p = ck->image + c.offset;
+    const uint8_t *p = ck->image + (size_t)c.offset;
     const uint32_t rows = c.rows;
     colibri_q8_layout l;
     (void)colibri_q8_layout_of(p, ck->h->version, rows, &l);
@@ -667,13 +709,13 @@ static NOINLINE colibri_status check_q4(checker *ck, const colibri_tensor *t)
     const uint32_t rows = c.rows;
     if (t->cols & 1u) {
         const size_t stride = ((size_t)t->cols + 1u) / 2u;
-        const uint8_t *last = ck->image + t->offset + stride - 1u;
+        const uint8_t *last = ck->image + (size_t)t->offset + stride - 1u;
         ck->work += rows;
         for (uint32_t i = 0; i < rows; i++)
             if (last[(size_t)i * stride] & 0xF0u)
                 return COLIBRI_E_BAD_QUANT;
     }
-    const uint8_t *p = ck->image + c.offset;
+    const uint8_t *p = ck->image + (size_t)c.offset;
     colibri_q8_layout l;
     uint64_t groups;
     (void)colibri_q4_layout_of(p, rows, c.cols, &l, &groups);
@@ -1305,9 +1347,10 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         return COLIBRI_E_TRUNCATED;
     memset(m, 0, sizeof *m);
     colibri_read_header(p, &m->hdr);
-    if ((st = check_header(p, image_len, h)) != COLIBRI_OK)
+    if ((st = check_header(p, image_len, &m->hdr)) != COLIBRI_OK)
         return st;
-    if (!table_ok(h, h->tensor_offset, h->tensor_count, COLIBRI_TENSOR_SIZE) ||
+    const uint32_t tensor_record = h->version >= COLIBRI_WIDE_VERSION ? COLIBRI_TENSOR_WIDE_SIZE : COLIBRI_TENSOR_SIZE;
+    if (!table_ok(h, h->tensor_offset, h->tensor_count, tensor_record) ||
         !table_ok(h, h->layer_offset, h->layer_count, COLIBRI_LAYER_SIZE) ||
         !table_ok(h, h->moe_offset, h->moe_count, COLIBRI_MOE_SIZE) ||
         !table_ok(h, h->expert_offset, h->expert_count, COLIBRI_EXPERT_SIZE) ||
@@ -1334,6 +1377,12 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
         if (t.dtype == COLIBRI_DTYPE_F32 || t.dtype == COLIBRI_DTYPE_F16 || t.dtype == COLIBRI_DTYPE_I8 ||
             t.dtype == COLIBRI_DTYPE_I4)
             m->parameters += (uint64_t)t.rows * t.cols;
+        /* A bias held in its weight's companion (v2 Q8_PARAMS, Q4_PARAMS: BIAS) is a parameter as an
+         * F32 bias tensor is, so the count is the same whatever the dtype. */
+        else if ((t.dtype == COLIBRI_DTYPE_Q8_PARAMS && h->version >= 2u &&
+                  (p[(size_t)t.offset + 5u] & COLIBRI_Q8_FLAG_BIAS)) ||
+                 (t.dtype == COLIBRI_DTYPE_Q4_PARAMS && (p[(size_t)t.offset + 5u] & COLIBRI_Q4_FLAG_BIAS)))
+            m->parameters += t.rows;
     }
     /* Pass 2: every I8 and I4 tensor's companion, in index order. */
     for (uint32_t i = 0; st == COLIBRI_OK && i < h->tensor_count; i++) {

@@ -25,6 +25,11 @@ static inline uint32_t colibri_rd_u32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+static inline uint64_t colibri_rd_u64(const uint8_t *p)
+{
+    return (uint64_t)colibri_rd_u32(p) | (uint64_t)colibri_rd_u32(p + 4) << 32;
+}
+
 static inline float colibri_rd_f32(const uint8_t *p)
 {
     uint32_t bits = colibri_rd_u32(p);
@@ -50,6 +55,9 @@ typedef struct colibri_header {
     /* Version 4 (token models, docs/lm.md): the attention table. Both 0
      * before v4. */
     uint32_t attention_count, attention_offset;
+    /* The image's bytes: image_size, in version 7 the u64 at 80 (image_size
+     * then holds min(image_bytes, 0xFFFFFFFF)). Every bounds check uses it. */
+    uint64_t image_bytes;
     int reserved_set;   /* nonzero if any reserved byte is nonzero */
 } colibri_header;
 
@@ -62,7 +70,8 @@ static inline int colibri_token_model(const colibri_header *h)
 }
 
 typedef struct colibri_tensor {
-    uint32_t offset, nbytes, rows, cols;
+    uint64_t offset, nbytes; /* u32 in the record before version 7 */
+    uint32_t rows, cols;
     uint8_t dtype, ndim;
     uint16_t reserved;
     uint32_t aux;
@@ -120,6 +129,8 @@ static inline const void *colibri_payload(const uint8_t *image, const colibri_he
 {
     if (index == COLIBRI_NONE)
         return NULL;
+    if (h->version >= COLIBRI_WIDE_VERSION) /* v7: a u64 offset, inside the validated image (fits size_t) */
+        return image + (size_t)colibri_rd_u64(image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_WIDE_SIZE);
     return image + colibri_rd_u32(image + h->tensor_offset + (size_t)index * COLIBRI_TENSOR_SIZE);
 }
 

@@ -32,6 +32,55 @@ def target_device(port: str | None, baud: int, firmware: Path | None):
     return opened()
 
 
+def host_engine(data: bytes):
+    """The host engine over `data` with the reference kernels: colibri.LM for a token model, else
+    colibri.Model."""
+    from .. import image
+    from ..runtime import engine
+
+    token = len(data) >= 6 and image.is_token_model(int.from_bytes(data[4:6], "little"), data)
+    return (engine.LM if token else engine.Model)(data, reference_kernels=True)
+
+
+def refuse_what_it_cannot_hold(dev, name: str, data: bytes, host) -> None:
+    """Before any byte is uploaded: an image larger than the runner's model buffer, or a token model
+    whose KV cache alone (the same bytes on every target) is larger than its arena. The rest of the
+    arena is the target's to measure: the host's (64-bit pointers in the plan) is an upper bound."""
+    hello = dev.hello()
+    if len(data) > hello.model_capacity:
+        raise ColibriError(f"{name}: the image is {len(data):,} B and {hello.board}'s runner holds "
+                           f"{hello.model_capacity:,} B of model: choose a smaller dtype (colibri quantize --target "
+                           "BOARD plans one); nothing uploaded")
+    kv = host.info.get("kv_cache_bytes", 0)
+    if kv > hello.arena_capacity:
+        raise ColibriError(f"{name}: the KV cache alone is {kv:,} B and {hello.board}'s arena holds "
+                           f"{hello.arena_capacity:,} B: export with a smaller --max-seq-len or --kv-dtype f16; "
+                           "nothing uploaded")
+
+
+def run_once(dev, host, info, rng: np.random.Generator) -> list[tuple[str, np.ndarray, np.ndarray, object]]:
+    """(what, device answer, host answer, device work) of a feature model's batches of 1 and
+    max_batch, or of a token model's prefill of up to max_batch tokens and one decode step after it."""
+    if not info.vocab_size:
+        out = []
+        for batch in sorted({1, info.max_batch}):
+            x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
+            y, work = dev.forward(x)
+            out.append((f"batch {batch}", y, host.forward(x), work))
+        return out
+    prompt = rng.integers(0, info.vocab_size, max(1, min(info.max_batch, info.max_seq_len - 1)))
+    dev.lm_reset()
+    host.reset()
+    y, work = dev.forward_tokens(prompt)
+    want = host.forward_tokens(prompt)
+    out = [(f"prefill {len(prompt)} tokens", y, want, work)]
+    if len(prompt) < info.max_seq_len:
+        step = [int(np.argmax(want[-1]))]
+        y, work = dev.forward_tokens(step)
+        out.append(("decode 1 token", y, host.forward_tokens(step), work))
+    return out
+
+
 def port_options(fn):
     options = [
         click.option("--port", help="Serial port of a board running the runner (default: boot it in QEMU)."),
@@ -53,30 +102,28 @@ def port_options(fn):
                    "host's bit for bit; by default the target runs its optimised kernels, within 1e-5.")
 def hil(model_path: Path, port: str | None, baud: int, firmware: Path | None, seed: int,
         reference_kernels: bool) -> None:
-    """Run MODEL on the target and compare its answers with the host engine's reference kernels."""
-    from ..runtime import engine
+    """Run MODEL on the target and compare its answers with the host engine's reference kernels
+    (a token model: logits of a prefill and of one decode step)."""
     from ..target.footprint import elf_footprint
 
     data = model_path.read_bytes()
-    host = engine.Model(data, reference_kernels=True)
+    host = host_engine(data)
     rng = np.random.default_rng(seed)
     refuse_unused(click.get_current_context(), ["firmware"] if port else ["baud"],
                    "with --port (the board runs what it was flashed with)" if port else "without --port")
     with target_device(port, baud, firmware) as (dev, elf):
         hello = dev.hello()
         click.echo(f"target: {hello.board}, engine {hello.engine_version}, {hello.build_flags}")
+        refuse_what_it_cannot_hold(dev, model_path.name, data, host)
         if reference_kernels:
             dev.kernels(reference=True)
         info = dev.load(data, progress=True)
         click.echo(f"target kernels: {dev.kernels()[1]}")
         worst = 0.0
-        for batch in sorted({1, info.max_batch}):
-            x = rng.standard_normal((batch, host.input_size)).astype(np.float32)
-            y, work = dev.forward(x)
-            want = host.forward(x)
+        for what, y, want, work in run_once(dev, host, info, rng):
             err = float(np.abs(y - want).max())
             worst = max(worst, err / (1 + float(np.abs(want).max())))
-            click.echo(f"batch {batch}: max |device - host| {err:.3g}; work {work} ({work.count / batch:,.0f} per token)")
+            click.echo(f"{what}: max |device - host| {err:.3g}; work {work} ({work.count / len(y):,.0f} per token)")
         stats = dev.stats()
     click.echo(f"model {len(data):,} B, arena {info.arena_size:,} B, stack high-water {stats.stack_used:,} of {stats.stack_size:,} B")
     if elf is not None:
@@ -116,10 +163,13 @@ def footprint(model_path: Path | None, port: str | None, baud: int, firmware: Pa
                        f"(of which model buffer {hello.model_capacity:,} B, arena {hello.arena_capacity:,} B)")
         if model_path is not None:
             data = model_path.read_bytes()
+            host = host_engine(data)
+            refuse_what_it_cannot_hold(dev, model_path.name, data, host)
             info = dev.load(data, progress=True)
-            dev.forward(np.zeros((info.max_batch, info.input_size), np.float32))
+            run_once(dev, host, info, np.random.default_rng(0))  # the deepest stack: every layer, max_batch
             stats = dev.stats()
-            click.echo(f"model {model_path.name}: {len(data):,} B image, {info.arena_size:,} B arena, "
+            kv = f" (KV cache {info.kv_cache_bytes:,} B)" if info.vocab_size else ""
+            click.echo(f"model {model_path.name}: {len(data):,} B image, {info.arena_size:,} B arena{kv}, "
                        f"stack high-water {stats.stack_used:,} B of {stats.stack_size:,} B")
 
 

@@ -44,6 +44,11 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
     def numel(*tensors) -> int:
         return sum(int(np.prod(t.shape)) for t in tensors if t is not None)
 
+    def affine(weight, bias) -> int:
+        """A weight and its bias, the bias counted where it is stored: its own tensor, or (q8, q4) the
+        weight's companion, so a layer counts the same parameters whatever its dtype."""
+        return numel(weight, bias) + numel(getattr(weight, "bias", None))
+
     graph = image.read(data, check="structure")
     table = graph.layers[0].table if graph.is_token_model else None
     layers = []
@@ -61,8 +66,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             norm = "" if layer.q_norm is None else (
                 " q/k norm per head" if layer.q_norm.shape[0] == layer.head_dim else " q/k norm")
             row.update(shape=f"{layer.d_model}->{layer.d_model}",
-                       params=numel(layer.q_w, layer.k_w, layer.v_w, layer.o_w, layer.q_b, layer.k_b, layer.v_b,
-                                    layer.o_b, layer.q_norm, layer.k_norm),
+                       params=affine(layer.q_w, layer.q_b) + affine(layer.k_w, layer.k_b) + affine(layer.v_w, layer.v_b)
+                       + affine(layer.o_w, layer.o_b) + numel(layer.q_norm, layer.k_norm),
                        dtype=_storage([layer.q_w, layer.k_w, layer.v_w, layer.o_w]),
                        heads=layer.n_heads, kv_heads=layer.n_kv_heads, head_dim=layer.head_dim,
                        rope_theta=layer.rope_theta, max_seq_len=layer.max_seq_len,
@@ -73,7 +78,7 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
         elif isinstance(layer, Linear):
             tied = table is not None and layer.weight is table
             row.update(shape=f"{layer.in_features}->{layer.out_features}",
-                       params=numel(layer.bias) if tied else numel(layer.weight, layer.bias),
+                       params=numel(layer.bias) if tied else affine(layer.weight, layer.bias),
                        dtype=_storage([layer.weight]) + (" int8-act" if layer.int8_act else "")
                        + (" int8-blocks" if layer.int8_blocks else ""), tied=tied)
         elif isinstance(layer, Activation):
@@ -83,8 +88,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
                        params=numel(layer.weight, getattr(layer, "bias", None)))
         elif isinstance(layer, MoE):
             experts = layer.experts + layer.shared
-            n = sum(numel(e.w1, e.b1, e.w2, e.b2, e.w3, e.b3) for e in experts)
-            n += numel(layer.router_weight, layer.router_bias, layer.shared_gate)
+            n = sum(affine(e.w1, e.b1) + affine(e.w2, e.b2) + affine(e.w3, e.b3) for e in experts)
+            n += affine(layer.router_weight, layer.router_bias) + affine(layer.shared_gate, None)
             pruned = [int(r) for r in np.flatnonzero(layer.expert_map < 0)]
             e0 = layer.experts[0]
             weights = [layer.router_weight] + [w for e in experts for w in (e.w1, e.w2, e.w3) if w is not None]

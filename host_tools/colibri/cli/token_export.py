@@ -34,6 +34,7 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..checkpoints.hf_folder import export_folder
+    from ..image import writer
 
     _need_seq_len(max_seq_len, str(folder))
     start = time.perf_counter()
@@ -44,7 +45,7 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
 
         def on_tensor(i: int, count: int, nbytes: int) -> None:
             nonlocal written
-            written += nbytes
+            written = nbytes if i == 0 else written + nbytes  # from 0 again if the image is rewritten as v7
             bar.update(task, total=count, completed=i + 1, written=f"{written / 2**20:.1f} MiB")
 
         result = export_folder(folder, output, max_seq_len=max_seq_len, check=check, on_tensor=on_tensor, **options)
@@ -52,6 +53,10 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
     _echo_tokenizer(result.graph)
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+    if result.bytes_written > writer.NARROW_LIMIT:
+        click.echo(f"format v{result.version}: the image passes 4 GiB, so it runs on 64-bit hosts only; an engine "
+                   "built "
+                   "for a 32-bit target refuses it (IMAGE_TOO_LARGE)")
 
 
 def _echo_tokenizer(graph) -> None:

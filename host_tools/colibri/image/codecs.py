@@ -107,10 +107,18 @@ def set_tensor_crcs(buf: bytearray) -> None:
     if int.from_bytes(bytes(buf[4:6]), "little") >= F.TENSOR_CRC_VERSION:
         n_t, t_off = struct.unpack_from("<II", buf, 32)
         _, crc_off = F.V3_FIELDS.unpack_from(buf, F.V3_FIELDS_OFFSET)
+        rec = F.tensor_record(int.from_bytes(bytes(buf[4:6]), "little"))
         for i in range(n_t):
-            off, nbytes = struct.unpack_from("<II", buf, t_off + i * F.TENSOR.size)
+            off, nbytes = rec.unpack_from(buf, t_off + i * rec.size)[:2]
             struct.pack_into("<I", buf, crc_off + 4 * i, zlib.crc32(memoryview(buf)[off : off + nbytes]) & 0xFFFFFFFF)
     set_crc(buf)
+
+
+def total_size(image: bytes | bytearray | memoryview) -> int:
+    """The image's bytes: the u32 image_size at 12, in version 7 the u64 at 80."""
+    if int.from_bytes(bytes(image[4:6]), "little") >= F.WIDE_VERSION:
+        return F.WIDE_FIELDS.unpack_from(bytes(image[F.WIDE_FIELDS_OFFSET : F.WIDE_FIELDS_OFFSET + 8]))[0]
+    return int.from_bytes(bytes(image[12:16]), "little")
 
 
 def crc_end(image: bytes | bytearray | memoryview) -> int:

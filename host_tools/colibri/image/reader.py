@@ -56,7 +56,8 @@ class Work:
 
 
 class _Reader:
-    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None, full: bool = True):
+    def __init__(self, data: bytes | bytearray | memoryview, work: Work | None = None, full: bool = True,
+                 max_image_bytes: int | None = None):
         self.buf = memoryview(data).cast("B")
         self.n = len(self.buf)
         self.work = Work() if work is None else work
@@ -64,6 +65,7 @@ class _Reader:
         self.meta = 0  # version 3: the metadata ends here, payloads start at or after it
         self.tokenizer: int | None = None  # version 6: the TOKENIZER tensor's index
         self.crc_off = 0
+        self.max_image_bytes = max_image_bytes  # a build's COLIBRI_MAX_IMAGE_BYTES (SIZE_MAX: None on 64 bits)
 
     def header(self) -> tuple:
         if self.n < F.HEADER_SIZE:
@@ -76,22 +78,36 @@ class _Reader:
             _fail(Status.BAD_VERSION, f"version field 0x{version:04x}")
         if not F.MIN_READ_VERSION <= version <= F.MAX_READ_VERSION:
             _fail(Status.UNSUPPORTED_VERSION, version_text(version))
-        if header_size != F.HEADER_SIZE:
-            _fail(Status.BAD_HEADER, f"header_size {header_size}")
-        if size < F.HEADER_SIZE:
+        self.header_size = F.header_size(version)
+        if header_size != self.header_size:
+            _fail(Status.BAD_HEADER, f"header_size {header_size} (version {version}: {self.header_size})")
+        wide_reserved = False
+        if version >= F.WIDE_VERSION:  # v7: image_size is the u64 at 80, the u32 at 12 its value up to 4 GiB - 1
+            if self.n < F.WIDE_HEADER_SIZE:
+                _fail(Status.TRUNCATED, f"{self.n} bytes, a version {version} header alone is {F.WIDE_HEADER_SIZE}")
+            low = size
+            (size,) = F.WIDE_FIELDS.unpack_from(self.buf, F.WIDE_FIELDS_OFFSET)
+            wide_reserved = any(self.buf[F.WIDE_FIELDS_OFFSET + 8 : F.WIDE_HEADER_SIZE])
+            if low != min(size, F.NARROW_LIMIT):
+                _fail(Status.BAD_HEADER, f"image_size field {low} at 12 for a {size}-byte image "
+                                         f"(min(image_size, 0x{F.NARROW_LIMIT:08X}))")
+        if size < self.header_size:
             _fail(Status.BAD_HEADER, f"image_size {size}")
+        if self.max_image_bytes is not None and size > self.max_image_bytes:
+            _fail(Status.IMAGE_TOO_LARGE, f"image_size {size} bytes, this build addresses at most "
+                                          f"{self.max_image_bytes}")
         if size > self.n:
             _fail(Status.TRUNCATED, f"image_size {size} but only {self.n} bytes")
         v3 = version >= F.TENSOR_CRC_VERSION  # v4 keeps v3's metadata CRC and CRC table
         self.version = version
         if v3:
             self.meta, self.crc_off = F.V3_FIELDS.unpack_from(self.buf, F.V3_FIELDS_OFFSET)
-            if self.meta % 4 or not F.HEADER_SIZE <= self.meta <= size:
-                _fail(Status.BAD_HEADER, f"meta_size {self.meta} (4-aligned, {F.HEADER_SIZE}..image_size {size})")
+            if self.meta % 4 or not self.header_size <= self.meta <= size:
+                _fail(Status.BAD_HEADER, f"meta_size {self.meta} (4-aligned, {self.header_size}..image_size {size})")
         if crc != crc_of(self.buf):
             _fail(Status.BAD_CRC, f"stored 0x{crc:08x}, computed 0x{crc_of(self.buf):08x}")
         reserved_from = {1: 64, 2: 64, 3: 72}.get(version, 80)  # v4: 72..80 hold the attention table's place
-        if any(self.buf[reserved_from : 80]) or flags & ~int(F.Flag.PAGE_ALIGNED):
+        if any(self.buf[reserved_from : 80]) or wide_reserved or flags & ~int(F.Flag.PAGE_ALIGNED):
             _fail(Status.BAD_HEADER, "reserved bits set")
         if n_in == 0 or n_out == 0:
             _fail(Status.BAD_HEADER, "input_size and output_size must be >= 1")
@@ -109,7 +125,7 @@ class _Reader:
     def table(self, count: int, offset: int, rec) -> list[tuple]:
         end = offset + count * rec.size
         limit = self.meta or self.size  # version 3: inside the metadata
-        if offset % 4 or offset < F.HEADER_SIZE or end > limit:
+        if offset % 4 or offset < self.header_size or end > limit:
             _fail(Status.TABLE_BOUNDS, f"table at {offset} x {count} records exceeds the "
                                        + (f"metadata of {limit} bytes" if self.meta else f"image of {limit} bytes"))
         self.work.visits += count
@@ -131,30 +147,35 @@ class _Owners:
     moe = expert = emap = attention = 0
 
 
-def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> int:
+def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full",
+           max_image_bytes: int | None = None) -> int:
     """What colibri_validate returns for this image: 0 (OK) or the negative Status of the first
     failure, found in the same order (the differential tests and fuzzer compare the two);
     check="structure" is colibri_validate_ex(..., COLIBRI_CHECK_STRUCTURE)."""
     try:
-        read(data, work=work, check=check)
+        read(data, work=work, check=check, max_image_bytes=max_image_bytes)
     except ColibriError as exc:
         return int(exc.status)
     return 0
 
 
-def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full") -> Graph:
+def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full",
+         max_image_bytes: int | None = None) -> Graph:
     """Parse and validate an image. Weights are numpy views into `data` (zero copy), except int4
     values, unpacked into one int8 each (`Q4Weight.packed` is the view of their bytes).
 
     `work`, if given, is increased by the records and payload entries visited. `check="structure"`
-    leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE."""
+    leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE.
+    `max_image_bytes` is the engine build's COLIBRI_MAX_IMAGE_BYTES (a 32-bit target: 2**32 - 1): a
+    larger image_size is IMAGE_TOO_LARGE; None (a 64-bit build) sets no limit below the format's."""
     if check not in ("full", "structure"):
         raise ValueError(f"check must be 'full' or 'structure', got {check!r}")
     work = Work() if work is None else work
-    r = _Reader(data, work, full=check == "full")
+    r = _Reader(data, work, full=check == "full", max_image_bytes=max_image_bytes)
     h = r.header()
     (_, _, _, _, size, flags, n_in, n_out, max_batch, n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off) = h
-    t_recs = r.table(n_t, t_off, F.TENSOR)
+    size = r.size  # version 7: the u64 at 80
+    t_recs = r.table(n_t, t_off, F.tensor_record(h[1]))
     l_recs = r.table(n_l, l_off, F.LAYER)
     m_recs = r.table(n_m, m_off, F.MOE)
     e_recs = r.table(n_e, e_off, F.EXPERT)
@@ -166,7 +187,7 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
         a_reserved = [bytes(r.buf[a_off + i * F.ATTENTION.size + 65 : a_off + (i + 1) * F.ATTENTION.size])
                       for i in range(n_a)]
     if r.meta:  # the CRC table: bounds as the other tables', entries read as each payload is checked
-        if r.crc_off % 4 or r.crc_off < F.HEADER_SIZE or r.crc_off + 4 * n_t > r.meta:
+        if r.crc_off % 4 or r.crc_off < r.header_size or r.crc_off + 4 * n_t > r.meta:
             _fail(Status.TABLE_BOUNDS, f"CRC table at {r.crc_off} x {n_t} exceeds the metadata of {r.meta} bytes")
         r.crcs = [(c,) for c in struct.unpack_from(f"<{n_t}I", r.buf, r.crc_off)]
 
@@ -409,7 +430,7 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
     prev_end = 0  # payloads lie in table order and never overlap
     for i, (off, nbytes, rows, cols, dtype, ndim, res, aux) in enumerate(t_recs):
         r.work.visits += 1
-        if (off % F.PAYLOAD_ALIGN or off < F.HEADER_SIZE or off < prev_end or off < r.meta or off >= size
+        if (off % F.PAYLOAD_ALIGN or off < r.header_size or off < prev_end or off < r.meta or off >= size
                 or off + nbytes > size):
             _fail(Status.TENSOR_BOUNDS, f"tensor {i} at {off}+{nbytes}" + (
                 f" overlaps the previous payload (ends at {prev_end})" if off < prev_end else "") + (
@@ -454,8 +475,9 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
                 _fail(Status.BAD_TENSOR, f"tensor {i}: a tokenizer section of {nbytes} bytes, rows {rows}" + (
                     ", a second one" if r.tokenizer is not None else "" if r.token else ", in a feature model"))
             r.tokenizer = i
-        elif nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
-            _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}")
+        elif rows * cols > F.MAX_TENSOR_ELEMENTS or nbytes != rows * cols * F.DTYPE_SIZE[DType(dtype)]:
+            _fail(Status.BAD_TENSOR, f"tensor {i} nbytes {nbytes} != {rows}x{cols}" + (
+                f" (at most {F.MAX_TENSOR_ELEMENTS} elements)" if rows * cols > F.MAX_TENSOR_ELEMENTS else ""))
         prev_end = off + nbytes
 
     objs: list = []

@@ -8,6 +8,11 @@ the zeros reserved for it at the file's start. So only one payload at a time is 
 
 The file is a temporary one beside the target, renamed over it when complete: a failure at any
 tensor leaves nothing at the target path.
+
+Past 4 GiB the image is format version 7 (64-bit sizes and offsets), exactly as `write` decides:
+when the records alone show the image cannot fit 32 bits the file is laid out as version 7 from
+the start; when only the payloads made on the way show it (the companions' sizes follow from the
+quantiser), the narrow file is dropped and the image written again as version 7.
 """
 from __future__ import annotations
 
@@ -24,8 +29,6 @@ from ..model.format import DType
 from ..model.ir import Graph
 from . import writer
 
-LIMIT_32 = 0xFFFFFFFF  # image_size and every offset are u32 (docs/model-format.md "Header")
-
 # Bytes per element of the payloads whose size the records alone give.
 _FIXED = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
 
@@ -40,44 +43,79 @@ class StreamReport:
 
 def least_size(plan: writer.Layout) -> int:
     """A lower bound of the image's size from its records alone (companions at their smallest:
-    header and scales), so an image past the 32-bit limits is refused before a byte is written."""
+    header and scales), so an image past 4 GiB is laid out as version 7 before a byte is written."""
     pos = plan.payload_start
     for t in plan.tensors.entries:
         if t.dtype in _FIXED:
             size = t.rows * t.cols * _FIXED[t.dtype]
         elif t.dtype == DType.I4:
             size = t.rows * F.q4_row_bytes(t.cols)
-        elif t.dtype == DType.TOKENIZER:
-            size = t.rows
         elif t.dtype == DType.Q8_PARAMS:
             size = F.Q8_PARAMS_HEADER + 2 * t.rows
+        elif t.dtype == DType.TOKENIZER:
+            size = t.rows
         else:  # Q4_PARAMS: at least one f16 scale a row
             size = F.Q4_PARAMS_HEADER + 2 * t.rows
         pos = plan.place(pos, t) + size
-    return pos
+    return _align4(pos)
 
 
-def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int, int], None] | None = None,
-               finish: Callable[[Path], None] | None = None, page_aligned: bool | None = None) -> StreamReport:
-    """Write `graph`'s image to `path`, making each payload (its `image_entries` thunk) only when its
-    turn comes. `on_tensor(index, count, nbytes)` after each payload (a progress bar). `finish(tmp)`
-    runs on the complete temporary file before the rename (a validation); raising there, or anywhere,
-    leaves no file at `path`. Token models only (format v4/v5: per-tensor CRCs). `page_aligned` puts each
-    expert on pages of its own; None: once the compact image would be at least
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4  # as `write` ends an image
+
+
+class _PastNarrow(Exception):
+    """The narrow layout's payloads passed writer.NARROW_LIMIT: write the image again as version 7."""
+
+
+def layout(graph: Graph, *, version: int | None = None, where: str = "the image",
+           page_aligned: bool | None = None) -> writer.Layout:
+    """The streamed image's layout before a payload is made: version 7 when its records alone show it
+    passes 4 GiB (writer.NARROW_LIMIT), else `writer.layout`'s choice or `version`. `page_aligned` puts
+    each expert on pages of its own; None: once the compact image would be at least
     writer.LINUX_LAYOUT_MIN_BYTES (the records alone say it, no payload is made twice)."""
-    path = Path(path)
-    plan = writer.layout(graph)
+    plan = writer.layout(graph, version=version)
     if page_aligned is None:
         page_aligned = least_size(plan) >= writer.LINUX_LAYOUT_MIN_BYTES and any(e.page for e in plan.tensors.entries)
     if page_aligned:
-        plan = writer.layout(graph, page_aligned=True)
+        plan = writer.layout(graph, version=version, page_aligned=True)
     if not plan.tensor_crc:
         raise ValueError("streaming needs per-tensor CRCs (format version 3 or later); this graph's image "
                          f"is version {plan.version}")
     least = least_size(plan)
-    if least > LIMIT_32:
-        raise ExportError(f"{path}: the image would be at least {least / 2**30:.2f} GiB, past the format's 32-bit "
-                          f"sizes and offsets (4 GiB): choose a smaller dtype (q8, q4); nothing written")
+    if plan.version < F.WIDE_VERSION and least > writer.NARROW_LIMIT:
+        if version is not None:
+            raise ExportError(f"{where}: the image would be at least {least / 2**30:.2f} GiB, past format version "
+                              f"{version}'s 32-bit sizes and offsets (version {F.WIDE_VERSION} holds it); "
+                              "nothing written")
+        plan.widen()
+    return plan
+
+
+def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int, int], None] | None = None,
+               finish: Callable[[Path], None] | None = None, version: int | None = None,
+               page_aligned: bool | None = None) -> StreamReport:
+    """Write `graph`'s image to `path`, making each payload (its `image_entries` thunk) only when its
+    turn comes. `on_tensor(index, count, nbytes)` after each payload (a progress bar). `finish(tmp)`
+    runs on the complete temporary file before the rename (a validation); raising there, or anywhere,
+    leaves no file at `path`. Images with per-tensor CRCs only (format v3 on: token models). The
+    version is `write`'s choice (7 past 4 GiB) unless `version` asks for one; `page_aligned` as `layout`'s."""
+    path = Path(path)
+    plan = layout(graph, version=version, where=str(path), page_aligned=page_aligned)
+    try:
+        return _write(plan, path, on_tensor, finish)
+    except _PastNarrow:
+        if version is not None:
+            raise ExportError(f"{path}: the image passes 4 GiB, past format version {version}'s 32-bit sizes and "
+                              "offsets; nothing written") from None
+    # fresh payload thunks: the first ones are spent
+    plan = writer.layout(graph, version=F.WIDE_VERSION, page_aligned=plan.page_aligned)
+    return _write(plan, path, on_tensor, finish)
+
+
+def _write(plan: writer.Layout, path: Path, on_tensor: Callable[[int, int, int], None] | None,
+           finish: Callable[[Path], None] | None) -> StreamReport:
+    narrow = plan.version < F.WIDE_VERSION
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
@@ -91,9 +129,8 @@ def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int,
             for i, entry in enumerate(plan.tensors.entries):
                 data = entry.payload() if callable(entry.payload) else entry.payload
                 start = plan.place(pos, entry)
-                if start + len(data) > LIMIT_32:
-                    raise ExportError(f"{path}: the image passes 4 GiB at tensor {i} of {count}, past the format's "
-                                      "32-bit sizes and offsets: choose a smaller dtype (q8, q4); nothing written")
+                if narrow and _align4(start + len(data)) > writer.NARROW_LIMIT:
+                    raise _PastNarrow
                 f.write(bytes(start - pos))
                 f.write(data)
                 placed.append((start, len(data)))
@@ -103,7 +140,7 @@ def write_file(graph: Graph, path: str | Path, *, on_tensor: Callable[[int, int,
                 if on_tensor is not None:
                     on_tensor(i, count, len(data))
                 del data
-            image_size = (pos + 3) // 4 * 4  # as `write` ends an image
+            image_size = _align4(pos)
             f.write(bytes(image_size - pos))
             f.seek(0)
             f.write(plan.metadata(placed, crcs, image_size))

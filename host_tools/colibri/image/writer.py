@@ -23,6 +23,11 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+# The largest image of versions 1..5 (u32 image_size, offsets and sizes); past it the writer
+# uses version 7. A module attribute so that tests move the boundary instead of writing 4 GiB.
+NARROW_LIMIT = F.NARROW_LIMIT
+
+
 @dataclass
 class _Entry:
     """One tensor record to be written: its payload and record fields."""
@@ -106,12 +111,21 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
     version 3: one CRC-32 per tensor payload, the header CRC over the metadata only, so a mapped
     file opens without reading its weights (docs/model-format.md "Integrity"). `page_aligned` starts
     every expert on a 4 KiB page and the tensor after an expert's last one on the next page, so each
-    expert's payloads are pages of their own (one madvise / mlock range)."""
+    expert's payloads are pages of their own (one madvise / mlock range).
+
+    An image that passes 4 GiB (`NARROW_LIMIT`) is written as format version 7 (64-bit sizes and
+    offsets, docs/model-format.md "Version 7"); `version=7` asks for it at any size."""
     plan = layout(graph, page_aligned=page_aligned, version=version, tensor_crc=tensor_crc)
+    payloads = [t.payload() if callable(t.payload) else t.payload for t in plan.tensors.entries]
+    if wide_needed(plan, [len(d) for d in payloads]):
+        if version is not None:
+            raise ValueError(f"the image passes {NARROW_LIMIT + 1} bytes, past format version {version}'s "
+                             f"32-bit sizes and offsets: write it as version {F.WIDE_VERSION} (or let the writer "
+                             "choose)")
+        plan.widen()
     placed: list[tuple[int, bytes]] = []
     pos = plan.payload_start
-    for t in plan.tensors.entries:
-        data = t.payload() if callable(t.payload) else t.payload
+    for t, data in zip(plan.tensors.entries, payloads):
         pos = plan.place(pos, t)
         placed.append((pos, data))
         pos += len(data)
@@ -162,6 +176,24 @@ class Layout:
     attention_recs: list[bytes]
     offsets: dict[str, int] = field(default_factory=dict)
 
+    def image_size(self, sizes: list[int]) -> int:
+        """The image's bytes with payloads of these sizes, in table order."""
+        pos = self.payload_start
+        for t, size in zip(self.tensors.entries, sizes):
+            pos = self.place(pos, t) + size
+        return _align(pos, 4)
+
+    def widen(self) -> None:
+        """Turn this layout into format version 7's: the 96-byte header, 32-byte tensor records, and
+        (as every version from 3 on) per-tensor CRCs. Payloads stay as they are: every version from 2
+        on lays out a Q8_PARAMS alike."""
+        if self.version < 2 and any(t.dtype == DType.Q8_PARAMS for t in self.tensors.entries):
+            raise ValueError("a version-1 Q8_PARAMS layout cannot be widened to version 7: quantise with compact=True")
+        self.version, self.tensor_crc = F.WIDE_VERSION, True
+        self.tensors.version = F.WIDE_VERSION
+        self.offsets = _table_offsets(self.version, True, len(self.tensors.entries), len(self.layer_recs),
+                                      len(self.moe_recs), len(self.expert_recs), len(self.attention_recs))
+
     @property
     def meta_size(self) -> int:
         return self.offsets["payloads"]
@@ -179,13 +211,20 @@ class Layout:
         graph, at, entries = self.graph, self.offsets, self.tensors.entries
         buf = bytearray(self.payload_start)
         flags = F.Flag.PAGE_ALIGNED if self.page_aligned else 0
+        wide = self.version >= F.WIDE_VERSION
+        if not wide and image_size > F.NARROW_LIMIT:
+            raise ValueError(f"an image of {image_size} bytes needs format version {F.WIDE_VERSION}, "
+                             f"not {self.version}")
         buf[0 : F.HEADER_SIZE] = F.HEADER.pack(
-            F.MAGIC, self.version, F.HEADER_SIZE, 0, image_size, int(flags),
+            F.MAGIC, self.version, F.header_size(self.version), 0, min(image_size, F.NARROW_LIMIT), int(flags),
             graph.input_size, graph.output_size, graph.max_batch,
             len(entries), at["tensor"], len(self.layer_recs), at["layer"], len(self.moe_recs), at["moe"],
             len(self.expert_recs), at["expert"],
         )
-        tensor_recs = [F.TENSOR.pack(off, size, t.rows, t.cols, int(t.dtype), t.ndim, 0, t.aux)
+        if wide:  # v7: the image's size in 64 bits (bytes 88..96 stay zero)
+            F.WIDE_FIELDS.pack_into(buf, F.WIDE_FIELDS_OFFSET, image_size)
+        record = F.tensor_record(self.version)
+        tensor_recs = [record.pack(off, size, t.rows, t.cols, int(t.dtype), t.ndim, 0, t.aux)
                        for (off, size), t in zip(placed, entries)]
         for off, recs in ((at["tensor"], tensor_recs), (at["layer"], self.layer_recs), (at["moe"], self.moe_recs),
                           (at["expert"], self.expert_recs), (at["attention"], self.attention_recs)):
@@ -208,17 +247,21 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
     if not 1 <= graph.max_batch <= F.MAX_BATCH_LIMIT:
         raise ValueError(f"max_batch must be 1..{F.MAX_BATCH_LIMIT}, got {graph.max_batch}")
     token_model = any(isinstance(layer, (Embedding, Attention)) for layer in graph.layers)
-    if graph.tokenizer is not None:  # format version 6: version 5 plus the tokenizer section
+    if graph.tokenizer is not None:  # format version 6: version 5 plus the tokenizer section (7 past 4 GiB)
         if not token_model:
             raise ValueError("a tokenizer section belongs to a token model (layer 0 an Embedding)")
-        if version not in (None, F.TOKENIZER_VERSION):
-            raise ValueError(f"a token model with a tokenizer section is format version {F.TOKENIZER_VERSION}, "
-                             f"not {version}")
+        if version not in (None, F.TOKENIZER_VERSION, F.WIDE_VERSION):
+            raise ValueError(f"a token model with a tokenizer section is format version {F.TOKENIZER_VERSION} "
+                             f"(or {F.WIDE_VERSION}), not {version}")
         if tensor_crc is False:
             raise ValueError(f"format version {F.TOKENIZER_VERSION} (a tokenizer section) always has per-tensor CRCs")
-        version, tensor_crc = F.TOKENIZER_VERSION, True
+        version, tensor_crc = version or F.TOKENIZER_VERSION, True
     elif version == F.TOKENIZER_VERSION:
         raise ValueError(f"format version {F.TOKENIZER_VERSION} is written only with a tokenizer section")
+    elif version == F.WIDE_VERSION:  # v7 holds every graph (v5's records), always with per-tensor CRCs
+        if tensor_crc is False:
+            raise ValueError(f"format version {F.WIDE_VERSION} (64-bit sizes) always has per-tensor CRCs")
+        tensor_crc = True
     elif has_int4(graph):  # int4 weights are format version 5, which keeps v4's header and CRCs
         if version not in (None, F.Q4_VERSION):
             raise ValueError(f"a graph with int4 weights is format version {F.Q4_VERSION}, not {version}")
@@ -322,18 +365,29 @@ def layout(graph: Graph, *, page_aligned: bool = False, version: int | None = No
 
     if graph.tokenizer is not None:  # the last payload: no layer names it
         tensors._push(_Entry(bytes(graph.tokenizer), DType.TOKENIZER, len(graph.tokenizer), 1, 1))
-    n_t = len(tensors.entries)
-    at = {"tensor": F.HEADER_SIZE}
-    at["layer"] = at["tensor"] + n_t * F.TENSOR.size
-    at["moe"] = at["layer"] + len(layer_recs) * F.LAYER.size
-    at["expert"] = at["moe"] + len(moe_recs) * F.MOE.size
-    at["attention"] = at["expert"] + len(expert_recs) * F.EXPERT.size
-    at["payloads"] = at["attention"] + len(attention_recs) * F.ATTENTION.size
+    at = _table_offsets(version, bool(tensor_crc), len(tensors.entries), len(layer_recs), len(moe_recs),
+                        len(expert_recs), len(attention_recs))
+    return Layout(graph, version, bool(tensor_crc), page_aligned, tensors, layer_recs, moe_recs, expert_recs,
+                  attention_recs, at)
+
+
+def _table_offsets(version: int, tensor_crc: bool, n_t: int, n_l: int, n_m: int, n_e: int, n_a: int) -> dict[str, int]:
+    """Where each table starts, the CRC table (v3 on) and the first payload."""
+    at = {"tensor": F.header_size(version)}
+    at["layer"] = at["tensor"] + n_t * F.tensor_record(version).size
+    at["moe"] = at["layer"] + n_l * F.LAYER.size
+    at["expert"] = at["moe"] + n_m * F.MOE.size
+    at["attention"] = at["expert"] + n_e * F.EXPERT.size
+    at["payloads"] = at["attention"] + n_a * F.ATTENTION.size
     if tensor_crc:  # v3: the CRC table ends the metadata, which the header CRC covers
         at["crc"] = at["payloads"]
         at["payloads"] = at["crc"] + 4 * n_t
-    return Layout(graph, version, bool(tensor_crc), page_aligned, tensors, layer_recs, moe_recs, expert_recs,
-                  attention_recs, at)
+    return at
+
+
+def wide_needed(plan: Layout, sizes: list[int]) -> bool:
+    """Whether `plan`'s image, with payloads of these sizes, passes what its (narrow) version holds."""
+    return plan.version < F.WIDE_VERSION and plan.image_size(sizes) > NARROW_LIMIT
 
 
 def _attention_record(a: Attention, tensors: _Tensors) -> bytes:

@@ -14,7 +14,7 @@ VERSION = 2  # the version this writer produces (2: compact Q8_PARAMS, docs/mode
 # A version outside them is UNSUPPORTED_VERSION; 0 and 0xFFFF (erased flash) are never
 # versions and stay BAD_VERSION, as a corrupt field.
 MIN_READ_VERSION = 1
-MAX_READ_VERSION = 6  # 4: token models (docs/lm.md); 5: int4 weights; 6: the tokenizer section
+MAX_READ_VERSION = 7  # 4: token models (docs/lm.md); 5: int4 weights; 6: the tokenizer section; 7: images past 4 GiB
 # Version 3 (issue 11): the header CRC covers only the metadata [CRC_START, meta_size) (header and
 # tables); each tensor payload has its own CRC-32 in a table, so a mapped file is validated without
 # reading its payloads and each expert is verified on its own (docs/model-format.md "Integrity").
@@ -56,6 +56,32 @@ Q4_VERSION = 5
 # tables so a device reads it in place. Written only for a token model exported with a tokenizer, so
 # every other image stays what older engines read.
 TOKENIZER_VERSION = 6
+# Version 7 (issue 26, docs/model-format.md "Version 7: images past 4 GiB"): version 5's (or 6's) records and
+# rules with 64-bit sizes and offsets where an image past 4 GiB needs them: a 96-byte header whose
+# bytes 80..88 hold image_size as a u64 (the u32 at 12 holds min(image_size, 0xFFFFFFFF)), and
+# 32-byte tensor records (offset and nbytes u64). Layer, MoE, expert and attention records name
+# tensors by index and keep their layout; the tables and the CRC table lie in the metadata, which
+# stays below 4 GiB (meta_size and the table offsets stay u32). The writer uses version 7 only for
+# an image that does not fit 32 bits (or when asked), so every other image is what it was.
+WIDE_VERSION = 7
+WIDE_HEADER_SIZE = 96
+WIDE_FIELDS = struct.Struct("<Q")  # v7: image_size at header offset 80; bytes 88..96 reserved, zero
+WIDE_FIELDS_OFFSET = 80
+TENSOR_WIDE = struct.Struct("<QQIIBBHI")  # offset, nbytes, rows, cols, dtype, ndim, reserved, aux
+NARROW_LIMIT = 0xFFFFFFFF  # the largest image_size (and so offset, nbytes) versions 1..5 hold
+MAX_TENSOR_ELEMENTS = 0xFFFFFFFF  # rows * cols of an F32, F16, I8 or I32 tensor, every version
+
+
+def header_size(version: int) -> int:
+    """The header's bytes in an image of `version`: 80, 96 from version 7 on."""
+    return WIDE_HEADER_SIZE if version >= WIDE_VERSION else HEADER_SIZE
+
+
+def tensor_record(version: int) -> struct.Struct:
+    """The tensor record of an image of `version`: 24 bytes, 32 (u64 offset and nbytes) from version 7 on."""
+    return TENSOR_WIDE if version >= WIDE_VERSION else TENSOR
+
+
 # One self-attention block: d_model, n_heads, n_kv_heads, head_dim; tensor refs q_w, q_b, k_w, k_b,
 # v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype; reserved.
 ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIB15x")
@@ -321,6 +347,9 @@ class Status(enum.IntEnum):
     MODEL_KIND = -34
     BAD_SAMPLER = -35
     NAN_LOGITS = -36
+    # Issue 26: a version-7 image larger than this engine build can address (a 32-bit target, or a
+    # build's COLIBRI_MAX_IMAGE_BYTES).
+    IMAGE_TOO_LARGE = -37
     # Issue 26: the tokenizer section (format v6, docs/lm.md "Tokenizer section"). (-37 is the
     # 64-bit images' IMAGE_TOO_LARGE, numbered on another branch.)
     BAD_TOKENIZER = -38
@@ -365,11 +394,13 @@ STATUS_TEXT = {
     Status.MODEL_KIND: "wrong call for this model: colibri_lm_* on a feature model or colibri_forward on a token model",
     Status.BAD_SAMPLER: "invalid sampler settings (struct_size, temperature, top_k or top_p)",
     Status.NAN_LOGITS: "the logits contain NaN (or Inf when sampling): no token can be drawn",
+    Status.IMAGE_TOO_LARGE: "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)",
     Status.BAD_TOKENIZER: "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)",
     Status.NO_TOKENIZER: "the model image holds no tokenizer section (or this engine was built without the tokenizer)",
 }
 
-_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "LAYER": LAYER, "MOE": MOE, "EXPERT": EXPERT,
+_RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "TENSOR_WIDE": TENSOR_WIDE, "LAYER": LAYER, "MOE": MOE,
+            "EXPERT": EXPERT,
             "ATTENTION": ATTENTION}
 
 
@@ -408,6 +439,11 @@ def c_header() -> str:
         f"#define COLIBRI_TOKENIZER_SECTION_VERSION {TOKENIZER_SECTION_VERSION}u",
         f"#define COLIBRI_TOKENIZER_HEADER_SIZE {TOKENIZER_HEADER.size}u",
         f"#define COLIBRI_TOKENIZER_BYTE_IDS {TOKENIZER_BYTE_IDS}u",
+        f"#define COLIBRI_WIDE_VERSION {WIDE_VERSION}u",
+        f"#define COLIBRI_WIDE_HEADER_SIZE {WIDE_HEADER_SIZE}u",
+        f"#define COLIBRI_WIDE_FIELDS_OFFSET {WIDE_FIELDS_OFFSET}u",
+        f"#define COLIBRI_NARROW_LIMIT 0x{NARROW_LIMIT:08X}u",
+        f"#define COLIBRI_MAX_TENSOR_ELEMENTS 0x{MAX_TENSOR_ELEMENTS:08X}u",
         "",
     ]
     for name, rec in _RECORDS.items():

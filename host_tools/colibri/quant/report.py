@@ -12,6 +12,7 @@ from rich.progress import Progress
 
 from ..model import format as F
 from .. import image as _image
+from ..image.codecs import total_size
 from ..reference import executor as reference
 from ..model.ir import Graph, dense
 from .quantize import weight_slots
@@ -64,9 +65,10 @@ def image_bytes(data: bytes | bytearray | memoryview) -> ImageBytes:
     _image.read(data)  # validated: every field below is in range
     buf = bytes(data)
     h = F.HEADER.unpack_from(buf, 0)
-    version, size = h[1], h[4]
+    version, size = h[1], total_size(buf)
     n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off = h[9:17]
-    recs = [F.TENSOR.unpack_from(buf, t_off + i * F.TENSOR.size) for i in range(n_t)]
+    rec = F.tensor_record(version)
+    recs = [rec.unpack_from(buf, t_off + i * rec.size) for i in range(n_t)]
     role: dict[int, str] = {}
 
     def mark(index: int, what: str) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 from . import _engine, sources
 from ..model.errors import ColibriError, error_for
 from ..model.format import TOKENIZER_VERSION, Status
+from ..image.codecs import total_size
 from ..model.ir import Expert, F16Weight, Q4Weight, Q8Weight
 from ..model.sampler import check_sampler, integer_arg
 from .sources import StaleEngineError  # noqa: F401  (raised on import in a checkout whose C changed)
@@ -280,6 +281,8 @@ class Model:
                                                                   ahead=ahead, lock_required=lock_required)
         self.kernels: str = self._ctx.kernels()
         info = self._ctx.info()
+        # colibri_model_info.image_size is the header's u32 field: 0xFFFFFFFF for a version-7 image past it
+        info["image_size"] = total_size(self.image)
         if info["vocab_size"]:
             raise error_for(Status.MODEL_KIND, "a token model (token ids in, logits out): open it with colibri.LM")
         self.info: dict[str, int] = info
@@ -381,6 +384,8 @@ class LM:
         self.kernels: str = self._ctx.kernels()
         self.workers: int = workers
         info = self._ctx.info()
+        # colibri_model_info.image_size is the header's u32 field: 0xFFFFFFFF for a version-7 image past it
+        info["image_size"] = total_size(self.image)
         if not info["vocab_size"]:
             raise error_for(Status.MODEL_KIND, "a feature model (float rows in): open it with colibri.Model")
         self.info: dict[str, int] = info

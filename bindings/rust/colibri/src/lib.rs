@@ -79,13 +79,14 @@ pub enum Status {
     ModelKind = sys::COLIBRI_E_MODEL_KIND,
     BadSampler = sys::COLIBRI_E_BAD_SAMPLER,
     NanLogits = sys::COLIBRI_E_NAN_LOGITS,
+    ImageTooLarge = sys::COLIBRI_E_IMAGE_TOO_LARGE,
     BadTokenizer = sys::COLIBRI_E_BAD_TOKENIZER,
     NoTokenizer = sys::COLIBRI_E_NO_TOKENIZER,
 }
 
 impl Status {
     /// Every failure status, in the header's order.
-    pub const ALL: [Status; 38] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::BadTokenizer, Status::NoTokenizer];
+    pub const ALL: [Status; 39] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge, Status::BadTokenizer, Status::NoTokenizer];
 
     /// The C value.
     pub const fn code(self) -> i32 {
@@ -132,6 +133,7 @@ impl Status {
             sys::COLIBRI_E_MODEL_KIND => Status::ModelKind,
             sys::COLIBRI_E_BAD_SAMPLER => Status::BadSampler,
             sys::COLIBRI_E_NAN_LOGITS => Status::NanLogits,
+            sys::COLIBRI_E_IMAGE_TOO_LARGE => Status::ImageTooLarge,
             sys::COLIBRI_E_BAD_TOKENIZER => Status::BadTokenizer,
             sys::COLIBRI_E_NO_TOKENIZER => Status::NoTokenizer,
             _ => return None,
