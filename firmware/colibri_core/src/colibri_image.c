@@ -1398,7 +1398,8 @@ colibri_status colibri_check_level(const void *image, size_t image_len, colibri_
     if (st == COLIBRI_OK && m->tokenizer != 0) {
         colibri_tensor t;
         read_tensor(&c, m->tokenizer - 1u, &t);
-        st = colibri_tokenizer_check(p + t.offset, t.nbytes, h->input_size, &c.work);
+        /* nbytes == rows (a u32) was checked with the tensor record */
+        st = colibri_tokenizer_check(p + t.offset, (uint32_t)t.nbytes, h->input_size, &c.work);
     }
     *work = c.work;
     return st;

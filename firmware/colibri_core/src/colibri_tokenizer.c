@@ -74,7 +74,7 @@ colibri_status colibri_tokenizer_open(colibri_tokenizer *tok, const void *image,
     colibri_read_tensor(image, &m.hdr, m.tokenizer - 1u, &t);
     const uint8_t *p = (const uint8_t *)image + t.offset;
     tok->section = p;
-    tok->size = t.nbytes;
+    tok->size = (uint32_t)t.nbytes; /* == rows, a u32: checked by the validator */
     tok->kind = p[6];
     tok->flags = p[7];
     tok->vocab = colibri_rd_u32(p + 8);
