@@ -24,8 +24,10 @@
  *                 products, x's pairs shared by the rows (two words a loop
  *                 step when the count is even). The int32 sum is exact, and
  *                 the float part follows the reference's order, so the
- *                 result is the reference's bit for bit. Scales, biases and
- *                 E four rows at a time (colibri_q8_scale4/_compensate4).
+ *                 result is the reference's bit for bit. Scales and biases
+ *                 four rows at a time (colibri_q8_scale4), E by an assembly
+ *                 routine per 4-row block with entries, bounded where it
+ *                 reads (colibri_cmsis_q8_terms4_*, "I8 weights" below).
  *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
  *                 weight widened (exactly: SXTB, VCVT) and
  *                 fused-multiply-added; the scale and E as the reference.
