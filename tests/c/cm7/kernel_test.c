@@ -434,6 +434,82 @@ static void one_case(const colibri_kernels *opt, int kind, int acc, int nonfinit
     }
 }
 
+/* ---- Tables changed after validation ----
+ * The row pointers and columns of E are read in place from the image, so an
+ * image changed under a live context may hold any values there. Row pointers
+ * past nnz, decreasing ones, and columns past cols must give wrong numbers,
+ * never a read outside col, val and the token's x: every entry past nnz here
+ * holds NaN, and so does x past cols, so a read outside the tables shows as
+ * a NaN output (every weight, input and parameter is finite). */
+#define TABLE_PAD 64u
+static uint16_t bad_col[MAX_NNZ + TABLE_PAD], bad_val[MAX_NNZ + TABLE_PAD];
+static float x_pad[MAX_IN + TABLE_PAD];
+static uint32_t table_cases, table_nan;
+
+static void changed_table_case(const colibri_kernels *opt, int kind, int acc)
+{
+    const size_t in = 1u + rnd_below(MAX_IN), out = 1u + rnd_below(MAX_OUT);
+    colibri_matrix w;
+    do
+        make_matrix(&w, kind, out, in);
+    while (w.q8_nnz == 0u);
+    const uint32_t nnz = w.q8_nnz;
+    for (uint32_t k = 0; k < MAX_NNZ + TABLE_PAD; k++) {
+        bad_col[k] = k < nnz ? e_col[k] : 0u;
+        bad_val[k] = k < nnz ? e_val[k] : 0x7E00u; /* f16 NaN */
+    }
+    for (uint32_t k = 0; k < nnz; k++)
+        if (rnd_below(4) == 0)
+            bad_col[k] = (uint16_t)(in + rnd_below(TABLE_PAD)); /* past cols */
+    w.col = bad_col;
+    w.val = bad_val;
+    /* Row pointers: some past nnz (up to nnz + TABLE_PAD, so a read past nnz
+     * meets a NaN), some decreasing, the rest as they were. */
+    const uint32_t limit = w.q8_ptr == 1u ? 0xFFu : nnz + TABLE_PAD;
+    for (size_t o = 0; o <= out; o++) {
+        uint32_t k = row_ptr[o];
+        if (rnd_below(3) == 0)
+            k = rnd_below(nnz + TABLE_PAD + 1u);
+        if (k > limit)
+            k = limit;
+        row_ptr[o] = k;
+        row_ptr8[o] = (uint8_t)k;
+        row_ptr16[o] = (uint16_t)k;
+    }
+    for (size_t k = 0; k < MAX_IN + TABLE_PAD; k++)
+        x_pad[k] = k < in ? rnd_unit() : NAN;
+    colibri_qrows q = {xq, xa};
+    const colibri_qrows *qp = NULL;
+    if (kind == K_Q8Q8) {
+        colibri_quantize_rows_ref(x_pad, NULL, 1, in, xq, xa);
+        qp = &q;
+    }
+    const float gate = 0.5f;
+    for (int impl = 0; impl < 2; impl++) { /* the optimised kernels, then the reference */
+        for (size_t o = 0; o < out; o++)
+            y_opt[o] = 0.0f;
+        if (acc)
+            (impl ? colibri_linear_acc_ref : opt->linear_acc)(x_pad, 1, &w, NULL, NULL, &gate, qp, y_opt);
+        else
+            (impl ? colibri_linear_ref : opt->linear)(x_pad, NULL, 1, &w, NULL, qp, y_opt);
+        for (size_t o = 0; o < out; o++)
+            if (isnan(y_opt[o])) {
+                table_nan++;
+                if (table_nan <= 8u) {
+                    put_str(impl ? "FAIL reference" : "FAIL optimised");
+                    put_str(": a read outside E's tables, out ");
+                    put_u((uint32_t)out);
+                    put_str(" in ");
+                    put_u((uint32_t)in);
+                    put_str(" row ");
+                    put_u((uint32_t)o);
+                    flush();
+                }
+            }
+    }
+    table_cases++;
+}
+
 /* ---- I4 weights ---- */
 
 #define Q4_MAX_IN 300u
@@ -845,6 +921,15 @@ int main(void)
     put_fix3(q4_worst);
     put_str(", int8-act bit for bit");
     flush();
+    for (uint32_t c = 0; c < per_kind; c++)
+        changed_table_case(&opt, c & 2u ? K_Q8Q8 : K_Q8, (int)(c & 1u));
+    put_str("changed tables: ");
+    put_u(table_cases);
+    put_str(" cases, ");
+    put_u(table_nan);
+    put_str(" reads outside them");
+    flush();
+    failures += table_nan;
     activation_cases(&opt);
     quantize_cases(&opt);
     count_instructions(&opt);

@@ -24,8 +24,10 @@
  *                 products, x's pairs shared by the rows (two words a loop
  *                 step when the count is even). The int32 sum is exact, and
  *                 the float part follows the reference's order, so the
- *                 result is the reference's bit for bit. Scales, biases and
- *                 E four rows at a time (colibri_q8_scale4/_compensate4).
+ *                 result is the reference's bit for bit. Scales and biases
+ *                 four rows at a time (colibri_q8_scale4), E by an assembly
+ *                 routine per 4-row block with entries, bounded where it
+ *                 reads (colibri_cmsis_q8_terms4_*, "I8 weights" below).
  *   I8, f32 act.  4 rows at a time (the last out % 4 row by row), each int8
  *                 weight widened (exactly: SXTB, VCVT) and
  *                 fused-multiply-added; the scale and E as the reference.
@@ -644,13 +646,156 @@ static void matvec_f16(const colibri_matrix *w, const float *x, const float *b, 
         { const size_t I = 3; STMT; }                                                                               \
     } while (0)
 
+#if defined(COLIBRI_Q8_VCVTB) && defined(CMSIS_F32)
+/* The compensation terms of a 4-row block: colibri_q8_compensate4's E part,
+ * the same operations in the same order (v += e · x[col], e widened by
+ * VCVTB, then multiplied and added with a rounding each, as VMLA does).
+ *
+ * Row pointers and columns are read in place from the image, so each is
+ * bounded where it is used, by a compare and a branch: a row's end against
+ * nnz once per row that has entries, a column against cols per entry. One
+ * cursor k walks the four rows (for a valid image, row r's entries are
+ * k_r .. k_{r+1} - 1, and k ends each row where the next one starts); a row
+ * is read only while k < its end <= nnz, so k never reaches past col and val
+ * however the pointers were changed. An out-of-bounds row end or column
+ * leaves the block's remaining terms out (k = UINT32_MAX): wrong numbers,
+ * never a read outside the image's tables.
+ *
+ * In assembly, called from q8_compensate4 with its arguments and results
+ * pinned to the registers the routine uses (r0 = w, r1 = o, r2 = x, the
+ * sums in s0-s3): a C function returning four floats costs a stack frame
+ * and four dead stores at each call, more than this whole routine's
+ * bookkeeping. It clobbers r0-r3, r12, lr, s14, s15 and the flags, as any
+ * call may. Register use: r0 nnz, r1 col, r2 x, r3 cols, r4 the cursor k,
+ * r5-r8 the rows' ends k_1 .. k_4, r12 val, lr and r9 the entry's column
+ * and value. */
+_Static_assert(offsetof(colibri_matrix, q8_ptr) == 3 && offsetof(colibri_matrix, cols) == 8 &&
+                   offsetof(colibri_matrix, q8_nnz) == 12 && offsetof(colibri_matrix, row_ptr) == 24 &&
+                   offsetof(colibri_matrix, col) == 28 && offsetof(colibri_matrix, val) == 32,
+               "colibri_cmsis_q8_terms4 reads these fields at these offsets");
+
+#define Q8_ROW_TERMS(ACC, END)                                                                                      \
+    "cmp r4, " END "\n\t"                                                                                           \
+    "bhs 3f\n\t"                                                                                                    \
+    "cmp " END ", r0\n\t"                                                                                           \
+    "bhi 2f\n"                                                                                                      \
+    "1:\n\t"                                                                                                        \
+    "ldrh lr, [r1, r4, lsl #1]\n\t"                                                                                 \
+    "ldrh r9, [r12, r4, lsl #1]\n\t"                                                                                \
+    "cmp lr, r3\n\t"                                                                                                \
+    "bhs 2f\n\t"                                                                                                    \
+    "add lr, r2, lr, lsl #2\n\t"                                                                                    \
+    "vldr s15, [lr]\n\t"                                                                                            \
+    "vmov s14, r9\n\t"                                                                                              \
+    "vcvtb.f32.f16 s14, s14\n\t"                                                                                    \
+    "vmla.f32 " ACC ", s14, s15\n\t"                                                                                \
+    "adds r4, r4, #1\n\t"                                                                                           \
+    "cmp r4, " END "\n\t"                                                                                           \
+    "blo 1b\n\t"                                                                                                    \
+    "b 3f\n"                                                                                                        \
+    "2:\n\t"                                                                                                        \
+    "mvn r4, #0\n"                                                                                                  \
+    "3:\n\t"
+
+/* Three entry points, one per row pointer width (1, 2, 4 bytes), with
+ * r1 = &row_ptr[o]: the caller has dispatched on the width already. */
+__asm__(".section .text.colibri_cmsis_q8_terms4,\"ax\",%progbits\n\t"
+        ".syntax unified\n\t"
+        ".thumb\n\t"
+        ".p2align 2\n\t"
+        ".type colibri_cmsis_q8_terms4_u16, %function\n\t"
+        ".thumb_func\n"
+        "colibri_cmsis_q8_terms4_u16:\n\t"
+        "push {r4-r9, lr}\n\t"
+        "ldrh r4, [r1]\n\t"
+        "ldrh r5, [r1, #2]\n\t"
+        "ldrh r6, [r1, #4]\n\t"
+        "ldrh r7, [r1, #6]\n\t"
+        "ldrh r8, [r1, #8]\n\t"
+        "b 7f\n\t"
+        ".type colibri_cmsis_q8_terms4_u32, %function\n\t"
+        ".thumb_func\n"
+        "colibri_cmsis_q8_terms4_u32:\n\t"
+        "push {r4-r9, lr}\n\t"
+        "ldr r4, [r1]\n\t"
+        "ldrd r5, r6, [r1, #4]\n\t"
+        "ldrd r7, r8, [r1, #12]\n\t"
+        "b 7f\n\t"
+        ".type colibri_cmsis_q8_terms4_u8, %function\n\t"
+        ".thumb_func\n"
+        "colibri_cmsis_q8_terms4_u8:\n\t"
+        "push {r4-r9, lr}\n\t"
+        "ldrb r4, [r1]\n\t"
+        "ldrb r5, [r1, #1]\n\t"
+        "ldrb r6, [r1, #2]\n\t"
+        "ldrb r7, [r1, #3]\n\t"
+        "ldrb r8, [r1, #4]\n"
+        "7:\n\t"
+        "ldrd r1, r12, [r0, #28]\n\t" /* col, val */
+        "ldrd r3, r0, [r0, #8]\n\t"   /* cols, nnz */
+        Q8_ROW_TERMS("s0", "r5") Q8_ROW_TERMS("s1", "r6") Q8_ROW_TERMS("s2", "r7") Q8_ROW_TERMS("s3", "r8")
+        "pop {r4-r9, pc}\n\t"
+        ".size colibri_cmsis_q8_terms4_u16, .-colibri_cmsis_q8_terms4_u16\n\t"
+        ".text");
+
+/* v[0..3] += the E terms of the block whose row pointers start at rp, by
+ * the entry point SYM, arguments and results pinned to its registers. */
+#define Q8_TERMS4_CALL(SYM, RP)                                                                                     \
+    do {                                                                                                            \
+        register const colibri_matrix *r0 __asm__("r0") = w;                                                        \
+        register const void *r1 __asm__("r1") = (RP);                                                               \
+        register const float *r2 __asm__("r2") = x;                                                                 \
+        register float s0 __asm__("s0") = v[0], s1 __asm__("s1") = v[1], s2 __asm__("s2") = v[2],                 \
+                            s3 __asm__("s3") = v[3];                                                                \
+        __asm__ volatile("bl " SYM                                                                                  \
+                         : "+r"(r0), "+r"(r1), "+r"(r2), "+t"(s0), "+t"(s1), "+t"(s2), "+t"(s3)                    \
+                         :                                                                                          \
+                         : "r3", "r12", "lr", "s14", "s15", "cc", "memory");                                        \
+        v[0] = s0;                                                                                                  \
+        v[1] = s1;                                                                                                  \
+        v[2] = s2;                                                                                                  \
+        v[3] = s3;                                                                                                  \
+    } while (0)
+
+/* colibri_q8_compensate4: the E terms by colibri_cmsis_q8_terms4_* when
+ * the block has any (k_0 != k_4), then the companion bias. */
+static inline __attribute__((always_inline)) void q8_compensate4(const colibri_matrix *w, size_t o, const float *x,
+                                                                 float v[4])
+{
+    const uint8_t width = w->q8_ptr;
+    if (width == 1u) {
+        const uint8_t *rp = (const uint8_t *)w->row_ptr + o;
+        if (rp[0] != rp[4])
+            Q8_TERMS4_CALL("colibri_cmsis_q8_terms4_u8", rp);
+    } else if (width == 2u) {
+        const uint16_t *rp = (const uint16_t *)w->row_ptr + o;
+        if (rp[0] != rp[4])
+            Q8_TERMS4_CALL("colibri_cmsis_q8_terms4_u16", rp);
+    } else if (width) {
+        const uint32_t *rp = (const uint32_t *)w->row_ptr + o;
+        if (rp[0] != rp[4])
+            Q8_TERMS4_CALL("colibri_cmsis_q8_terms4_u32", rp);
+    }
+    if (w->q8_bias) {
+        float b[4];
+        colibri_q8_param4(w, (size_t)w->rows + o, b);
+        v[0] += b[0];
+        v[1] += b[1];
+        v[2] += b[2];
+        v[3] += b[3];
+    }
+}
+#else
+#define q8_compensate4 colibri_q8_compensate4
+#endif
+
 /* The end of a 4-row I8 block after the scale (v[4] local, its address
  * never leaving the function, so it stays in registers): the compensation
  * and companion bias, the layer's bias, then store or y += s · v. */
 #define Q8_EPILOGUE4()                                                                                              \
     do {                                                                                                            \
         if (with_e)                                                                                                 \
-            colibri_q8_compensate4(w, o, x, v);                                                                     \
+            q8_compensate4(w, o, x, v);                                                                             \
         if (b)                                                                                                      \
             FOR4(i, v[i] += b[o + i]);                                                                              \
         if (acc)                                                                                                    \
