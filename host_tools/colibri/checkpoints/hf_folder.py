@@ -59,7 +59,7 @@ class Checkpoint:
         from safetensors import SafetensorError, safe_open
 
         self.folder = Path(folder)
-        cfg_path = self.folder / "config.json"
+        cfg_path = self.config_path = self.folder / "config.json"
         if not cfg_path.is_file():
             raise ExportError(f"{cfg_path}: missing (a Hugging Face model folder has config.json)")
         try:
@@ -102,6 +102,10 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def planned_weight(self, name: str, shape: tuple[int, int], load: Callable[[], np.ndarray]) -> PlannedWeight:
+        """The weight matrix `name` (or a slice of it that `load` reads), made when written."""
+        return PlannedWeight(name="", where=f"{self.file_of(name)}: tensor {name}", shape=shape, load=load)
 
     def has(self, name: str) -> bool:
         return name in self._entries
@@ -194,7 +198,10 @@ class PlannedWeight:
         return {"f32": DType.F32, "f16": DType.F16, "q8": DType.I8, "q4": DType.I4}[self.kind]
 
     def quantised(self):
-        w = self.load()
+        return self.quantise(self.load())
+
+    def quantise(self, w: np.ndarray):
+        """`w` (this weight's f32 values) in the planned kind."""
         try:
             if self.kind == "q8":
                 return Q.quantize_q8(w, self.compensation, bias=self.bias, compact=True)
@@ -244,7 +251,7 @@ class _Builder:
     def __init__(self, ck: Checkpoint) -> None:
         self.ck = ck
         self.cfg = ck.config
-        self.cfg_path = ck.folder / "config.json"
+        self.cfg_path = ck.config_path
         self.arch = (self.cfg.get("architectures") or ["?"])[0]
 
     def get(self, key: str, default=None):
@@ -267,7 +274,7 @@ class _Builder:
             self.ck.shape(name, shape)
             ck = self.ck
             load = lambda: ck.read(name)  # noqa: E731
-        return PlannedWeight(name="", where=f"{self.ck.file_of(name)}: tensor {name}", shape=shape, load=load)
+        return self.ck.planned_weight(name, shape, load)
 
     def norm(self, name: str, size: int, eps: float) -> RMSNorm:
         return RMSNorm(size=size, eps=eps, weight=self.vector(name, size))
@@ -546,8 +553,6 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
     the payloads: their CRCs are computed from the very bytes written, and mapping them all would
     make the file's pages resident. The logits check of the in-memory export needs the PyTorch
     model, which this path never builds."""
-    from ..image import stream
-
     if max_seq_len is None:
         raise ExportError("a token model needs max_seq_len (the KV cache's positions): "
                           "colibri.export(DIR, path, max_seq_len=N) or --max-seq-len N")
@@ -555,9 +560,20 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
         raise ExportError("a streamed export writes a file: give the output path")
     ck = Checkpoint(folder)
     graph = build_folder_graph(ck, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
+    return export_graph(ck, graph, path, dtype=dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                        int8_blocks=int8_blocks, group=group, q8=q8, check=check, on_tensor=on_tensor)
+
+
+def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation: float, keep: Sequence[str],
+                 int8_act: Sequence[str], int8_blocks: Sequence[str], group: int, q8: Sequence[str], check: bool,
+                 on_tensor: Callable[[int, int, int], None] | None) -> FolderExport:
+    """Plan `graph`'s quantisation (its matrices are `ck`'s PlannedWeights) and stream it to `path`:
+    what every checkpoint reader (this folder's, `gguf_file`'s) ends with."""
+    from ..image import stream
+
     for i, layer in enumerate(graph.layers):
         if isinstance(layer, RMSNorm) and not layer.eps > 0:
-            raise ExportError(f"{ck.folder / 'config.json'}: rms_norm_eps={layer.eps:g}, the engine needs eps > 0")
+            raise ExportError(f"{ck.config_path}: rms_norm_eps={layer.eps:g}, the engine needs eps > 0")
         if isinstance(layer, MoE) and layer.route_count > F.MAX_ROUTES:
             raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
                               f"{F.MAX_ROUTES}")
