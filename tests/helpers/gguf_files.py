@@ -22,7 +22,8 @@ from helpers.hf_lm_models import COMMON, randomised
 
 GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
              "OlmoeForCausalLM": "olmoe"}
-QTYPES = {name: gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0")}
+# The types Colibri reads, and two it refuses (for the tests of the refusal).
+QTYPES = {name: gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "I32")}
 _HF_OF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -112,6 +113,8 @@ def encode(value: np.ndarray, qtype: str) -> np.ndarray:
         return value.astype(np.float32)
     if qtype == "F16":
         return value.astype(np.float16)
+    if qtype == "I32":
+        return value.astype(np.int32)
     return gguf.quants.quantize(value.astype(np.float32), QTYPES[qtype])
 
 
@@ -162,7 +165,7 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensor
     for name, value in tensors.items():
         t = (types or {}).get(name) or stored_type(name, value, qtype)
         data = encode(value, t)
-        w.add_tensor(name, data, raw_dtype=QTYPES[t] if t in ("BF16", "Q8_0", "Q4_0") else None)
+        w.add_tensor(name, data, raw_dtype=QTYPES[t] if t in ("BF16", "Q8_0", "Q4_0", "Q5_0") else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

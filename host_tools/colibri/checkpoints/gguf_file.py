@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,9 @@ def _open(path: Path):
     if not path.is_file():
         raise ExportError(f"{path}: no such GGUF file")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        with warnings.catch_warnings(), np.errstate(all="ignore"):  # a corrupt offset overflows numpy's uint64
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader's own checks (ValueError, KeyError) and what bad bytes make numpy raise
         raise ExportError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
     if reader.byte_order != "I":
@@ -267,7 +270,8 @@ class GGUFCheckpoint:
         """The tensor as float32 (every source type dequantises exactly), NaN/Inf refused."""
         e = self._entries[name]
         raw = self.raw_rows(e)
-        out = self.gguf.quants.dequantize(raw, self.gguf.GGMLQuantizationType(e.tensor.tensor_type))
+        with np.errstate(all="ignore"):  # a NaN or infinite scale: refused below, by count
+            out = self.gguf.quants.dequantize(raw, self.gguf.GGMLQuantizationType(e.tensor.tensor_type))
         out = np.ascontiguousarray(out, dtype=np.float32).reshape(e.shape)
         if e.unpermute_heads and len(e.shape) == 1:  # a llama q/k bias
             out = np.ascontiguousarray(unpermute_rows(out, e.unpermute_heads))
@@ -345,7 +349,7 @@ class GGUFCheckpoint:
                               f"{hd}-wide head (the engine rotates the whole head); Colibri cannot represent this")
         scaling = m.string(f"{a}.rope.scaling.type", "none")
         factor = m.number(f"{a}.rope.scaling.factor", 1.0)
-        if scaling != "none" and factor != 1.0 or "rope_freqs.weight" in self.tensors:
+        if scaling != "none" or factor != 1.0 or "rope_freqs.weight" in self.tensors:
             raise ExportError(f"{self.path}: scaled RoPE ({a}.rope.scaling.type={scaling}, factor {factor:g}, or "
                               "rope_freqs.weight); only plain RoPE is implemented")
         theta = m.number(f"{a}.rope.freq_base", 10000.0)  # llama.cpp's default
@@ -540,7 +544,8 @@ def q4_from_q4_0(raw: np.ndarray, cols: int, group: int, bias: np.ndarray | None
     q·s with q in −8..7 and s ≥ 0, so a block with d < 0 is stored negated: q = 8 − c, s = −d. Its
     code 0 (value −8·d, the block's largest magnitude, which llama.cpp's quantiser always writes)
     would be q = 8: it is stored as 7 with its remaining s in the compensation term E, an f16 that
-    holds s exactly. So Q·S + E equals the GGUF's dequantised weights value for value."""
+    holds s exactly. So Q·S + E equals the GGUF's dequantised weights value for value. The layer's
+    bias moves into the companion only where f16 holds it exactly."""
     if 32 % group or cols % 32:
         return None
     rows = raw.shape[0]
@@ -567,8 +572,10 @@ def q4_from_q4_0(raw: np.ndarray, cols: int, group: int, bias: np.ndarray | None
     row_ptr[1:] = np.cumsum(np.bincount(rows_e, minlength=rows))
     val = scale_blocks[rows_e, cols_e // 32].astype(np.float16)
     scale = np.repeat(scale_blocks, 32 // group, axis=1)
-    return Q4Weight(q=q, scale=scale, group=group, row_ptr=row_ptr, col=cols_e.astype(np.uint16), val=val,
-                    bias=Q.q4_companion_bias(scale.astype(np.float32), bias))
+    b16 = Q.q4_companion_bias(scale.astype(np.float32), bias)
+    if b16 is not None and not np.array_equal(b16.astype(np.float32), bias):
+        b16 = None  # the companion's f16 bias would round it: the layer keeps its f32 bias, exactly
+    return Q4Weight(q=q, scale=scale, group=group, row_ptr=row_ptr, col=cols_e.astype(np.uint16), val=val, bias=b16)
 
 
 @dataclass(eq=False)
@@ -641,6 +648,14 @@ class GGUFExport:
         return out
 
 
+def missing_max_seq_len(source: GGUFCheckpoint | str | Path) -> ExportError:
+    """The error for a GGUF export without max_seq_len, naming the file's context_length."""
+    ck = source if isinstance(source, GGUFCheckpoint) else GGUFCheckpoint(source)
+    known = f" (the file's context_length is {ck.context_length})" if ck.context_length else ""
+    return ExportError(f"{ck.path}: a token model needs max_seq_len, the KV cache's positions{known}: "
+                       "colibri.export(FILE, path, max_seq_len=N) or --max-seq-len N")
+
+
 def export_gguf(path_in: str | Path, path: str | Path, *, max_seq_len: int | None = None, max_batch: int = 1,
                 dtype: str | None = None, kv_dtype: str = "f32", compensation: float = Q.DEFAULT_COMPENSATION,
                 keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
@@ -654,9 +669,7 @@ def export_gguf(path_in: str | Path, path: str | Path, *, max_seq_len: int | Non
         raise ExportError("a streamed export writes a file: give the output path")
     ck = GGUFCheckpoint(path_in)
     if max_seq_len is None:
-        known = f" (the file's context_length is {ck.context_length})" if ck.context_length else ""
-        raise ExportError(f"{ck.path}: a token model needs max_seq_len, the KV cache's positions{known}: "
-                          "colibri.export(FILE, path, max_seq_len=N) or --max-seq-len N")
+        raise missing_max_seq_len(ck)
     dtype = ck.natural_dtype() if dtype is None else dtype
     graph = hf_folder.build_folder_graph(ck, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
     result = hf_folder.export_graph(ck, graph, path, dtype=dtype, compensation=compensation, keep=keep,

@@ -65,13 +65,17 @@ class Checkpoint:
         try:
             self.config = json.loads(cfg_path.read_text())
         except (ValueError, UnicodeDecodeError) as exc:
-            raise ExportError(f"{cfg_path}: not JSON ({exc})") from None
+            raise ExportError(f"{cfg_path}: not JSON ({_one_line(exc)})") from None
+        check_config_types(self.config, cfg_path)
         if (self.folder / INDEX).is_file():
             index_path = self.folder / INDEX
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ExportError(f"{index_path}: not a safetensors index (no weight_map: {exc})") from None
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                raise ExportError(f"{index_path}: not a safetensors index (no weight_map: {_one_line(exc)})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v and "/" not in v
+                                                           for v in weight_map.values()):
+                raise ExportError(f"{index_path}: weight_map must map tensor names to shard file names in the folder")
             self.where = {name: self.folder / shard for name, shard in weight_map.items()}
         elif (self.folder / SINGLE).is_file():
             self.where = None  # filled from the one file's header below
@@ -153,6 +157,66 @@ class Checkpoint:
         if bad.any():
             raise ExportError(f"{file}: tensor {name}: {int(bad.sum())} of {out.size} values are NaN/Inf")
         return out
+
+
+# What each config.json key the graph reads must hold (None counts as absent). Sizes and counts are
+# positive; a wrong type or range is refused here, by name, before any arithmetic uses it.
+_POSITIVE = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+             "decoder_sparse_step")
+_COUNTS = ("shared_expert_intermediate_size", "num_experts", "sliding_window", "max_window_layers")
+_NUMBERS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "clip_qkv", "final_logit_softcapping",
+            "logits_scaling")
+_FLAGS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
+_STRINGS = ("hidden_act",)
+_DICTS = ("rope_parameters", "rope_scaling")
+
+
+def check_config_types(cfg: object, cfg_path: Path) -> None:
+    """Refuse a config.json whose keys the graph reads hold the wrong kind of value."""
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{cfg_path}: not a JSON object")
+
+    def bad(key: str, value: object, what: str) -> ExportError:
+        return ExportError(f"{cfg_path}: {key} is {json.dumps(value)[:40]}, {what} is expected")
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key, value in cfg.items():
+        if value is None:
+            continue
+        if key in _POSITIVE and not (integer(value) and value >= 1):
+            raise bad(key, value, "a positive integer")
+        if key in _COUNTS and not (integer(value) and value >= 0):
+            raise bad(key, value, "a non-negative integer")
+        if key in _NUMBERS and not number(value):
+            raise bad(key, value, "a number")
+        if key in _FLAGS and not isinstance(value, bool):
+            raise bad(key, value, "true or false")
+        if key in _STRINGS and not isinstance(value, str):
+            raise bad(key, value, "a string")
+        if key in _DICTS:
+            if not isinstance(value, dict):
+                raise bad(key, value, "an object")
+            for inner in ("rope_type", "type"):
+                if inner in value and not isinstance(value[inner], str):
+                    raise bad(f"{key}.{inner}", value[inner], "a string")
+            for inner in ("rope_theta", "partial_rotary_factor", "factor"):
+                if value.get(inner) is not None and not number(value[inner]):
+                    raise bad(f"{key}.{inner}", value[inner], "a number")
+        if key == "architectures" and not (isinstance(value, list) and value and all(isinstance(a, str) for a in value)):
+            raise bad(key, value, "a list of class names")
+        if key == "mlp_only_layers" and not (isinstance(value, list) and all(integer(v) for v in value)):
+            raise bad(key, value, "a list of layer indices")
+        if key == "layer_types" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise bad(key, value, "a list of layer kinds")
+    n = cfg.get("num_hidden_layers")
+    if isinstance(cfg.get("layer_types"), list) and integer(n) and len(cfg["layer_types"]) < n:
+        raise ExportError(f"{cfg_path}: layer_types names {len(cfg['layer_types'])} layers of num_hidden_layers={n}")
 
 
 def _data_offsets(shard: Path) -> tuple[dict[str, tuple[int, int]], int]:
