@@ -27,7 +27,13 @@ from colibri.model.errors import ExportError
 from colibri.model.ir import Q4Weight, dense
 from colibri.model.walks import weight_slots
 from helpers.gguf_files import (
-    GGUF_ARCH, block_models, dequantised, gguf_tensors, rope_interleave, with_weights, write_gguf,
+    GGUF_ARCH,
+    block_models,
+    dequantised,
+    gguf_tensors,
+    rope_interleave,
+    with_weights,
+    write_gguf,
 )
 from helpers.hf_lm_models import ARCHS
 
@@ -305,7 +311,8 @@ def test_vocabulary_disagreeing_with_the_embedding(models, tmp_path):
     t = _tensors(models["mixtral"])
     t["output.weight"] = t["output.weight"][:90].copy()
     _refused(write_gguf(models["mixtral"], tmp_path / "o.gguf", tensors=t), tmp_path,
-             r"tensor output\.weight has shape \[32, 90\], the vocabulary of token_embd\.weight \(96\) gives \[32, 96\]")
+             r"tensor output\.weight has shape \[32, 90\], the vocabulary of token_embd\.weight \(96\) gives "
+             r"\[32, 96\]")
 
 
 def _with(key: str, value, kind: str = "uint32"):
