@@ -254,9 +254,6 @@ class GGUFCheckpoint:
     def file_of(self, name: str) -> Path:
         return self.path
 
-    def gguf_name(self, name: str) -> str:
-        return self._entries[name].name if name in self._entries else name
-
     def shape(self, name: str, want: tuple[int, ...] | None = None) -> tuple[int, ...]:
         if name not in self._entries:
             raise ExportError(f"{self.path}: no tensor for {name} (a {self.arch} model has one)")
@@ -267,7 +264,8 @@ class GGUFCheckpoint:
         return e.shape
 
     def read(self, name: str, index: int | None = None) -> np.ndarray:
-        """The tensor as float32 (every source type dequantises exactly), NaN/Inf refused."""
+        """The tensor as float32 (every source type dequantises exactly), NaN/Inf refused. (`index` is
+        the folder's fused-expert slice; a GGUF's experts are entries of their own.)"""
         e = self._entries[name]
         raw = self.raw_rows(e)
         with np.errstate(all="ignore"):  # a NaN or infinite scale: refused below, by count

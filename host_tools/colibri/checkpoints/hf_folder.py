@@ -208,11 +208,12 @@ def check_config_types(cfg: object, cfg_path: Path) -> None:
             for inner in ("rope_theta", "partial_rotary_factor", "factor"):
                 if value.get(inner) is not None and not number(value[inner]):
                     raise bad(f"{key}.{inner}", value[inner], "a number")
-        if key == "architectures" and not (isinstance(value, list) and value and all(isinstance(a, str) for a in value)):
+        names = isinstance(value, list) and all(isinstance(a, str) for a in value)
+        if key == "architectures" and not (names and value):
             raise bad(key, value, "a list of class names")
         if key == "mlp_only_layers" and not (isinstance(value, list) and all(integer(v) for v in value)):
             raise bad(key, value, "a list of layer indices")
-        if key == "layer_types" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        if key == "layer_types" and not names:
             raise bad(key, value, "a list of layer kinds")
     n = cfg.get("num_hidden_layers")
     if isinstance(cfg.get("layer_types"), list) and integer(n) and len(cfg["layer_types"]) < n:
