@@ -370,6 +370,24 @@ def test_a_failure_leaves_the_old_file(models, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.clb")] == []
 
 
+@pytest.mark.parametrize("count, match", [
+    (10**5 + 3, r"runs past the end of the file"),  # the reader would read empty fields past it
+    (10**7, r"a metadata array of 10000000 elements at byte \d+ \(at most 2097152 are read\)"),
+])
+def test_corrupt_array_length(models, root, tmp_path, count, match):
+    """A metadata array's length past the file or past any tokenizer: refused at once (the gguf
+    package alone loops over it, building objects until memory runs out)."""
+    file = _file(models["olmoe"], root / "olmoe-F32.gguf", "F32")
+    reader = gguf.GGUFReader(file)
+    length = reader.fields["tokenizer.ggml.token_type"].parts[4]  # its u64 element count
+    at = length.ctypes.data - reader.data.ctypes.data
+    data = bytearray(file.read_bytes())
+    data[at : at + 8] = count.to_bytes(8, "little")
+    bad = tmp_path / "array.gguf"
+    bad.write_bytes(data)
+    _refused(bad, tmp_path, match)
+
+
 def test_not_a_gguf_file(tmp_path):
     file = tmp_path / "x.gguf"
     file.write_bytes(b"GGML" + bytes(100))
@@ -418,3 +436,25 @@ def test_tokenizer_metadata_refuses_what_does_not_fit(models, tmp_path):
     assert gguf_file.tokenizer_metadata(bare) is None
     gguf_file.export_gguf(bare, tmp_path / "n.clb", max_seq_len=8)  # no vocabulary: nothing to disagree with
 
+
+
+def test_without_the_gguf_package_the_extra_is_named(models, root, tmp_path):
+    file = _file(models["olmoe"], root / "olmoe-F32.gguf", "F32")
+    refuse_gguf = """
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "gguf":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Refuse())
+sys.argv = ["colibri", *sys.argv[1:]]
+from colibri.cli import main
+main()
+"""
+    out = tmp_path / "o.clb"
+    run = subprocess.run([sys.executable, "-c", refuse_gguf, "export", str(file), str(out), "--max-seq-len", "8"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "pip install 'colibri-moe[gguf]'" in run.stderr, run.stderr
+    assert not out.exists()

@@ -22,7 +22,10 @@ import numpy as np
 from colibri.checkpoints import gguf_file, hf_folder
 from colibri.model.errors import ColibriError
 
-EXTREMES = (0, 1, 2, 3, 31, 32, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1)
+# Field values: small ones, array lengths a reader could loop over (past the end of the file, or past
+# what memory holds), and the edges of 32 and 64 bits.
+EXTREMES = (0, 1, 2, 3, 31, 32, 255, 2**16, 10**5 + 3, 10**7, 2**30 - 5, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+            2**63 - 1, 2**63, 2**64 - 1)
 
 
 @dataclass

@@ -90,14 +90,45 @@ def _one_line(exc: BaseException) -> str:
 # The file: header, metadata and tensor infos through gguf.GGUFReader
 
 
-def _open(path: Path):
+# The gguf reader walks a metadata array element by element and reads past the end of the file
+# without complaint (empty fields): a corrupt length then loops, and builds objects, that many times,
+# until memory runs out. So every read must lie inside the file, and an array may hold at most this
+# many elements: no tokenizer comes near (vocabularies and merge lists hold under 300 000 entries).
+MAX_METADATA_ARRAY = 1 << 21
+
+
+def _reader_class():
     gguf = _gguf()
+
+    class BoundedReader(gguf.GGUFReader):
+        """gguf.GGUFReader whose every read lies inside the file and whose arrays are bounded."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > self.data.nbytes:
+                raise ValueError(f"a field at byte {int(offset)} runs past the end of the file ({self.data.nbytes} "
+                                 "bytes)")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                count = int(self._get(orig_offs + 4, np.uint64)[0])
+                if count > MAX_METADATA_ARRAY:
+                    raise ValueError(f"a metadata array of {count} elements at byte {int(orig_offs)} (at most "
+                                     f"{MAX_METADATA_ARRAY} are read)")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return BoundedReader
+
+
+def _open(path: Path):
+    _gguf()
     if not path.is_file():
         raise ExportError(f"{path}: no such GGUF file")
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):  # a corrupt offset overflows numpy's uint64
             warnings.simplefilter("ignore", RuntimeWarning)
-            reader = gguf.GGUFReader(path, "r")
+            reader = _reader_class()(path, "r")
     except Exception as exc:  # the reader's own checks (ValueError, KeyError) and what bad bytes make numpy raise
         raise ExportError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
     if reader.byte_order != "I":
