@@ -5,7 +5,7 @@ PY := .venv/bin/python
 CORE := firmware/colibri_core
 
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
-        fuzz-smoke bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
+        fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
         bench-lm-open
@@ -106,6 +106,15 @@ fuzz: setup
 
 fuzz-smoke: setup
 	$(MAKE) -C fuzz fuzz-all RUNS=$(SMOKE_RUNS)
+
+# The GGUF and safetensors readers' error paths (tests/export/test_export_checkpoint_fuzz.py, CI: 1000
+# cases each): CHECKPOINT_CASES mutated files each, every one a written image or a one-line ColibriError.
+# COLIBRI_FUZZ_SEED picks another sequence; a failing case is kept beside the run and named.
+CHECKPOINT_CASES ?= 20000
+
+fuzz-checkpoints: setup
+	COLIBRI_FUZZ_CHECKPOINTS=$(CHECKPOINT_CASES) .venv/bin/pytest -n 2 -q -rP \
+	  tests/export/test_export_checkpoint_fuzz.py
 
 # Colibri beside PyTorch, ONNX Runtime, LiteRT and TFLM, one thread each (bench/bench.py):
 # the bench extra is installed only here; build/bench/ gets the table's JSON and bench.png.

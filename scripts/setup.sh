@@ -44,7 +44,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps_hash" ]; then
     .venv/bin/pip install -q "setuptools>=77" wheel
     # torch is pinned: 2.13.0 is the CPU build; anything looser pulls a multi-GB CUDA build.
     .venv/bin/pip install -q "torch==2.13.0"
-    .venv/bin/pip install -q -e ".[test,examples]"
+    .venv/bin/pip install -q -e ".[test,examples,gguf]"
     echo "$deps_hash" > "$stamp"
 fi
 # The bench's peers (make bench sets COLIBRI_BENCH=1): ONNX Runtime, LiteRT, TFLM and the

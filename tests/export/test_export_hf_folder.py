@@ -216,11 +216,26 @@ def _edit_config(folder: Path, **changes) -> None:
     ({"num_hidden_layers": 1}, "is past config.json's num_hidden_layers=1"),
     ({"final_logit_softcapping": 30.0}, "scaled or soft-capped logits"),
     ({"clip_qkv": 8.0}, r"clip_qkv=8.0 \(clamped q/k/v\)"),
+    # values of the wrong kind, refused before any arithmetic uses them (found by the fuzz test)
+    ({"num_key_value_heads": 0}, r"num_key_value_heads is 0, a positive integer is expected"),
+    ({"hidden_act": ["silu"]}, r'hidden_act is \["silu"\], a string is expected'),
+    ({"rms_norm_eps": "1e-6"}, r'rms_norm_eps is "1e-6", a number is expected'),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": [1]}}, r"rope_parameters.rope_theta is \[1\]"),
+    ({"tie_word_embeddings": 1}, r"tie_word_embeddings is 1, true or false is expected"),
 ])
 def test_config_the_engine_would_compute_differently(folders, tmp_path, changes, match):
     folder = _mixtral_f32(folders, tmp_path)
     _edit_config(folder, **changes)
     _refused(folder, tmp_path, match)
+
+
+def test_index_naming_no_shard_file(folders, tmp_path):
+    folder = _mixtral_f32(folders, tmp_path)
+    index = folder / hf_folder.INDEX
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["lm_head.weight"] = 7
+    index.write_text(json.dumps(doc))
+    _refused(folder, tmp_path, r"weight_map must map tensor names to shard file names in the folder")
 
 
 def test_head_disagreeing_with_the_vocabulary(folders, tmp_path):

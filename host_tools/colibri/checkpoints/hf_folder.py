@@ -59,19 +59,23 @@ class Checkpoint:
         from safetensors import SafetensorError, safe_open
 
         self.folder = Path(folder)
-        cfg_path = self.folder / "config.json"
+        cfg_path = self.config_path = self.folder / "config.json"
         if not cfg_path.is_file():
             raise ExportError(f"{cfg_path}: missing (a Hugging Face model folder has config.json)")
         try:
             self.config = json.loads(cfg_path.read_text())
         except (ValueError, UnicodeDecodeError) as exc:
-            raise ExportError(f"{cfg_path}: not JSON ({exc})") from None
+            raise ExportError(f"{cfg_path}: not JSON ({_one_line(exc)})") from None
+        check_config_types(self.config, cfg_path)
         if (self.folder / INDEX).is_file():
             index_path = self.folder / INDEX
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ExportError(f"{index_path}: not a safetensors index (no weight_map: {exc})") from None
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                raise ExportError(f"{index_path}: not a safetensors index (no weight_map: {_one_line(exc)})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v and "/" not in v
+                                                           for v in weight_map.values()):
+                raise ExportError(f"{index_path}: weight_map must map tensor names to shard file names in the folder")
             self.where = {name: self.folder / shard for name, shard in weight_map.items()}
         elif (self.folder / SINGLE).is_file():
             self.where = None  # filled from the one file's header below
@@ -102,6 +106,10 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def planned_weight(self, name: str, shape: tuple[int, int], load: Callable[[], np.ndarray]) -> PlannedWeight:
+        """The weight matrix `name` (or a slice of it that `load` reads), made when written."""
+        return PlannedWeight(name="", where=f"{self.file_of(name)}: tensor {name}", shape=shape, load=load)
 
     def has(self, name: str) -> bool:
         return name in self._entries
@@ -151,6 +159,67 @@ class Checkpoint:
         return out
 
 
+# What each config.json key the graph reads must hold (None counts as absent). Sizes and counts are
+# positive; a wrong type or range is refused here, by name, before any arithmetic uses it.
+_POSITIVE = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+             "decoder_sparse_step")
+_COUNTS = ("shared_expert_intermediate_size", "num_experts", "sliding_window", "max_window_layers")
+_NUMBERS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "clip_qkv", "final_logit_softcapping",
+            "logits_scaling")
+_FLAGS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
+_STRINGS = ("hidden_act",)
+_DICTS = ("rope_parameters", "rope_scaling")
+
+
+def check_config_types(cfg: object, cfg_path: Path) -> None:
+    """Refuse a config.json whose keys the graph reads hold the wrong kind of value."""
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{cfg_path}: not a JSON object")
+
+    def bad(key: str, value: object, what: str) -> ExportError:
+        return ExportError(f"{cfg_path}: {key} is {json.dumps(value)[:40]}, {what} is expected")
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key, value in cfg.items():
+        if value is None:
+            continue
+        if key in _POSITIVE and not (integer(value) and value >= 1):
+            raise bad(key, value, "a positive integer")
+        if key in _COUNTS and not (integer(value) and value >= 0):
+            raise bad(key, value, "a non-negative integer")
+        if key in _NUMBERS and not number(value):
+            raise bad(key, value, "a number")
+        if key in _FLAGS and not isinstance(value, bool):
+            raise bad(key, value, "true or false")
+        if key in _STRINGS and not isinstance(value, str):
+            raise bad(key, value, "a string")
+        if key in _DICTS:
+            if not isinstance(value, dict):
+                raise bad(key, value, "an object")
+            for inner in ("rope_type", "type"):
+                if inner in value and not isinstance(value[inner], str):
+                    raise bad(f"{key}.{inner}", value[inner], "a string")
+            for inner in ("rope_theta", "partial_rotary_factor", "factor"):
+                if value.get(inner) is not None and not number(value[inner]):
+                    raise bad(f"{key}.{inner}", value[inner], "a number")
+        names = isinstance(value, list) and all(isinstance(a, str) for a in value)
+        if key == "architectures" and not (names and value):
+            raise bad(key, value, "a list of class names")
+        if key == "mlp_only_layers" and not (isinstance(value, list) and all(integer(v) for v in value)):
+            raise bad(key, value, "a list of layer indices")
+        if key == "layer_types" and not names:
+            raise bad(key, value, "a list of layer kinds")
+    n = cfg.get("num_hidden_layers")
+    if isinstance(cfg.get("layer_types"), list) and integer(n) and len(cfg["layer_types"]) < n:
+        raise ExportError(f"{cfg_path}: layer_types names {len(cfg['layer_types'])} layers of num_hidden_layers={n}")
+
+
 def _data_offsets(shard: Path) -> tuple[dict[str, tuple[int, int]], int]:
     """Each tensor's byte range in the shard's data section and where that section starts: the
     safetensors header (a u64 length, then JSON) that safe_open has already validated."""
@@ -194,7 +263,10 @@ class PlannedWeight:
         return {"f32": DType.F32, "f16": DType.F16, "q8": DType.I8, "q4": DType.I4}[self.kind]
 
     def quantised(self):
-        w = self.load()
+        return self.quantise(self.load())
+
+    def quantise(self, w: np.ndarray):
+        """`w` (this weight's f32 values) in the planned kind."""
         try:
             if self.kind == "q8":
                 return Q.quantize_q8(w, self.compensation, bias=self.bias, compact=True)
@@ -244,7 +316,7 @@ class _Builder:
     def __init__(self, ck: Checkpoint) -> None:
         self.ck = ck
         self.cfg = ck.config
-        self.cfg_path = ck.folder / "config.json"
+        self.cfg_path = ck.config_path
         self.arch = (self.cfg.get("architectures") or ["?"])[0]
 
     def get(self, key: str, default=None):
@@ -267,7 +339,7 @@ class _Builder:
             self.ck.shape(name, shape)
             ck = self.ck
             load = lambda: ck.read(name)  # noqa: E731
-        return PlannedWeight(name="", where=f"{self.ck.file_of(name)}: tensor {name}", shape=shape, load=load)
+        return self.ck.planned_weight(name, shape, load)
 
     def norm(self, name: str, size: int, eps: float) -> RMSNorm:
         return RMSNorm(size=size, eps=eps, weight=self.vector(name, size))
@@ -553,8 +625,6 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
     as its tokenizer section (format v6, docs/lm.md), if the folder has one; a path takes it from
     there instead; False leaves it out. One that cannot be the model's (more tokens than the
     embedding's rows, a kind Colibri does not carry) is refused before anything is written."""
-    from ..image import stream
-
     if max_seq_len is None:
         raise ExportError("a token model needs max_seq_len (the KV cache's positions): "
                           "colibri.export(DIR, path, max_seq_len=N) or --max-seq-len N")
@@ -562,18 +632,32 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
         raise ExportError("a streamed export writes a file: give the output path")
     ck = Checkpoint(folder)
     graph = build_folder_graph(ck, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
-    for i, layer in enumerate(graph.layers):
-        if isinstance(layer, RMSNorm) and not layer.eps > 0:
-            raise ExportError(f"{ck.folder / 'config.json'}: rms_norm_eps={layer.eps:g}, the engine needs eps > 0")
-        if isinstance(layer, MoE) and layer.route_count > F.MAX_ROUTES:
-            raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
-                              f"{F.MAX_ROUTES}")
     if tokenizer is not False:
         from ..runtime import tokenizer_build
 
         spec = ck.folder if tokenizer is True else tokenizer
         if tokenizer is not True or tokenizer_build.from_folder(ck.folder) is not None:
             graph.tokenizer = tokenizer_build.packed_for(spec, graph.vocab_size, str(spec))
+    return export_graph(ck, graph, path, dtype=dtype, compensation=compensation, keep=keep, int8_act=int8_act,
+                        int8_blocks=int8_blocks, group=group, q8=q8, check=check, on_tensor=on_tensor,
+                        page_aligned=page_aligned)
+
+
+def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation: float, keep: Sequence[str],
+                 int8_act: Sequence[str], int8_blocks: Sequence[str], group: int, q8: Sequence[str], check: bool,
+                 on_tensor: Callable[[int, int, int], None] | None,
+                 page_aligned: bool | None = None) -> FolderExport:
+    """Plan `graph`'s quantisation (its matrices are `ck`'s PlannedWeights) and stream it to `path`:
+    what every checkpoint reader (this folder's, `gguf_file`'s) ends with. `page_aligned` as
+    `stream.write_file`'s (None: experts on pages of their own once the image would be 16 MiB)."""
+    from ..image import stream
+
+    for i, layer in enumerate(graph.layers):
+        if isinstance(layer, RMSNorm) and not layer.eps > 0:
+            raise ExportError(f"{ck.config_path}: rms_norm_eps={layer.eps:g}, the engine needs eps > 0")
+        if isinstance(layer, MoE) and layer.route_count > F.MAX_ROUTES:
+            raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
+                              f"{F.MAX_ROUTES}")
     plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
                       int8_blocks=int8_blocks, group=group, q8=q8)
 

@@ -175,11 +175,17 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
            tokenizer_path: Path | None, no_tokenizer: bool,
            dtype: str, compensation: float, group: int, q8: tuple[str, ...], keep: tuple[str, ...],
            int8_act: tuple[str, ...], int8_blocks: tuple[str, ...]) -> None:
-    """Export MODEL (a Hugging Face folder, a torch.save'd module or package.module:factory) to a model image.
+    """Export MODEL (a Hugging Face folder, a GGUF file, a torch.save'd module or package.module:factory) to a
+    model image.
 
     A Hugging Face folder (config.json and safetensors shards; Mixtral, Qwen2-MoE, Qwen3-MoE,
     OLMoE) is streamed without torch: one tensor read, quantised and written at a time, with a
     progress bar, then the peak RSS and the bytes written. It needs --max-seq-len.
+
+    A GGUF file (llama.cpp's llama with experts, qwen2moe, qwen3moe, olmoe; F32, F16, BF16, Q8_0,
+    Q4_0 tensors) is streamed the same way. Without --dtype it keeps the file's own (Q4_0: q4,
+    Q8_0: q8, F16: f16, else f32); Q4_0 goes into q4 (--group 32 or less) bit for bit, and what
+    is requantised is reported with its error.
 
     MODEL is a file written by torch.save(model, path), or package.module:factory, a function
     called with no arguments that returns the module. As with `python -m`, the current folder
@@ -199,6 +205,19 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
         token_export.refuse_feature_options(model, feature_only)
         token_export.export_folder_command(Path(model), output, **token_options,
                                            tokenizer=False if no_tokenizer else tokenizer_path or True)
+        return
+    from ..checkpoints.gguf_file import is_gguf
+
+    if is_gguf(model):  # a GGUF file: streamed, no torch; without --dtype the file's own
+        token_export.refuse_feature_options(model, feature_only)
+        if tokenizer_path is not None:
+            raise ColibriError(f"{model}: --tokenizer is not carried into an image exported from a GGUF file yet "
+                               "(its tokenizer metadata is read, not written as a section); export the Hugging Face "
+                               "folder to carry one")
+        source = click.get_current_context().get_parameter_source("dtype")
+        if source is click.core.ParameterSource.DEFAULT:
+            token_options["dtype"] = None
+        token_export.export_gguf_command(Path(model), output, **token_options)
         return
     # The front ends first: without torch they raise the error that names the extra to install.
     from ..frontends import hf  # noqa: F401  registers the Hugging Face converters

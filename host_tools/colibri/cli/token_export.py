@@ -1,4 +1,4 @@
-"""`colibri export` for token models: a Hugging Face folder, streamed (issue 26), or a token module."""
+"""`colibri export` for token models: a Hugging Face folder or a GGUF file, streamed (issue 26), or a token module."""
 from __future__ import annotations
 
 import resource
@@ -30,17 +30,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+def _streamed(source: Path, export, output: Path, **options):
+    """Run a streamed export with a progress bar per tensor; the result and the seconds it took."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..checkpoints.hf_folder import export_folder
-    from ..image import writer
-
-    _need_seq_len(max_seq_len, str(folder))
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
                   TextColumn("{task.fields[written]}"), TimeElapsedColumn(), transient=False) as bar:
-        task = bar.add_task(f"exporting {folder.name}", total=None, written="")
+        task = bar.add_task(f"exporting {source.name}", total=None, written="")
         written = 0
 
         def on_tensor(i: int, count: int, nbytes: int) -> None:
@@ -48,9 +45,13 @@ def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None
             written = nbytes if i == 0 else written + nbytes  # from 0 again if the image is rewritten as v7
             bar.update(task, total=count, completed=i + 1, written=f"{written / 2**20:.1f} MiB")
 
-        result = export_folder(folder, output, max_seq_len=max_seq_len, check=check, on_tensor=on_tensor, **options)
-    seconds = time.perf_counter() - start
-    _echo_tokenizer(result.graph)
+        result = export(source, output, on_tensor=on_tensor, **options)
+    return result, time.perf_counter() - start
+
+
+def _wrote(output: Path, result, seconds: float) -> None:
+    from ..image import writer
+
     click.echo(f"wrote {output}: {result.bytes_written} bytes (format v{result.version}, {result.tensors} tensors) "
                f"in {seconds:.1f} s; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     if result.bytes_written > writer.NARROW_LIMIT:
@@ -64,6 +65,32 @@ def _echo_tokenizer(graph) -> None:
 
     if graph.tokenizer is not None:
         click.echo(f"tokenizer: {parse(graph.tokenizer, graph.vocab_size).summary()}")
+
+
+def export_folder_command(folder: Path, output: Path, *, max_seq_len: int | None, check: bool, **options) -> None:
+    from ..checkpoints.hf_folder import export_folder
+
+    _need_seq_len(max_seq_len, str(folder))
+    result, seconds = _streamed(folder, export_folder, output, max_seq_len=max_seq_len, check=check, **options)
+    _echo_tokenizer(result.graph)
+    _wrote(output, result, seconds)
+
+
+def export_gguf_command(file: Path, output: Path, *, max_seq_len: int | None, check: bool, dtype: str | None,
+                        **options) -> None:
+    """A GGUF file, streamed: `dtype=None` keeps the file's own; then what went in exactly and what
+    was requantised (with its error), the bytes written and the peak RSS."""
+    from ..checkpoints.gguf_file import export_gguf, missing_max_seq_len
+
+    if max_seq_len is None:
+        raise missing_max_seq_len(file)
+    result, seconds = _streamed(file, export_gguf, output, max_seq_len=max_seq_len, check=check, dtype=dtype,
+                                **options)
+    if dtype is None:
+        click.echo(f"dtype {result.dtype}: the file's own (--dtype chooses another)")
+    for line in result.lines():
+        click.echo(line)
+    _wrote(output, result, seconds)
 
 
 def is_token_module(module: object) -> bool:

@@ -252,16 +252,24 @@ def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, gr
     residual = w - q.astype(np.float32) * per_col
 
     row_ptr, col, val = _compensation(w, residual, n_e, None, "q4")
-    b16 = None
-    if bias is not None:
-        b = np.asarray(bias, dtype=np.float32)
-        if np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX):
-            step = np.where(scale > 0, scale, np.float32(np.inf)).min(axis=1)
-            step = np.where(np.isfinite(step), step, np.float32(0))  # an all-zero row: the bias exactly
-            cand = _f16_bias(b)
-            if np.all(np.abs(cand.astype(np.float32) - b) <= step * F16_BIAS_SHARE):
-                b16 = cand
-    return Q4Weight(q=q, scale=scale.astype(np.float16), group=group, row_ptr=row_ptr, col=col, val=val, bias=b16)
+    return Q4Weight(q=q, scale=scale.astype(np.float16), group=group, row_ptr=row_ptr, col=col, val=val,
+                    bias=q4_companion_bias(scale, bias))
+
+
+def q4_companion_bias(scale: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
+    """The f16 bias an int4 weight's companion holds for the layer's f32 `bias`, or None when its
+    rounding would move an output by more than F16_BIAS_SHARE of the row's smallest step in `scale`
+    ([rows, G], as stored); the caller then keeps the f32 bias."""
+    if bias is None:
+        return None
+    scale = np.asarray(scale, dtype=np.float32)
+    b = np.asarray(bias, dtype=np.float32)
+    if not (np.all(np.isfinite(b)) and np.all(np.abs(b) <= F16_MAX)):
+        return None
+    step = np.where(scale > 0, scale, np.float32(np.inf)).min(axis=1)
+    step = np.where(np.isfinite(step), step, np.float32(0))  # an all-zero row: the bias exactly
+    cand = _f16_bias(b)
+    return cand if np.all(np.abs(cand.astype(np.float32) - b) <= step * F16_BIAS_SHARE) else None
 
 
 def quantize_f16(w: np.ndarray) -> F16Weight:
