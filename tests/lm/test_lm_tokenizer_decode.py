@@ -13,7 +13,7 @@ from colibri.image import tokenizer_section as TS
 from colibri.model.errors import ColibriError
 from colibri.model.format import Status, TokenizerFlag, TokenizerKind, TokenType
 from colibri.runtime import _engine, tokenizer_build
-from colibri.runtime.tokenizer import SectionTokenizer
+from colibri.runtime.tokenizer_build import SectionTokenizer
 from helpers import lmmodels
 from helpers import tokenizers_trained as trained
 

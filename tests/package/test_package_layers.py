@@ -27,13 +27,16 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"model", "image"},
     "frontends": {"model", "image", "reference", "quant", "runtime"},
     "target": {"model", "image", "quant", "runtime"},
-    "checkpoints": {"model", "image", "quant"},  # checkpoint files streamed to an image, without torch
+    # checkpoint files streamed to an image, without torch; runtime for the tokenizer files' section builder
+    "checkpoints": {"model", "image", "quant", "runtime"},
     "": {"model", "image", "reference", "runtime", "frontends", "target", "checkpoints"},
     "cli": {"model", "image", "reference", "quant", "runtime", "frontends", "target", "checkpoints"},
 }
 # Third-party packages some layers must not import at all (the image-to-image commands run without them).
 HEAVY = {"torch", "transformers"}
-MAY_IMPORT_HEAVY = {"frontends", "cli.export"}
+# runtime.tokenizer_build: transformers' GPT-2 byte table, imported only when a byte-level BPE section is
+# built or rebuilt as a library tokenizer (the tokenizer extra).
+MAY_IMPORT_HEAVY = {"frontends", "cli.export", "runtime.tokenizer_build"}
 
 
 def module_name(path: Path) -> str:

@@ -148,13 +148,34 @@ def write(graph: Graph, *, page_aligned: bool = False, version: int | None = Non
 LINUX_LAYOUT_MIN_BYTES = 16 << 20
 
 
+# Bytes per element of the payloads whose size the records alone give.
+_FIXED = {DType.F32: 4, DType.F16: 2, DType.I8: 1, DType.I32: 4}
+
+
+def least_size(plan: Layout) -> int:
+    """A lower bound of the image's size from its records alone (companions at their smallest:
+    header and scales), so an image past 4 GiB is laid out as version 7 before a byte is written."""
+    pos = plan.payload_start
+    for t in plan.tensors.entries:
+        if t.dtype in _FIXED:
+            size = t.rows * t.cols * _FIXED[t.dtype]
+        elif t.dtype == DType.I4:
+            size = t.rows * F.q4_row_bytes(t.cols)
+        elif t.dtype == DType.Q8_PARAMS:
+            size = F.Q8_PARAMS_HEADER + 2 * t.rows
+        elif t.dtype == DType.TOKENIZER:
+            size = t.rows
+        else:  # Q4_PARAMS: at least one f16 scale a row
+            size = F.Q4_PARAMS_HEADER + 2 * t.rows
+        pos = plan.place(pos, t) + size
+    return _align(pos, 4)
+
+
 def linux_layout(graph: Graph) -> bool:
     """Whether an export of `graph` that names no layout is page-aligned (format v3+, per-tensor CRCs):
     it has experts and its compact image would be at least LINUX_LAYOUT_MIN_BYTES."""
     if not any(isinstance(layer, MoE) and (layer.experts or layer.shared) for layer in graph.layers):
         return False
-    from .stream import least_size
-
     return least_size(layout(graph)) >= LINUX_LAYOUT_MIN_BYTES
 
 

@@ -433,12 +433,12 @@ class LM:
 
     @property
     def tokenizer(self):
-        """The image's tokenizer on the host (`runtime.tokenizer.SectionTokenizer`: the `tokenizers` or
+        """The image's tokenizer on the host (`runtime.tokenizer_build.SectionTokenizer`: the `tokenizers` or
         `sentencepiece` library rebuilt from the section); NO_TOKENIZER without a section."""
         self._need_tokenizer()
         if self._host_tokenizer is None:
             from ..image.tokenizer_section import find, parse
-            from .tokenizer import SectionTokenizer
+            from .tokenizer_build import SectionTokenizer
 
             self._host_tokenizer = SectionTokenizer(parse(find(self.image), self.vocab_size))
         return self._host_tokenizer

@@ -87,34 +87,6 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids if 0 <= int(i) < self._size])
 
 
-class SectionTokenizer:
-    """The tokenizer of an image's tokenizer section (format v6, docs/lm.md), rebuilt for the
-    `tokenizers` library (byte-level BPE) or `sentencepiece` (SentencePiece), which encode and
-    decode; nothing is tokenized by hand. Special (CONTROL) tokens decode to nothing, as on the
-    device. `section` is the `TokenizerSection` (kind, special ids, token bytes)."""
-
-    def __init__(self, section) -> None:
-        from .tokenizer_build import rebuild
-
-        self.section = section
-        self.vocab_size = section.vocab_size
-        self._lib = rebuild(section)
-
-    @property
-    def eos(self) -> int | None:
-        return self.section.eos
-
-    @property
-    def bos(self) -> int | None:
-        return self.section.bos
-
-    def encode(self, text: str) -> list[int]:
-        return self._lib.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._lib.decode(ids)
-
-
 def load(spec: str) -> ByteTokenizer | HFTokenizer | SentencePieceTokenizer:
     """'byte' for the built-in byte-level tokenizer, else the path of a tokenizers JSON file or of a
     SentencePiece model (tokenizer.model)."""

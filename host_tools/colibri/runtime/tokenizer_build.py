@@ -10,6 +10,7 @@ section alone.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,29 @@ def rebuild(section: TokenizerSection):
     if section.kind == TokenizerKind.BYTE_BPE:
         return _rebuild_byte_bpe(section)
     return _rebuild_sentencepiece(section)
+
+
+class SectionTokenizer:
+    """The tokenizer of an image's tokenizer section (format v6, docs/lm.md), rebuilt for the
+    `tokenizers` library (byte-level BPE) or `sentencepiece` (SentencePiece), which encode and
+    decode; nothing is tokenized by hand. Special (CONTROL) tokens decode to nothing, as on the
+    device. `section` is the `TokenizerSection` (kind, special ids, token bytes)."""
+
+    def __init__(self, section) -> None:
+        self.section = section
+        self.vocab_size = section.vocab_size
+        self._lib = rebuild(section)
+
+    @property
+    def eos(self) -> int | None:
+        return self.section.eos
+
+    @property
+    def bos(self) -> int | None:
+        return self.section.bos
+
+    def encode(self, text: str) -> list[int]:
+        return self._lib.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._lib.decode(ids)
