@@ -43,7 +43,13 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     # probe would fail on it, so it goes aside and the build is named after the sdist instead.
     if [ -e "$SRC/.git" ]; then mv "$SRC/.git" "$SRC/.git-dangling"; fi
 fi
+# GGML_NATIVE=ON builds for this CPU, as Colibri's kernels pick this CPU's level at run time, but without
+# AMX: a virtual machine may list the AMX flags without enabling their register state, and there the
+# first tile instruction traps (SIGILL in llama.cpp's Q8_0/Q4_0 matrix kernels on the machine this was
+# written on). Colibri has no AMX kernels, so both engines then use the same instruction sets.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+      -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
       -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON \
       -DLLAMA_BUILD_COMMIT="llama-cpp-python-$VERSION" -DLLAMA_BUILD_NUMBER=0 >/dev/null
 nice cmake --build "$ROOT/build" -j"$JOBS" --target "${TARGETS[@]}"
