@@ -74,8 +74,8 @@ def test_the_ci_sized_run_beside_llama_cpp(tmp_path):
         for threads in (1, 2):
             (row,) = _rows(out, "speed", model="tiny", engine="llama.cpp", dtype=ftype, threads=threads)
             assert row["decode_tps"] > 0 and row["prefill_tps"] > 0 and row["max_rss_bytes"] > row["file_bytes"]
-    ppl = {r["dtype"]: r["perplexity"] for r in _rows(out, "perplexity", engine="llama.cpp")}
-    colibri_f32 = _rows(out, "perplexity", engine="colibri", dtype="f32")[0]["perplexity"]
-    assert abs(ppl["F32"] - colibri_f32) < 1e-3 * colibri_f32  # one model, two engines
+    # llama.cpp's Qwen3-MoE has no dense layers, and the King James model's first layer is one: only
+    # Colibri's perplexity rows (the converter's refusal is printed).
+    assert not _rows(out, "perplexity", engine="llama.cpp")
     assert "| tiny | q4 | Q4_0 |" in out["table"]
     assert (tmp_path / "bench_lm.png").stat().st_size > 1000
