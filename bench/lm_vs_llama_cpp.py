@@ -340,6 +340,16 @@ def gguf(name: str, ftype: str) -> Path:
     return path
 
 
+def llama_files(name: str) -> dict[str, Path]:
+    """The model's GGUF files, or none (the reason printed) where llama.cpp's converter refuses it: the
+    King James model's dense first layer (mlp_only_layers = [0]) has no place in its Qwen3-MoE."""
+    try:
+        return {t: gguf(name, t) for t in LLAMA_TYPES}
+    except ConversionError as e:
+        print(f"  llama.cpp: {name} not run: {e}", flush=True)
+        return {}
+
+
 def llama_logits(driver: Path, model: Path, ids: np.ndarray, window: int, vocab: int, defaults: bool = False):
     cmd = [str(driver), str(model), "1", "{IDS}", str(window), "{OUT}"] + (["--defaults"] if defaults else [])
     return run_logits(cmd, ids, window, vocab, "llama")
@@ -377,8 +387,7 @@ def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path |
             rows.append({"model": name, "engine": "colibri", "dtype": dtype, "max_abs": err, "rel": rel(err, want),
                          "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
         if with_llama:
-            for ftype in LLAMA_TYPES:
-                model = gguf(name, ftype)
+            for ftype, model in llama_files(name).items():
                 for defaults in (False, True):
                     got = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab, defaults)
                     err = float(np.abs(got - want).max())
@@ -401,7 +410,7 @@ def speed(names, colibri_dtypes, with_llama: bool, driver: Path, threads: list[i
     for name in names:
         jobs = [("colibri", d, colibri_image(name, d)) for d in colibri_dtypes]
         if with_llama:
-            jobs += [("llama.cpp", t, gguf(name, t)) for t in LLAMA_TYPES]
+            jobs += [("llama.cpp", t, path) for t, path in llama_files(name).items()]
         # Interleave the engines, so that a change in the machine's load hits both alike.
         order = sorted(jobs, key=lambda j: (LLAMA_TYPES.index(COLIBRI_DTYPES[j[1]][1] if j[0] == "colibri" else j[1]),
                                             j[0] != "colibri"))
@@ -448,14 +457,8 @@ def perplexity(with_llama: bool, driver: Path, ldriver: Path | None, windows: in
     runs = [("colibri", d, lambda d=d: colibri_logits(driver, evaluate.image_path(d), ids, CONTEXT, 256))
             for d in evaluate.DTYPES]
     if with_llama:
-        try:
-            files = {t: gguf("tiny_kj", t) for t in LLAMA_TYPES}
-            runs += [("llama.cpp", t, lambda t=t: llama_logits(ldriver, files[t], ids, CONTEXT, 256))
-                     for t in LLAMA_TYPES]
-        except ConversionError as e:
-            # The model's first layer is a dense MLP (mlp_only_layers = [0]); this llama.cpp's Qwen3-MoE
-            # has no dense layers, so it cannot hold the model.
-            print(f"  llama.cpp: not run: {e}", flush=True)
+        files = llama_files("tiny_kj")
+        runs += [("llama.cpp", t, lambda t=t: llama_logits(ldriver, files[t], ids, CONTEXT, 256)) for t in files]
     for engine, dtype, logits_of in runs:
         logits = logits_of().astype(np.float64).reshape(n, CONTEXT, -1)[:, :-1]
         target = ids.reshape(n, CONTEXT)[:, 1:]
