@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open
+        bench-lm-open bench-lm bench-lm-setup bench-lm-quick
 
 setup:
 	./scripts/setup.sh
@@ -172,6 +172,21 @@ bench-exec:
 # 2 workers, a random 148 M-parameter Mixtral (f32, q8) and the tiny King James model; exports are cached.
 bench-lm-threads: setup
 	$(PY) bench/lm_threads.py
+
+# Colibri beside llama.cpp on MoE language models (issue 23, bench/lm_vs_llama_cpp.py, docs/benchmarks.md
+# "make bench-lm"): logits against Hugging Face, decode and prefill tok/s at 1 and 2 threads, peak RSS of a C
+# process on each side, file bytes, King James perplexity; table on stdout, chart in build/bench-lm/bench_lm.png.
+# bench-lm-setup installs the bench extra and builds llama.cpp from the llama-cpp-python sdist (10-15 min on 2
+# cores, once: build/llama.cpp). bench-lm-quick is the CI-sized run (the tiny model, few tokens).
+bench-lm-setup: setup
+	COLIBRI_BENCH=1 ./scripts/setup.sh
+	./scripts/llama_cpp_setup.sh
+
+bench-lm: bench-lm-setup
+	$(PY) bench/lm_vs_llama_cpp.py
+
+bench-lm-quick: bench-lm-setup
+	$(PY) bench/lm_vs_llama_cpp.py --quick
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
 # resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX

@@ -1,0 +1,252 @@
+/*
+ * lm_driver: a token-model image through libcolibri in a process of its own, for `make bench-lm`
+ * (bench/lm_vs_llama_cpp.py). The model file is mapped (posix/colibri_file), not copied, so the
+ * process's peak RSS is what a C program serving the model needs: the touched pages of the image,
+ * the arena and this driver.
+ *
+ *   lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32
+ *       Every consecutive WINDOW tokens of IDS (int32, native order) from an empty cache, fed in
+ *       calls of up to the image's max_batch tokens; writes every position's logits (f32,
+ *       [windows * WINDOW, vocab]) to OUT.
+ *   lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS
+ *       Random token ids (fixed seed). Decode: PROMPT tokens in one call, then DECODE calls of one
+ *       token each; prefill: PREFILL tokens in one call from an empty cache. ROUNDS of each after
+ *       one warm-up; prints one JSON line with the median tokens/s of each, the CPU time the
+ *       process got over the wall time, the arena and the kernels. The bench takes the peak RSS
+ *       from outside (GNU time): Linux keeps a process's high-water mark across exec, so this
+ *       process's own getrusage would include its launcher's.
+ *
+ * WORKERS > 1 runs colibri_lm_forward_ex over a colibri_pool of that many workers.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "colibri.h"
+#include "colibri_file.h"
+#include "colibri_pool.h"
+
+#define MAX_ROUNDS 64
+
+typedef struct lm {
+    colibri_file *file;
+    colibri_pool *pool;
+    colibri_exec exec;
+    colibri_ctx *ctx;
+    void *arena;
+    colibri_model_info info;
+    float *logits; /* max_batch rows */
+} lm;
+
+static void die(const char *what, int status)
+{
+    fprintf(stderr, "lm_driver: %s: %s (%d)\n", what, colibri_strerror(status), status);
+    exit(1);
+}
+
+static double seconds(clockid_t clock)
+{
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void lm_open(lm *m, const char *path, size_t workers)
+{
+    memset(m, 0, sizeof *m);
+    colibri_file_options opts = {COLIBRI_LOCK_NONE, NULL, 0, COLIBRI_VERIFY_NONE};
+    colibri_status st = colibri_file_open(&m->file, path, &opts, NULL);
+    if (st != COLIBRI_OK)
+        die(path, st);
+    const void *image = colibri_file_data(m->file);
+    size_t len = colibri_file_size(m->file);
+    if ((st = colibri_get_info(image, len, &m->info)) != COLIBRI_OK)
+        die("colibri_get_info", st);
+    if (m->info.vocab_size == 0) {
+        fprintf(stderr, "lm_driver: %s is not a token model\n", path);
+        exit(1);
+    }
+    size_t need;
+    if ((st = colibri_model_size_ex(image, len, workers, &need)) != COLIBRI_OK)
+        die("colibri_model_size_ex", st);
+    m->arena = aligned_alloc(64, (need + 63) / 64 * 64);
+    m->logits = malloc(sizeof(float) * m->info.max_batch * m->info.vocab_size);
+    if (!m->arena || !m->logits) {
+        fprintf(stderr, "lm_driver: out of memory\n");
+        exit(1);
+    }
+    m->info.arena_size = need;
+    if ((st = colibri_init_ex(&m->ctx, m->arena, need, image, len, COLIBRI_CHECK_STRUCTURE)) != COLIBRI_OK)
+        die("colibri_init_ex", st);
+    colibri_exec init = COLIBRI_EXEC_INIT;
+    m->exec = init;
+    if (workers > 1) {
+        if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
+            die("colibri_pool_create", st);
+        colibri_pool_attach(m->pool, &m->exec);
+    }
+}
+
+static void lm_close(lm *m)
+{
+    colibri_free(m->ctx);
+    colibri_pool_destroy(m->pool);
+    colibri_file_close(m->file);
+    free(m->arena);
+    free(m->logits);
+}
+
+/* Runs n tokens in calls of up to max_batch; out (if not NULL) gets their logits. */
+static void lm_run(lm *m, const int32_t *ids, size_t n, float *out)
+{
+    size_t vocab = m->info.vocab_size;
+    for (size_t i = 0; i < n;) {
+        uint32_t k = (uint32_t)(n - i < m->info.max_batch ? n - i : m->info.max_batch);
+        colibri_status st = colibri_lm_forward_ex(m->ctx, &m->exec, ids + i, k, m->logits, k * vocab);
+        if (st != COLIBRI_OK)
+            die("colibri_lm_forward_ex", st);
+        if (out)
+            memcpy(out + i * vocab, m->logits, sizeof(float) * k * vocab);
+        i += k;
+    }
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static long parse(const char *s, long lo, long hi, const char *what)
+{
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (*s == '\0' || *end != '\0' || v < lo || v > hi) {
+        fprintf(stderr, "lm_driver: %s must be an integer in %ld..%ld, got '%s'\n", what, lo, hi, s);
+        exit(2);
+    }
+    return v;
+}
+
+static int logits_mode(const char *image, size_t workers, const char *ids_path, long window, const char *out_path)
+{
+    FILE *f = fopen(ids_path, "rb");
+    if (!f) {
+        perror(ids_path);
+        return 1;
+    }
+    fseek(f, 0, SEEK_END);
+    size_t n = (size_t)ftell(f) / sizeof(int32_t);
+    rewind(f);
+    int32_t *ids = malloc(sizeof(int32_t) * (n ? n : 1));
+    if (!ids || fread(ids, sizeof(int32_t), n, f) != n) {
+        fprintf(stderr, "lm_driver: cannot read %s\n", ids_path);
+        return 1;
+    }
+    fclose(f);
+    if (n == 0 || n % (size_t)window) {
+        fprintf(stderr, "lm_driver: %zu ids is not a whole number of %ld-token windows\n", n, window);
+        return 2;
+    }
+    lm m;
+    lm_open(&m, image, workers);
+    size_t vocab = m.info.vocab_size;
+    float *logits = malloc(sizeof(float) * (size_t)window * vocab);
+    FILE *out = fopen(out_path, "wb");
+    if (!logits || !out) {
+        perror(out_path);
+        return 1;
+    }
+    for (size_t w = 0; w < n; w += (size_t)window) {
+        colibri_status st = colibri_lm_reset(m.ctx);
+        if (st != COLIBRI_OK)
+            die("colibri_lm_reset", st);
+        lm_run(&m, ids + w, (size_t)window, logits);
+        if (fwrite(logits, sizeof(float) * vocab, (size_t)window, out) != (size_t)window) {
+            perror(out_path);
+            return 1;
+        }
+    }
+    if (fclose(out) != 0) {
+        perror(out_path);
+        return 1;
+    }
+    lm_close(&m);
+    free(logits);
+    free(ids);
+    return 0;
+}
+
+static int speed_mode(const char *image, size_t workers, long prompt, long decode, long prefill, long rounds)
+{
+    lm m;
+    lm_open(&m, image, workers);
+    long total = prompt + decode > prefill ? prompt + decode : prefill;
+    if ((uint64_t)total > m.info.max_seq_len || (uint64_t)prompt > m.info.max_batch ||
+        (uint64_t)prefill > m.info.max_batch) {
+        fprintf(stderr,
+                "lm_driver: the image holds %u positions and %u tokens a call; asked for a %ld-token "
+                "prompt + %ld decode and a %ld-token prefill\n",
+                m.info.max_seq_len, m.info.max_batch, prompt, decode, prefill);
+        return 2;
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)total);
+    if (!ids)
+        return 1;
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    for (long i = 0; i < total; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((s >> 33) % m.info.vocab_size);
+    }
+    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS];
+    for (long r = -1; r < rounds; r++) { /* round -1 warms the caches and the pool's threads */
+        colibri_status st = colibri_lm_reset(m.ctx);
+        if (st != COLIBRI_OK)
+            die("colibri_lm_reset", st);
+        lm_run(&m, ids, (size_t)prompt, NULL);
+        double t0 = seconds(CLOCK_MONOTONIC), c0 = seconds(CLOCK_PROCESS_CPUTIME_ID);
+        for (long i = 0; i < decode; i++)
+            lm_run(&m, ids + prompt + i, 1, NULL);
+        double t1 = seconds(CLOCK_MONOTONIC), c1 = seconds(CLOCK_PROCESS_CPUTIME_ID);
+        if ((st = colibri_lm_reset(m.ctx)) != COLIBRI_OK)
+            die("colibri_lm_reset", st);
+        double t2 = seconds(CLOCK_MONOTONIC);
+        lm_run(&m, ids, (size_t)prefill, NULL);
+        double t3 = seconds(CLOCK_MONOTONIC);
+        if (r >= 0) {
+            dec[r] = (double)decode / (t1 - t0);
+            pre[r] = (double)prefill / (t3 - t2);
+            busy[r] = (c1 - c0) / (t1 - t0);
+        }
+    }
+    printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"workers\": %zu, "
+           "\"arena_bytes\": %zu, \"kv_cache_bytes\": %zu, \"image_bytes\": %zu, "
+           "\"kernels\": \"%s\"}\n",
+           median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), workers, m.info.arena_size,
+           m.info.kv_cache_bytes, colibri_file_size(m.file), colibri_kernels_name(m.ctx));
+    lm_close(&m);
+    free(ids);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 7 && strcmp(argv[1], "logits") == 0)
+        return logits_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"), argv[4],
+                           parse(argv[5], 1, 1L << 20, "WINDOW"), argv[6]);
+    if (argc == 8 && strcmp(argv[1], "speed") == 0)
+        return speed_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"),
+                          parse(argv[4], 1, 1L << 20, "PROMPT"), parse(argv[5], 0, 1L << 20, "DECODE"),
+                          parse(argv[6], 1, 1L << 20, "PREFILL"), parse(argv[7], 1, MAX_ROUNDS, "ROUNDS"));
+    fprintf(stderr, "usage: lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32\n"
+                    "       lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS\n");
+    return 2;
+}

@@ -1,0 +1,598 @@
+"""Colibri beside llama.cpp on MoE language models (`make bench-lm`, issue 23): logits against Hugging Face,
+decode and prefill tokens/s at 1 and 2 threads, peak RSS of a C process on each side, file bytes,
+perplexity on the trained tiny King James model.
+
+    .venv/bin/python bench/lm_vs_llama_cpp.py [--models mixtral,qwen2moe,olmoe,tiny,tiny_kj] [--rounds 3]
+    .venv/bin/python bench/lm_vs_llama_cpp.py --quick            (CI-sized: the tiny model, few tokens)
+    .venv/bin/python bench/lm_vs_llama_cpp.py --colibri-only     (no llama.cpp needed)
+
+llama.cpp is the tree PyPI's llama-cpp-python 0.3.36 sdist vendors, built by scripts/llama_cpp_setup.sh
+(make bench-lm-setup) in build/llama.cpp. Models are random-weight Hugging Face MoE LMs (every matrix
+N(0, 0.02)) saved as folders in build/bench-lm/hf with a sentencepiece vocabulary trained here (the
+converter needs one; the token ids both engines see are random, so its content does not matter), and
+examples/tiny_lm/model. Colibri: colibri.export at f32, f16, q8, q4, and q8/q4 with INT8_BLOCKS
+activations on every layer ("q8b", "q4b"); llama.cpp: convert_hf_to_gguf.py to F32/F16, llama-quantize
+to Q8_0 and Q4_0 (its defaults: routers stay F32, Q4_0's output head is raised to Q6_K/Q8_0).
+
+1. Check: every file's logits on the same 64 random token ids against Hugging Face f32 (llama.cpp with
+   flash attention off and an f32 KV cache; its defaults are printed beside), max |error| and that over
+   max |HF logit|. At f32 this says both engines run the same model; at the other dtypes it is what the
+   dtype costs.
+2. Speed, engines alternating process by process, pinned (taskset: core 0 for 1 thread, cores 0-1 for 2):
+   decode (DECODE tokens one call each after a PROMPT-token prompt) and prefill (PREFILL tokens in one
+   call). Colibri: bench/lm_driver.c over libcolibri (colibri_lm_forward_ex, a colibri_pool of N
+   workers). llama.cpp: llama-bench -t N at its defaults (flash attention auto, f16 cache, Q4_0 repacked
+   at load), tg DECODE at depth PROMPT and pp PREFILL. Medians over rounds. Peak RSS: each C process's
+   ru_maxrss (wait4), the driver's and llama-bench's.
+3. Perplexity per byte of the held-out King James text (examples/tiny_lm/evaluate.py's windows and
+   images) through both engines' C drivers.
+
+Results: build/bench-lm/results.json and the bar chart build/bench-lm/bench_lm.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "host_tools"))
+import colibri  # noqa: E402
+
+CORE = ROOT / "firmware" / "colibri_core"
+OUT = ROOT / "build" / "bench-lm"
+LLAMA = ROOT / "build" / "llama.cpp"
+LLAMA_SRC = LLAMA / "src"
+LLAMA_BIN = LLAMA / "build" / "bin"
+TINY_KJ = ROOT / "examples" / "tiny_lm" / "model"
+SETUP_HINT = "llama.cpp not built: run make bench-lm-setup"
+MAX_SEQ_LEN = 256
+CHECK_TOKENS = 64
+
+# Colibri dtype -> (export options, the llama.cpp file type it is set beside).
+COLIBRI_DTYPES = {
+    "f32": ({"dtype": "f32"}, "F32"),
+    "f16": ({"dtype": "f16"}, "F16"),
+    "q8": ({"dtype": "q8"}, "Q8_0"),
+    "q4": ({"dtype": "q4"}, "Q4_0"),
+    "q8b": ({"dtype": "q8", "int8_blocks": ["layers.*"]}, "Q8_0"),
+    "q4b": ({"dtype": "q4", "int8_blocks": ["layers.*"]}, "Q4_0"),
+}
+LLAMA_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark run's sizes."""
+    prompt: int
+    decode: int
+    prefill: int
+    driver_rounds: int  # timed repetitions inside one process (llama-bench -r)
+
+
+FULL = Shape(prompt=16, decode=128, prefill=64, driver_rounds=3)
+QUICK = Shape(prompt=4, decode=16, prefill=16, driver_rounds=1)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+def _randomise(model) -> None:
+    import torch
+
+    with torch.no_grad():  # N(0, 0.02) on every matrix; norms stay at 1 (HF's init)
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+
+
+def _config(name: str):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  max_position_embeddings=MAX_SEQ_LEN, initializer_range=0.02, tie_word_embeddings=False)
+    if name == "mixtral":  # 148 M parameters
+        return MixtralConfig(**common, intermediate_size=1408, num_key_value_heads=2, num_local_experts=8,
+                             num_experts_per_tok=2, sliding_window=None)
+    if name == "qwen2moe":  # 126 M
+        return Qwen2MoeConfig(**common, num_key_value_heads=8, num_experts=16, moe_intermediate_size=512,
+                              num_experts_per_tok=4, shared_expert_intermediate_size=1024, intermediate_size=1024,
+                              decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False)
+    if name == "olmoe":  # 113 M, q/k norm
+        return OlmoeConfig(**common, num_key_value_heads=8, num_experts=16, intermediate_size=512,
+                           num_experts_per_tok=2, norm_topk_prob=False)
+    if name == "tiny":  # 0.25 M: the microcontroller class
+        return MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=MAX_SEQ_LEN, initializer_range=0.02, sliding_window=None,
+                             tie_word_embeddings=False)
+    raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
+
+
+MODELS = ("mixtral", "qwen2moe", "olmoe", "tiny", "tiny_kj")
+
+
+def hf_folder(name: str) -> Path:
+    """The model as a Hugging Face folder (random weights, seed 0), made on first use."""
+    if name == "tiny_kj":
+        return TINY_KJ
+    folder = OUT / "hf" / name
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(name)).eval()
+    _randomise(model)
+    tmp = folder.with_name(name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def load_hf(name: str):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(hf_folder(name), dtype=torch.float32).eval()
+
+
+def hf_logits(name: str, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        return load_hf(name)(torch.from_numpy(ids[None].astype(np.int64))).logits[0].float().numpy()
+
+
+# ---- Colibri --------------------------------------------------------------------------------------
+
+def colibri_driver() -> Path:
+    """bench/lm_driver.c over the host libcolibri.a, rebuilt when either is newer."""
+    subprocess.run(["make", "-s", "-C", str(CORE), "host"], check=True)
+    lib = CORE / "build" / "host" / "libcolibri.a"
+    src = ROOT / "bench" / "lm_driver.c"
+    exe = OUT / "lm_driver"
+    if not exe.exists() or exe.stat().st_mtime < max(lib.stat().st_mtime, src.stat().st_mtime):
+        OUT.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-O2",
+                        "-D_POSIX_C_SOURCE=200809L",
+                        f"-I{CORE / 'include'}", f"-I{CORE / 'posix'}", str(src), str(lib), "-lm", "-pthread",
+                        "-o", str(exe)], check=True)
+    return exe
+
+
+def colibri_image(name: str, dtype: str) -> Path:
+    """The model exported by colibri.export at `dtype` (max_batch 64, 256 positions), cached."""
+    path = OUT / "colibri" / f"{name}-{dtype}.clb"
+    if path.exists():
+        return path
+    import torch
+
+    torch.set_num_threads(1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    colibri.export(load_hf(name), path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, **COLIBRI_DTYPES[dtype][0])
+    print(f"  exported {shown(path)} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t:.0f} s)",
+          flush=True)
+    return path
+
+
+def run_logits(cmd: list[str], ids: np.ndarray, window: int, vocab: int, tag: str) -> np.ndarray:
+    ids_file, out_file = OUT / f"{tag}.ids.i32", OUT / f"{tag}.logits.f32"
+    OUT.mkdir(parents=True, exist_ok=True)
+    ids.astype(np.int32).tofile(ids_file)
+    r = subprocess.run(cmd[:1] + [a.replace("{IDS}", str(ids_file)).replace("{OUT}", str(out_file)) for a in cmd[1:]],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+    logits = np.fromfile(out_file, dtype=np.float32)
+    ids_file.unlink()
+    out_file.unlink()
+    return logits.reshape(len(ids), -1)[:, :vocab]
+
+
+def colibri_logits(driver: Path, image: Path, ids: np.ndarray, window: int, vocab: int) -> np.ndarray:
+    return run_logits([str(driver), "logits", str(image), "1", "{IDS}", str(window), "{OUT}"], ids, window, vocab,
+                      "colibri")
+
+
+def timed(cmd: list[str], cpus: str) -> tuple[str, int]:
+    """Runs cmd pinned to `cpus`; its stdout and its peak RSS in bytes. The peak comes from GNU time (-f %M,
+    wait4's ru_maxrss of its child): Linux carries a process's high-water mark across exec, so a command
+    forked straight from this Python process, torch loaded, would report the interpreter's RSS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file, err_file = Path(tmp) / "rss", Path(tmp) / "err"
+        with err_file.open("w") as err:  # a file, not a pipe: the logs can be long
+            r = subprocess.run(["taskset", "-c", cpus, "/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd],
+                               stdout=subprocess.PIPE, stderr=err, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {err_file.read_text().strip()[-2000:]}")
+        return r.stdout, int(rss_file.read_text().split()[-1]) * 1024
+
+
+def colibri_speed(driver: Path, image: Path, threads: int, shape: Shape) -> dict:
+    out, rss = timed([str(driver), "speed", str(image), str(threads), str(shape.prompt), str(shape.decode),
+                      str(shape.prefill), str(shape.driver_rounds)], cpus=pin(threads))
+    r = json.loads(out)
+    r["max_rss_bytes"] = rss  # as llama.cpp's, from outside the process
+    return r
+
+
+def pin(threads: int) -> str:
+    return ",".join(str(c) for c in range(min(threads, os.cpu_count() or 1)))
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------
+
+def llama_built() -> bool:
+    return all((LLAMA_BIN / t).exists() for t in ("llama-bench", "llama-quantize")) and \
+        (LLAMA_SRC / "convert_hf_to_gguf.py").exists()
+
+
+def llama_driver() -> Path:
+    """bench/llama_logits.c over the libllama the setup script built."""
+    src = ROOT / "bench" / "llama_logits.c"
+    exe = OUT / "llama_logits"
+    lib = LLAMA_BIN / "libllama.so"
+    if not exe.exists() or exe.stat().st_mtime < max(src.stat().st_mtime, lib.stat().st_mtime):
+        OUT.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{LLAMA_SRC / 'include'}",
+                        f"-I{LLAMA_SRC / 'ggml' / 'include'}", str(src), f"-L{LLAMA_BIN}", "-lllama", "-lggml",
+                        "-lggml-base", f"-Wl,-rpath,{LLAMA_BIN.resolve()}", "-o", str(exe)], check=True)
+    return exe
+
+
+def vocabulary(folder: Path, vocab: int) -> Path:
+    """A sentencepiece tokenizer.model for `folder`, trained on the machine's licence texts; the converter
+    needs a vocabulary and pads it with [PAD] entries up to the model's vocab_size."""
+    model = OUT / "vocab" / f"sp{vocab}.model"
+    if not model.exists():
+        import sentencepiece as spm
+
+        model.parent.mkdir(parents=True, exist_ok=True)
+        texts = sorted(str(p) for p in Path("/usr/share/common-licenses").iterdir() if p.is_file())
+        spm.SentencePieceTrainer.train(input=",".join(texts), model_prefix=str(model.with_suffix("")),
+                                       vocab_size=vocab, model_type="unigram", hard_vocab_limit=False,
+                                       character_coverage=1.0, minloglevel=2)
+    return model
+
+
+# The converter runs Mixtral's vocabulary from tokenizer.model already; Qwen2-MoE, Qwen3-MoE and OLMoE
+# default to a GPT-2 BPE tokenizer.json, so their classes are pointed at the sentencepiece path.
+_CONVERT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+from conversion import base
+base.TextModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+convert_hf_to_gguf.main()
+"""
+
+
+class ConversionError(RuntimeError):
+    """llama.cpp's converter refused the model."""
+
+
+def gguf(name: str, ftype: str) -> Path:
+    path = OUT / "gguf" / f"{name}-{ftype}.gguf"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if ftype in ("F32", "F16"):
+        src = hf_folder(name)
+        work = OUT / "gguf" / f"{name}-hf"  # a copy of the folder with the vocabulary beside the weights
+        if not (work / "tokenizer.model").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            for f in src.iterdir():
+                if f.suffix in (".json", ".safetensors"):
+                    os.symlink(f.resolve(), work / f.name)
+            cfg = json.loads((src / "config.json").read_text())
+            shutil.copy(vocabulary(work, cfg["vocab_size"]), work / "tokenizer.model")
+        tmp = path.with_suffix(".tmp")
+        r = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_SRC), str(work), "--outfile", str(tmp),
+                            "--outtype", ftype.lower()], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ConversionError(f"convert_hf_to_gguf.py {name} {ftype} failed: "
+                                  f"{r.stderr.strip().splitlines()[-1]}")
+    else:
+        tmp = path.with_suffix(".tmp")
+        r = subprocess.run([str(LLAMA_BIN / "llama-quantize"), str(gguf(name, "F32")), str(tmp), ftype],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"llama-quantize {name} {ftype} failed: {r.stderr.strip()[-3000:]}")
+    tmp.rename(path)
+    print(f"  made {shown(path)} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return path
+
+
+def llama_files(name: str) -> dict[str, Path]:
+    """The model's GGUF files, or none (the reason printed) where llama.cpp's converter refuses it: the
+    King James model's dense first layer (mlp_only_layers = [0]) has no place in its Qwen3-MoE."""
+    try:
+        return {t: gguf(name, t) for t in LLAMA_TYPES}
+    except ConversionError as e:
+        print(f"  llama.cpp: {name} not run: {e}", flush=True)
+        return {}
+
+
+def llama_logits(driver: Path, model: Path, ids: np.ndarray, window: int, vocab: int, defaults: bool = False):
+    cmd = [str(driver), str(model), "1", "{IDS}", str(window), "{OUT}"] + (["--defaults"] if defaults else [])
+    return run_logits(cmd, ids, window, vocab, "llama")
+
+
+def llama_speed(model: Path, threads: int, shape: Shape) -> dict:
+    """llama-bench at its defaults: pp PREFILL from an empty cache, tg DECODE at depth PROMPT."""
+    bench = str(LLAMA_BIN / "llama-bench")
+    common = ["-m", str(model), "-t", str(threads), "-r", str(shape.driver_rounds), "-o", "json"]
+    out_p, rss_p = timed([bench, *common, "-p", str(shape.prefill), "-n", "0"], cpus=pin(threads))
+    out_d, rss_d = timed([bench, *common, "-p", "0", "-n", str(shape.decode), "-d", str(shape.prompt)],
+                         cpus=pin(threads))
+    pre, dec = json.loads(out_p)[0], json.loads(out_d)[0]
+    return {"decode_tps": dec["avg_ts"], "prefill_tps": pre["avg_ts"], "max_rss_bytes": max(rss_p, rss_d)}
+
+
+# ---- the bench ------------------------------------------------------------------------------------
+
+def rel(err: float, ref: np.ndarray) -> float:
+    return err / float(np.abs(ref).max())
+
+
+def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path | None) -> list[dict]:
+    rows = []
+    print(f"\n== logits on {CHECK_TOKENS} random token ids against Hugging Face f32 "
+          "(max |error|, and over max |HF logit|)", flush=True)
+    for name in names:
+        cfg = json.loads((hf_folder(name) / "config.json").read_text())
+        vocab = cfg["vocab_size"]
+        ids = np.random.default_rng(7).integers(0, vocab, CHECK_TOKENS).astype(np.int32)
+        want = hf_logits(name, ids)
+        for dtype in colibri_dtypes:
+            got = colibri_logits(driver, colibri_image(name, dtype), ids, CHECK_TOKENS, vocab)
+            err = float(np.abs(got - want).max())
+            rows.append({"model": name, "engine": "colibri", "dtype": dtype, "max_abs": err, "rel": rel(err, want),
+                         "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
+        if with_llama:
+            for ftype, model in llama_files(name).items():
+                for defaults in (False, True):
+                    got = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab, defaults)
+                    err = float(np.abs(got - want).max())
+                    rows.append({"model": name, "engine": "llama.cpp" + (" (fa auto, f16 KV)" if defaults else ""),
+                                 "dtype": ftype, "max_abs": err, "rel": rel(err, want),
+                                 "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
+        for r in rows:
+            if r["model"] == name:
+                print(f"  {name:9} {r['engine']:26} {r['dtype']:5} max|err| {r['max_abs']:.3g}  rel {r['rel']:.3g}  "
+                      f"argmax agrees {100 * r['argmax_agree']:.0f}%", flush=True)
+    return rows
+
+
+def speed(names, colibri_dtypes, with_llama: bool, driver: Path, threads: list[int], rounds: int,
+          shape: Shape) -> dict:
+    """(model, engine, dtype, threads) -> medians over rounds; the processes alternate engine by engine."""
+    samples: dict[tuple, list[dict]] = {}
+    print(f"\n== speed: decode {shape.decode} after a {shape.prompt}-token prompt, prefill {shape.prefill}; "
+          f"{rounds} round(s), engines alternating, pinned", flush=True)
+    for name in names:
+        jobs = [("colibri", d, colibri_image(name, d)) for d in colibri_dtypes]
+        if with_llama:
+            jobs += [("llama.cpp", t, path) for t, path in llama_files(name).items()]
+        # Interleave the engines, so that a change in the machine's load hits both alike.
+        order = sorted(jobs, key=lambda j: (LLAMA_TYPES.index(COLIBRI_DTYPES[j[1]][1] if j[0] == "colibri" else j[1]),
+                                            j[0] != "colibri"))
+        for r in range(rounds):
+            for t in (threads if r % 2 == 0 else threads[::-1]):
+                for engine, dtype, path in (order if r % 2 == 0 else order[::-1]):
+                    res = (colibri_speed(driver, path, t, shape) if engine == "colibri"
+                           else llama_speed(path, t, shape))
+                    res["file_bytes"] = path.stat().st_size
+                    samples.setdefault((name, engine, dtype, t), []).append(res)
+        for (n, engine, dtype, t), got in samples.items():
+            if n == name:
+                print(f"  {name:9} {engine:9} {dtype:5} {t} thread(s): decode {med(got, 'decode_tps'):8.1f} tok/s, "
+                      f"prefill {med(got, 'prefill_tps'):8.1f} tok/s, peak RSS "
+                      f"{max(g['max_rss_bytes'] for g in got) / 1e6:7.1f} MB, "
+                      f"file {got[0]['file_bytes'] / 1e6:7.1f} MB",
+                      flush=True)
+    return {k: {"decode_tps": med(v, "decode_tps"), "prefill_tps": med(v, "prefill_tps"),
+                "max_rss_bytes": max(g["max_rss_bytes"] for g in v), "file_bytes": v[0]["file_bytes"],
+                "rounds": len(v), "kernels": v[0].get("kernels")} for k, v in samples.items()}
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def perplexity(with_llama: bool, driver: Path, ldriver: Path | None, windows: int) -> list[dict]:
+    """Held-out perplexity per byte of the tiny King James model, evaluate-tiny-lm's windows and images."""
+    sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
+    import corpus  # noqa: PLC0415
+    import evaluate  # noqa: PLC0415
+    from train import CONTEXT  # noqa: PLC0415
+
+    text = corpus.load().held_out
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)
+    n = min(windows, len(ids) // CONTEXT)
+    ids = ids[: n * CONTEXT]
+    rows = []
+    recorded = json.loads((TINY_KJ / "metrics.json").read_text())["test_slice"]
+    torch_says = (f"; PyTorch f32 on these windows: {recorded['held_out_perplexity_per_byte']}"
+                  if recorded["held_out_bytes_scored"] == n * (CONTEXT - 1) else "")
+    print(f"\n== tiny King James model: held-out perplexity per byte, {n} windows of {CONTEXT} bytes{torch_says}",
+          flush=True)
+    runs = [("colibri", d, lambda d=d: colibri_logits(driver, evaluate.image_path(d), ids, CONTEXT, 256))
+            for d in evaluate.DTYPES]
+    if with_llama:
+        files = llama_files("tiny_kj")
+        runs += [("llama.cpp", t, lambda t=t: llama_logits(ldriver, files[t], ids, CONTEXT, 256)) for t in files]
+    for engine, dtype, logits_of in runs:
+        logits = logits_of().astype(np.float64).reshape(n, CONTEXT, -1)[:, :-1]
+        target = ids.reshape(n, CONTEXT)[:, 1:]
+        top = logits.max(axis=2, keepdims=True)
+        log_z = top[..., 0] + np.log(np.exp(logits - top).sum(axis=2))
+        nll = float((log_z - np.take_along_axis(logits, target[..., None], axis=2)[..., 0]).mean())
+        rows.append({"engine": engine, "dtype": dtype, "perplexity": math.exp(nll)})
+        print(f"  {engine:9} {dtype:5} perplexity {math.exp(nll):.4f}", flush=True)
+    return rows
+
+
+def table(results: dict, names, colibri_dtypes, threads: list[int], with_llama: bool) -> str:
+    lines = []
+    if with_llama:
+        head = ["model", "Colibri", "llama.cpp"] + [f"decode {t}t" for t in threads] + \
+               [f"prefill {t}t" for t in threads] + ["peak RSS MB (C / L)", "file MB (C / L)"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in names:
+            for dtype in colibri_dtypes:
+                peer = COLIBRI_DTYPES[dtype][1]
+                c = {t: results.get((name, "colibri", dtype, t)) for t in threads}
+                ll = {t: results.get((name, "llama.cpp", peer, t)) for t in threads}
+                if any(v is None for v in (*c.values(), *ll.values())):
+                    continue
+                cells = [name, dtype, peer]
+                cells += [f"{c[t]['decode_tps'] / ll[t]['decode_tps']:.2f}x "
+                          f"({c[t]['decode_tps']:.0f}/{ll[t]['decode_tps']:.0f})" for t in threads]
+                cells += [f"{c[t]['prefill_tps'] / ll[t]['prefill_tps']:.2f}x "
+                          f"({c[t]['prefill_tps']:.0f}/{ll[t]['prefill_tps']:.0f})" for t in threads]
+                t0 = threads[0]
+                cells.append(f"{c[t0]['max_rss_bytes'] / 1e6:.1f} / {ll[t0]['max_rss_bytes'] / 1e6:.1f}")
+                cells.append(f"{c[t0]['file_bytes'] / 1e6:.1f} / {ll[t0]['file_bytes'] / 1e6:.1f}")
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("(ratio Colibri / llama.cpp, then tok/s Colibri/llama.cpp; RSS and files at "
+                     f"{threads[0]} thread)")
+    else:
+        head = ["model", "dtype"] + [f"decode {t}t tok/s" for t in threads] + \
+               [f"prefill {t}t tok/s" for t in threads] + ["peak RSS MB", "file MB"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in names:
+            for dtype in colibri_dtypes:
+                c = {t: results[(name, "colibri", dtype, t)] for t in threads}
+                lines.append("| " + " | ".join([name, dtype] + [f"{c[t]['decode_tps']:.1f}" for t in threads] +
+                                                [f"{c[t]['prefill_tps']:.1f}" for t in threads] +
+                                                [f"{c[threads[0]]['max_rss_bytes'] / 1e6:.1f}",
+                                                 f"{c[threads[0]]['file_bytes'] / 1e6:.1f}"]) + " |")
+    return "\n".join(lines)
+
+
+def chart(results: dict, names, colibri_dtypes, threads: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * len(colibri_dtypes)), 4.5), sharey=True)
+    labels = [f"{n}\n{d}" for n in names for d in colibri_dtypes]
+    x = np.arange(len(labels))
+    width = 0.8 / len(threads)
+    for ax, key, title in zip(axes, ("decode_tps", "prefill_tps"), ("decode", "prefill")):
+        for i, t in enumerate(threads):
+            ratios = []
+            for n in names:
+                for d in colibri_dtypes:
+                    c = results.get((n, "colibri", d, t))
+                    ll = results.get((n, "llama.cpp", COLIBRI_DTYPES[d][1], t))
+                    ratios.append(c[key] / ll[key] if c and ll else np.nan)
+            ax.bar(x + (i - (len(threads) - 1) / 2) * width, ratios, width, label=f"{t} thread(s)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_title(f"{title}: Colibri tok/s / llama.cpp tok/s")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"make bench-lm on {cpu_name()} (shared machine)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dtypes", default=",".join(COLIBRI_DTYPES), help="Colibri dtypes (llama.cpp: their peers)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of processes")
+    ap.add_argument("--ppl-windows", type=int, default=64,
+                    help="King James held-out windows scored (64: the slice metrics.json records PyTorch's figure for)")
+    ap.add_argument("--quick", action="store_true", help="CI-sized: the tiny model, few tokens, one round")
+    ap.add_argument("--colibri-only", action="store_true", help="Colibri's half alone (no llama.cpp)")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-ppl", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "bench-lm",
+                    help="where results.json and bench_lm.png go")
+    ap.add_argument("--cache", type=Path, default=ROOT / "build" / "bench-lm",
+                    help="where models, images, GGUF files and drivers are kept")
+    args = ap.parse_args(argv)
+    OUT = args.cache
+    shape = QUICK if args.quick else FULL
+    names = ["tiny"] if args.quick else [n for n in args.models.split(",") if n]
+    for n in names:
+        if n not in MODELS:
+            raise SystemExit(f"unknown model {n!r}: one of {', '.join(MODELS)}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for d in dtypes:
+        if d not in COLIBRI_DTYPES:
+            raise SystemExit(f"unknown dtype {d!r}: one of {', '.join(COLIBRI_DTYPES)}")
+    threads = [int(t) for t in args.threads.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    with_llama = not args.colibri_only
+    if with_llama and not llama_built():
+        raise SystemExit(SETUP_HINT)
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores (shared machine: timings are noisy); "
+          f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+    driver = colibri_driver()
+    ldriver = llama_driver() if with_llama else None
+    out: dict = {"cpu": cpu_name(), "shape": shape.__dict__, "threads": threads}
+    if not args.no_check:
+        out["check"] = check(names, dtypes, with_llama, driver, ldriver)
+    results = speed(names, dtypes, with_llama, driver, threads, rounds, shape)
+    out["speed"] = [{"model": k[0], "engine": k[1], "dtype": k[2], "threads": k[3], **v} for k, v in results.items()]
+    if not args.no_ppl and ("tiny_kj" in names or args.quick):
+        out["perplexity"] = perplexity(with_llama, driver, ldriver, args.ppl_windows)
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    text = table(results, names, dtypes, threads, with_llama)
+    print("\n" + text)
+    out["table"] = text
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(out, indent=1))
+    if with_llama:
+        chart(results, names, dtypes, threads, args.out / "bench_lm.png")
+        print(f"\nwrote {args.out / 'results.json'} and the chart {args.out / 'bench_lm.png'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
