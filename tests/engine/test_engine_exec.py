@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from colibri import image
 from colibri import nn as cnn
 from colibri.frontends.exporter import export
 
-from helpers.build import ROOT, build_c_tests
+from helpers.build import build_c_tests
+from helpers.qemu_user import differential_feature_models
 
 BATCH = 16
 VARIANTS = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
@@ -37,9 +37,7 @@ def _model(routing: str, index: int) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> list[Path]:
     folder = tmp_path_factory.mktemp("exec")
-    # The corpus's feature models (its token models run through colibri_lm_forward_ex: tests/lm/test_lm_threads.py).
-    paths = [p for p in sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))
-             if not image.read(p.read_bytes()).is_token_model]
+    paths = differential_feature_models()
     for i, routing in enumerate(cnn.ROUTINGS):
         name, kw = VARIANTS[i % len(VARIANTS)]
         p = folder / f"{routing}-{name}.clb"

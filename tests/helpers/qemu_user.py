@@ -3,6 +3,7 @@ model corpus both backends' end-to-end tests run against the x86-64 host's refer
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,8 +50,17 @@ def corpus_model(routing: str, index: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).eval()
 
 
+def differential_feature_models() -> list[Path]:
+    """The differential fuzz corpus's feature models (its token models run through colibri_lm_forward_ex:
+    tests/lm/test_lm_threads.py and tests/lm/test_lm_tokenizer_decode.py)."""
+    from colibri import image
+
+    return [p for p in sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))
+            if not image.read(p.read_bytes()).is_token_model]
+
+
 def corpus_images() -> list[tuple[str, bytes]]:
-    images = [(p.stem, p.read_bytes()) for p in sorted((ROOT / "fuzz" / "corpus" / "differential").glob("*.clb"))]
+    images = [(p.stem, p.read_bytes()) for p in differential_feature_models()]
     variants = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
                 ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2.experts.*", "layers.5"]})]
     for i, routing in enumerate(cnn.ROUTINGS):
