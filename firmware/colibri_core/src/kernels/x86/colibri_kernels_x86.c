@@ -49,8 +49,12 @@
  *   without FMA (those functions are compiled for AVX2 only, so nothing can
  *   be contracted; AVX-512's exp uses explicitly rounded intrinsics): bit for
  *   bit equal to the reference.
- * - I4 weights (format v5): x86/colibri_kernels_x86_q4.c, AVX2 at every
- *   level (a file of its own, so this one's compile time does not grow).
+ * - I4 weights (format v5): with int8 activations, and with f32 ones below
+ *   4 tokens, x86/colibri_kernels_x86_q4.c, AVX2 at every level (a file of
+ *   its own, so this one's compile time does not grow); with f32 activations
+ *   from 4 tokens on, each row block widened to f32 (Q · s_g, exact) once
+ *   and the f32 micro-kernels above over it (gemm_i4_*, X86_I4_WIDE_MAX).
+ * - attend (token models' attention): x86/colibri_kernels_x86_lm.c.
  * - quantize_rows, mul, add: vectorised, bit for bit equal to the reference.
  * - layernorm, rmsnorm: the reference's (not hot in the models timed).
  */
