@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-quick
+        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-prefill bench-lm-gemm
 
 setup:
 	./scripts/setup.sh
@@ -167,6 +167,21 @@ bench-riscv-insns: setup
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:
 	$(PY) bench/exec_bench.py
+
+# Token models' prefill (64 tokens in one call) and decode tok/s, one thread, per dtype with and without
+# INT8_BLOCKS (bench/lm_prefill.py; exports cached in build/bench/lm_prefill/). BASELINE=DIR (a host_tools
+# directory of another checkout, its binding built) measures it beside this one, alternating.
+bench-lm-prefill: setup
+	$(PY) bench/lm_prefill.py $(if $(BASELINE),--engine $(BASELINE) --engine host_tools)
+
+# The linear kernels at prefill batch sizes (1, 16, 64 tokens) on the 100 M-class Mixtral's layers, per
+# dtype and activation form, AVX2 and the best x86 level (bench/lm_gemm.c): MAC/ns of thread CPU time.
+build/bench/lm_gemm: bench/lm_gemm.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/src $< $(CORE)/build/host/libcolibri.a -lm -o $@
+
+bench-lm-gemm: build/bench/lm_gemm
+	./build/bench/lm_gemm
 
 # Token models on threads (colibri_lm_forward_ex + posix/colibri_pool): decode and prefill tok/s at 1 and
 # 2 workers, a random 148 M-parameter Mixtral (f32, q8) and the tiny King James model; exports are cached.

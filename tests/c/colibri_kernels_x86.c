@@ -404,6 +404,77 @@ static void test_elementwise(const colibri_kernels *opt, const colibri_kernels *
     }
 }
 
+/* ---- attend: one head over the KV cache ----
+ *
+ * Random hd (odd ones too), len 1..MAX_LEN, a row stride wider than hd
+ * (other heads beside it), f32 or f16 cache; a NaN fills every value the
+ * kernel must not read (the rest of the stride, the positions from len on:
+ * docs/lm.md's causal rule), so a read of one shows as a NaN output. Score
+ * ranges from flat to peaked (exponents down to the subnormal and zero range
+ * of exp); some trials sprinkle NaN or ±inf into q, k or v. Tolerance per
+ * output j, with u = 2^-23, S = max_t scale · Σ_i |q_i k_ti| (finite ones) and
+ * V_j = Σ_t p_t |v_tj| (p the reference's probabilities):
+ *   |out_j - ref_j| <= 4u · V_j · ((hd + 4) · S + len + 16) + 2^-140
+ * (each score moves by at most (hd + 2)u·S, each probability by twice that
+ * plus the exp's and the sum's roundings relative to it, the weighted sum
+ * by (len + 2)u·V_j); non-finite outputs where the reference has them. */
+#define MAX_HD 200
+#define MAX_LEN 150
+
+static float cache_value(const void *c, size_t i, int f16)
+{
+    return f16 ? colibri_f16_to_f32(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+
+static void test_attend(const colibri_kernels *opt, const colibri_kernels *ref, int trial)
+{
+    static float kf[(MAX_LEN + 2) * (MAX_HD + 16)], vf[(MAX_LEN + 2) * (MAX_HD + 16)];
+    static uint16_t kh[(MAX_LEN + 2) * (MAX_HD + 16)], vh[(MAX_LEN + 2) * (MAX_HD + 16)];
+    static float q[MAX_HD], out_ref[MAX_HD], out_opt[MAX_HD], sc_ref[MAX_LEN], sc_opt[MAX_LEN];
+    const size_t hd = trial % 5 == 0 ? 1 + rnd_below(MAX_HD) : 8 * (1 + rnd_below(MAX_HD / 8));
+    const size_t stride = hd + (rnd() & 1 ? 0 : 1 + rnd_below(16));
+    const size_t len = trial % 3 == 0 ? 1 + rnd_below(9) : 1 + rnd_below(MAX_LEN);
+    const int f16 = (int)(rnd() & 1);
+    const int special = rnd_below(4) == 0 ? 1 + (int)rnd_below(2) : 0; /* NaN or inf sprinkled */
+    const float spread = (float[]){0.1f, 1.0f, 4.0f, 12.0f}[rnd_below(4)]; /* how peaked the scores are */
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    for (size_t i = 0; i < hd; i++)
+        q[i] = special && rnd_below(40) == 0 ? activation_value(special) : uniform(-spread, spread);
+    for (size_t t = 0; t < len + 2; t++)
+        for (size_t i = 0; i < stride; i++) {
+            const size_t at = t * stride + i;
+            float kv = uniform(-spread, spread), vv = uniform(-2.0f, 2.0f);
+            if (special && rnd_below(60) == 0)
+                kv = activation_value(special);
+            if (special && rnd_below(60) == 0)
+                vv = activation_value(special);
+            if (t >= len || i >= hd)
+                kv = vv = NAN; /* never read */
+            kf[at] = kv, vf[at] = vv;
+            kh[at] = colibri_f32_to_f16(kv), vh[at] = colibri_f32_to_f16(vv);
+        }
+    const void *k = f16 ? (const void *)kh : (const void *)kf, *v = f16 ? (const void *)vh : (const void *)vf;
+    ref->attend(q, k, v, stride, len, hd, f16, scale, sc_ref, out_ref);
+    opt->attend(q, k, v, stride, len, hd, f16, scale, sc_opt, out_opt);
+
+    double S = 0.0;
+    for (size_t t = 0; t < len; t++) {
+        double m = 0.0;
+        for (size_t i = 0; i < hd; i++)
+            m += fabs((double)q[i] * cache_value(k, t * stride + i, f16));
+        if (isfinite(m) && m * scale > S) /* an infinite score is -inf (p_t = 0 on both sides) or NaN everywhere */
+            S = m * scale;
+    }
+    for (size_t j = 0; j < hd; j++) {
+        double V = 0.0;
+        for (size_t t = 0; t < len; t++)
+            V += fabs((double)sc_ref[t] * cache_value(v, t * stride + j, f16));
+        const double tol = 4.0 * 0x1p-23 * V * ((double)(hd + 4) * S + (double)len + 16.0) + 0x1p-140;
+        check_value(f16 ? "attend f16" : "attend f32", j, out_opt[j], out_ref[j], isfinite(tol) ? tol : 0.0);
+    }
+}
+
 static void test_table(const colibri_kernels *opt, const colibri_kernels *ref, int trials)
 {
     const long before = failures;
@@ -412,6 +483,8 @@ static void test_table(const colibri_kernels *opt, const colibri_kernels *ref, i
         test_linear(opt, ref, t);
     for (int t = 0; t < trials / 10 + 1; t++)
         test_elementwise(opt, ref, t);
+    for (int t = 0; t < trials / 4 + 1; t++)
+        test_attend(opt, ref, t);
     printf("  %ld failures\n", failures - before);
 }
 

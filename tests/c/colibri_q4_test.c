@@ -291,6 +291,24 @@ int main(int argc, char **argv)
                             worst_f32[t] = err / tol;
                     }
                     (void)worst_i8;
+                    /* A token's outputs have the same bits alone as in the batch (prefill and
+                     * decode agree): int8 activations everywhere, f32 ones at the AVX2 level
+                     * (opts[0] on x86) and within calls of fewer than 4 tokens (the AVX-512
+                     * levels sum in 16 lanes from 4 tokens on, colibri_kernels_x86.c). */
+                    if (!c.acc && (c.int8_act || t == 0 || c.n < 4)) {
+                        float *y_one = case_alloc(c.sh.rows * sizeof *y_one);
+                        for (size_t i = 0; i < c.n; i++) {
+                            const uint16_t row = c.use_rows ? d.rows[i] : (uint16_t)i;
+                            const colibri_qrows qi = {d.xq + i * c.sh.cols, d.xa + i};
+                            opts[t].linear(d.x, &row, 1, &d.w, c.use_b ? d.b : NULL, c.int8_act ? &qi : NULL, y_one);
+                            for (size_t o = 0; o < c.sh.rows; o++) {
+                                checks++;
+                                if (memcmp(&y_one[o], &y_opt[i * c.sh.rows + o], sizeof(float)) != 0 &&
+                                    !(isnan(y_one[o]) && isnan(y_opt[i * c.sh.rows + o])))
+                                    fail("alone vs batch", i * c.sh.rows + o, y_opt[i * c.sh.rows + o], y_one[o], 0.0);
+                            }
+                        }
+                    }
                 }
                 case_free();
             }

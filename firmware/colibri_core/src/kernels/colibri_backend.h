@@ -77,6 +77,9 @@ void colibri_kernels_x86_caps(struct colibri_kernels *k, int max_level, int allo
 /* The x86-64 block-form kernels (x86/colibri_kernels_x86_blocks.c) into *k:
  * isa 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI (BW, VL); the caller checked the CPU. */
 void colibri_x86_blocks(struct colibri_kernels *k, int isa);
+/* The x86-64 token-model kernels (x86/colibri_kernels_x86_lm.c: attention
+ * over the KV cache) into *k; needs AVX2, FMA and F16C (the caller checked). */
+void colibri_x86_lm(struct colibri_kernels *k);
 void colibri_kernels_neon(struct colibri_kernels *k);
 /* The x86-64 backend's I4 linear kernels (x86/colibri_kernels_x86_q4.c, a
  * file of its own to keep the other's compile time): n tokens, token i
@@ -88,6 +91,9 @@ struct colibri_qrows;
 void colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                          const struct colibri_qrows *xq, const struct colibri_matrix *w, const float *b, float *y,
                          size_t n, int acc);
+/* Rows [o, o + R) of an I4 matrix widened to f32 weights Q · s_g (exact)
+ * into wide [R, cols], for the f32 GEMM micro-kernels (AVX2, F16C). */
+void colibri_x86_q4_widen(const struct colibri_matrix *w, size_t o, size_t R, float *wide);
 void colibri_kernels_cmsis(struct colibri_kernels *k);
 void colibri_kernels_rvv(struct colibri_kernels *k);
 

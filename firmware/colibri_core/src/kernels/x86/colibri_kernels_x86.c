@@ -49,8 +49,12 @@
  *   without FMA (those functions are compiled for AVX2 only, so nothing can
  *   be contracted; AVX-512's exp uses explicitly rounded intrinsics): bit for
  *   bit equal to the reference.
- * - I4 weights (format v5): x86/colibri_kernels_x86_q4.c, AVX2 at every
- *   level (a file of its own, so this one's compile time does not grow).
+ * - I4 weights (format v5): with int8 activations, and with f32 ones below
+ *   4 tokens, x86/colibri_kernels_x86_q4.c, AVX2 at every level (a file of
+ *   its own, so this one's compile time does not grow); with f32 activations
+ *   from 4 tokens on, each row block widened to f32 (Q · s_g, exact) once
+ *   and the f32 micro-kernels above over it (gemm_i4_*, X86_I4_WIDE_MAX).
+ * - attend (token models' attention): x86/colibri_kernels_x86_lm.c.
  * - quantize_rows, mul, add: vectorised, bit for bit equal to the reference.
  * - layernorm, rmsnorm: the reference's (not hot in the models timed).
  */
@@ -96,7 +100,7 @@
 #define X86_INLINE static inline __attribute__((always_inline))
 #endif
 
-enum { DT_F32, DT_F16, DT_I8 };
+enum { DT_F32, DT_F16, DT_I8, DT_I4 };
 
 /* ---- Linear layers, f32 / f16 / int8 weights with f32 activations ---- */
 
@@ -464,6 +468,11 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
                 v[r] += q8_one(p.bias_f16, p.bias_f32, r);
         }
     }
+    if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias */
+        const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
+        for (r = 0; r < R; r++)
+            v[r] = colibri_q4_epilogue(w, o + (size_t)r, xi, v[r]);
+    }
     /* colibri_emit: + b, then store or add s · v */
     for (r = 0; r + 4 <= R; r += 4) {
         __m128 x = _mm_loadu_ps(v + r);
@@ -500,6 +509,18 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
             wide[k] = (float)q[k];
     }
 }
+
+/* I4 rows widened for the f32 micro-kernels, from 4 tokens on (fewer, and
+ * matrices wider than this many columns, take the fused kernel of
+ * x86/colibri_kernels_x86_q4.c, which decodes the weights per token pair):
+ * 6 rows of up to 2048 columns (48 KiB of stack), one row of up to 12288.
+ * The fused kernel sums as the AVX2 micro-kernel does (8 lanes along the
+ * columns, the same reduction), so at the AVX2 level a token's outputs have
+ * the same bits whatever the call's token count; the AVX-512 levels sum in
+ * 16 lanes from 4 tokens on, within the same tolerance. Threads split a
+ * call's tokens in chunks of 4 or more (colibri_engine.c), so their bits
+ * are one thread's. */
+#define X86_I4_WIDE_MAX 12288
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
  * attribute, DOT its f32-activation micro-kernel, Q8DOT its q8 x int8 one.
@@ -595,6 +616,29 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
         else                                                                                       \
             gemm_rows_##SFX(g, dt, R_MANY, n);                                                     \
     }                                                                                              \
+    /* I4 with f32 activations, 4 tokens or more: each block of rows widened                       \
+     * to f32 (Q · s_g, exact) once for all the call's tokens, then the f32                        \
+     * micro-kernel over them.                                                                     \
+     */                                                                                            \
+    X86_INLINE TGT void i4_rows_##SFX(const gemm_args *g, int R, size_t n)                         \
+    {                                                                                              \
+        const size_t in = g->w->cols, out = g->w->rows;                                            \
+        float wide[X86_I4_WIDE_MAX];                                                               \
+        size_t o = 0;                                                                              \
+        if ((size_t)R * in <= X86_I4_WIDE_MAX)                                                     \
+            for (; o + (size_t)R <= out; o += (size_t)R) {                                         \
+                colibri_x86_q4_widen(g->w, o, (size_t)R, wide);                                    \
+                groups_##SFX(g, DT_I4, R, n, o, DT_F32, wide, 0);                                  \
+            }                                                                                      \
+        for (; o < out; o++) {                                                                     \
+            colibri_x86_q4_widen(g->w, o, 1, wide);                                                \
+            groups_##SFX(g, DT_I4, 1, n, o, DT_F32, wide, 0);                                      \
+        }                                                                                          \
+    }                                                                                              \
+    static TGT __attribute__((noinline, unused)) void gemm_i4_##SFX(const gemm_args *g, size_t n)          \
+    {                                                                                              \
+        i4_rows_##SFX(g, R_MANY, n);                                                               \
+    }                                                                                              \
     static TGT __attribute__((noinline, unused)) void gemm_f32_##SFX(const gemm_args *g, size_t n)         \
     {                                                                                              \
         gemm_dt_##SFX(g, DT_F32, n);                                                               \
@@ -647,8 +691,13 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
         else
             gemm_i8_avx2(g, n);
         break;
-    case COLIBRI_DTYPE_I4: /* every level: x86/colibri_kernels_x86_q4.c, AVX2 */
-        colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc);
+    case COLIBRI_DTYPE_I4: /* int8 activations: x86/colibri_kernels_x86_q4.c, AVX2 */
+        if (g->xq || n < 4 || g->w->cols > X86_I4_WIDE_MAX)
+            colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc);
+        else if (avx512)
+            gemm_i4_avx512(g, n);
+        else
+            gemm_i4_avx2(g, n);
         break;
     default: /* F32; weight dtypes are validated */
         if (avx512)
@@ -1049,6 +1098,7 @@ void colibri_kernels_x86_caps(colibri_kernels *k, int max_level, int allow_avx_v
     if (level < 1)
         return; /* the reference kernels stand */
     colibri_x86_blocks(k, x86_blocks_isa(level, allow_avx_vnni));
+    colibri_x86_lm(k);
     if (level >= 3) {
         k->name = "x86-64 avx512f+vnni+avx2+fma+f16c";
         k->linear = linear_vnni;

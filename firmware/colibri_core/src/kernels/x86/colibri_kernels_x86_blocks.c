@@ -428,12 +428,180 @@ static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t 
     }
 }
 
+/* ---- Prefill with AVX-512 VNNI: a GEMM with the tokens in the lanes ----
+ *
+ * From PANEL_MIN_TOKENS tokens on, a call's tokens go in chunks of 16: the
+ * chunk's int8 rows are interleaved once into a panel (column quad k of the
+ * 16 tokens: 64 bytes, token t's 4 bytes at 4t), with each token's block
+ * corrections 128 · Σ xq and block scales a_tb laid out the same way. Then
+ * for each block of 8 weight rows, each row turned into u = Q + 128 (u8,
+ * I4 nibbles decoded), one vpdpbusd per row and column quad multiplies its
+ * 4 weights (broadcast) by the quad of all 16 tokens: the lanes are the
+ * tokens, so a block's sums come out per token without a horizontal sum,
+ * and every weight load serves 16 tokens. Σ u·xq - 128 · Σ xq = Σ Q·xq,
+ * exact in wrapping int32; per lane the f32 steps are the reference's:
+ * v += (float)sum · a_tb (I8), v += (float)sum · (s_g · a_tb) (I4), block
+ * after block. So these give the reference's bits, as the kernels above.
+ * The panel and a block's rows live on the stack (about 36 KiB): rows of
+ * up to PANEL_COLS columns; wider ones take the kernels above. */
+#define PANEL_TOKENS 16
+#define PANEL_ROWS 8
+#define PANEL_COLS 1536
+#define PANEL_MIN_TOKENS 8
+#define PANEL_BLOCKS (PANEL_COLS / 32)
+
+typedef struct blk_panel {
+    int8_t x[PANEL_COLS / 4][PANEL_TOKENS * 4]; /* [quad][token · 4 + byte] */
+    int32_t corr[PANEL_BLOCKS][PANEL_TOKENS];   /* 128 · Σ xq of the block */
+    float a[PANEL_BLOCKS][PANEL_TOKENS];        /* the block's scale */
+} blk_panel;
+
+/* Tokens [i0, i0 + T) of xq (T <= 16) into the panel; lanes from T on and
+ * columns from `in` on are zero (their products add nothing). */
+static BLK_VNNI512 void panel_tokens(blk_panel *p, const colibri_qrows *xq, size_t in, size_t i0, size_t T)
+{
+    const size_t nb = colibri_act_blocks(in), quads = nb * 8;
+    memset(p->x, 0, quads * sizeof p->x[0]);
+    for (size_t t = 0; t < PANEL_TOKENS; t++) {
+        const int8_t *q = t < T ? xq->q + (i0 + t) * in : NULL;
+        for (size_t b = 0; b < nb; b++) {
+            int32_t sum = 0;
+            if (q) {
+                const size_t c0 = b * 32, len = in - c0 < 32 ? in - c0 : 32;
+                for (size_t c = 0; c < len; c++) {
+                    p->x[(c0 + c) >> 2][t * 4 + (c & 3)] = q[c0 + c];
+                    sum += q[c0 + c];
+                }
+            }
+            p->corr[b][t] = 128 * sum;
+            p->a[b][t] = q ? xq->a[(i0 + t) * nb + b] : 0.0f;
+        }
+    }
+}
+
+/* Rows [o, o + 8) as u = Q + 128 [8][cols rounded up to 32], rows past the
+ * matrix repeating its last (never stored), columns past it 128 (Q = 0). */
+static BLK_VNNI512 void panel_rows(const colibri_matrix *w, size_t o, uint8_t (*u)[PANEL_COLS])
+{
+    const size_t in = w->cols, padded = colibri_act_blocks(in) * 32;
+    const int i4 = w->dtype == COLIBRI_DTYPE_I4;
+    /* nibble n (two's complement Q) -> Q + 128 */
+    const __m128i lut = _mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)133, (char)134,
+                                      (char)135, 120, 121, 122, 123, 124, 125, 126, 127);
+    for (size_t r = 0; r < PANEL_ROWS; r++) {
+        const size_t row = o + r < w->rows ? o + r : w->rows - 1;
+        uint8_t *dst = u[r];
+        size_t c = 0;
+        if (i4) {
+            const uint8_t *src = colibri_q4_row(w, row);
+            for (; c + 32 <= in; c += 32) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(src + c / 2));
+                const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                _mm_storeu_si128((__m128i *)(dst + c), _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)));
+                _mm_storeu_si128((__m128i *)(dst + c + 16), _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)));
+            }
+            for (; c < in; c++)
+                dst[c] = (uint8_t)(colibri_q4_nibble(src, c) + 128);
+        } else {
+            const int8_t *src = (const int8_t *)w->data + row * in;
+            for (; c + 64 <= in; c += 64)
+                _mm512_storeu_si512(dst + c, _mm512_xor_si512(_mm512_loadu_si512(src + c), _mm512_set1_epi8(-128)));
+            for (; c < in; c++)
+                dst[c] = (uint8_t)(src[c] ^ -128);
+        }
+        for (; c < padded; c++)
+            dst[c] = 128;
+    }
+}
+
+/* v[r][t] = the running value of row o + r for token t after every block. */
+static BLK_VNNI512 void panel_dot(const colibri_matrix *w, size_t o, const blk_panel *p,
+                                  const uint8_t (*u)[PANEL_COLS], float v[PANEL_ROWS][PANEL_TOKENS])
+{
+    const size_t nb = colibri_act_blocks(w->cols);
+    const int i4 = w->dtype == COLIBRI_DTYPE_I4;
+    const uint16_t *sc[PANEL_ROWS];
+    __m512 acc[PANEL_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < PANEL_ROWS; r++) {
+        acc[r] = _mm512_setzero_ps();
+        sc[r] = i4 ? colibri_q4_scales(w, o + (size_t)r < w->rows ? o + (size_t)r : w->rows - 1) : NULL;
+    }
+    const size_t log2 = i4 ? w->q4_group_log2 : 0;
+    for (size_t b = 0; b < nb; b++) {
+        __m512i s[PANEL_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < PANEL_ROWS; r++)
+            s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (size_t j = 0; j < 8; j++) {
+            const size_t quad = b * 8 + j;
+            const __m512i xv = _mm512_loadu_si512(p->x[quad]);
+#pragma GCC unroll 8
+            for (int r = 0; r < PANEL_ROWS; r++) {
+                int32_t w4;
+                memcpy(&w4, u[r] + quad * 4, sizeof w4);
+                s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(w4), xv);
+            }
+        }
+        const __m512i corr = _mm512_loadu_si512(p->corr[b]);
+        const __m512 a = _mm512_loadu_ps(p->a[b]);
+        if (i4) {
+#pragma GCC unroll 8
+            for (int r = 0; r < PANEL_ROWS; r++) {
+                const __m512 sa = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(sc[r][(b * 32) >> log2])), a);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], corr)), sa));
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int r = 0; r < PANEL_ROWS; r++)
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], corr)), a));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < PANEL_ROWS; r++)
+        _mm512_storeu_ps(v[r], acc[r]);
+}
+
+static BLK_VNNI512 void gemm_panel(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
+                                   const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y,
+                                   size_t n, int acc)
+{
+    const int i4 = w->dtype == COLIBRI_DTYPE_I4;
+    const size_t in = w->cols, out = w->rows;
+    blk_panel p;
+    uint8_t u[PANEL_ROWS][PANEL_COLS];
+    float v[PANEL_ROWS][PANEL_TOKENS];
+    for (size_t i0 = 0; i0 < n; i0 += PANEL_TOKENS) {
+        const size_t T = n - i0 < PANEL_TOKENS ? n - i0 : PANEL_TOKENS;
+        panel_tokens(&p, xq, in, i0, T);
+        for (size_t o = 0; o < out; o += PANEL_ROWS) {
+            const size_t R = out - o < PANEL_ROWS ? out - o : PANEL_ROWS;
+            panel_rows(w, o, u);
+            panel_dot(w, o, &p, (const uint8_t(*)[PANEL_COLS])u, v);
+            for (size_t t = 0; t < T; t++) {
+                const size_t ti = i0 + t;
+                float vt[PANEL_ROWS];
+                for (size_t r = 0; r < R; r++)
+                    vt[r] = v[r][t];
+                epilogue(w, i4, o, R, vt, x + (xrows ? xrows[ti] : ti) * in, y + (yrows ? yrows[ti] : ti) * out, b,
+                         acc, scale ? scale[ti] : 1.0f);
+            }
+        }
+    }
+}
+
 /* Token i reads x row xrows ? xrows[i] : i (for E) and block rows i of xq;
  * writes y row yrows ? yrows[i] : i, stored (acc 0) or added with gate s_i. */
 static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                         const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y, size_t n, int acc)
 {
     const int i4 = w->dtype == COLIBRI_DTYPE_I4;
+    if (isa == 2 && n >= PANEL_MIN_TOKENS && w->cols <= PANEL_COLS) {
+        gemm_panel(x, xrows, yrows, scale, xq, w, b, y, n, acc);
+        return;
+    }
     const rows8_fn rows8 = isa == 2 ? rows8_vl : isa == 1 ? rows8_avxvnni : rows8_avx2;
     const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
     for (size_t o = 0; o < out; o += 8) {

@@ -222,11 +222,50 @@ Q4_INLINE Q4_AVX2 void q4f_rows4(const colibri_matrix *w, size_t o, int T, const
             }
         }
     }
-    for (int i = 0; i < T * 4; i++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        v[i] = _mm_cvtss_f32(h);
+    /* Each sum ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), as the f32 GEMM's
+     * reduction (colibri_kernels_x86.c, hsum4), so a token's outputs have
+     * the same bits here as through the widened rows at the AVX2 level. */
+    for (int i = 0; i < T * 4; i += 4) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i], acc[i + 1]), _mm256_hadd_ps(acc[i + 2], acc[i + 3]));
+        _mm_storeu_ps(v + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+/* Rows [o, o + R) of an I4 matrix as f32 weights Q · s_g into wide [R, cols]:
+ * exact (a 4-bit integer times an f16 scale fits f32's significand), so a
+ * kernel running on them computes the products q4f_rows4 computes. */
+void Q4_AVX2 colibri_x86_q4_widen(const colibri_matrix *w, size_t o, size_t R, float *wide)
+{
+    const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
+    for (size_t r = 0; r < R; r++, wide += in) {
+        const uint8_t *row = colibri_q4_row(w, o + r);
+        const uint16_t *sc = colibri_q4_scales(w, o + r);
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(sc[g]));
+            size_t c = c0;
+            for (; c + 32 <= end; c += 32) {
+                const __m256i q = q4_decode32(_mm_loadu_si128((const __m128i *)(row + (c >> 1))));
+                const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
+                _mm256_storeu_ps(wide + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qlo)), s));
+                _mm256_storeu_ps(wide + c + 8,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qlo, 8))), s));
+                _mm256_storeu_ps(wide + c + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qhi)), s));
+                _mm256_storeu_ps(wide + c + 24,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qhi, 8))), s));
+            }
+            if (c < end) { /* a group narrower than 32 columns, or the row's last partial 32 */
+                const size_t n = end - c;
+                const __m256i q = q4_decode32(q4_packed_at(row, c, n));
+                const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
+                float buf[32];
+                _mm256_storeu_ps(buf, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qlo)), s));
+                _mm256_storeu_ps(buf + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qlo, 8))), s));
+                _mm256_storeu_ps(buf + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qhi)), s));
+                _mm256_storeu_ps(buf + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qhi, 8))), s));
+                memcpy(wide + c, buf, n * sizeof *buf);
+            }
+        }
     }
 }
 
