@@ -441,10 +441,22 @@ static COLIBRI_ALWAYS_INLINE int colibri_q8_has_terms(const colibri_matrix *w)
     return w->q8_ptr != 0 || w->q8_bias != 0;
 }
 
+/* COLIBRI_BOUNDED(checked, unchecked): an index read in place from the image,
+ * bounded where it is used (checked). Only a build that prices the bounds
+ * (bench/host_insns.py: the core Makefile's `nobounds` variant) defines
+ * COLIBRI_MEASURE_WITHOUT_BOUNDS and takes the unchecked form, which trusts
+ * the image as validated: a library built so can crash on an image changed
+ * after colibri_init, and nothing but that measurement may use it. */
+#ifdef COLIBRI_MEASURE_WITHOUT_BOUNDS
+#define COLIBRI_BOUNDED(checked, unchecked) (unchecked)
+#else
+#define COLIBRI_BOUNDED(checked, unchecked) (checked)
+#endif
+
 /* min(k, nnz): a row pointer or column read in place, bounded where it is used. */
 static COLIBRI_ALWAYS_INLINE uint32_t colibri_q8_bound(uint32_t k, uint32_t limit)
 {
-    return k < limit ? k : limit;
+    return COLIBRI_BOUNDED(k < limit ? k : limit, ((void)limit, k));
 }
 
 /* Row o's compensation entries k = *begin .. *end - 1 (none when the
@@ -481,7 +493,7 @@ static COLIBRI_ALWAYS_INLINE void colibri_q8_terms(const colibri_matrix *w, size
 static COLIBRI_ALWAYS_INLINE size_t colibri_q8_term_col(const colibri_matrix *w, uint32_t k)
 {
     const size_t c = w->col[k];
-    return c < w->cols ? c : 0u; /* validated < cols; bounded at the use (read in place) */
+    return COLIBRI_BOUNDED(c < w->cols ? c : 0u, c); /* validated < cols; bounded at the use (read in place) */
 }
 
 static COLIBRI_ALWAYS_INLINE uint16_t colibri_q8_term_bits(const colibri_matrix *w, uint32_t k)
@@ -510,7 +522,7 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w
             k = ((const uint32_t *)w->row_ptr)[o];
             end = ((const uint32_t *)w->row_ptr)[o + 1];
         }
-        if (k < end && end <= w->q8_nnz) /* validated; read in place: past nnz, the row's terms are left out */
+        if (COLIBRI_BOUNDED(k < end && end <= w->q8_nnz, k < end)) /* validated; read in place: past nnz, the row's terms are left out */
             for (; k < end; k++)
                 v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     }

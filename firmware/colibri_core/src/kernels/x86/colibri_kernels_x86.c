@@ -100,7 +100,10 @@
 #define X86_INLINE static inline __attribute__((always_inline))
 #endif
 
-enum { DT_F32, DT_F16, DT_I8, DT_I4 };
+/* DT_I8Q: I8 weights with int8 activations. A driver instance is specialised
+ * for one of these, so the f32-activation GEMMs carry no int8 path (its code
+ * changed their register allocation) and the int8 one no widening. */
+enum { DT_F32, DT_F16, DT_I8, DT_I4, DT_I8Q };
 
 /* ---- Linear layers, f32 / f16 / int8 weights with f32 activations ---- */
 
@@ -421,6 +424,104 @@ X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
     return h ? _cvtsh_ss(h[r]) : f[r];
 }
 
+/* ---- The compensation terms E of a row block, bounded where they are read ----
+ *
+ * Rows o .. o + R - 1 (R <= 8) of one token: v[r] += Σ e · x[col] over row
+ * o + r's entries in storage order, the reference's operations in its order
+ * (each product e · x rounded to f32, then added), so its bits. The row
+ * pointers, columns and values are read in place from the image; one
+ * changed after colibri_init may hold anything there, and these bounds keep
+ * every read inside col, val and x (wrong numbers, never a read outside):
+ *
+ * - the block's entries are k in [p_o, p_{o+R}), that end bounded by nnz
+ *   once per block; the rows' inner ends only say which row an entry is
+ *   added to, never where to read, and the last row ends at the bounded
+ *   end, so every entry lands in a row of the block whatever they hold;
+ * - the products are formed eight entries at a time from a window read at
+ *   min(k, nnz - 8), inside the tables: eight f16 values widened by F16C,
+ *   eight columns bounded by cols - 1 in one vpminud, x gathered by them.
+ *
+ * So the bounds cost one compare per block and one instruction per eight
+ * entries (docs/threading.md). Matrices with fewer than eight entries take
+ * the scalar accessors (colibri_q8_terms, colibri_q8_term_col). Out of line,
+ * called once per block with entries: inlined, its code changed the
+ * register allocation of the GEMM loops around it (a spill in the q8 x int8
+ * dot loop cost more than the bounds). */
+static X86_GEMM __attribute__((noinline)) void e_terms(const colibri_matrix *w, size_t o, int R, const float *xi,
+                                                      float *v)
+{
+    const uint32_t nnz = w->q8_nnz;
+    if (nnz < 8) {
+        for (int r = 0; r < R; r++) {
+            uint32_t k, end;
+            colibri_q8_terms(w, o + (size_t)r, &k, &end);
+            float acc = v[r];
+            for (; k < end; k++)
+                acc += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+            v[r] = acc;
+        }
+        return;
+    }
+    uint32_t lo, ends[8]; /* row o + r's entries end at ends[r] */
+    switch (w->q8_ptr) {  /* R = 8 (one token) in one vector load */
+    case 1: {
+        const uint8_t *rp = (const uint8_t *)w->row_ptr + o;
+        lo = rp[0];
+        if (R == 8)
+            _mm256_storeu_si256((__m256i *)ends, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rp + 1))));
+        else
+            for (int r = 0; r < R; r++)
+                ends[r] = rp[r + 1];
+        break;
+    }
+    case 2: {
+        const uint16_t *rp = (const uint16_t *)w->row_ptr + o;
+        lo = rp[0];
+        if (R == 8)
+            _mm256_storeu_si256((__m256i *)ends, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rp + 1))));
+        else
+            for (int r = 0; r < R; r++)
+                ends[r] = rp[r + 1];
+        break;
+    }
+    default: {
+        const uint32_t *rp = (const uint32_t *)w->row_ptr + o;
+        lo = rp[0];
+        for (int r = 0; r < R; r++)
+            ends[r] = rp[r + 1];
+        break;
+    }
+    }
+    const uint32_t hi = colibri_q8_bound(ends[R - 1], nnz);
+    ends[R - 1] = hi;
+    if (lo >= hi)
+        return;
+    const __m256i last = _mm256_set1_epi32((int)(w->cols - 1u));
+    uint32_t k = lo;
+    int r = 0;
+    float acc = v[0];
+    do {
+        const uint32_t s = k < nnz - 8u ? k : nnz - 8u, stop = s + 8u < hi ? s + 8u : hi;
+        __m256i col = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w->col + s)));
+        col = COLIBRI_BOUNDED(_mm256_min_epu32(col, last), ((void)last, col));
+        float prod[8];
+        _mm256_storeu_ps(prod, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->val + s))),
+                                             _mm256_i32gather_ps(xi, col, 4)));
+        /* Entries k .. stop - 1, row by row: a row ends at ends[r] (one
+         * before k: none left), the last at hi >= stop, so r stays < R. */
+        for (;;) {
+            const uint32_t lim = ends[r] < stop ? ends[r] : stop;
+            for (; k < lim; k++)
+                acc += prod[k - s];
+            if (k >= stop)
+                break;
+            v[r] = acc;
+            acc = v[++r];
+        }
+    } while (k < hi);
+    v[r] = acc;
+}
+
 /* The end of outputs o .. o + R - 1 of token i from their R sums: v the
  * f32-activation dot products (rewritten in place), or vi the int32 sums
  * of q8 x int8 (then v is scratch). Per output, the reference's operations
@@ -450,17 +551,8 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
             for (; r < R; r++)
                 v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
         }
-        if (w->q8_ptr) { /* + Σ e · x[col], row by row in storage order */
-            const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
-            for (r = 0; r < R; r++) {
-                uint32_t k, end;
-                colibri_q8_terms(w, o + (size_t)r, &k, &end);
-                float acc = v[r];
-                for (; k < end; k++)
-                    acc += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
-                v[r] = acc;
-            }
-        }
+        if (w->q8_ptr) /* + Σ e · x[col], row by row in storage order */
+            e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
             for (r = 0; r + 4 <= R; r += 4)
                 _mm_storeu_ps(v + r, _mm_add_ps(_mm_loadu_ps(v + r), q8_four(p.bias_f16, p.bias_f32, r)));
@@ -468,10 +560,12 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
                 v[r] += q8_one(p.bias_f16, p.bias_f32, r);
         }
     }
-    if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias */
-        const float *xi = g->x + (g->xrows ? g->xrows[i] : i) * in;
-        for (r = 0; r < R; r++)
-            v[r] = colibri_q4_epilogue(w, o + (size_t)r, xi, v[r]);
+    if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias (colibri_q4_epilogue) */
+        if (w->q8_ptr)
+            e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
+        if (w->q4_bias)
+            for (r = 0; r < R; r++)
+                v[r] += _cvtsh_ss(w->q4_bias[o + (size_t)r]);
     }
     /* colibri_emit: + b, then store or add s · v */
     for (r = 0; r + 4 <= R; r += 4) {
@@ -535,7 +629,7 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
     {                                                                                              \
         const colibri_matrix *w = g->w;                                                            \
         const size_t in = w->cols;                                                                 \
-        if (g->xq) {                                                                               \
+        if (dt == DT_I8Q) {                                                                        \
             const int8_t *xq[4] = {NULL};                                                          \
             int32_t vi[32];                                                                        \
             float v[32];                                                                           \
@@ -586,7 +680,7 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
     X86_INLINE TGT void row_block_##SFX(const gemm_args *g, int dt, int R, size_t n, size_t o)     \
     {                                                                                              \
         const size_t in = g->w->cols;                                                              \
-        if (dt != DT_F32 && !g->xq && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {                 \
+        if (dt != DT_F32 && dt != DT_I8Q && n >= 8 && (size_t)R * in <= X86_WIDEN_MAX) {          \
             float wide[X86_WIDEN_MAX];                                                             \
             widen_rows(dt, g->w->data, o, (size_t)R, in, wide);                                    \
             groups_##SFX(g, dt, R, n, o, DT_F32, wide, 0);                                         \
@@ -661,12 +755,12 @@ X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 
 
 static X86_GEMM __attribute__((noinline)) void gemm_q8q8(const gemm_args *g, size_t n)
 {
-    gemm_dt_avx2(g, DT_I8, n);
+    gemm_dt_avx2(g, DT_I8Q, n);
 }
 
 static X86_GEMM512VNNI __attribute__((noinline)) void gemm_q8q8_vnni(const gemm_args *g, size_t n)
 {
-    gemm_dt_vnni(g, DT_I8, n);
+    gemm_dt_vnni(g, DT_I8Q, n);
 }
 
 /* avx512: 0 AVX2, 1 AVX-512F, 2 AVX-512F and VNNI. */
