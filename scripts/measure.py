@@ -599,6 +599,24 @@ def group_riscv() -> list[Figure]:
     return figures
 
 
+def group_host_bounds() -> list[Figure]:
+    """What the index bounds cost the x86-64 kernels (bench/host_insns.py): the bench's edge model at batch 1,
+    instructions per forward counted by valgrind's callgrind (which reports no AVX-512, so the AVX2 kernels
+    run), built as shipped and as the core Makefile's nobounds variant (the same code without the bounds), in
+    f32, q8 and q8 with int8 activations in the experts. Instruction counts, not time."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import host_insns
+
+    label = {"f32": "f32", "q8": "q8", "q8i8": "q8, int8 activations in the experts"}
+    figures = []
+    for name, c in host_insns.measure().items():
+        figures += [fig(f"host.edge.{name}", c["host"], f"edge {label[name]}: instructions per forward, AVX2 kernels"),
+                    fig(f"host.edge.{name}.nobounds", c["nobounds"], f"edge {label[name]}: the same without the index bounds"),
+                    fig(f"host.edge.{name}.bounds", c["host"] / c["nobounds"] - 1,
+                        f"edge {label[name]}: what the bounds add", "{:+.2%}")]
+    return figures
+
+
 def lm_on_qemu() -> list[Figure]:
     """Token models (docs/lm.md; tests/lmmodels.py's random decoder: vocab 64, 2 layers, 4 heads over 2 KV
     heads, max_seq_len 64, f32) generating on the emulated Cortex-M7 with the runner's GENERATE: a 4-token
@@ -776,6 +794,7 @@ GROUPS: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
     "tiny_lm_engine": ("The tiny King James model through the C engine", group_tiny_lm_engine),
     "m7_tiny_lm": ("The tiny King James model on the Cortex-M7", group_m7_tiny_lm),
     "riscv": ("RISC-V instructions per multiply-accumulate", group_riscv),
+    "host_bounds": ("The index bounds on the x86-64 host", group_host_bounds),
     "tests": ("Test sweeps", group_tests),
 }
 

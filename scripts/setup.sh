@@ -12,13 +12,14 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok ins
 # C test drivers under qemu-aarch64 (tests/kernels/test_kernels_aarch64.py). pkgconf: colibri.pc (tests/edge/test_edge_libcolibri.py).
 # gcc-riscv64-linux-gnu + libc6-dev-riscv64-cross: the sysroot and binutils of the RISC-V builds
 # (compiled by clang-16: GCC 12 has no RVV intrinsics), run under qemu-riscv64 (tests/kernels/test_kernels_riscv.py).
+# valgrind: callgrind counts the x86-64 kernels' instructions with and without the index bounds (bench/host_insns.py).
 # time: GNU time, the peak RSS of the C processes `make bench-lm` compares (bench/lm_vs_llama_cpp.py).
 # bible-kjv: the King James text (bible-kjv-text) and the `bible` program that decompresses it,
 # the tiny language model's training and held-out text (examples/tiny_lm, tests/lm/test_lm_tiny.py).
 for pkg in make gcc libc6-dev cmake gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm \
            clang-16 libclang-rt-16-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user pkgconf \
            gcc-riscv64-linux-gnu libc6-dev-riscv64-cross \
-           bible-kjv bible-kjv-text time; do
+           bible-kjv bible-kjv-text time valgrind; do
     have "$pkg" || need_pkgs+=("$pkg")
 done
 # A Python with venv and headers: Debian's, unless the machine already has one.
