@@ -36,6 +36,7 @@
 #include "colibri_format.h"
 #include "colibri_kernels.h"
 #include "colibri_q4_cases.h"
+#include "colibri_changed_tables.h"
 #include "kernels/colibri_backend.h"
 
 static void *live[64];
@@ -400,6 +401,60 @@ int main(void)
                 }
                 case_free();
             }
+    /* 4. E's tables changed after validation (colibri_changed_tables.h): I8 and I4, 1 to 40 tokens
+     * (the AVX-512 VNNI panel from 8 on), every configuration and the reference give finite
+     * numbers, wrong ones allowed, and read nothing outside the tables or x (NaN after x's last
+     * row, which linear reads for half the cases). */
+    unsigned long table_cases = 0, table_bad = 0;
+    uint64_t table_state = 0x7AB1E5u;
+    for (int rep = 0; rep < 240; rep++) {
+        tcase c;
+        memset(&c, 0, sizeof c);
+        c.i8 = rep % 2;
+        c.f32_scales = c.i8 && (rep / 2) % 2;
+        c.sh.group_log2 = c.i8 ? 5u : 5u + (unsigned)q4_below(&r, 4);
+        c.sh.with_e = 1;
+        c.sh.with_bias = (rep / 4) % 2;
+        c.acc = (rep / 8) % 2;
+        c.use_rows = !c.acc;
+        c.n = 1 + q4_below(&r, rep % 3 == 2 ? 40 : 9);
+        c.sh.cols = 1 + q4_below(&r, 700);
+        c.sh.rows = 1 + q4_below(&r, 40);
+        tdata d;
+        make_data(&r, &c, &d);
+        if (d.w.q8_nnz == 0) {
+            case_free();
+            continue;
+        }
+        const size_t in = c.sh.cols, count = d.yrows * c.sh.rows;
+        float *x = colibri_alloc_exact((d.xrows * in + COLIBRI_TABLE_PAD) * sizeof *x);
+        for (size_t i = 0; i < d.xrows * in + COLIBRI_TABLE_PAD; i++)
+            x[i] = i < d.xrows * in ? d.x[i] : NAN;
+        d.x = x;
+        for (size_t i = 0; i < c.n && q4_below(&r, 2); i++)
+            d.rows[i] = (uint16_t)(d.xrows - 1);
+        colibri_changed changed = colibri_change_tables(&d.w, &table_state);
+        ref.quantize_blocks(d.x, xrow_list(&c, &d), c.n, in, d.xq, d.xa);
+        float *y = case_alloc(count * sizeof *y);
+        for (size_t j = 0; j <= nopt; j++) {
+            run(j < nopt ? &opts[j] : &ref, &c, &d, y);
+            for (size_t i = 0; i < count; i++) {
+                checks++;
+                if (isnan(y[i])) {
+                    table_bad++;
+                    char what[200], ctx[260];
+                    describe(&c, what, sizeof what);
+                    snprintf(ctx, sizeof ctx, "%s: %s", j < nopt ? labels[j] : "reference", what);
+                    fail("changed tables: a read outside E's tables or x", ctx, i, 0.0, y[i]);
+                }
+            }
+        }
+        table_cases++;
+        colibri_changed_free(&changed);
+        free(x);
+        case_free();
+    }
+    printf("changed tables: %lu cases, %lu reads outside\n", table_cases, table_bad);
     printf("blocks: %lu cases, %lu checks, %lu failures; reference within %.3f of its tolerance\n", cases, checks,
            failures, worst_ref);
     return failures ? 1 : 0;

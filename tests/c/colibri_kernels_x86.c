@@ -34,6 +34,7 @@
 #include "colibri_kernels.h"
 #include "colibri_format.h"
 #include "colibri_rng.h"
+#include "colibri_changed_tables.h"
 #include "kernels/colibri_backend.h"
 
 #define MAX_IN 300
@@ -475,33 +476,15 @@ static void test_attend(const colibri_kernels *opt, const colibri_kernels *ref, 
     }
 }
 
-/* ---- E's tables changed after validation ----
+/* ---- E's tables changed after validation (colibri_changed_tables.h) ----
  *
- * The row pointers, columns and values of E are read in place from the
- * image, so one changed under a live context may hold anything there (the
- * matrix's shape, nnz and widths are the plan's, in the arena). Columns past
- * cols (just past, where the NaN padding of x lies, or near 0xFFFF), row
- * pointers past nnz (into the NaN values after the tables, or the width's
- * maximum), decreasing ones, 1 to 9 tokens (every row block shape), f32 and
- * int8 activations, linear and linear_acc, fewer and more than eight
- * entries: every kernel must give finite numbers, wrong ones allowed, and
- * never read outside the tables, x or the row pointers. Those live in heap
- * blocks of their exact size (the sanitizer build catches any read past
- * them); after nnz the values are NaN and after the last x row x is NaN, so
- * a read there shows as a NaN output. Every weight, scale and input is
- * finite and small, so a valid read never gives one. */
-#define TABLE_PAD 64u
+ * 1 to 9 tokens (every row block shape), f32 and int8 activations, linear
+ * and linear_acc, every pointer width, fewer and more than eight entries:
+ * the kernels tested and the reference must give finite numbers (wrong ones
+ * allowed) and never read outside the tables, x or the row pointers. x
+ * lives in a heap block of its exact size plus NaN padding after the last
+ * row; linear reads that row for half the cases. */
 static long table_cases;
-
-static void *alloc_exact(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        printf("out of memory\n");
-        exit(2);
-    }
-    return p;
-}
 
 static void changed_tables(const colibri_kernels *k, int trial)
 {
@@ -513,44 +496,16 @@ static void changed_tables(const colibri_kernels *k, int trial)
     do
         make_matrix(&w, &ms, COLIBRI_DTYPE_I8, out, in, &companion);
     while (w.q8_nnz == 0);
-    const uint32_t nnz = w.q8_nnz, width = w.q8_ptr;
-    uint16_t *col = alloc_exact((nnz + TABLE_PAD) * sizeof *col), *val = alloc_exact((nnz + TABLE_PAD) * sizeof *val);
-    for (uint32_t e = 0; e < nnz + TABLE_PAD; e++) {
-        col[e] = e < nnz ? ms.col[e] : 0u;
-        val[e] = e < nnz ? ms.val[e] : 0x7E00u; /* f16 NaN */
-    }
-    for (uint32_t e = 0; e < nnz; e++)
-        if (rnd_below(4) == 0)
-            col[e] = (uint16_t)(rnd() & 1 ? in + rnd_below(TABLE_PAD) : 0xFFFFu - rnd_below(16));
-    const uint32_t top = width == 1 ? 0xFFu : width == 2 ? 0xFFFFu : 0xFFFFFFFFu;
-    void *row_ptr = alloc_exact((out + 1) * width);
-    for (size_t o = 0; o <= out; o++) {
-        uint32_t p = ms.row_ptr[o];
-        const size_t pick = rnd_below(8);
-        if (pick < 3)
-            p = (uint32_t)rnd_below(nnz + TABLE_PAD + 1); /* past nnz, or below the row before */
-        else if (pick == 3)
-            p = top - (uint32_t)rnd_below(4);
-        p = p > top ? top : p;
-        if (width == 1)
-            ((uint8_t *)row_ptr)[o] = (uint8_t)p;
-        else if (width == 2)
-            ((uint16_t *)row_ptr)[o] = (uint16_t)p;
-        else
-            ((uint32_t *)row_ptr)[o] = p;
-    }
-    w.col = col;
-    w.val = val;
-    w.row_ptr = row_ptr;
+    colibri_changed changed = colibri_change_tables(&w, &rng_state);
 
     const size_t xrows = MAX_N;
-    float *x = alloc_exact((xrows * in + TABLE_PAD) * sizeof *x);
-    for (size_t i = 0; i < xrows * in + TABLE_PAD; i++)
+    float *x = colibri_alloc_exact((xrows * in + COLIBRI_TABLE_PAD) * sizeof *x);
+    for (size_t i = 0; i < xrows * in + COLIBRI_TABLE_PAD; i++)
         x[i] = i < xrows * in ? uniform(-1.0f, 1.0f) : NAN;
     uint16_t rows[MAX_N];
-    for (size_t i = 0; i < n; i++) /* linear: the last x row (followed by NaN) or any; linear_acc: y rows */
+    for (size_t i = 0; i < n; i++) /* linear: the last x row (NaN after it) or any; linear_acc: y rows */
         rows[i] = (uint16_t)(acc ? (i + 2) % xrows : last_row ? xrows - 1 : rnd_below(xrows));
-    int8_t *q = alloc_exact(n * in);
+    int8_t *q = colibri_alloc_exact(n * in);
     float qa[MAX_N], gate[MAX_N], y[MAX_N * MAX_OUT];
     for (size_t i = 0; i < n; i++)
         gate[i] = 0.5f;
@@ -572,15 +527,13 @@ static void changed_tables(const colibri_kernels *k, int trial)
                 failures++;
                 if (failures <= 20)
                     printf("FAIL %s: a read outside E's tables or x (ptr %u, nnz %u, in %zu, out %zu, n %zu, %s%s) "
-                           "at %zu\n", t->name, width, nnz, in, out, n, acc ? "linear_acc" : "linear",
+                           "at %zu\n", t->name, w.q8_ptr, w.q8_nnz, in, out, n, acc ? "linear_acc" : "linear",
                            int8_act ? ", int8-act" : "", i);
             }
         }
     }
     table_cases++;
-    free(col);
-    free(val);
-    free(row_ptr);
+    colibri_changed_free(&changed);
     free(x);
     free(q);
 }

@@ -11,6 +11,7 @@ within the end-to-end tolerance below.
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -86,10 +87,13 @@ def test_block_kernel_driver(c_drivers: Path) -> None:
     """tests/c/colibri_blocks_test.c: INT8_BLOCKS on I8 and I4 matrices built directly (random shapes with
     tails, every group size, E and biases present or absent, blocks of very different magnitudes, zero,
     subnormal, NaN/inf): the reference quantiser and kernels against the definition, then every x86-64
-    level the CPU has (AVX2, AVX-VNNI, AVX-512 VNNI, each forced) bit for bit against the reference."""
+    level the CPU has (AVX2, AVX-VNNI, AVX-512 VNNI, each forced) bit for bit against the reference, and
+    each of them with E's tables changed after validation (tests/c/colibri_changed_tables.h)."""
     r = subprocess.run([str(c_drivers / "colibri_blocks_test")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "blocks: 360 cases" in r.stdout and " 0 failures" in r.stdout, r.stdout
+    # E's tables changed after validation, at every level and in the reference: no read outside them.
+    assert re.search(r"^changed tables: \d{3} cases, 0 reads outside$", r.stdout, re.M), r.stdout
     if X86:
         flags = _cpu_flags()
         levels = ["x86 AVX2"] + (["x86 AVX-VNNI"] if "avx_vnni" in flags else []) + (

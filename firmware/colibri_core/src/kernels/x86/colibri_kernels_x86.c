@@ -447,8 +447,8 @@ X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
  * called once per block with entries: inlined, its code changed the
  * register allocation of the GEMM loops around it (a spill in the q8 x int8
  * dot loop cost more than the bounds). */
-static X86_GEMM __attribute__((noinline)) void e_terms(const colibri_matrix *w, size_t o, int R, const float *xi,
-                                                      float *v)
+X86_GEMM __attribute__((noinline)) void colibri_x86_e_terms(const colibri_matrix *w, size_t o, int R, const float *xi,
+                                                            float *v)
 {
     const uint32_t nnz = w->q8_nnz;
     if (nnz < 8) {
@@ -552,7 +552,7 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
                 v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
         }
         if (w->q8_ptr) /* + Σ e · x[col], row by row in storage order */
-            e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
+            colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
             for (r = 0; r + 4 <= R; r += 4)
                 _mm_storeu_ps(v + r, _mm_add_ps(_mm_loadu_ps(v + r), q8_four(p.bias_f16, p.bias_f32, r)));
@@ -562,7 +562,7 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
     }
     if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias (colibri_q4_epilogue) */
         if (w->q8_ptr)
-            e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
+            colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (w->q4_bias)
             for (r = 0; r < R; r++)
                 v[r] += _cvtsh_ss(w->q4_bias[o + (size_t)r]);

@@ -411,20 +411,19 @@ typedef void (*rows8_fn)(int i4, int T, const colibri_matrix *w, size_t o, const
 static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t R, const float *v, const float *xi,
                               float *yi, const float *b, int acc, float s)
 {
+    float vr[8];
+    for (size_t r = 0; r < R; r++)
+        vr[r] = i4 ? v[r] : v[r] * colibri_q8_scale(w, o + r);
+    if (w->q8_ptr) /* E, bounded where it is read (colibri_x86_e_terms) */
+        colibri_x86_e_terms(w, o, (int)R, xi, vr);
     for (size_t r = 0; r < R; r++) {
         const size_t row = o + r;
-        float vr = i4 ? v[r] : v[r] * colibri_q8_scale(w, row);
-        if (w->q8_ptr) {
-            uint32_t k, end;
-            colibri_q8_terms(w, row, &k, &end);
-            for (; k < end; k++)
-                vr += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
-        }
+        float vo = vr[r];
         if (i4 && w->q4_bias)
-            vr += _cvtsh_ss(w->q4_bias[row]);
+            vo += _cvtsh_ss(w->q4_bias[row]);
         else if (!i4 && w->q8_bias)
-            vr += colibri_q8_param(w, (size_t)w->rows + row);
-        colibri_emit(yi, row, vr, b, acc, s);
+            vo += colibri_q8_param(w, (size_t)w->rows + row);
+        colibri_emit(yi, row, vo, b, acc, s);
     }
 }
 

@@ -269,6 +269,18 @@ void Q4_AVX2 colibri_x86_q4_widen(const colibri_matrix *w, size_t o, size_t R, f
     }
 }
 
+/* Rows o .. o + R - 1 (R <= 8) of one token from their group sums v (in
+ * place): colibri_q4_epilogue's E (bounded where it is read,
+ * colibri_x86_e_terms) and companion bias, then colibri_emit. */
+static Q4_AVX2 void q4_emit(const colibri_matrix *w, size_t o, size_t R, const float *xi, float *v, float *yi,
+                            const float *b, int acc, float s)
+{
+    if (w->q8_ptr)
+        colibri_x86_e_terms(w, o, (int)R, xi, v);
+    for (size_t r = 0; r < R; r++)
+        colibri_emit(yi, o + r, w->q4_bias ? v[r] + _cvtsh_ss(w->q4_bias[o + r]) : v[r], b, acc, s);
+}
+
 void Q4_AVX2 colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                                  const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y, size_t n,
                                  int acc)
@@ -284,8 +296,7 @@ void Q4_AVX2 colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const ui
                 const float s = scale ? scale[i] : 1.0f;
                 float v[8];
                 q4q8_rows8(w, o, xq->q + i * in, xq->a[i], v);
-                for (size_t r = 0; r < R; r++)
-                    colibri_emit(yi, o + r, colibri_q4_epilogue(w, o + r, xi, v[r]), b, acc, s);
+                q4_emit(w, o, R, xi, v, yi, b, acc, s);
             }
         }
         return;
@@ -306,8 +317,7 @@ void Q4_AVX2 colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const ui
                 const size_t ti = i + (size_t)t;
                 float *yi = y + (yrows ? yrows[ti] : ti) * out;
                 const float s = scale ? scale[ti] : 1.0f;
-                for (size_t r = 0; r < R; r++)
-                    colibri_emit(yi, o + r, colibri_q4_epilogue(w, o + r, xr[t], v[t * 4 + (int)r]), b, acc, s);
+                q4_emit(w, o, R, xr[t], v + t * 4, yi, b, acc, s);
             }
         }
     }
