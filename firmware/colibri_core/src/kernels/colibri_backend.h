@@ -91,11 +91,6 @@ struct colibri_qrows;
 void colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                          const struct colibri_qrows *xq, const struct colibri_matrix *w, const float *b, float *y,
                          size_t n, int acc);
-/* The compensation terms E of rows [o, o + R) (R <= 8) of one token added to
- * v[0 .. R) in storage order, every index read in place bounded where it is
- * used (x86/colibri_kernels_x86.c; AVX2, F16C): the I8 and I4 epilogues of
- * every x86-64 kernel. */
-void colibri_x86_e_terms(const struct colibri_matrix *w, size_t o, int R, const float *xi, float *v);
 /* Rows [o, o + R) of an I4 matrix widened to f32 weights Q · s_g (exact)
  * into wide [R, cols], for the f32 GEMM micro-kernels (AVX2, F16C). */
 void colibri_x86_q4_widen(const struct colibri_matrix *w, size_t o, size_t R, float *wide);

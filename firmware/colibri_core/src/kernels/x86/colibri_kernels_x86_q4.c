@@ -39,6 +39,7 @@
 #if defined(COLIBRI_BACKEND_X86)
 
 #include <immintrin.h>
+#include "colibri_x86_terms.h"
 
 #define Q4_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define Q4_INLINE static inline __attribute__((always_inline))
