@@ -36,6 +36,7 @@
 #include "colibri_format.h"
 #include "colibri_kernels.h"
 #include "colibri_q4_cases.h"
+#include "colibri_changed_tables.h"
 #include "kernels/colibri_backend.h"
 
 /* Allocations of one case, freed together. */
@@ -312,6 +313,61 @@ int main(int argc, char **argv)
                 }
                 case_free();
             }
+    /* 4. E's tables changed after validation (colibri_changed_tables.h): f32 and int8 activations,
+     * 1 to 9 tokens (the f32 tiles from 4 on), every table and the reference give finite numbers,
+     * wrong ones allowed, and read nothing outside the tables or x (NaN after x's last row, which
+     * linear reads for half the cases). */
+    unsigned long table_cases = 0, table_bad = 0;
+    uint64_t table_state = 0x9A4u;
+    for (int rep = 0; rep < 240; rep++) {
+        tcase c;
+        memset(&c, 0, sizeof c);
+        c.sh.group_log2 = 3u + (unsigned)q4_below(&r, 6);
+        c.sh.with_e = 1;
+        c.sh.with_bias = rep % 2;
+        c.int8_act = (rep / 2) % 2;
+        c.acc = (rep / 4) % 2;
+        c.use_rows = !c.acc;
+        c.n = 1 + q4_below(&r, 9);
+        c.sh.cols = 1 + q4_below(&r, 600);
+        c.sh.rows = 1 + q4_below(&r, 40);
+        tdata d;
+        make_data(&r, &c, &d);
+        if (d.w.q8_nnz == 0) {
+            case_free();
+            continue;
+        }
+        const size_t in = c.sh.cols, count = d.yrows * c.sh.rows;
+        float *x = colibri_alloc_exact((d.xrows * in + COLIBRI_TABLE_PAD) * sizeof *x);
+        for (size_t i = 0; i < d.xrows * in + COLIBRI_TABLE_PAD; i++)
+            x[i] = i < d.xrows * in ? d.x[i] : NAN;
+        d.x = x;
+        for (size_t i = 0; i < c.n && q4_below(&r, 2); i++)
+            d.rows[i] = (uint16_t)(d.xrows - 1);
+        colibri_changed changed = colibri_change_tables(&d.w, &table_state);
+        if (c.int8_act)
+            ref.quantize_rows(d.x, c.acc ? NULL : d.rows, c.n, in, d.xq, d.xa);
+        float *y = case_alloc(count * sizeof *y);
+        for (size_t t = 0; t <= nopt; t++) {
+            run(t < nopt ? &opts[t] : &ref, &c, &d, y);
+            for (size_t i = 0; i < count; i++) {
+                checks++;
+                if (isnan(y[i])) {
+                    table_bad++;
+                    char what[200], ctx[300];
+                    describe(&c, what, sizeof what);
+                    snprintf(ctx, sizeof ctx, "changed tables, %s: a read outside E's tables or x: %s",
+                             t < nopt ? opts[t].name : "reference", what);
+                    fail(ctx, i, 0.0, y[i], 0.0);
+                }
+            }
+        }
+        table_cases++;
+        colibri_changed_free(&changed);
+        free(x);
+        case_free();
+    }
+    printf("changed tables: %lu cases, %lu reads outside\n", table_cases, table_bad);
     printf("reference vs definition: %lu cases, %lu outputs, worst err/tol %.3f\n", cases, ref_checks, worst_ref);
     for (size_t t = 0; t < nopt; t++)
         printf("%s vs reference: f32-act worst err/tol %.3f, int8-act bit for bit\n", opts[t].name, worst_f32[t]);

@@ -68,10 +68,13 @@ def test_q4_kernel_driver(c_drivers: Path) -> None:
     """tests/c/colibri_q4_test.c: I4 matrices built directly (every group size 2^3..2^8, odd columns and
     partial last groups, E and the companion bias present or absent, NaN/inf inputs): the reference
     kernels against a double-precision evaluation of the format's definition, then every x86-64 level
-    the CPU has against the reference (int8 activations bit for bit, f32 within the q8 tolerance)."""
+    the CPU has against the reference (int8 activations bit for bit, f32 within the q8 tolerance), and each
+    with E's tables changed after validation (tests/c/colibri_changed_tables.h)."""
     r = subprocess.run([str(c_drivers / "colibri_q4_test")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "reference vs definition: 480 cases" in r.stdout and " 0 failures" in r.stdout, r.stdout
+    # E's tables changed after validation, at every level and in the reference: no read outside them.
+    assert re.search(r"^changed tables: \d{3} cases, 0 reads outside$", r.stdout, re.M), r.stdout
     if X86:
         assert "x86-64 avx2+fma+f16c vs reference: f32-act worst err/tol" in r.stdout, r.stdout
 
