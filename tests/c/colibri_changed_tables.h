@@ -69,7 +69,7 @@ static inline colibri_changed colibri_change_tables(colibri_matrix *w, uint64_t 
     for (uint32_t e = 0; e < nnz; e++)
         if (colibri_table_below(state, 4) == 0)
             c.col[e] = (uint16_t)(colibri_table_below(state, 2) ? in + colibri_table_below(state, COLIBRI_TABLE_PAD)
-                                                                 : 0xFFFFu - colibri_table_below(state, 16));
+                                                                : 0xFFFFu - colibri_table_below(state, 16));
     const uint32_t top = width == 1 ? 0xFFu : width == 2 ? 0xFFFFu : 0xFFFFFFFFu;
     for (size_t o = 0; o <= out; o++) {
         uint32_t p = colibri_row_ptr_at(w, o);

@@ -527,7 +527,8 @@ static void changed_tables(const colibri_kernels *k, int trial)
                 failures++;
                 if (failures <= 20)
                     printf("FAIL %s: a read outside E's tables or x (ptr %u, nnz %u, in %zu, out %zu, n %zu, %s%s) "
-                           "at %zu\n", t->name, w.q8_ptr, w.q8_nnz, in, out, n, acc ? "linear_acc" : "linear",
+                           "at %zu\n",
+                           t->name, w.q8_ptr, w.q8_nnz, in, out, n, acc ? "linear_acc" : "linear",
                            int8_act ? ", int8-act" : "", i);
             }
         }

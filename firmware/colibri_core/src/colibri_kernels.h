@@ -522,7 +522,8 @@ static COLIBRI_ALWAYS_INLINE float colibri_q8_compensate(const colibri_matrix *w
             k = ((const uint32_t *)w->row_ptr)[o];
             end = ((const uint32_t *)w->row_ptr)[o + 1];
         }
-        if (COLIBRI_BOUNDED(k < end && end <= w->q8_nnz, k < end)) /* validated; read in place: past nnz, the row's terms are left out */
+        /* validated; read in place: past nnz, the row's terms are left out */
+        if (COLIBRI_BOUNDED(k < end && end <= w->q8_nnz, k < end))
             for (; k < end; k++)
                 v += colibri_q8_value(w->val[k]) * x[colibri_q8_term_col(w, k)];
     }

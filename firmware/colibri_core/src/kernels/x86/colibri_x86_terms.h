@@ -37,9 +37,8 @@
  * it (the GEMMs, the block form, the q4 kernels): the compiler then tailors
  * its calling convention, which an extern function's fixes (about 5,000
  * instructions per forward of the edge model in q8). */
-static __attribute__((target("avx2,fma,f16c"), noinline, unused)) void colibri_x86_e_terms(const colibri_matrix *w,
-                                                                                         size_t o, int R,
-                                                                                         const float *xi, float *v)
+static __attribute__((target("avx2,fma,f16c"), noinline, unused)) void
+colibri_x86_e_terms(const colibri_matrix *w, size_t o, int R, const float *xi, float *v)
 {
     const uint32_t nnz = w->q8_nnz;
     if (nnz < 8) {
