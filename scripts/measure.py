@@ -610,10 +610,11 @@ def group_host_bounds() -> list[Figure]:
     label = {"f32": "f32", "q8": "q8", "q8i8": "q8, int8 activations in the experts"}
     figures = []
     for name, c in host_insns.measure().items():
-        figures += [fig(f"host.edge.{name}", c["host"], f"edge {label[name]}: instructions per forward, AVX2 kernels"),
-                    fig(f"host.edge.{name}.nobounds", c["nobounds"], f"edge {label[name]}: the same without the index bounds"),
-                    fig(f"host.edge.{name}.bounds", c["host"] / c["nobounds"] - 1,
-                        f"edge {label[name]}: what the bounds add", "{:+.2%}")]
+        what = f"edge {label[name]}"
+        figures += [fig(f"host.edge.{name}", c["host"], f"{what}: instructions per forward, AVX2 kernels"),
+                    fig(f"host.edge.{name}.nobounds", c["nobounds"], f"{what}: the same without the index bounds"),
+                    fig(f"host.edge.{name}.bounds", c["host"] / c["nobounds"] - 1, f"{what}: what the bounds add",
+                        "{:+.2%}")]
     return figures
 
 
