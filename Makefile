@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-prefill bench-lm-gemm
+        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-prefill bench-lm-gemm bench-host-insns
 
 setup:
 	./scripts/setup.sh
@@ -163,6 +163,11 @@ bench-lm-open: setup
 # qemu-riscv64 (counted by a TCG plugin): RVV at VLEN 128 and 256 vs the scalar rv64gc build.
 bench-riscv-insns: setup
 	$(PY) bench/riscv_insns.py
+
+# What the index bounds cost the x86-64 kernels (docs/threading.md): the edge model's instructions per
+# forward under valgrind's callgrind, the library as shipped against its nobounds build.
+bench-host-insns: setup
+	$(PY) bench/host_insns.py
 
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:
