@@ -620,26 +620,93 @@ static gemv8_fn gemv8_for(int isa, int i4)
 /* The end of rows o .. o + R - 1 of one token from their running values v:
  * the reference's operations in its order (colibri_q8_compensate,
  * colibri_q4_epilogue, colibri_emit) with the f16 values widened by F16C
- * (exact, as the portable conversion), so E costs a few instructions an
- * entry: its time follows its share of the weights. */
+ * (exact, as the portable conversion). A full block of 8 rows runs in one
+ * vector a step; its E entries (contiguous in storage, the rows' pointers
+ * never decreasing) have their products e · x[col] formed 8 at a time
+ * (gathered, unfused: the reference's products), then added row by row in
+ * storage order, so E costs about one scalar add an entry. */
+#define EPI_TERMS 16 /* E products formed per chunk */
+
+static BLK_AVX2 void epilogue_row(const colibri_matrix *w, int i4, size_t row, float vr, const float *xi, float *yi,
+                                  const float *b, int acc, float s)
+{
+    if (w->q8_ptr) {
+        uint32_t k, end;
+        colibri_q8_terms(w, row, &k, &end);
+        for (; k < end; k++)
+            vr += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+    }
+    if (i4 && w->q4_bias)
+        vr += _cvtsh_ss(w->q4_bias[row]);
+    else if (!i4 && w->q8_bias)
+        vr += colibri_q8_param(w, (size_t)w->rows + row);
+    colibri_emit(yi, row, vr, b, acc, s);
+}
+
+/* p[k - lo] = e_k · x[col_k] for k in [lo, hi), hi - lo <= EPI_TERMS (a
+ * column past the row reads x[0], as colibri_q8_term_col bounds it). */
+static BLK_AVX2 void term_products(const colibri_matrix *w, const float *xi, uint32_t lo, uint32_t hi, float *p)
+{
+    const __m256i cols = _mm256_set1_epi32((int)w->cols);
+    uint32_t k = lo;
+    for (; k + 8 <= hi; k += 8) {
+        __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w->col + k)));
+        c = _mm256_and_si256(c, _mm256_cmpgt_epi32(cols, c));
+        const __m256 e = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->val + k)));
+        _mm256_storeu_ps(p + (k - lo), _mm256_mul_ps(e, _mm256_i32gather_ps(xi, c, 4)));
+    }
+    for (; k < hi; k++)
+        p[k - lo] = _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+}
+
 static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t R, const float *v, const float *xi,
                               float *yi, const float *b, int acc, float s)
 {
-    for (size_t r = 0; r < R; r++) {
-        const size_t row = o + r;
-        float vr = i4 ? v[r] : v[r] * colibri_q8_scale(w, row);
-        if (w->q8_ptr) {
-            uint32_t k, end;
-            colibri_q8_terms(w, row, &k, &end);
-            for (; k < end; k++)
-                vr += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
-        }
-        if (i4 && w->q4_bias)
-            vr += _cvtsh_ss(w->q4_bias[row]);
-        else if (!i4 && w->q8_bias)
-            vr += colibri_q8_param(w, (size_t)w->rows + row);
-        colibri_emit(yi, row, vr, b, acc, s);
+    if (R < 8) {
+        for (size_t r = 0; r < R; r++)
+            epilogue_row(w, i4, o + r, i4 ? v[r] : v[r] * colibri_q8_scale(w, o + r), xi, yi, b, acc, s);
+        return;
     }
+    const colibri_q8_block par = colibri_q8_params_at(w, o);
+    __m256 v8 = _mm256_loadu_ps(v);
+    if (!i4)
+        v8 = _mm256_mul_ps(v8, par.scale_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)par.scale_f16))
+                                             : _mm256_loadu_ps(par.scale_f32));
+    if (w->q8_ptr) {
+        uint32_t begin[8], end[8], lo = UINT32_MAX, hi = 0;
+        for (int r = 0; r < 8; r++) {
+            colibri_q8_terms(w, o + (size_t)r, &begin[r], &end[r]);
+            if (begin[r] < end[r]) {
+                lo = begin[r] < lo ? begin[r] : lo;
+                hi = end[r] > hi ? end[r] : hi;
+            }
+        }
+        if (hi > lo) {
+            float vr[8];
+            _mm256_storeu_ps(vr, v8);
+            float p[EPI_TERMS];
+            for (uint32_t c0 = lo; c0 < hi; c0 += EPI_TERMS) { /* chunks in storage order */
+                const uint32_t c1 = hi - c0 < EPI_TERMS ? hi : c0 + EPI_TERMS;
+                term_products(w, xi, c0, c1, p);
+                for (int r = 0; r < 8; r++) {
+                    const uint32_t k0 = begin[r] > c0 ? begin[r] : c0, k1 = end[r] < c1 ? end[r] : c1;
+                    for (uint32_t k = k0; k < k1; k++)
+                        vr[r] += p[k - c0];
+                }
+            }
+            v8 = _mm256_loadu_ps(vr);
+        }
+    }
+    if (i4 && w->q4_bias)
+        v8 = _mm256_add_ps(v8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->q4_bias + o))));
+    else if (!i4 && (par.bias_f16 || par.bias_f32))
+        v8 = _mm256_add_ps(v8, par.bias_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)par.bias_f16))
+                                            : _mm256_loadu_ps(par.bias_f32));
+    if (b)
+        v8 = _mm256_add_ps(v8, _mm256_loadu_ps(b + o));
+    if (acc)
+        v8 = _mm256_add_ps(_mm256_loadu_ps(yi + o), _mm256_mul_ps(_mm256_set1_ps(s), v8));
+    _mm256_storeu_ps(yi + o, v8);
 }
 
 /* ---- Prefill with AVX-512 VNNI: a GEMM with the tokens in the lanes ----
