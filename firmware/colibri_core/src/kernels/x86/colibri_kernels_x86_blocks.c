@@ -623,8 +623,8 @@ static gemv8_fn gemv8_for(int isa, int i4)
  * (exact, as the portable conversion). A full block of 8 rows runs in one
  * vector a step; its E entries (contiguous in storage, the rows' pointers
  * never decreasing) have their products e · x[col] formed 8 at a time
- * (gathered, unfused: the reference's products), then added row by row in
- * storage order, so E costs about one scalar add an entry. */
+ * (gathered, unfused: the reference's products), then each row's chain of
+ * adds runs in storage order in its lane, the 8 chains side by side. */
 #define EPI_TERMS 16 /* E products formed per chunk */
 
 static BLK_AVX2 void epilogue_row(const colibri_matrix *w, int i4, size_t row, float vr, const float *xi, float *yi,
@@ -681,20 +681,27 @@ static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t 
                 hi = end[r] > hi ? end[r] : hi;
             }
         }
-        if (hi > lo) {
-            float vr[8];
-            _mm256_storeu_ps(vr, v8);
-            float p[EPI_TERMS];
-            for (uint32_t c0 = lo; c0 < hi; c0 += EPI_TERMS) { /* chunks in storage order */
-                const uint32_t c1 = hi - c0 < EPI_TERMS ? hi : c0 + EPI_TERMS;
-                term_products(w, xi, c0, c1, p);
-                for (int r = 0; r < 8; r++) {
-                    const uint32_t k0 = begin[r] > c0 ? begin[r] : c0, k1 = end[r] < c1 ? end[r] : c1;
-                    for (uint32_t k = k0; k < k1; k++)
-                        vr[r] += p[k - c0];
-                }
+        float p[EPI_TERMS];
+        for (uint32_t c0 = lo; c0 < hi; c0 += EPI_TERMS) { /* chunks in storage order */
+            const uint32_t c1 = hi - c0 < EPI_TERMS ? hi : c0 + EPI_TERMS;
+            term_products(w, xi, c0, c1, p);
+            /* lane r: row r's entries in the chunk, as offsets into p (0..EPI_TERMS) */
+            int32_t kb[8], ke[8], most = 0;
+            for (int r = 0; r < 8; r++) {
+                kb[r] = (int32_t)((begin[r] > c0 ? begin[r] : c0) - c0);
+                ke[r] = (int32_t)((end[r] < c1 ? end[r] : c1) - c0);
+                ke[r] = ke[r] > kb[r] ? ke[r] : kb[r];
+                most = ke[r] - kb[r] > most ? ke[r] - kb[r] : most;
             }
-            v8 = _mm256_loadu_ps(vr);
+            const __m256i kend = _mm256_loadu_si256((const __m256i *)ke);
+            __m256i k = _mm256_loadu_si256((const __m256i *)kb);
+            /* each row's chain one add a step, the 8 rows at once; a lane past its row's
+             * entries keeps its value (a blend: adding 0 would turn -0 into +0) */
+            for (int32_t j = 0; j < most; j++, k = _mm256_add_epi32(k, _mm256_set1_epi32(1))) {
+                const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kend, k));
+                const __m256 t = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, k, live, 4);
+                v8 = _mm256_blendv_ps(v8, _mm256_add_ps(v8, t), live);
+            }
         }
     }
     if (i4 && w->q4_bias)
