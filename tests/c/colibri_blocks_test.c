@@ -7,7 +7,8 @@
  * last block, rows not a multiple of 8), every I4 group size (2^3..2^8), I8
  * scales in f16 or f32, a compensation term E or none, a companion bias or
  * none, a layer bias or none, 1..9 tokens with and without the rows list,
- * linear and linear_acc with and without gates, activations whose blocks
+ * linear and linear_acc with and without gates, one token (decode) in
+ * every fifth case, activations whose blocks
  * differ in scale by up to 2^40 (some all zero, some subnormal, some holding
  * NaN or ±inf), and wide layers (512 -> 1408 and 1408 -> 512, the expert
  * shape of the benchmark's model).
@@ -326,6 +327,8 @@ int main(void)
                 /* 1..9 tokens; every fifth case up to 40 (prefill: the AVX-512 VNNI kernel's
                  * chunks of 16 tokens, full and partial). */
                 c.n = 1 + q4_below(&r, rep % 5 == 4 ? 40 : 9);
+                if (rep % 5 == 1)
+                    c.n = 1; /* decode: the one-token kernels (64 columns a step, the rest by blocks) */
                 if (rep == 38)
                     c.sh.cols = 512, c.sh.rows = 1408, c.n = 1 + q4_below(&r, 8);
                 else if (rep == 39)

@@ -38,6 +38,9 @@ CONFIGS = {
     "q8-bias-tied": dict(dtype="q8", bias=True, tied=True),
     "q8-int8act": dict(dtype="q8", int8_act=["layers.*.experts.*"]),
     "q4": dict(dtype="q4"),
+    # INT8_BLOCKS: decode's one-token kernels on each worker's row blocks, prefill's multi-token ones.
+    "q8-int8blocks": dict(dtype="q8", int8_blocks=["layers.*"]),
+    "q4-int8blocks": dict(dtype="q4", int8_blocks=["layers.*"]),
 }
 
 
@@ -45,8 +48,9 @@ def _graph(seed: int, kw: dict, **shape):
     kw = dict(kw)
     dtype = kw.pop("dtype", "f32")
     int8_act = kw.pop("int8_act", ())
+    int8_blocks = kw.pop("int8_blocks", ())
     g = lmmodels.token_model(seed, **{**SHAPE, **shape}, **kw)
-    return quantize.quantize(g, dtype, int8_act=int8_act) if dtype != "f32" else g
+    return quantize.quantize(g, dtype, int8_act=int8_act, int8_blocks=int8_blocks) if dtype != "f32" else g
 
 
 @pytest.fixture(scope="module")

@@ -401,31 +401,320 @@ BLK_DEFINE_ROWS(vl, BLK_VNNI512, 1)
 typedef void (*rows8_fn)(int i4, int T, const colibri_matrix *w, size_t o, const int8_t *const *xq,
                          const float *const *a, float *v);
 
+/* ---- One token (the decode step, a matrix times one row) ----
+ *
+ * The kernels above prepare the token's activations inside every 8-row
+ * block (the I4 reorder, the corrections' sums); for one token that is a
+ * fixed cost per block as large as the weights' own work. Here it is done
+ * once per call: the token's int8 row in the I4 nibbles' order (per 64
+ * columns: the evens of block A, the evens of B, the odds of A, the odds of
+ * B: a 64-byte vector and two 32-byte halves alike) and per block the
+ * correction of the unsigned operand's offset (I4: 8 · Σ xq; I8 on zmm,
+ * weights u = Q + 128 times xq: 128 · Σ xq). Then per 8 rows and 64
+ * columns each row is one load, its decode and one or two dot products, and
+ * the 8 rows' two block sums come out of one transpose-and-add (lanes =
+ * rows). The integer sums are exact and the f32 steps per row are those of
+ * the kernels above, block after block: the reference's bits. The columns
+ * after the last full 64 take the per-block kernels above. */
+#define GEMV_COLS 8192
+
+typedef struct gemv_act {
+    int8_t x[GEMV_COLS];         /* I4: the reordered row (I8 reads xq in place) */
+    int32_t corr[GEMV_COLS / 32]; /* per block of the full 64-column pairs */
+} gemv_act;
+
+/* Σ of 32 int8 (exact). */
+BLK_INLINE BLK_AVX2 int32_t sum32_i8(__m256i x)
+{
+    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* The full 64-column pairs of xq [in] into g: I4 reordered with 8 · Σ per
+ * block, I8 128 · Σ per block (only the zmm kernel uses it). */
+static BLK_AVX2 void gemv_prepare(int i4, const int8_t *xq, size_t in, gemv_act *g)
+{
+    for (size_t c = 0; c + 64 <= in; c += 64) {
+        const __m256i ra = _mm256_loadu_si256((const __m256i *)(xq + c));
+        const __m256i rb = _mm256_loadu_si256((const __m256i *)(xq + c + 32));
+        const int32_t sa = sum32_i8(ra), sb = sum32_i8(rb);
+        if (i4) {
+            const __m256i xa = q4_split(ra), xb = q4_split(rb); /* [evens | odds] of each block */
+            _mm256_storeu_si256((__m256i *)(g->x + c), _mm256_permute2x128_si256(xa, xb, 0x20));
+            _mm256_storeu_si256((__m256i *)(g->x + c + 32), _mm256_permute2x128_si256(xa, xb, 0x31));
+            g->corr[c / 32] = 8 * sa;
+            g->corr[c / 32 + 1] = 8 * sb;
+        } else {
+            g->corr[c / 32] = 128 * sa;
+            g->corr[c / 32 + 1] = 128 * sb;
+        }
+    }
+}
+
+/* s[r] (r < 8) with lanes 0-3 block A, 4-7 block B: *a lane r = row r's
+ * sum of A, *b of B (exact). */
+BLK_INLINE BLK_AVX2 void hsum8_ab(const __m256i s[8], __m256i *a, __m256i *b)
+{
+    __m256i p[4], q[2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2 * i], s[2 * i + 1]),
+                                _mm256_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        q[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                                _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    /* q[0] = [A rows 0-3 | B rows 0-3], q[1] the same for rows 4-7 */
+    *a = _mm256_permute2x128_si256(q[0], q[1], 0x20);
+    *b = _mm256_permute2x128_si256(q[0], q[1], 0x31);
+}
+
+/* acc += (float)(sa - ca) · ka, then acc += (float)(sb - cb) · kb: the two
+ * blocks' steps in order. */
+BLK_INLINE BLK_AVX2 __m256 gemv_steps(__m256 acc, __m256i sa, __m256i sb, int32_t ca, int32_t cb, __m256 ka,
+                                      __m256 kb)
+{
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sa, _mm256_set1_epi32(ca))), ka));
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sb, _mm256_set1_epi32(cb))), kb));
+}
+
+/* I4 AVX2 / AVX-VNNI: 64 columns of 8 rows, the low nibbles times the
+ * evens, the high times the odds, summed per row (AVX2 in int16: a pair of
+ * vpmaddubsw lanes stays below 2 · 2 · 15 · 127 < 2^15). */
+#define BLK_DEFINE_GEMV_Q4(SFX, TGT, DOT2, TAIL)                                                               \
+    static TGT void q4_gemv8_##SFX(const colibri_matrix *w, size_t o, const gemv_act *g, const int8_t *xq,    \
+                                   const float *a, float *v)                                                  \
+    {                                                                                                         \
+        const size_t in = w->cols, log2 = w->q4_group_log2, ahead = 16 * ((in + 1) / 2);                     \
+        const uint8_t *row[8];                                                                                \
+        const uint16_t *sc[8];                                                                                \
+        rows8_q4(w, o, row, sc);                                                                              \
+        const __m256i mask = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x88);                     \
+        __m256 acc = _mm256_setzero_ps();                                                                     \
+        size_t c = 0;                                                                                         \
+        for (; c + 64 <= in; c += 64) {                                                                       \
+            if (!(c & 127))                                                                                   \
+                prefetch8((const int8_t *const *)(const void *)row, ahead, c / 2);                            \
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)(g->x + c));                               \
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(g->x + c + 32));                          \
+            __m256i s[8];                                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)                                               \
+            {                                                                                                 \
+                const __m256i p = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r] + c / 2)), flip); \
+                s[r] = DOT2(_mm256_and_si256(p, mask), xe, _mm256_and_si256(_mm256_srli_epi16(p, 4), mask), xo); \
+            }                                                                                                 \
+            __m256i sa, sb;                                                                                   \
+            hsum8_ab(s, &sa, &sb);                                                                            \
+            const size_t blk = c / 32;                                                                        \
+            acc = gemv_steps(acc, sa, sb, g->corr[blk], g->corr[blk + 1],                                     \
+                             _mm256_mul_ps(q4_scales8(sc, c >> log2), _mm256_set1_ps(a[blk])),                \
+                             _mm256_mul_ps(q4_scales8(sc, (c + 32) >> log2), _mm256_set1_ps(a[blk + 1])));    \
+        }                                                                                                     \
+        for (; c < in; c += 32)                                                                               \
+            q4_block_##TAIL(1, row, q4_scales8(sc, c >> log2), &xq, c, in - c < 32 ? in - c : 32, a + c / 32,   \
+                            &acc);                                                                            \
+        _mm256_storeu_ps(v, acc);                                                                             \
+    }
+
+BLK_INLINE BLK_AVX2 __m256i dot2_avx2(__m256i u0, __m256i x0, __m256i u1, __m256i x1)
+{
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1)),
+                             _mm256_set1_epi16(1));
+}
+
+BLK_INLINE BLK_AVXVNNI __m256i dot2_avxvnni(__m256i u0, __m256i x0, __m256i u1, __m256i x1)
+{
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, x0), u1, x1);
+}
+
+BLK_DEFINE_GEMV_Q4(avx2, BLK_AVX2, dot2_avx2, avx2)
+BLK_DEFINE_GEMV_Q4(avxvnni, BLK_AVXVNNI, dot2_avxvnni, avxvnni)
+
+/* I4 AVX-512 VNNI: the AVX-VNNI kernel's ymm steps with the EVEX
+ * vpdpbusd, the decode (n ^ 8) & 15 = Q + 8 one vpternlogd a half. (A zmm
+ * form, the packed bytes broadcast and the upper half shifted a nibble,
+ * measured slower: its variable shift and vpdpbusd share one port.) */
+static BLK_VNNI512 void q4_gemv8_vl(const colibri_matrix *w, size_t o, const gemv_act *g, const int8_t *xq,
+                                    const float *a, float *v)
+{
+    const size_t in = w->cols, log2 = w->q4_group_log2, ahead = 16 * ((in + 1) / 2);
+    const uint8_t *row[8];
+    const uint16_t *sc[8];
+    rows8_q4(w, o, row, sc);
+    const __m256i eight = _mm256_set1_epi8(0x08), mask = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    size_t c = 0;
+    for (; c + 64 <= in; c += 64) {
+        if (!(c & 127))
+            prefetch8((const int8_t *const *)(const void *)row, ahead, c / 2);
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(g->x + c));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(g->x + c + 32));
+        __m256i s[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(row[r] + c / 2));
+            /* (A ^ B) & C, A the bytes, B = 0x08, C = 0x0F: (0xF0 ^ 0xCC) & 0xAA = 0x28 */
+            const __m256i lo = _mm256_ternarylogic_epi32(p, eight, mask, 0x28);
+            const __m256i hi = _mm256_ternarylogic_epi32(_mm256_srli_epi16(p, 4), eight, mask, 0x28);
+            s[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+        }
+        __m256i sa, sb;
+        hsum8_ab(s, &sa, &sb);
+        const size_t blk = c / 32;
+        acc = gemv_steps(acc, sa, sb, g->corr[blk], g->corr[blk + 1],
+                         _mm256_mul_ps(q4_scales8(sc, c >> log2), _mm256_set1_ps(a[blk])),
+                         _mm256_mul_ps(q4_scales8(sc, (c + 32) >> log2), _mm256_set1_ps(a[blk + 1])));
+    }
+    for (; c < in; c += 32)
+        q4_block_vl(1, row, q4_scales8(sc, c >> log2), &xq, c, in - c < 32 ? in - c : 32, a + c / 32, &acc);
+    _mm256_storeu_ps(v, acc);
+}
+
+/* I8 AVX-512 VNNI: u = Q + 128 (one xor) times xq in place, less the
+ * token's 128 · Σ xq of the block: one vpdpbusd a row and 64 columns. */
+static BLK_VNNI512 void q8_gemv8_vl(const colibri_matrix *w, size_t o, const gemv_act *g, const int8_t *xq,
+                                    const float *a, float *v)
+{
+    const size_t in = w->cols;
+    const int8_t *row[8];
+    rows8_q8(w, o, row);
+    const __m512i c128 = _mm512_set1_epi8(-128);
+    __m256 acc = _mm256_setzero_ps();
+    size_t c = 0;
+    for (; c + 64 <= in; c += 64) {
+        prefetch8(row, 16 * in, c);
+        const __m512i xv = _mm512_loadu_si512(xq + c);
+        __m512i s[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++)
+            s[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(row[r] + c), c128),
+                                       xv);
+        __m256i sa, sb;
+        hsum8x2(s, &sa, &sb);
+        const size_t blk = c / 32;
+        acc = gemv_steps(acc, sa, sb, g->corr[blk], g->corr[blk + 1], _mm256_set1_ps(a[blk]),
+                         _mm256_set1_ps(a[blk + 1]));
+    }
+    for (; c < in; c += 32)
+        q8_block_vl(1, row, &xq, c, in - c < 32 ? in - c : 32, a + c / 32, &acc);
+    _mm256_storeu_ps(v, acc);
+}
+
+typedef void (*gemv8_fn)(const colibri_matrix *w, size_t o, const gemv_act *g, const int8_t *xq, const float *a,
+                         float *v);
+
+/* The one-token kernel for an instruction set and dtype, or NULL (I8 below
+ * AVX-512 VNNI: the sign trick has no per-token work to hoist). */
+static gemv8_fn gemv8_for(int isa, int i4)
+{
+    if (i4)
+        return isa == 2 ? q4_gemv8_vl : isa == 1 ? q4_gemv8_avxvnni : q4_gemv8_avx2;
+    return isa == 2 ? q8_gemv8_vl : NULL;
+}
+
 /* ---- The driver: rows in blocks of 8, the call's tokens inside in groups
  * of up to 4 (a group's weights decoded once) ---- */
 
 /* The end of rows o .. o + R - 1 of one token from their running values v:
  * the reference's operations in its order (colibri_q8_compensate,
  * colibri_q4_epilogue, colibri_emit) with the f16 values widened by F16C
- * (exact, as the portable conversion), so E costs a few instructions an
- * entry: its time follows its share of the weights. */
+ * (exact, as the portable conversion). A full block of 8 rows runs in one
+ * vector a step; its E entries (contiguous in storage, the rows' pointers
+ * never decreasing) have their products e · x[col] formed 8 at a time
+ * (gathered, unfused: the reference's products), then each row's chain of
+ * adds runs in storage order in its lane, the 8 chains side by side. */
+#define EPI_TERMS 16 /* E products formed per chunk */
+
+static BLK_AVX2 void epilogue_row(const colibri_matrix *w, int i4, size_t row, float vr, const float *xi, float *yi,
+                                  const float *b, int acc, float s)
+{
+    if (w->q8_ptr) {
+        uint32_t k, end;
+        colibri_q8_terms(w, row, &k, &end);
+        for (; k < end; k++)
+            vr += _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+    }
+    if (i4 && w->q4_bias)
+        vr += _cvtsh_ss(w->q4_bias[row]);
+    else if (!i4 && w->q8_bias)
+        vr += colibri_q8_param(w, (size_t)w->rows + row);
+    colibri_emit(yi, row, vr, b, acc, s);
+}
+
+/* p[k - lo] = e_k · x[col_k] for k in [lo, hi), hi - lo <= EPI_TERMS (a
+ * column past the row reads x[0], as colibri_q8_term_col bounds it). */
+static BLK_AVX2 void term_products(const colibri_matrix *w, const float *xi, uint32_t lo, uint32_t hi, float *p)
+{
+    const __m256i cols = _mm256_set1_epi32((int)w->cols);
+    uint32_t k = lo;
+    for (; k + 8 <= hi; k += 8) {
+        __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w->col + k)));
+        c = _mm256_and_si256(c, _mm256_cmpgt_epi32(cols, c));
+        const __m256 e = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->val + k)));
+        _mm256_storeu_ps(p + (k - lo), _mm256_mul_ps(e, _mm256_i32gather_ps(xi, c, 4)));
+    }
+    for (; k < hi; k++)
+        p[k - lo] = _cvtsh_ss(colibri_q8_term_bits(w, k)) * xi[colibri_q8_term_col(w, k)];
+}
+
 static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t R, const float *v, const float *xi,
                               float *yi, const float *b, int acc, float s)
 {
-    float vr[8];
-    for (size_t r = 0; r < R; r++)
-        vr[r] = i4 ? v[r] : v[r] * colibri_q8_scale(w, o + r);
-    if (w->q8_ptr) /* E, bounded where it is read (colibri_x86_e_terms) */
-        colibri_x86_e_terms(w, o, (int)R, xi, vr);
-    for (size_t r = 0; r < R; r++) {
-        const size_t row = o + r;
-        float vo = vr[r];
-        if (i4 && w->q4_bias)
-            vo += _cvtsh_ss(w->q4_bias[row]);
-        else if (!i4 && w->q8_bias)
-            vo += colibri_q8_param(w, (size_t)w->rows + row);
-        colibri_emit(yi, row, vo, b, acc, s);
+    if (R < 8) {
+        for (size_t r = 0; r < R; r++)
+            epilogue_row(w, i4, o + r, i4 ? v[r] : v[r] * colibri_q8_scale(w, o + r), xi, yi, b, acc, s);
+        return;
     }
+    const colibri_q8_block par = colibri_q8_params_at(w, o);
+    __m256 v8 = _mm256_loadu_ps(v);
+    if (!i4)
+        v8 = _mm256_mul_ps(v8, par.scale_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)par.scale_f16))
+                                             : _mm256_loadu_ps(par.scale_f32));
+    if (w->q8_ptr) {
+        uint32_t begin[8], end[8], lo = UINT32_MAX, hi = 0;
+        for (int r = 0; r < 8; r++) {
+            colibri_q8_terms(w, o + (size_t)r, &begin[r], &end[r]);
+            if (begin[r] < end[r]) {
+                lo = begin[r] < lo ? begin[r] : lo;
+                hi = end[r] > hi ? end[r] : hi;
+            }
+        }
+        float p[EPI_TERMS];
+        for (uint32_t c0 = lo; c0 < hi; c0 += EPI_TERMS) { /* chunks in storage order */
+            const uint32_t c1 = hi - c0 < EPI_TERMS ? hi : c0 + EPI_TERMS;
+            term_products(w, xi, c0, c1, p);
+            /* lane r: row r's entries in the chunk, as offsets into p (0..EPI_TERMS) */
+            int32_t kb[8], ke[8], most = 0;
+            for (int r = 0; r < 8; r++) {
+                kb[r] = (int32_t)((begin[r] > c0 ? begin[r] : c0) - c0);
+                ke[r] = (int32_t)((end[r] < c1 ? end[r] : c1) - c0);
+                ke[r] = ke[r] > kb[r] ? ke[r] : kb[r];
+                most = ke[r] - kb[r] > most ? ke[r] - kb[r] : most;
+            }
+            const __m256i kend = _mm256_loadu_si256((const __m256i *)ke);
+            __m256i k = _mm256_loadu_si256((const __m256i *)kb);
+            /* each row's chain one add a step, the 8 rows at once; a lane past its row's
+             * entries keeps its value (a blend: adding 0 would turn -0 into +0) */
+            for (int32_t j = 0; j < most; j++, k = _mm256_add_epi32(k, _mm256_set1_epi32(1))) {
+                const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(kend, k));
+                const __m256 t = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, k, live, 4);
+                v8 = _mm256_blendv_ps(v8, _mm256_add_ps(v8, t), live);
+            }
+        }
+    }
+    if (i4 && w->q4_bias)
+        v8 = _mm256_add_ps(v8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->q4_bias + o))));
+    else if (!i4 && (par.bias_f16 || par.bias_f32))
+        v8 = _mm256_add_ps(v8, par.bias_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)par.bias_f16))
+                                            : _mm256_loadu_ps(par.bias_f32));
+    if (b)
+        v8 = _mm256_add_ps(v8, _mm256_loadu_ps(b + o));
+    if (acc)
+        v8 = _mm256_add_ps(_mm256_loadu_ps(yi + o), _mm256_mul_ps(_mm256_set1_ps(s), v8));
+    _mm256_storeu_ps(yi + o, v8);
 }
 
 /* ---- Prefill with AVX-512 VNNI: a GEMM with the tokens in the lanes ----
@@ -604,6 +893,19 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
     }
     const rows8_fn rows8 = isa == 2 ? rows8_vl : isa == 1 ? rows8_avxvnni : rows8_avx2;
     const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
+    const gemv8_fn gemv8 = gemv8_for(isa, i4);
+    if (n == 1 && gemv8 && in >= 64 && in <= GEMV_COLS) {
+        gemv_act g;
+        gemv_prepare(i4, xq->q, in, &g);
+        const float *xi = x + (xrows ? xrows[0] : 0) * in;
+        float *yi = y + (yrows ? yrows[0] : 0) * out;
+        for (size_t o = 0; o < out; o += 8) {
+            float v[8];
+            gemv8(w, o, &g, xq->q, xq->a, v);
+            epilogue(w, i4, o, out - o < 8 ? out - o : 8, v, xi, yi, b, acc, scale ? scale[0] : 1.0f);
+        }
+        return;
+    }
     for (size_t o = 0; o < out; o += 8) {
         const size_t R = out - o < 8 ? out - o : 8;
         for (size_t i = 0; i < n; i += 4) {
