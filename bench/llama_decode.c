@@ -7,8 +7,9 @@
  *
  *   llama_decode MODEL.gguf THREADS IDS DECODE
  *
- * IDS: comma-separated token ids. Prints one JSON line: open to first token, each step's seconds
- * and major faults, the tokens, and RssAnon / RssFile / VmHWM at the end (/proc/self/status).
+ * IDS: comma-separated token ids. Prints one JSON line: open to first token and the mapped file's
+ * resident bytes then (RssFile), each step's seconds and major faults, the tokens, and RssAnon /
+ * RssFile / VmHWM at the end (/proc/self/status).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -126,6 +127,7 @@ int main(int argc, char **argv)
     tokens[0] = argmax(llama_get_logits_ith(ctx, -1), vocab);
     double t_first = now() - t0;
     long prompt_faults = major_faults() - f0;
+    long first_file_kib = status_kib("RssFile");
     for (long i = 0; i < decode; i++) {
         long fa = major_faults();
         double ta = now();
@@ -137,9 +139,10 @@ int main(int argc, char **argv)
         times[i] = now() - ta;
         faults[i] = major_faults() - fa;
     }
-    printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"rss_anon_kib\": %ld, "
+    printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"first_resident_bytes\": %lld, "
+           "\"rss_anon_kib\": %ld, "
            "\"rss_file_kib\": %ld, \"vm_hwm_kib\": %ld, \"tokens\": [",
-           t_open, t_first, prompt_faults, status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
+           t_open, t_first, prompt_faults, (long long)first_file_kib * 1024, status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
     for (long i = 0; i <= decode; i++)
         printf("%s%d", i ? ", " : "", tokens[i]);
     printf("], \"times\": [");

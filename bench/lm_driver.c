@@ -22,8 +22,9 @@
  *       routing picks and the stages ahead; IDS (comma-separated token ids) as one prompt call,
  *       then DECODE greedy steps of one token each. LOCK: "none", "dense" (every non-expert
  *       tensor) or "L:E,L:E,..." (those experts mlock'd). Prints one JSON line: open to first
- *       token, each step's seconds and major faults, the tokens, and RssAnon / RssFile / VmHWM
- *       at the end (/proc/self/status). Exit 3 when the lock is refused.
+ *       token and the file's resident bytes then, each step's seconds and major faults, the
+ *       tokens, and RssAnon / RssFile / VmHWM at the end (/proc/self/status). Exit 3 when the
+ *       lock is refused.
  *   lm_driver hot IMAGE IDS
  *       Counts, over the prompt IDS, the tokens routing sends to each expert: one JSON line of
  *       [layer, expert, tokens, bytes] rows, for choosing the experts to pin.
@@ -417,6 +418,7 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     tokens[0] = argmax(m.logits + (n - 1) * vocab, vocab);
     double t_first = seconds(CLOCK_MONOTONIC) - t0;
     long prompt_faults = major_faults() - f0;
+    long long first_resident = colibri_file_resident(file);
     for (long i = 0; i < decode; i++) {
         long fa = major_faults();
         double ta = seconds(CLOCK_MONOTONIC);
@@ -426,10 +428,11 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
         times[i] = seconds(CLOCK_MONOTONIC) - ta;
         faults[i] = major_faults() - fa;
     }
-    printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"kernels\": \"%s\", "
+    printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"first_resident_bytes\": %lld, "
+           "\"kernels\": \"%s\", "
            "\"image_bytes\": %zu, \"arena_bytes\": %zu, \"resident_bytes\": %lld, \"rss_anon_kib\": %ld, "
            "\"rss_file_kib\": %ld, \"vm_hwm_kib\": %ld, \"tokens\": [",
-           t_open, t_first, prompt_faults, colibri_kernels_name(m.ctx), colibri_file_size(file), m.info.arena_size,
+           t_open, t_first, prompt_faults, first_resident, colibri_kernels_name(m.ctx), colibri_file_size(file), m.info.arena_size,
            colibri_file_resident(file), status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
     for (long i = 0; i <= decode; i++)
         printf("%s%d", i ? ", " : "", tokens[i]);

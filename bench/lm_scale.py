@@ -437,7 +437,8 @@ def report(run: Run) -> str:
     if not run.finished:
         return f"  {run.label}: FAILED ({run.error}){where}"
     s, r = per_token(run), run.result
-    return (f"  {run.label}: first token {r['first_token_s']:.2f} s (open {r['open_s'] * 1e3:.0f} ms), "
+    return (f"  {run.label}: first token {r['first_token_s']:.2f} s (open {r['open_s'] * 1e3:.0f} ms, "
+            f"{r['first_resident_bytes'] / MiB:.0f} MiB of the file resident then), "
             f"{s['tps']:.2f} tok/s, p50 {s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, "
             f"{s['faults']:.0f} major faults/token; RssAnon {r['rss_anon_kib'] / 1024:.0f} MiB, "
             f"VmHWM {r['vm_hwm_kib'] / 1024:.0f} MiB{where}")
