@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -54,10 +53,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "host_tools"))
+import lm_vs_llama_cpp as peer  # noqa: E402
 from edge_jitter import PressureGroup, cgroup_for_pressure  # noqa: E402
 from hf_export import mixtral_tensors  # noqa: E402
-
-import lm_vs_llama_cpp as peer  # noqa: E402
 
 CORE = ROOT / "firmware" / "colibri_core"
 GiB, MiB = 2**30, 2**20
@@ -395,7 +393,8 @@ def pin(threads: int) -> str:
     return ",".join(str(c) for c in range(min(threads, os.cpu_count() or 1)))
 
 
-def execute(run: Run, path: Path, ids: list[int], group: PressureGroup | None, drivers: dict) -> Run:
+def execute(run: Run, path: Path, ids: list[int], group: PressureGroup | None, drivers: dict,
+            timeout: float | None = None) -> Run:
     ids_text = ",".join(map(str, ids))
     if run.engine == "colibri":
         cmd = [str(drivers["colibri"]), "decode", str(path), str(run.threads), ids_text, str(DECODE), run.lock]
@@ -408,7 +407,13 @@ def execute(run: Run, path: Path, ids: list[int], group: PressureGroup | None, d
         group.reset_counters()
         # Joined before exec: everything the driver maps or allocates is charged to the group.
         cmd = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group.path), *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.error = f"timed out after {timeout:.0f} s (killed)"
+        if group is not None:
+            run.group = group_stat(group)
+        return run
     if group is not None:
         run.group = group_stat(group)
     if r.returncode in (-9, 137):
@@ -565,6 +570,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None, help="default build/bench-lm-scale/<size>")
     ap.add_argument("--cgroup", type=Path, default=None, help="a delegated memory cgroup (else one is made)")
     ap.add_argument("--steps-only", action="store_true", help="make the files, run nothing")
+    ap.add_argument("--run-timeout", type=float, default=600,
+                    help="seconds a run may take before it is killed and reported as timed out")
     args = ap.parse_args(argv)
     size = SIZES[args.size]
     engines = {e for e in args.engines.split(",") if e}
@@ -670,7 +677,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for t in threads:
                     for engine in (order if k % 2 == 0 else order[::-1]):
                         run = execute(Run(engine, dtype if engine == "colibri" else COLIBRI_DTYPES[dtype], t, limit),
-                                      files[engine], ids, group, drivers)
+                                      files[engine], ids, group, drivers, args.run_timeout)
                         runs.append(run)
                         same = check_tokens(runs, run) if limit is not None and run.finished else None
                         print(report(run) + ("" if same is None else
@@ -683,7 +690,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  mlock: the {lock.count(':')} experts routing used most over the prompt "
                       f"({nbytes / MiB:.0f} MiB, {share:.0%} of its expert calls)", flush=True)
                 for t in threads:
-                    run = execute(Run("colibri", dtype, t, second, lock=lock), files["colibri"], ids, group, drivers)
+                    run = execute(Run("colibri", dtype, t, second, lock=lock), files["colibri"], ids, group, drivers,
+                                  args.run_timeout)
                     runs.append(run)
                     same = check_tokens(runs, run) if run.finished else None
                     print(report(run) + ("" if same is None else "; tokens = the unlimited run's" if same

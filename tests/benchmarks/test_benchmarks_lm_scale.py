@@ -15,7 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import lm_scale as bench  # noqa: E402
-
 import lm_vs_llama_cpp as peer  # noqa: E402
 
 
