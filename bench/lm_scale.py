@@ -96,6 +96,7 @@ COLIBRI_DTYPES = {"q4": "Q4_0", "q8": "Q8_0"}
 # Bytes per parameter of each file, for the disk plan: bf16; Q8_0 and Colibri q8 (int8 and a scale per
 # row block), Q4_0 and Colibri q4 (4 bits and an f16 scale per 32); 3% over for tables, norms, the head.
 BYTES_PER_PARAM = {"hf": 2.0, "gguf-bf16": 2.0, "Q8_0": 34 / 32 * 1.03, "Q4_0": 18 / 32 * 1.03,
+                   "Q4_0-pure": 18 / 32 * 1.03,
                    "q8": 34 / 32 * 1.03, "q4": 18 / 32 * 1.03}
 DISK_MARGIN = GiB
 
@@ -178,20 +179,25 @@ class Step:
 class Plan:
     """The files of one size, the steps that make them, and the disk those still to run need."""
 
-    def __init__(self, size_name: str, out: Path, engines: set[str]):
+    def __init__(self, size_name: str, out: Path, engines: set[str], q4_from: str = "hf"):
         self.size = SIZES[size_name]
         self.out = out
         self.stamps = out / "stamps"
         self.files = {"hf": out / "hf", "gguf-bf16": out / "gguf" / "model-bf16.gguf",
                       "q4": out / "colibri" / "model-q4.clb", "q8": out / "colibri" / "model-q8.clb",
-                      "Q4_0": out / "gguf" / "model-Q4_0.gguf", "Q8_0": out / "gguf" / "model-Q8_0.gguf"}
+                      "Q4_0": out / "gguf" / "model-Q4_0.gguf", "Q8_0": out / "gguf" / "model-Q8_0.gguf",
+                      "Q4_0-pure": out / "gguf" / "model-Q4_0-pure.gguf"}
         steps = [Step("generate", ["hf"])]
-        if "colibri" in engines:
+        if "colibri" in engines and q4_from == "hf":
             steps.append(Step("colibri q4", ["q4"], needs=["hf"]))
-        if "llama.cpp" in engines:
+        if "llama.cpp" in engines or q4_from == "gguf":
             steps += [Step("gguf bf16", ["gguf-bf16"], needs=["hf"]),
-                      Step("llama-quantize Q4_0", ["Q4_0"], needs=["gguf-bf16"]),
-                      Step("llama-quantize Q8_0", ["Q8_0"], needs=["gguf-bf16"], frees=["gguf-bf16"])]
+                      Step("llama-quantize Q4_0", ["Q4_0"], needs=["gguf-bf16"])]
+            if "colibri" in engines and q4_from == "gguf":
+                steps.append(Step("llama-quantize Q4_0 pure", ["Q4_0-pure"], needs=["gguf-bf16"]))
+            steps.append(Step("llama-quantize Q8_0", ["Q8_0"], needs=["gguf-bf16"], frees=["gguf-bf16"]))
+            if "colibri" in engines and q4_from == "gguf":
+                steps.append(Step("colibri q4 from Q4_0", ["q4"], needs=["Q4_0-pure"], frees=["Q4_0-pure"]))
         if "colibri" in engines:
             steps.append(Step("colibri q8", ["q8"], needs=["hf"]))
         self.steps = steps
@@ -251,7 +257,7 @@ class Plan:
     def lanes(self) -> list[list[Step]]:
         """The folder first; then Colibri's exports beside llama.cpp's conversions."""
         head = [s for s in self.steps if s.name == "generate"]
-        colibri = [s for s in self.steps if s.name.startswith("colibri")]
+        colibri = [s for s in self.steps if s.name.startswith("colibri") and "hf" in s.needs]
         llama = [s for s in self.steps if s not in head and s not in colibri]
         return [head, colibri, llama]
 
@@ -294,6 +300,14 @@ def run_step(plan: Plan, step: Step, seed: int) -> dict:
     if step.name == "generate":
         info["bytes"] = write_folder(files["hf"], plan.size, seed)
         seconds, rss = time.perf_counter() - t0, None
+    elif step.name == "colibri q4 from Q4_0":
+        # The streamed GGUF import: llama-quantize's Q4_0 blocks carried into q4 as they are, so Colibri's
+        # int4 weights are llama.cpp's, bit for bit (--pure: every matrix Q4_0, the import reads no Q6_K).
+        colibri_cli = Path(sys.executable).parent / "colibri"
+        seconds, rss = timed_process([str(colibri_cli), "export", str(files["Q4_0-pure"]), str(files["q4"]),
+                                      "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch", str(PROMPT)], log)
+        info["bytes"] = files["q4"].stat().st_size
+        info["cli_says"] = next((line for line in log.read_text().splitlines() if line.startswith("wrote ")), "")
     elif step.name.startswith("colibri"):
         dtype = step.makes[0]
         colibri_cli = Path(sys.executable).parent / "colibri"
@@ -311,10 +325,12 @@ def run_step(plan: Plan, step: Step, seed: int) -> dict:
         shutil.rmtree(work)
         info["bytes"] = files["gguf-bf16"].stat().st_size
     else:  # llama-quantize
-        ftype = step.makes[0]
-        tmp = files[ftype].with_suffix(".tmp")
-        seconds, rss = timed_process([str(peer.LLAMA_BIN / "llama-quantize"), str(files["gguf-bf16"]), str(tmp),
-                                      ftype, "2"], log)
+        key = step.makes[0]
+        ftype, pure = key.split("-")[0], ["--pure"] if key.endswith("-pure") else []
+        tmp = files[key].with_suffix(".tmp")
+        seconds, rss = timed_process([str(peer.LLAMA_BIN / "llama-quantize"), *pure, str(files["gguf-bf16"]),
+                                      str(tmp), ftype, "2"], log)
+        ftype = key
         tmp.rename(files[ftype])
         info["bytes"] = files[ftype].stat().st_size
     for k in step.frees:
@@ -570,6 +586,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None, help="default build/bench-lm-scale/<size>")
     ap.add_argument("--cgroup", type=Path, default=None, help="a delegated memory cgroup (else one is made)")
     ap.add_argument("--steps-only", action="store_true", help="make the files, run nothing")
+    ap.add_argument("--q4-from", choices=("hf", "gguf"), default="hf",
+                    help="Colibri's q4 file: exported from the folder (quantised by Colibri, with its clip search), "
+                         "or imported from llama-quantize --pure Q4_0 (llama.cpp's int4 weights, bit for bit)")
+    ap.add_argument("--limits", default=None,
+                    help="the cgroup limits in MiB, comma-separated, 'none' for no limit (default: the size's, "
+                         "7b: 4096,3072,none)")
     ap.add_argument("--run-timeout", type=float, default=600,
                     help="seconds a run may take before it is killed and reported as timed out")
     args = ap.parse_args(argv)
@@ -581,15 +603,17 @@ def main(argv: list[str] | None = None) -> dict:
     if not set(dtypes) <= set(COLIBRI_DTYPES):
         raise SystemExit(f"--dtypes: q4 and/or q8, got {args.dtypes!r}")
     threads = [int(t) for t in args.threads.split(",")]
-    if "llama.cpp" in engines and not peer.llama_built():
+    run_limits = (size.limits_mib if args.limits is None else
+                  tuple(None if x == "none" else int(x) for x in args.limits.split(",") if x))
+    if ("llama.cpp" in engines or args.q4_from == "gguf") and not peer.llama_built():
         raise SystemExit(peer.SETUP_HINT)
     out = args.out or ROOT / "build" / "bench-lm-scale" / args.size
     out.mkdir(parents=True, exist_ok=True)
     peer.OUT = out  # where lm_vs_llama_cpp keeps the Colibri driver and the trained vocabulary
-    plan = Plan(args.size, out, engines)
+    plan = Plan(args.size, out, engines, args.q4_from)
     plan.steps = [s for s in plan.steps if not s.name.startswith("colibri") or s.makes[0] in dtypes]
-    plan.steps = [s for s in plan.steps if not s.name.startswith("llama-quantize")
-                  or s.makes[0] in {COLIBRI_DTYPES[d] for d in dtypes}]
+    wanted = {COLIBRI_DTYPES[d] for d in dtypes} | ({"Q4_0-pure"} if "q4" in dtypes else set())
+    plan.steps = [s for s in plan.steps if not s.name.startswith("llama-quantize") or s.makes[0] in wanted]
     quantize = [s for s in plan.steps if s.name.startswith("llama-quantize")]
     for s in quantize:
         s.frees = []
@@ -670,7 +694,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if name in engines:
                     print(f"  {name} file {shown(path)}: {path.stat().st_size / GiB:.2f} GiB", flush=True)
             order = [e for e in ("colibri", "llama.cpp") if e in engines]
-            limits = [lim for lim in (None, *size.limits_mib) if group is not None or lim is None]
+            limits = [lim for lim in (None, *run_limits) if group is not None or lim is None]
             limits = list(dict.fromkeys(limits))  # unlimited first: the tokens the others are checked against
             k = 0
             for limit in limits:
@@ -685,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              "; TOKENS DIFFER from the unlimited run's"), flush=True)
                     k += 1
             second = size.limits_mib[1]
-            if "colibri" in engines and group is not None and second is not None:
+            if second in run_limits and "colibri" in engines and group is not None and second is not None:
                 lock, nbytes, share = hottest(drivers["colibri"], files["colibri"], ids, size.lock_mib * MiB)
                 print(f"  mlock: the {lock.count(':')} experts routing used most over the prompt "
                       f"({nbytes / MiB:.0f} MiB, {share:.0%} of its expert calls)", flush=True)
