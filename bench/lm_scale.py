@@ -560,7 +560,7 @@ def targets(runs: list[Run], size: Size) -> list[tuple[str, str, bool | None]]:
     same = [s for s in same if s is not None]
     out.append(("tokens under a limit equal the unlimited run's", f"{sum(same)} of {len(same)} runs",
                 all(same) if same else None))
-    return out
+    return [(t, m, None if ok is None else bool(ok)) for t, m, ok in out]  # numpy's bools are not JSON
 
 
 def check_tokens(runs: list[Run], run: Run) -> bool | None:
