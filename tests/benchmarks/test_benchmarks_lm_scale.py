@@ -73,10 +73,15 @@ def test_the_tiny_size_runs_every_colibri_step(tmp_path, capsys):
 @pytest.mark.skipif(not peer.llama_built(), reason=peer.SETUP_HINT)
 def test_the_tiny_size_beside_llama_cpp(tmp_path):
     _cgroup_or_skip()
-    out = bench.main(["--size", "tiny", "--out", str(tmp_path)])
-    for name in ("gguf bf16", "llama-quantize Q4_0", "llama-quantize Q8_0"):
+    # Colibri's q4 from llama-quantize --pure Q4_0 (the folder's q4 export runs in the test above).
+    out = bench.main(["--size", "tiny", "--q4-from", "gguf", "--out", str(tmp_path)])
+    for name in ("gguf bf16", "llama-quantize Q4_0", "llama-quantize Q4_0 pure", "llama-quantize Q8_0",
+                 "colibri q4 from Q4_0", "colibri q8"):
         assert out["steps"][name]["bytes"] > 0
-    assert not (tmp_path / "gguf" / "model-bf16.gguf").exists()  # deleted once quantised
+    assert "Q4_0 -> q4" in (tmp_path / "logs" / "colibri_q4_from_Q4_0.log").read_text()  # the blocks carried
+    # Intermediates deleted once used.
+    assert not (tmp_path / "gguf" / "model-bf16.gguf").exists()
+    assert not (tmp_path / "gguf" / "model-Q4_0-pure.gguf").exists()
     _check_runs(out, {"colibri", "llama.cpp"})
     measured = {t["target"]: t for t in out["targets"]}
     assert all(t["met"] is not None for name, t in measured.items() if "no limit" in name)
