@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limits", default=None,
                     help="the cgroup limits in MiB, comma-separated, 'none' for no limit (default: the size's, "
                          "7b: 4096,3072,none)")
-    ap.add_argument("--run-timeout", type=float, default=600,
+    ap.add_argument("--run-timeout", type=float, default=420,
                     help="seconds a run may take before it is killed and reported as timed out")
     args = ap.parse_args(argv)
     size = SIZES[args.size]
