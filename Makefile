@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-prefill bench-lm-gemm bench-host-insns
+        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm bench-host-insns
 
 setup:
 	./scripts/setup.sh
@@ -207,6 +207,14 @@ bench-lm: bench-lm-setup
 
 bench-lm-quick: bench-lm-setup
 	$(PY) bench/lm_vs_llama_cpp.py --quick
+
+# The 7 B-parameter scenario (issue 27, bench/lm_scale.py, docs/benchmarks.md "make bench-lm-scale"): a random
+# Mixtral (hidden 2048, 24 layers, 8 experts x 5632, 7.0 B parameters) streamed to bf16 shards, exported by
+# Colibri (q4, q8) and llama.cpp (Q4_0, Q8_0), each decoding 64 tokens from a cold cache in a memory cgroup of
+# 4 GiB, 3 GiB and none, 1 and 2 threads; prints the disk it needs first (~45 GB; refuses when short), then each
+# run and the issue's targets. Hours on 2 cores; files kept in build/bench-lm-scale/7b, reused by a rerun.
+bench-lm-scale: bench-lm-setup
+	nice $(PY) bench/lm_scale.py
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
 # resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX

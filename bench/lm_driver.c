@@ -16,8 +16,22 @@
  *       from outside (GNU time): Linux keeps a process's high-water mark across exec, so this
  *       process's own getrusage would include its launcher's.
  *
+ *   lm_driver decode IMAGE WORKERS IDS DECODE LOCK
+ *       The mapped edge runtime as a service runs it (make bench-lm-scale, bench/lm_scale.py): the
+ *       file opened with verify on use, colibri_file_on_route advising (and verifying) the experts
+ *       routing picks and the stages ahead; IDS (comma-separated token ids) as one prompt call,
+ *       then DECODE greedy steps of one token each. LOCK: "none", "dense" (every non-expert
+ *       tensor) or "L:E,L:E,..." (those experts mlock'd). Prints one JSON line: open to first
+ *       token and the file's resident bytes then, each step's seconds and major faults, the
+ *       tokens, and RssAnon / RssFile / VmHWM at the end (/proc/self/status). Exit 3 when the
+ *       lock is refused.
+ *   lm_driver hot IMAGE IDS
+ *       Counts, over the prompt IDS, the tokens routing sends to each expert: one JSON line of
+ *       [layer, expert, tokens, bytes] rows, for choosing the experts to pin.
+ *
  * WORKERS > 1 runs colibri_lm_forward_ex over a colibri_pool of that many workers.
  */
+#include <sys/resource.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -237,8 +251,275 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
     return 0;
 }
 
+/* Comma-separated token ids; the count in *n. */
+static int32_t *parse_ids(const char *text, size_t *n)
+{
+    size_t cap = 1;
+    for (const char *c = text; *c; c++)
+        cap += *c == ',';
+    int32_t *ids = malloc(sizeof(int32_t) * cap);
+    if (!ids)
+        exit(1);
+    *n = 0;
+    for (const char *c = text; *c;) {
+        char *end;
+        long v = strtol(c, &end, 10);
+        if (end == c || v < 0 || v > INT32_MAX || (*end != ',' && *end != '\0')) {
+            fprintf(stderr, "lm_driver: IDS must be comma-separated token ids, got '%s'\n", text);
+            exit(2);
+        }
+        ids[(*n)++] = (int32_t)v;
+        c = *end ? end + 1 : end;
+    }
+    if (*n == 0) {
+        fprintf(stderr, "lm_driver: IDS is empty\n");
+        exit(2);
+    }
+    return ids;
+}
+
+static long status_kib(const char *key)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long v = -1;
+    size_t k = strlen(key);
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, key, k) == 0 && line[k] == ':')
+            v = strtol(line + k + 1, NULL, 10);
+    if (f)
+        fclose(f);
+    return v;
+}
+
+static long major_faults(void)
+{
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_majflt;
+}
+
+static int32_t argmax(const float *row, size_t n)
+{
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (row[i] > row[best])
+            best = i;
+    return (int32_t)best;
+}
+
+/* LOCK: "none", "dense" or "L:E,L:E,...". */
+static colibri_file_options lock_options(const char *text, colibri_expert_id **ids)
+{
+    colibri_file_options opts = {COLIBRI_LOCK_NONE, NULL, 0, COLIBRI_VERIFY_ON_USE};
+    *ids = NULL;
+    if (strcmp(text, "none") == 0)
+        return opts;
+    if (strcmp(text, "dense") == 0) {
+        opts.lock = COLIBRI_LOCK_DENSE;
+        return opts;
+    }
+    size_t cap = 1;
+    for (const char *c = text; *c; c++)
+        cap += *c == ',';
+    *ids = malloc(sizeof **ids * cap);
+    if (!*ids)
+        exit(1);
+    size_t n = 0;
+    for (const char *c = text; *c;) {
+        unsigned layer, expert;
+        int used;
+        if (sscanf(c, "%u:%u%n", &layer, &expert, &used) != 2 || (c[used] != ',' && c[used] != '\0')) {
+            fprintf(stderr, "lm_driver: LOCK must be none, dense or L:E,L:E,..., got '%s'\n", text);
+            exit(2);
+        }
+        (*ids)[n].layer = layer;
+        (*ids)[n++].expert = expert;
+        c += used + (c[used] == ',');
+    }
+    opts.lock = COLIBRI_LOCK_EXPERTS;
+    opts.lock_experts = *ids;
+    opts.lock_count = n;
+    return opts;
+}
+
+/* lm_open's arena and context over a file already open. */
+static void lm_attach(lm *m, colibri_file *file, size_t workers)
+{
+    m->file = file;
+    const void *image = colibri_file_data(file);
+    size_t len = colibri_file_size(file);
+    colibri_status st;
+    if ((st = colibri_get_info(image, len, &m->info)) != COLIBRI_OK)
+        die("colibri_get_info", st);
+    if (m->info.vocab_size == 0) {
+        fprintf(stderr, "lm_driver: the image is not a token model\n");
+        exit(1);
+    }
+    size_t need;
+    if ((st = colibri_model_size_ex(image, len, workers, &need)) != COLIBRI_OK)
+        die("colibri_model_size_ex", st);
+    m->arena = aligned_alloc(64, (need + 63) / 64 * 64);
+    m->logits = malloc(sizeof(float) * m->info.max_batch * m->info.vocab_size);
+    if (!m->arena || !m->logits) {
+        fprintf(stderr, "lm_driver: out of memory\n");
+        exit(1);
+    }
+    m->info.arena_size = need;
+    if ((st = colibri_init_ex(&m->ctx, m->arena, need, image, len, COLIBRI_CHECK_STRUCTURE)) != COLIBRI_OK)
+        die("colibri_init_ex", st);
+    colibri_exec init = COLIBRI_EXEC_INIT;
+    m->exec = init;
+    m->exec.on_route = colibri_file_on_route;
+    m->exec.on_route_user = file;
+    if (workers > 1) {
+        if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
+            die("colibri_pool_create", st);
+        colibri_pool_attach(m->pool, &m->exec);
+    }
+}
+
+static int decode_mode(const char *image, size_t workers, const char *ids_text, long decode, const char *lock)
+{
+    size_t n;
+    int32_t *prompt = parse_ids(ids_text, &n);
+    colibri_expert_id *lock_ids;
+    colibri_file_options opts = lock_options(lock, &lock_ids);
+    double t0 = seconds(CLOCK_MONOTONIC);
+    colibri_file *file;
+    colibri_file_diag diag = {0};
+    colibri_status st = colibri_file_open(&file, image, &opts, &diag);
+    if (st == COLIBRI_E_MLOCK_FAILED) {
+        fprintf(stderr, "lm_driver: mlock of %llu bytes refused: %s (errno %d, RLIMIT_MEMLOCK %llu)\n",
+                (unsigned long long)diag.lock_bytes, colibri_strerror(st), diag.sys_errno,
+                (unsigned long long)diag.memlock_limit);
+        return 3;
+    }
+    if (st != COLIBRI_OK)
+        die(image, st);
+    lm m;
+    memset(&m, 0, sizeof m);
+    lm_attach(&m, file, workers);
+    double t_open = seconds(CLOCK_MONOTONIC) - t0;
+    if (n > m.info.max_batch || (uint64_t)n + (uint64_t)decode > m.info.max_seq_len) {
+        fprintf(stderr, "lm_driver: the image holds %u positions and %u tokens a call; asked for a %zu-token prompt + "
+                        "%ld steps\n", m.info.max_seq_len, m.info.max_batch, n, decode);
+        return 2;
+    }
+    size_t vocab = m.info.vocab_size;
+    long f0 = major_faults();
+    if ((st = colibri_lm_forward_ex(m.ctx, &m.exec, prompt, (uint32_t)n, m.logits, n * vocab)) != COLIBRI_OK)
+        die("colibri_lm_forward_ex (prompt)", st);
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)(decode + 1));
+    double *times = malloc(sizeof(double) * (size_t)(decode + 1));
+    long *faults = malloc(sizeof(long) * (size_t)(decode + 1));
+    if (!tokens || !times || !faults)
+        return 1;
+    tokens[0] = argmax(m.logits + (n - 1) * vocab, vocab);
+    double t_first = seconds(CLOCK_MONOTONIC) - t0;
+    long prompt_faults = major_faults() - f0;
+    long long first_resident = colibri_file_resident(file);
+    for (long i = 0; i < decode; i++) {
+        long fa = major_faults();
+        double ta = seconds(CLOCK_MONOTONIC);
+        if ((st = colibri_lm_forward_ex(m.ctx, &m.exec, &tokens[i], 1, m.logits, vocab)) != COLIBRI_OK)
+            die("colibri_lm_forward_ex (decode)", st);
+        tokens[i + 1] = argmax(m.logits, vocab);
+        times[i] = seconds(CLOCK_MONOTONIC) - ta;
+        faults[i] = major_faults() - fa;
+    }
+    printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"first_resident_bytes\": %lld, "
+           "\"kernels\": \"%s\", "
+           "\"image_bytes\": %zu, \"arena_bytes\": %zu, \"resident_bytes\": %lld, \"rss_anon_kib\": %ld, "
+           "\"rss_file_kib\": %ld, \"vm_hwm_kib\": %ld, \"tokens\": [",
+           t_open, t_first, prompt_faults, first_resident, colibri_kernels_name(m.ctx), colibri_file_size(file), m.info.arena_size,
+           colibri_file_resident(file), status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
+    for (long i = 0; i <= decode; i++)
+        printf("%s%d", i ? ", " : "", tokens[i]);
+    printf("], \"times\": [");
+    for (long i = 0; i < decode; i++)
+        printf("%s%.6f", i ? ", " : "", times[i]);
+    printf("], \"faults\": [");
+    for (long i = 0; i < decode; i++)
+        printf("%s%ld", i ? ", " : "", faults[i]);
+    printf("]}\n");
+    lm_close(&m);
+    free(lock_ids);
+    free(prompt);
+    free(tokens);
+    free(times);
+    free(faults);
+    return 0;
+}
+
+typedef struct expert_counts {
+    colibri_file *file;
+    uint64_t *tokens; /* [layer * stride + slot] */
+    uint32_t stride;
+} expert_counts;
+
+static colibri_status count_route(void *user, const colibri_route *route)
+{
+    expert_counts *c = user;
+    for (uint32_t s = 0; s < route->experts; s++)
+        c->tokens[(size_t)route->layer * c->stride + s] += route->tokens[s];
+    return colibri_file_on_route(c->file, route);
+}
+
+static int hot_mode(const char *image, const char *ids_text)
+{
+    size_t n;
+    int32_t *prompt = parse_ids(ids_text, &n);
+    colibri_file_options opts = {COLIBRI_LOCK_NONE, NULL, 0, COLIBRI_VERIFY_NONE};
+    colibri_file *file;
+    colibri_status st = colibri_file_open(&file, image, &opts, NULL);
+    if (st != COLIBRI_OK)
+        die(image, st);
+    lm m;
+    memset(&m, 0, sizeof m);
+    lm_attach(&m, file, 1);
+    uint32_t layers = colibri_file_moe_layers(file), stride = 0;
+    for (uint32_t l = 0; l < layers; l++)
+        if (colibri_file_layer_experts(file, l) > stride)
+            stride = colibri_file_layer_experts(file, l);
+    expert_counts counts = {file, calloc((size_t)layers * stride + 1, sizeof(uint64_t)), stride};
+    if (!counts.tokens)
+        return 1;
+    m.exec.on_route = count_route;
+    m.exec.on_route_user = &counts;
+    if (n > m.info.max_batch) {
+        fprintf(stderr, "lm_driver: a %zu-token prompt is more than the image's %u tokens a call\n", n,
+                m.info.max_batch);
+        return 2;
+    }
+    if ((st = colibri_lm_forward_ex(m.ctx, &m.exec, prompt, (uint32_t)n, m.logits, n * m.info.vocab_size)) !=
+        COLIBRI_OK)
+        die("colibri_lm_forward_ex", st);
+    printf("[");
+    int first = 1;
+    for (uint32_t l = 0; l < layers; l++)
+        for (uint32_t e = 0; e < colibri_file_layer_experts(file, l); e++) {
+            size_t offset, size;
+            if ((st = colibri_file_expert_range(file, l, e, &offset, &size)) != COLIBRI_OK)
+                die("colibri_file_expert_range", st);
+            printf("%s[%u, %u, %llu, %zu]", first ? "" : ", ", l, e,
+                   (unsigned long long)counts.tokens[(size_t)l * stride + e], size);
+            first = 0;
+        }
+    printf("]\n");
+    lm_close(&m);
+    free(counts.tokens);
+    free(prompt);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 7 && strcmp(argv[1], "decode") == 0)
+        return decode_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"), argv[4],
+                           parse(argv[5], 0, 1L << 20, "DECODE"), argv[6]);
+    if (argc == 4 && strcmp(argv[1], "hot") == 0)
+        return hot_mode(argv[2], argv[3]);
     if (argc == 7 && strcmp(argv[1], "logits") == 0)
         return logits_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"), argv[4],
                            parse(argv[5], 1, 1L << 20, "WINDOW"), argv[6]);
@@ -247,6 +528,8 @@ int main(int argc, char **argv)
                           parse(argv[4], 1, 1L << 20, "PROMPT"), parse(argv[5], 0, 1L << 20, "DECODE"),
                           parse(argv[6], 1, 1L << 20, "PREFILL"), parse(argv[7], 1, MAX_ROUNDS, "ROUNDS"));
     fprintf(stderr, "usage: lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32\n"
-                    "       lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS\n");
+                    "       lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS\n"
+                    "       lm_driver decode IMAGE WORKERS IDS DECODE LOCK\n"
+                    "       lm_driver hot IMAGE IDS\n");
     return 2;
 }
