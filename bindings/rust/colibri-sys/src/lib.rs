@@ -89,7 +89,9 @@ pub const COLIBRI_EXPERT_GLU: u32 = 2;
 // Format v6: the tokenizer section (docs/lm.md).
 pub const COLIBRI_TOKENIZER_VERSION: u32 = 6;
 pub const COLIBRI_TOKENIZER_MAGIC: u32 = 1263815747;
-pub const COLIBRI_TOKENIZER_SECTION_VERSION: u32 = 1;
+pub const COLIBRI_TOKENIZER_SECTION_VERSION: u32 = 2;
+pub const COLIBRI_TOKENIZER_SECTION_VERSION_MIN: u32 = 1;
+pub const COLIBRI_TOKENIZER_INDEX_VERSION: u32 = 2;
 pub const COLIBRI_TOKENIZER_HEADER_SIZE: u32 = 80;
 pub const COLIBRI_TOKENIZER_BYTE_IDS: u32 = 256;
 pub const COLIBRI_DTYPE_TOKENIZER: u32 = 8;
@@ -154,6 +156,8 @@ pub const COLIBRI_E_NAN_LOGITS: colibri_status = -36;
 pub const COLIBRI_E_IMAGE_TOO_LARGE: colibri_status = -37;
 pub const COLIBRI_E_BAD_TOKENIZER: colibri_status = -38;
 pub const COLIBRI_E_NO_TOKENIZER: colibri_status = -39;
+pub const COLIBRI_E_BAD_TEXT: colibri_status = -40;
+pub const COLIBRI_E_TEXT_NOT_NORMALIZED: colibri_status = -41;
 
 // ---- colibri.h ----
 pub const COLIBRI_VERSION_MAJOR: u32 = 0;

@@ -71,7 +71,11 @@ fn header_defines(text: &str) -> Vec<String> {
         let Some(rest) = line.trim().strip_prefix("#define ") else { continue };
         let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         let function_like = rest[name.len()..].starts_with('(');
-        if name.starts_with("COLIBRI_") && !function_like && !skip.contains(&name.as_str()) && !names.contains(&name) {
+        // The Split patterns are strings the C encoder compares against; the crate encodes through it.
+        let pattern = name.starts_with("COLIBRI_SPLIT_PATTERN_");
+        if name.starts_with("COLIBRI_") && !function_like && !pattern && !skip.contains(&name.as_str())
+            && !names.contains(&name)
+        {
             names.push(name);
         }
     }
@@ -244,6 +248,8 @@ fn rust_facts() -> BTreeSet<String> {
         ("COLIBRI_TOKENIZER_VERSION", sys::COLIBRI_TOKENIZER_VERSION as i64),
         ("COLIBRI_TOKENIZER_MAGIC", sys::COLIBRI_TOKENIZER_MAGIC as i64),
         ("COLIBRI_TOKENIZER_SECTION_VERSION", sys::COLIBRI_TOKENIZER_SECTION_VERSION as i64),
+        ("COLIBRI_TOKENIZER_SECTION_VERSION_MIN", sys::COLIBRI_TOKENIZER_SECTION_VERSION_MIN as i64),
+        ("COLIBRI_TOKENIZER_INDEX_VERSION", sys::COLIBRI_TOKENIZER_INDEX_VERSION as i64),
         ("COLIBRI_TOKENIZER_HEADER_SIZE", sys::COLIBRI_TOKENIZER_HEADER_SIZE as i64),
         ("COLIBRI_TOKENIZER_BYTE_IDS", sys::COLIBRI_TOKENIZER_BYTE_IDS as i64),
         ("COLIBRI_DTYPE_TOKENIZER", sys::COLIBRI_DTYPE_TOKENIZER as i64),
@@ -314,6 +320,8 @@ fn rust_facts() -> BTreeSet<String> {
         ("COLIBRI_E_IMAGE_TOO_LARGE", sys::COLIBRI_E_IMAGE_TOO_LARGE as i64),
         ("COLIBRI_E_BAD_TOKENIZER", sys::COLIBRI_E_BAD_TOKENIZER as i64),
         ("COLIBRI_E_NO_TOKENIZER", sys::COLIBRI_E_NO_TOKENIZER as i64),
+        ("COLIBRI_E_BAD_TEXT", sys::COLIBRI_E_BAD_TEXT as i64),
+        ("COLIBRI_E_TEXT_NOT_NORMALIZED", sys::COLIBRI_E_TEXT_NOT_NORMALIZED as i64),
         ("COLIBRI_KERNELS_OPTIMISED", sys::COLIBRI_KERNELS_OPTIMISED as i64),
         ("COLIBRI_KERNELS_REFERENCE", sys::COLIBRI_KERNELS_REFERENCE as i64),
     ];

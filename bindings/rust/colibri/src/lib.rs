@@ -82,11 +82,13 @@ pub enum Status {
     ImageTooLarge = sys::COLIBRI_E_IMAGE_TOO_LARGE,
     BadTokenizer = sys::COLIBRI_E_BAD_TOKENIZER,
     NoTokenizer = sys::COLIBRI_E_NO_TOKENIZER,
+    BadText = sys::COLIBRI_E_BAD_TEXT,
+    TextNotNormalized = sys::COLIBRI_E_TEXT_NOT_NORMALIZED,
 }
 
 impl Status {
     /// Every failure status, in the header's order.
-    pub const ALL: [Status; 39] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge, Status::BadTokenizer, Status::NoTokenizer];
+    pub const ALL: [Status; 41] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge, Status::BadTokenizer, Status::NoTokenizer, Status::BadText, Status::TextNotNormalized];
 
     /// The C value.
     pub const fn code(self) -> i32 {
@@ -136,6 +138,8 @@ impl Status {
             sys::COLIBRI_E_IMAGE_TOO_LARGE => Status::ImageTooLarge,
             sys::COLIBRI_E_BAD_TOKENIZER => Status::BadTokenizer,
             sys::COLIBRI_E_NO_TOKENIZER => Status::NoTokenizer,
+            sys::COLIBRI_E_BAD_TEXT => Status::BadText,
+            sys::COLIBRI_E_TEXT_NOT_NORMALIZED => Status::TextNotNormalized,
             _ => return None,
         })
     }
