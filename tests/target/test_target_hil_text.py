@@ -111,7 +111,7 @@ def test_what_the_device_refuses(dut: Device, sections) -> None:
         P.GENERATE_TEXT_REQUEST.pack(4, 0.0, 0, 1.0, 0, 4, 1) + b"a",  # an unknown flag
     ]
     for payload in bad:
-        assert _code(lambda: dut.request(P.Type.GENERATE_TEXT, payload)) == P.ProtocolStatus.BAD_PAYLOAD, payload
+        assert _code(lambda p=payload: dut.request(P.Type.GENERATE_TEXT, p)) == P.ProtocolStatus.BAD_PAYLOAD, payload
     dut.write_raw(b"\x13\x37garbage\xff\x00")
     assert P.status_payload(dut.read_packet())[0] == P.ProtocolStatus.FRAME_DECODE
     host = colibri.LM(nfc)
