@@ -25,6 +25,8 @@ from helpers import tokenizers_trained as trained
 KINDS = {
     "bpe_gpt2": lambda d: trained.byte_bpe(d),
     "bpe_gpt2_prefix": lambda d: trained.byte_bpe(d, add_prefix_space=True),
+    "bpe_gpt2_all_merges": lambda d: trained.byte_bpe(d, vocab_size=3000),  # every merge the text allows
+    "sp_bpe_all_merges": lambda d: trained.sentencepiece_model(d, vocab_size=3000),
     "bpe_qwen2_nfc": lambda d: trained.byte_bpe(d, regex_split=F.QWEN2_PATTERN, nfc=True),
     "bpe_qwen2_prefix": lambda d: trained.byte_bpe(d, regex_split=F.QWEN2_PATTERN, add_prefix_space=True),
     "bpe_llama3": lambda d: trained.byte_bpe(d, regex_split=F.LLAMA3_PATTERN, ignore_merges=True),
@@ -317,3 +319,26 @@ def test_an_unknown_split_pattern_is_unsupported_on_the_device(bpe_image, tmp_pa
     with pytest.raises(_engine.EngineError) as exc:
         _engine.TextDecoder(data).encode("Hello")
     assert exc.value.args[0] == Status.UNSUPPORTED
+
+
+def test_an_unknown_token_that_is_a_special_token_stays_special(tmp_path) -> None:
+    """A byte-level BPE whose unk_token is an added special token: tokenizers matches it in the text
+    and skips it in decoding, so the section keeps it CONTROL and the device does the same."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    path = trained.byte_bpe(tmp_path)
+    spec = json.loads(path.read_text())
+    spec["model"]["unk_token"] = "<|endoftext|>"
+    path.write_text(json.dumps(spec))
+    section = tokenizer_build.from_folder(tmp_path)
+    assert section.unk is not None and section.types[section.unk] == F.TokenType.CONTROL
+    g = lmmodels.token_model(0, vocab=section.vocab_size)
+    g.tokenizer = TS.pack(section)
+    data = image.write(g)
+    lib = Tokenizer.from_file(str(path))
+    text = "a<|endoftext|>b colibri bird"
+    ids = lib.encode(text, add_special_tokens=False).ids
+    assert section.unk in ids and _engine.TextDecoder(data).encode(text) == ids
+    assert colibri.LM(data).decode(ids) == lib.decode(ids, skip_special_tokens=True)

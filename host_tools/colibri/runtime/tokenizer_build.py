@@ -145,7 +145,8 @@ def from_tokenizer_json(path: str | Path) -> TokenizerSection:
     unk = None
     if model.get("unk_token") is not None:
         unk = vocab.get(model["unk_token"])
-        if unk is not None:
+        # an added token stays one (tokenizers matches it in the text, and skips a special one in decoding)
+        if unk is not None and types[unk] == TokenType.NORMAL:
             types[unk] = TokenType.UNKNOWN
     merges = []
     for m in model.get("merges", []):
