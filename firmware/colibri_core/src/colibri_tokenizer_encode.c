@@ -197,7 +197,8 @@ static uint32_t decode_char(const uint8_t *s, uint32_t *len)
         return (uint32_t)(b & 0x0Fu) << 12 | (uint32_t)(s[1] & 0x3Fu) << 6 | (s[2] & 0x3Fu);
     }
     *len = 4;
-    return (uint32_t)(b & 0x07u) << 18 | (uint32_t)(s[1] & 0x3Fu) << 12 | (uint32_t)(s[2] & 0x3Fu) << 6 | (s[3] & 0x3Fu);
+    return (uint32_t)(b & 0x07u) << 18 | (uint32_t)(s[1] & 0x3Fu) << 12 | (uint32_t)(s[2] & 0x3Fu) << 6 |
+           (s[3] & 0x3Fu);
 }
 
 static uint32_t run_at(uint32_t i)
@@ -628,7 +629,7 @@ static colibri_status sp_unigram(encoder *e, const uint8_t *norm, size_t m)
     /* cell[k].best: the best path's score ending at byte k, from[k] its last
      * piece's start (NONE: no path yet), piece[k] that piece's id */
     union cell {
-        float best; /* during the search */
+        float best;    /* during the search */
         uint32_t next; /* then: where the best path's piece starting here ends */
     } *cell = take(e, sizeof(union cell) * (m + 1u));
     uint32_t *from = take(e, 4u * (m + 1u)), *piece = take(e, 4u * (m + 1u));
@@ -739,8 +740,8 @@ colibri_status colibri_tokenizer_encode(const colibri_tokenizer *tok, const uint
         return COLIBRI_E_NULL_ARG;
     *n_ids = 0;
     const uint8_t *p = tok->section;
-    encoder e = {.tok = tok, .p = p, .ids = ids, .cap = ids_cap, .work = work,
-                 .work_end = (uint8_t *)work + work_bytes};
+    encoder e = {
+        .tok = tok, .p = p, .ids = ids, .cap = ids_cap, .work = work, .work_end = (uint8_t *)work + work_bytes};
     if (colibri_rd_u16(p + 4) < COLIBRI_TOKENIZER_INDEX_VERSION) /* no token index: re-export the image */
         return COLIBRI_E_UNSUPPORTED;
     e.offsets = p + colibri_rd_u32(p + AT_OFFSETS);
