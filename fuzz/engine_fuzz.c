@@ -207,6 +207,70 @@ static void change_under_context(colibri_ctx *ctx, const colibri_model_info *inf
     free(where);
 }
 
+/* Encodes `text` through buffers of the documented bounds: ids within
+ * COLIBRI_TOKENIZER_ENCODE_MAX_IDS and in the vocabulary, only the statuses
+ * the header names, and one id less of room is BUFFER_SIZE with the same
+ * count. */
+static void encode_checked(const colibri_tokenizer *tok, const uint8_t *text, size_t len)
+{
+    static int32_t ids[COLIBRI_TOKENIZER_ENCODE_MAX_IDS(1024)];
+    static uint8_t work[COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(1024)];
+    if (len > 1024)
+        len = 1024;
+    const size_t cap = COLIBRI_TOKENIZER_ENCODE_MAX_IDS(len), work_bytes = COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(len);
+    size_t n = 0;
+    const colibri_status st = colibri_tokenizer_encode(tok, text, len, ids, cap, &n, work, work_bytes);
+    if (st != COLIBRI_OK) {
+        if (st != COLIBRI_E_BAD_TEXT && st != COLIBRI_E_TEXT_NOT_NORMALIZED && st != COLIBRI_E_UNSUPPORTED)
+            abort();
+        return;
+    }
+    if (n > cap)
+        abort();
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= tok->vocab)
+            abort();
+    if (n > 0) {
+        size_t again = 0;
+        if (colibri_tokenizer_encode(tok, text, len, ids, n - 1u, &again, work, work_bytes) != COLIBRI_E_BUFFER_SIZE ||
+            again != n)
+            abort();
+    }
+}
+
+/* The input's bytes as text twice: raw (mostly ill-formed: BAD_TEXT), and
+ * mapped two bytes a character onto well-formed UTF-8 that crosses the
+ * pre-tokenizers' class borders. */
+static void encode_some(const colibri_tokenizer *tok, const uint8_t *image, size_t size)
+{
+    static const uint32_t chars[] = {' ', ' ', '\n', '\r', '\t', '\'', 's', 'L', 'e', '1', '.', 0xA0, 0x17F,
+                                     0x301, 0x2581, 0x3000, 0x6771, 0xD55C, 0x1F389, 0x1D518};
+    static uint8_t text[4096];
+    const size_t tail = size < 512 ? size : 512;
+    encode_checked(tok, image + size - tail, tail);
+    size_t len = 0;
+    for (size_t i = 0; i + 1 < size && len + 4 <= 1024; i += 2) {
+        uint32_t c = image[i + 1] < 128 ? (image[i + 1] < 32 ? 'a' + image[i + 1] % 26u : image[i + 1])
+                                        : chars[image[i] % (sizeof chars / sizeof chars[0])];
+        if (c < 0x80u)
+            text[len++] = (uint8_t)c;
+        else if (c < 0x800u) {
+            text[len++] = (uint8_t)(0xC0u | c >> 6);
+            text[len++] = (uint8_t)(0x80u | (c & 0x3Fu));
+        } else if (c < 0x10000u) {
+            text[len++] = (uint8_t)(0xE0u | c >> 12);
+            text[len++] = (uint8_t)(0x80u | (c >> 6 & 0x3Fu));
+            text[len++] = (uint8_t)(0x80u | (c & 0x3Fu));
+        } else {
+            text[len++] = (uint8_t)(0xF0u | c >> 18);
+            text[len++] = (uint8_t)(0x80u | (c >> 12 & 0x3Fu));
+            text[len++] = (uint8_t)(0x80u | (c >> 6 & 0x3Fu));
+            text[len++] = (uint8_t)(0x80u | (c & 0x3Fu));
+        }
+    }
+    encode_checked(tok, text, len);
+}
+
 /* The tokenizer section (format v6): open agrees with the structure check
  * (NO_TOKENIZER when the image has none), and decoding every id, then a run
  * of ids the input's bytes choose, through a buffer of the documented size
@@ -242,6 +306,7 @@ static void decode_all(const uint8_t *image, size_t size, colibri_status structu
     }
     if (colibri_tokenizer_flush(&s, out, cap, &n) != COLIBRI_OK || n > 3)
         abort();
+    encode_some(&tok, image, size);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

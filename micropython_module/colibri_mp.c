@@ -45,6 +45,7 @@
 #endif
 
 #include "colibri.h"
+#include "colibri_tokenizer.h"
 
 /* ---- Per-build declarations used by the shared code ---- */
 
@@ -364,6 +365,8 @@ typedef struct colibri_lm_obj {
     float *logits;    /* [max_batch * vocab_size], after tokens */
     uint32_t vocab_size, max_seq_len, max_batch;
     size_t kv_cache_bytes;
+    colibri_status tokenizer_status; /* COLIBRI_OK: `tok` reads the image's tokenizer section */
+    colibri_tokenizer tok;
 } colibri_lm_obj;
 
 #if defined(MICROPY_ENABLE_DYNRUNTIME) && MICROPY_ENABLE_DYNRUNTIME
@@ -411,6 +414,7 @@ static mp_obj_t lm_make_new(const mp_obj_type_t *type, size_t n_args, size_t n_k
     self->max_seq_len = info.max_seq_len;
     self->max_batch = info.max_batch;
     self->kv_cache_bytes = info.kv_cache_bytes;
+    self->tokenizer_status = colibri_tokenizer_open(&self->tok, image.buf, image.len);
     return MP_OBJ_FROM_PTR(self);
 }
 
@@ -450,7 +454,11 @@ static void lm_attr(mp_obj_t self_in, qstr attr, mp_obj_t *dest)
         value = self->kv_cache_bytes;
     else if (attr == MP_QSTR_position)
         value = lm_position(self);
-    else {
+    else if (attr == MP_QSTR_eos || attr == MP_QSTR_bos) { /* None without a tokenizer or without the id */
+        const int32_t id = self->tokenizer_status != COLIBRI_OK ? -1 : attr == MP_QSTR_eos ? self->tok.eos : self->tok.bos;
+        dest[0] = id < 0 ? mp_const_none : MP_OBJ_NEW_SMALL_INT(id);
+        return;
+    } else {
         dest[1] = MP_OBJ_SENTINEL;
         return;
     }
@@ -739,6 +747,9 @@ static uint32_t typecode_max(int typecode)
  * same order and the same draws). Returns the new ids as a list, or with out (a
  * writable integer buffer of at least max_new_tokens elements) writes them
  * there and returns their count, allocating nothing. */
+static mp_obj_t generate_ids(colibri_lm_obj *self, mp_obj_t prompt_obj, mp_obj_t max_new_obj, mp_obj_t *opt,
+                             int32_t stop);
+
 static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
 {
     static const char usage[] = "colibri.LM.generate(prompt_ids, max_new_tokens, temperature=0.0, top_k=0, "
@@ -755,7 +766,16 @@ static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
         opt[i - 3] = args[i];
     }
     colibri_lm_obj *self = lm_self(args[0], usage);
+    return generate_ids(self, args[1], args[2], opt, -1);
+}
 
+/* generate()'s work after its arguments are parsed: opt[] holds the sampler
+ * options and out (MP_OBJ_NULL when not given); a drawn `stop` id (>= 0)
+ * ends the run, as the last id. */
+static mp_obj_t generate_ids(colibri_lm_obj *self, mp_obj_t prompt_obj, mp_obj_t max_new_obj, mp_obj_t *opt,
+                             int32_t stop)
+{
+    enum { TEMPERATURE, TOP_K, TOP_P, SEED, OUT };
     /* int_object: -1 for a negative top_k, or one past int32 (more than any vocabulary: no limit either way) */
     const bool negative_top_k = opt[TOP_K] && mp_obj_is_small_int(opt[TOP_K]) && MP_OBJ_SMALL_INT_VALUE(opt[TOP_K]) < 0;
     const int64_t top_k = opt[TOP_K] ? int_object(opt[TOP_K]) : 0;
@@ -792,7 +812,7 @@ static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
         RAISE(mp_type_ValueError, m.text);
     }
 
-    const token_seq prompt = token_sequence(args[1], "colibri.LM.generate: prompt_ids must be a list, tuple, bytes "
+    const token_seq prompt = token_sequence(prompt_obj, "colibri.LM.generate: prompt_ids must be a list, tuple, bytes "
                                                      "or integer array of token ids");
     check_tokens(self, &prompt, "prompt_ids");
     if (prompt.len == 0) {
@@ -801,7 +821,7 @@ static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
         msg_add(&m, ": an empty prompt: give at least one token");
         RAISE(mp_type_ValueError, m.text);
     }
-    const int64_t max_new = int_object(args[2]);
+    const int64_t max_new = int_object(max_new_obj);
     if (max_new < 0)
         RAISE(mp_type_ValueError, "colibri.LM.generate: max_new_tokens must be >= 0");
     if (prompt.len > self->max_seq_len || (uint64_t)max_new > self->max_seq_len - prompt.len + 1u) {
@@ -872,6 +892,8 @@ static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
             store_token(&out, made, token);
         else
             mp_obj_list_append(ids, MP_OBJ_NEW_SMALL_INT(token));
+        if (token == stop)
+            return into_buffer ? mp_obj_new_int_from_uint(made + 1u) : ids;
         /* The last new token needs no forward: nothing reads its logits. */
         if (made + 1 < (size_t)max_new) {
             self->tokens[0] = token;
@@ -882,6 +904,119 @@ static mp_obj_t lm_generate(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
         }
     }
     return into_buffer ? mp_obj_new_int_from_uint((size_t)max_new) : ids;
+}
+
+/* -- text: the image's tokenizer section (docs/lm.md "Encoding", "Decoding") -- */
+
+static void need_tokenizer(const colibri_lm_obj *self)
+{
+    if (self->tokenizer_status != COLIBRI_OK) {
+        message m;
+        msg_status(&m, self->tokenizer_status);
+        msg_add(&m, " (export the model with its tokenizer)");
+        RAISE(mp_type_ValueError, m.text);
+    }
+}
+
+static void *heap_block(size_t bytes, const char *what)
+{
+    void *p = m_malloc_maybe(bytes ? bytes : 1u);
+    if (!p)
+        RAISE(mp_type_MemoryError, what);
+    return p;
+}
+
+/* Text (str or bytes, UTF-8) to a list of ids by colibri_tokenizer_encode. */
+static mp_obj_t encode_text(colibri_lm_obj *self, mp_obj_t text_obj)
+{
+    need_tokenizer(self);
+    mp_buffer_info_t text;
+    if (!mp_get_buffer(text_obj, &text, MP_BUFFER_READ))
+        RAISE(mp_type_TypeError, "colibri.LM.encode: text must be str or bytes");
+    const size_t cap = COLIBRI_TOKENIZER_ENCODE_MAX_IDS(text.len), work = COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(text.len);
+    int32_t *ids = heap_block(cap * sizeof(int32_t), "colibri.LM.encode: no memory for the ids");
+    void *scratch = heap_block(work, "colibri.LM.encode: no memory for the encoder's work");
+    size_t n = 0;
+    const colibri_status status = colibri_tokenizer_encode(&self->tok, text.buf, text.len, ids, cap, &n, scratch, work);
+    if (status != COLIBRI_OK) {
+        message m;
+        msg_status(&m, status);
+        RAISE(mp_type_ValueError, m.text);
+    }
+    mp_obj_t out = mp_obj_new_list(0, NULL);
+    for (size_t i = 0; i < n; i++)
+        mp_obj_list_append(out, MP_OBJ_NEW_SMALL_INT(ids[i]));
+    return out;
+}
+
+static mp_obj_t lm_encode(mp_obj_t self_in, mp_obj_t text_in)
+{
+    return encode_text(lm_self(self_in, "colibri.LM.encode: not a colibri.LM"), text_in);
+}
+
+/* Ids to str by the streaming decoder (whole characters, the end flushed):
+ * once to size the text, once to write it. */
+static mp_obj_t decode_ids(colibri_lm_obj *self, mp_obj_t ids_obj)
+{
+    need_tokenizer(self);
+    const token_seq ids = token_sequence(ids_obj, "colibri.LM.decode: ids must be a list, tuple, bytes or integer "
+                                                  "array of token ids");
+    check_tokens(self, &ids, "ids");
+    const size_t piece_cap = COLIBRI_TOKENIZER_DECODE_BYTES(self->tok.max_piece);
+    uint8_t *piece = heap_block(piece_cap, "colibri.LM.decode: no memory for a token's text");
+    uint8_t *text = NULL;
+    size_t total = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        colibri_text_stream stream;
+        colibri_text_stream_init(&stream);
+        size_t at = 0;
+        for (size_t i = 0; i <= ids.len; i++) {
+            size_t n = 0;
+            const colibri_status status =
+                i < ids.len ? colibri_tokenizer_decode(&self->tok, &stream, (int32_t)token_at(&ids, i), piece,
+                                                       piece_cap, &n)
+                            : colibri_tokenizer_flush(&stream, piece, piece_cap, &n);
+            if (status != COLIBRI_OK)
+                raise_status(status);
+            if (text)
+                for (size_t k = 0; k < n; k++)
+                    text[at + k] = piece[k];
+            at += n;
+        }
+        total = at;
+        if (!text)
+            text = heap_block(total, "colibri.LM.decode: no memory for the text");
+    }
+    return mp_obj_new_str((const char *)text, total);
+}
+
+static mp_obj_t lm_decode(mp_obj_t self_in, mp_obj_t ids_in)
+{
+    return decode_ids(lm_self(self_in, "colibri.LM.decode: not a colibri.LM"), ids_in);
+}
+
+/* generate_text(prompt, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
+ * seed=0): the prompt encoded, generate() to the tokenizer's EOS, the new ids
+ * decoded, all by the image's tokenizer: the host's LM.generate_text. */
+static mp_obj_t lm_generate_text(size_t n_args, const mp_obj_t *args, mp_map_t *kw)
+{
+    static const char usage[] = "colibri.LM.generate_text(prompt, max_new_tokens, temperature=0.0, top_k=0, "
+                                "top_p=1.0, seed=0)";
+    enum { TEMPERATURE, TOP_K, TOP_P, SEED, OUT, N_KW };
+    const qstr names[N_KW - 1] = {MP_QSTR_temperature, MP_QSTR_top_k, MP_QSTR_top_p, MP_QSTR_seed};
+    mp_obj_t opt[N_KW];
+    keywords(kw, names, opt, N_KW - 1, usage);
+    opt[OUT] = MP_OBJ_NULL;
+    if (n_args < 3 || n_args > 3 + N_KW - 1)
+        RAISE(mp_type_TypeError, usage);
+    for (size_t i = 3; i < n_args; i++) {
+        if (opt[i - 3] != MP_OBJ_NULL)
+            RAISE(mp_type_TypeError, usage);
+        opt[i - 3] = args[i];
+    }
+    colibri_lm_obj *self = lm_self(args[0], usage);
+    const mp_obj_t prompt = encode_text(self, args[1]);
+    return decode_ids(self, generate_ids(self, prompt, args[2], opt, self->tok.eos));
 }
 
 /* ---- Registration: native module ---- */
@@ -900,9 +1035,12 @@ mp_obj_full_type_t colibri_type_LM;
 mp_obj_fun_builtin_fixed_t colibri_lm_reset_obj;
 mp_obj_fun_builtin_var_t colibri_lm_forward_tokens_obj;
 mp_obj_fun_builtin_var_t colibri_lm_generate_obj;
+mp_obj_fun_builtin_fixed_t colibri_lm_encode_obj;
+mp_obj_fun_builtin_fixed_t colibri_lm_decode_obj;
+mp_obj_fun_builtin_var_t colibri_lm_generate_text_obj;
 /* Word alignment stated, so the compiler does not raise it to 16 (x86-64's rule for arrays) and store
  * pairs of entries with aligned vector instructions: the loader places .bss on a word boundary only. */
-mp_map_elem_t colibri_lm_locals[3] __attribute__((aligned(sizeof(void *))));
+mp_map_elem_t colibri_lm_locals[6] __attribute__((aligned(sizeof(void *))));
 mp_obj_dict_t colibri_lm_locals_dict;
 
 mp_obj_t mpy_init(mp_obj_fun_bc_t *self, size_t n_args, size_t n_kw, mp_obj_t *args)
@@ -941,6 +1079,13 @@ mp_obj_t mpy_init(mp_obj_fun_bc_t *self, size_t n_args, size_t n_kw, mp_obj_t *a
     colibri_lm_generate_obj.base.type = &mp_type_fun_builtin_var;
     colibri_lm_generate_obj.sig = MP_OBJ_FUN_MAKE_SIG(3, 8, true);
     colibri_lm_generate_obj.fun.kw = lm_generate;
+    colibri_lm_encode_obj.base.type = &mp_type_fun_builtin_2;
+    colibri_lm_encode_obj.fun._2 = lm_encode;
+    colibri_lm_decode_obj.base.type = &mp_type_fun_builtin_2;
+    colibri_lm_decode_obj.fun._2 = lm_decode;
+    colibri_lm_generate_text_obj.base.type = &mp_type_fun_builtin_var;
+    colibri_lm_generate_text_obj.sig = MP_OBJ_FUN_MAKE_SIG(3, 7, true);
+    colibri_lm_generate_text_obj.fun.kw = lm_generate_text;
 
     colibri_lm_locals[0].key = MP_OBJ_NEW_QSTR(MP_QSTR_reset);
     colibri_lm_locals[0].value = MP_OBJ_FROM_PTR(&colibri_lm_reset_obj);
@@ -948,12 +1093,18 @@ mp_obj_t mpy_init(mp_obj_fun_bc_t *self, size_t n_args, size_t n_kw, mp_obj_t *a
     colibri_lm_locals[1].value = MP_OBJ_FROM_PTR(&colibri_lm_forward_tokens_obj);
     colibri_lm_locals[2].key = MP_OBJ_NEW_QSTR(MP_QSTR_generate);
     colibri_lm_locals[2].value = MP_OBJ_FROM_PTR(&colibri_lm_generate_obj);
+    colibri_lm_locals[3].key = MP_OBJ_NEW_QSTR(MP_QSTR_encode);
+    colibri_lm_locals[3].value = MP_OBJ_FROM_PTR(&colibri_lm_encode_obj);
+    colibri_lm_locals[4].key = MP_OBJ_NEW_QSTR(MP_QSTR_decode);
+    colibri_lm_locals[4].value = MP_OBJ_FROM_PTR(&colibri_lm_decode_obj);
+    colibri_lm_locals[5].key = MP_OBJ_NEW_QSTR(MP_QSTR_generate_text);
+    colibri_lm_locals[5].value = MP_OBJ_FROM_PTR(&colibri_lm_generate_text_obj);
     colibri_lm_locals_dict.base.type = &mp_type_dict;
     colibri_lm_locals_dict.map.all_keys_are_qstrs = 1;
     colibri_lm_locals_dict.map.is_fixed = 1;
     colibri_lm_locals_dict.map.is_ordered = 1;
-    colibri_lm_locals_dict.map.used = 3;
-    colibri_lm_locals_dict.map.alloc = 3;
+    colibri_lm_locals_dict.map.used = 6;
+    colibri_lm_locals_dict.map.alloc = 6;
     colibri_lm_locals_dict.map.table = colibri_lm_locals;
 
     colibri_type_LM.base.type = &mp_type_type;
@@ -997,11 +1148,17 @@ MP_DEFINE_CONST_OBJ_TYPE(
 static MP_DEFINE_CONST_FUN_OBJ_1(colibri_lm_reset_obj, lm_reset);
 static MP_DEFINE_CONST_FUN_OBJ_KW(colibri_lm_forward_tokens_obj, 2, lm_forward_tokens);
 static MP_DEFINE_CONST_FUN_OBJ_KW(colibri_lm_generate_obj, 3, lm_generate);
+static MP_DEFINE_CONST_FUN_OBJ_2(colibri_lm_encode_obj, lm_encode);
+static MP_DEFINE_CONST_FUN_OBJ_2(colibri_lm_decode_obj, lm_decode);
+static MP_DEFINE_CONST_FUN_OBJ_KW(colibri_lm_generate_text_obj, 3, lm_generate_text);
 
 static const mp_rom_map_elem_t colibri_lm_locals_table[] = {
     { MP_ROM_QSTR(MP_QSTR_reset), MP_ROM_PTR(&colibri_lm_reset_obj) },
     { MP_ROM_QSTR(MP_QSTR_forward_tokens), MP_ROM_PTR(&colibri_lm_forward_tokens_obj) },
     { MP_ROM_QSTR(MP_QSTR_generate), MP_ROM_PTR(&colibri_lm_generate_obj) },
+    { MP_ROM_QSTR(MP_QSTR_encode), MP_ROM_PTR(&colibri_lm_encode_obj) },
+    { MP_ROM_QSTR(MP_QSTR_decode), MP_ROM_PTR(&colibri_lm_decode_obj) },
+    { MP_ROM_QSTR(MP_QSTR_generate_text), MP_ROM_PTR(&colibri_lm_generate_text_obj) },
 };
 static MP_DEFINE_CONST_DICT(colibri_lm_locals_dict, colibri_lm_locals_table);
 

@@ -120,12 +120,25 @@ def cm7_object_text(source: Path, *defines: str) -> int:
 
 
 def group_tokenizer() -> list[Figure]:
-    """The tokenizer's decoder on the Cortex-M7 (src/colibri_tokenizer.c, docs/lm.md "Decoding"), with
-    and without COLIBRI_NO_TOKENIZER; the section's validation is part of colibri_image.c."""
+    """The tokenizer on the Cortex-M7: its decoder (src/colibri_tokenizer.c, docs/lm.md "Decoding") and
+    its encoder (src/colibri_tokenizer_encode.c, docs/lm.md "Encoding", the Unicode class table
+    included), with and without COLIBRI_NO_TOKENIZER / COLIBRI_NO_TOKENIZER_ENCODE; the section's
+    validation is part of colibri_image.c."""
     source = CORE / "src" / "colibri_tokenizer.c"
-    return [fig("tokenizer.m7.text", cm7_object_text(source), "tokenizer decoder, Cortex-M7 -O2, text bytes"),
+    encoder = CORE / "src" / "colibri_tokenizer_encode.c"
+    decode, encode = cm7_object_text(source), cm7_object_text(encoder)
+    table = 3 * int(next(line.split()[2].rstrip("u") for line in
+                         (CORE / "src" / "colibri_unicode_classes.h").read_text().splitlines()
+                         if line.startswith("#define COLIBRI_UNICODE_RUNS")))
+    return [fig("tokenizer.m7.text", decode, "tokenizer decoder, Cortex-M7 -O2, text bytes"),
             fig("tokenizer.m7.text_off", cm7_object_text(source, "-DCOLIBRI_NO_TOKENIZER"),
                 "the same built with COLIBRI_NO_TOKENIZER (make TOKENIZER=0)"),
+            fig("tokenizer.m7.encode_text", encode,
+                "tokenizer encoder (all three kinds, the Unicode class table included), Cortex-M7 -O2, text bytes"),
+            fig("tokenizer.m7.unicode_table", table, "of which the Unicode class table (3 bytes a run)"),
+            fig("tokenizer.m7.decode_encode_text", decode + encode, "decoder + encoder, Cortex-M7 -O2, text bytes"),
+            fig("tokenizer.m7.encode_text_off", cm7_object_text(encoder, "-DCOLIBRI_NO_TOKENIZER_ENCODE"),
+                "the encoder built with COLIBRI_NO_TOKENIZER_ENCODE (make TOKENIZER_ENCODE=0: decoding only)"),
             fig("image.m7.text", cm7_object_text(CORE / "src" / "colibri_image.c"),
                 "the validator (colibri_image.c, the tokenizer section's checks included), Cortex-M7 -O2, text bytes")]
 
@@ -781,7 +794,7 @@ def on_qemu(image: bytes, inputs: list, *, into_slot: bool = False, reference_ke
 GROUPS: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
     "engine": ("The engine's code on the Cortex-M7", group_engine),
     "plan": ("The init-time plan in the arena", group_plan),
-    "tokenizer": ("The tokenizer's decoder on the Cortex-M7", group_tokenizer),
+    "tokenizer": ("The tokenizer's decoder and encoder on the Cortex-M7", group_tokenizer),
     "runner": ("The runner firmware", group_runner),
     "quickstart": ("The quickstart model", group_quickstart),
     "smart_meter": ("The smart meter (`make demo`)", group_smart_meter),

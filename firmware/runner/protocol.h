@@ -1,12 +1,13 @@
 /*
- * The runner wire protocol, version 4 (docs/protocol.md): packet layout,
+ * The runner wire protocol, version 5 (docs/protocol.md): packet layout,
  * request types and STATUS codes.
  */
 #ifndef RUNNER_PROTOCOL_H
 #define RUNNER_PROTOCOL_H
 
-#define PROTO_VERSION 4u /* 2: HELLO reports the model image format versions read; 3: KERNELS;
-                            4: token models (LM_RESET, FORWARD_TOKENS, GENERATE; INFO grows) */
+#define PROTO_VERSION 5u /* 2: HELLO reports the model image format versions read; 3: KERNELS;
+                            4: token models (LM_RESET, FORWARD_TOKENS, GENERATE; INFO grows);
+                            5: GENERATE_TEXT (the image's tokenizer on the target) */
 #define PROTO_MAX_PAYLOAD 4096u
 #define PROTO_HEADER_SIZE 8u  /* u8 type, u8 flags, u16 seq, u32 length */
 #define PROTO_CRC_SIZE 4u     /* CRC-32 (zlib) of header + payload */
@@ -26,6 +27,7 @@
 #define PROTO_LM_RESET 0x31u
 #define PROTO_FORWARD_TOKENS 0x32u
 #define PROTO_GENERATE 0x33u
+#define PROTO_GENERATE_TEXT 0x34u
 #define PROTO_STATS 0x40u
 #define PROTO_RESET 0x50u
 #define PROTO_SLOT_INFO 0x60u
@@ -70,6 +72,14 @@
  * then count i32 token ids. */
 #define PROTO_GENERATE_REQUEST_HEADER 28u
 #define PROTO_GENERATE_HEADER 32u
+/* GENERATE_TEXT request: GENERATE's first 24 bytes, u32 flags, u32 n_prompt,
+ * then n_prompt i32 ids, or n_prompt bytes of UTF-8 text with PROMPT_TEXT.
+ * Response header: GENERATE's 32 bytes, u32 prompt ids (what the prompt
+ * encoded to), u32 text bytes; then count i32 ids, then the text. */
+#define PROTO_GENERATE_TEXT_REQUEST_HEADER 32u
+#define PROTO_GENERATE_TEXT_HEADER 40u
+#define PROTO_GENERATE_TEXT_PROMPT_TEXT 1u /* the prompt is text, encoded on the target */
+#define PROTO_GENERATE_TEXT_STOP_AT_EOS 2u /* the tokenizer's EOS ends the run (the last id) */
 
 /* SLOT_INFO: which slot runs (a slot index, or these). */
 #define PROTO_RUNNING_BUILTIN 0xFDu /* the model linked into the firmware (MODEL_C=) */

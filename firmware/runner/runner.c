@@ -24,6 +24,7 @@
 #include "board.h"
 #include "cobs.h"
 #include "colibri.h"
+#include "colibri_tokenizer.h"
 #include "crc32.h"
 #include "protocol.h"
 #ifdef RUNNER_BUILTIN_MODEL
@@ -739,10 +740,87 @@ static void handle_forward_tokens(uint16_t seq, const uint8_t *payload, uint32_t
     send_response(PROTO_FORWARD_TOKENS, seq, p);
 }
 
+/* What one generation drew and measured. */
+typedef struct generation {
+    uint32_t made;
+    uint64_t prefill, decode, sample;
+} generation;
+
+/* GENERATE's run over the n_prompt ids in lm_tokens, after the request's own
+ * checks: the empty prompt, the cache and the response's room (`header`
+ * bytes before the ids), then reset, the prompt in chunks of max_batch, and
+ * max_new draws by colibri_lm_sample with the caller's seed, each token fed
+ * back but the last; a drawn `stop` id (>= 0) ends it. Sends the failure's
+ * STATUS itself and returns false. */
+static bool run_generation(uint16_t seq, const colibri_sampler *sampler, uint64_t seed, uint32_t n_prompt,
+                           uint32_t max_new, int32_t stop, uint32_t header, generation *g)
+{
+    if (n_prompt == 0u) {
+        send_status(seq, (int32_t)COLIBRI_E_BAD_BATCH, "an empty prompt: give at least one token");
+        return false;
+    }
+    const uint64_t positions = (uint64_t)n_prompt + (max_new > 0u ? max_new - 1u : 0u);
+    if (positions > state.max_seq_len) {
+        send_cache_full(seq, 0u, (uint32_t)(positions > UINT32_MAX ? UINT32_MAX : positions));
+        return false;
+    }
+    if (header + (uint64_t)max_new * sizeof(int32_t) > PROTO_MAX_PAYLOAD) {
+        send_status(seq, PROTO_TOO_LARGE, "max_new_tokens ids do not fit a response");
+        return false;
+    }
+    colibri_status st = colibri_lm_reset(state.ctx);
+    g->made = 0u;
+    g->prefill = g->decode = g->sample = 0u;
+    if (max_new > 0u) {
+        colibri_rng rng;
+        colibri_rng_seed(&rng, seed);
+        uint32_t last = 0u; /* the row of the latest token's logits */
+        for (uint32_t at = 0u; st == COLIBRI_OK && at < n_prompt; at += state.max_batch) {
+            const uint32_t n = n_prompt - at < state.max_batch ? n_prompt - at : state.max_batch;
+            st = timed_lm_forward(lm_tokens + at, n, &g->prefill);
+            last = n - 1u;
+        }
+        while (st == COLIBRI_OK && g->made < max_new) {
+            st = timed_lm_sample(sampler, lm_logits + (size_t)last * state.vocab_size, &rng, &lm_new[g->made],
+                                 &g->sample);
+            if (st != COLIBRI_OK || (stop >= 0 && lm_new[g->made] == stop)) {
+                g->made += st == COLIBRI_OK ? 1u : 0u;
+                break;
+            }
+            /* The last new token needs no forward: nothing reads its logits. */
+            if (++g->made < max_new) {
+                st = timed_lm_forward(&lm_new[g->made - 1u], 1u, &g->decode);
+                last = 0u;
+            }
+        }
+    }
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return false;
+    }
+    return true;
+}
+
+/* The sampler of a GENERATE or GENERATE_TEXT request (its first 16 bytes),
+ * checked by the sampler's rules (docs/lm.md); the comparisons are false for
+ * NaN, so NaN is refused too. */
+static bool take_sampler(uint16_t seq, const uint8_t *payload, colibri_sampler *sampler)
+{
+    const uint32_t temperature_bits = get_u32(payload + 4);
+    const uint32_t top_p_bits = get_u32(payload + 12);
+    memcpy(&sampler->temperature, &temperature_bits, sizeof(float));
+    sampler->top_k = get_u32(payload + 8);
+    memcpy(&sampler->top_p, &top_p_bits, sizeof(float));
+    const float t = sampler->temperature;
+    if (!(t >= 0.0f && t <= 3.402823466e38f) || !(sampler->top_p > 0.0f && sampler->top_p <= 1.0f)) {
+        send_status(seq, (int32_t)COLIBRI_E_BAD_SAMPLER, "temperature must be finite and >= 0, top_p in (0, 1]");
+        return false;
+    }
+    return true;
+}
+
 /* GENERATE: colibri.LM.generate on the target (engine.py, _engine.c): the same
- * checks in the same order, then reset, the prompt in chunks of max_batch, and
- * max_new_tokens draws by colibri_lm_sample with the caller's seed, each token
- * fed back but the last. */
+ * checks in the same order, then the run above, to max_new_tokens. */
 static void handle_generate(uint16_t seq, const uint8_t *payload, uint32_t len)
 {
     if (len < PROTO_GENERATE_REQUEST_HEADER) {
@@ -751,11 +829,6 @@ static void handle_generate(uint16_t seq, const uint8_t *payload, uint32_t len)
     }
     const uint32_t max_new = get_u32(payload);
     colibri_sampler sampler = {.struct_size = (uint32_t)sizeof(colibri_sampler)};
-    const uint32_t temperature_bits = get_u32(payload + 4);
-    const uint32_t top_p_bits = get_u32(payload + 12);
-    memcpy(&sampler.temperature, &temperature_bits, sizeof(float));
-    sampler.top_k = get_u32(payload + 8);
-    memcpy(&sampler.top_p, &top_p_bits, sizeof(float));
     const uint64_t seed = (uint64_t)get_u32(payload + 16) | (uint64_t)get_u32(payload + 20) << 32;
     const uint32_t n_prompt = get_u32(payload + 24);
     const uint64_t want = PROTO_GENERATE_REQUEST_HEADER + (uint64_t)n_prompt * sizeof(int32_t);
@@ -763,71 +836,125 @@ static void handle_generate(uint16_t seq, const uint8_t *payload, uint32_t len)
         send_bad_payload(seq, len, want > UINT32_MAX ? UINT32_MAX : (uint32_t)want);
         return;
     }
-    if (!lm_ready(seq)) {
+    if (!lm_ready(seq) || !take_sampler(seq, payload, &sampler) ||
+        !lm_take_tokens(seq, payload + PROTO_GENERATE_REQUEST_HEADER, n_prompt)) {
         return;
     }
-    /* The sampler's rules (docs/lm.md), checked before anything runs; the
-     * comparisons are false for NaN, so NaN is refused too. */
-    const float t = sampler.temperature;
-    if (!(t >= 0.0f && t <= 3.402823466e38f) || !(sampler.top_p > 0.0f && sampler.top_p <= 1.0f)) {
-        send_status(seq, (int32_t)COLIBRI_E_BAD_SAMPLER,
-                    "temperature must be finite and >= 0, top_p in (0, 1]");
+    generation g;
+    if (!run_generation(seq, &sampler, seed, n_prompt, max_new, -1, PROTO_GENERATE_HEADER, &g)) {
         return;
     }
-    if (!lm_take_tokens(seq, payload + PROTO_GENERATE_REQUEST_HEADER, n_prompt)) {
+    uint8_t *p = payload_out();
+    p = put_u32(p, g.made);
+    p = put_u32(p, (uint32_t)board_work_kind());
+    p = put_u64(p, g.prefill);
+    p = put_u64(p, g.decode);
+    p = put_u64(p, g.sample);
+    memcpy(p, lm_new, (size_t)g.made * sizeof(int32_t)); /* little-endian target */
+    p += g.made * sizeof(int32_t);
+    send_response(PROTO_GENERATE, seq, p);
+}
+
+#ifndef RUNNER_TEXT_PROMPT_MAX
+#define RUNNER_TEXT_PROMPT_MAX 1024u /* bytes of prompt text GENERATE_TEXT encodes on the target */
+#endif
+static uint8_t encode_work[COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(RUNNER_TEXT_PROMPT_MAX)];
+
+/* GENERATE_TEXT (protocol v5): GENERATE with the image's own tokenizer on the
+ * target. The prompt is ids, or UTF-8 text (GENERATE_TEXT_PROMPT_TEXT) that
+ * colibri_tokenizer_encode turns into ids; GENERATE_TEXT_STOP_AT_EOS ends the
+ * run at the tokenizer's EOS (the last id sent); the new ids are decoded by
+ * the streaming decoder (whole characters only, the end flushed) into the
+ * response after them. */
+static void handle_generate_text(uint16_t seq, const uint8_t *payload, uint32_t len)
+{
+    if (len < PROTO_GENERATE_TEXT_REQUEST_HEADER) {
+        send_bad_payload(seq, len, PROTO_GENERATE_TEXT_REQUEST_HEADER);
         return;
     }
-    if (n_prompt == 0u) {
-        send_status(seq, (int32_t)COLIBRI_E_BAD_BATCH, "an empty prompt: give at least one token");
+    const uint32_t max_new = get_u32(payload);
+    colibri_sampler sampler = {.struct_size = (uint32_t)sizeof(colibri_sampler)};
+    const uint64_t seed = (uint64_t)get_u32(payload + 16) | (uint64_t)get_u32(payload + 20) << 32;
+    const uint32_t flags = get_u32(payload + 24), n_prompt = get_u32(payload + 28);
+    const int text_prompt = (flags & PROTO_GENERATE_TEXT_PROMPT_TEXT) != 0u;
+    const uint64_t want =
+        PROTO_GENERATE_TEXT_REQUEST_HEADER + (uint64_t)n_prompt * (text_prompt ? 1u : sizeof(int32_t));
+    if ((flags & ~(PROTO_GENERATE_TEXT_PROMPT_TEXT | PROTO_GENERATE_TEXT_STOP_AT_EOS)) != 0u) {
+        send_status(seq, PROTO_BAD_PAYLOAD, "unknown GENERATE_TEXT flags");
         return;
     }
-    const uint64_t positions = (uint64_t)n_prompt + (max_new > 0u ? max_new - 1u : 0u);
-    if (positions > state.max_seq_len) {
-        send_cache_full(seq, 0u, (uint32_t)(positions > UINT32_MAX ? UINT32_MAX : positions));
+    if (want != len) {
+        send_bad_payload(seq, len, want > UINT32_MAX ? UINT32_MAX : (uint32_t)want);
         return;
     }
-    if (PROTO_GENERATE_HEADER + (uint64_t)max_new * sizeof(int32_t) > PROTO_MAX_PAYLOAD) {
-        send_status(seq, PROTO_TOO_LARGE, "max_new_tokens ids do not fit a response");
+    if (!lm_ready(seq) || !take_sampler(seq, payload, &sampler)) {
         return;
     }
-    colibri_status st = colibri_lm_reset(state.ctx);
-    uint64_t prefill = 0u, decode = 0u, sample = 0u;
-    uint32_t made = 0u;
-    if (max_new > 0u) {
-        colibri_rng rng;
-        colibri_rng_seed(&rng, seed);
-        uint32_t last = 0u; /* the row of the latest token's logits */
-        for (uint32_t at = 0u; st == COLIBRI_OK && at < n_prompt; at += state.max_batch) {
-            const uint32_t n = n_prompt - at < state.max_batch ? n_prompt - at : state.max_batch;
-            st = timed_lm_forward(lm_tokens + at, n, &prefill);
-            last = n - 1u;
+    colibri_tokenizer tok;
+    colibri_status st = colibri_tokenizer_open(&tok, state.image, state.image_size);
+    if (st != COLIBRI_OK) {
+        send_engine_status(seq, st);
+        return;
+    }
+    const uint8_t *prompt = payload + PROTO_GENERATE_TEXT_REQUEST_HEADER;
+    uint32_t n_ids = n_prompt;
+    if (text_prompt) {
+        if (n_prompt > RUNNER_TEXT_PROMPT_MAX) {
+            message m = {.len = 0};
+            msg_str(&m, "a prompt of more than ");
+            msg_u32(&m, (uint32_t)RUNNER_TEXT_PROMPT_MAX);
+            msg_str(&m, " bytes of text");
+            send_status_msg(seq, PROTO_TOO_LARGE, &m);
+            return;
         }
-        while (st == COLIBRI_OK && made < max_new) {
-            st = timed_lm_sample(&sampler, lm_logits + (size_t)last * state.vocab_size, &rng, &lm_new[made],
-                                 &sample);
-            if (st != COLIBRI_OK) {
-                break;
-            }
-            /* The last new token needs no forward: nothing reads its logits. */
-            if (++made < max_new) {
-                st = timed_lm_forward(&lm_new[made - 1u], 1u, &decode);
-                last = 0u;
-            }
+        size_t n = 0;
+        st = colibri_tokenizer_encode(&tok, prompt, n_prompt, lm_tokens, sizeof lm_tokens / sizeof lm_tokens[0], &n,
+                                      encode_work, sizeof encode_work);
+        if (st != COLIBRI_OK) {
+            send_engine_status(seq, st);
+            return;
         }
+        n_ids = (uint32_t)n;
+    } else if (!lm_take_tokens(seq, prompt, n_prompt)) {
+        return;
+    }
+    const int32_t stop = (flags & PROTO_GENERATE_TEXT_STOP_AT_EOS) ? tok.eos : -1;
+    generation g;
+    if (!run_generation(seq, &sampler, seed, n_ids, max_new, stop, PROTO_GENERATE_TEXT_HEADER, &g)) {
+        return;
+    }
+    uint8_t *p = payload_out();
+    uint8_t *const out = p;
+    p = put_u32(p, g.made);
+    p = put_u32(p, (uint32_t)board_work_kind());
+    p = put_u64(p, g.prefill);
+    p = put_u64(p, g.decode);
+    p = put_u64(p, g.sample);
+    p = put_u32(p, n_ids);
+    uint8_t *const text_len_at = p;
+    p = put_u32(p, 0u);
+    memcpy(p, lm_new, (size_t)g.made * sizeof(int32_t)); /* little-endian target */
+    p += g.made * sizeof(int32_t);
+    colibri_text_stream stream;
+    colibri_text_stream_init(&stream);
+    uint8_t *const text = p;
+    for (uint32_t i = 0; i <= g.made && st == COLIBRI_OK; i++) {
+        const size_t room = PROTO_MAX_PAYLOAD - (size_t)(p - out);
+        size_t n = 0;
+        st = i < g.made ? colibri_tokenizer_decode(&tok, &stream, lm_new[i], p, room, &n)
+                        : colibri_tokenizer_flush(&stream, p, room, &n);
+        p += n;
+    }
+    if (st == COLIBRI_E_BUFFER_SIZE) {
+        send_status(seq, PROTO_TOO_LARGE, "the new ids' text does not fit a response: ask for fewer tokens");
+        return;
     }
     if (st != COLIBRI_OK) {
         send_engine_status(seq, st);
         return;
     }
-    uint8_t *p = payload_out();
-    p = put_u32(p, made);
-    p = put_u32(p, (uint32_t)board_work_kind());
-    p = put_u64(p, prefill);
-    p = put_u64(p, decode);
-    p = put_u64(p, sample);
-    memcpy(p, lm_new, (size_t)made * sizeof(int32_t)); /* little-endian target */
-    p += made * sizeof(int32_t);
-    send_response(PROTO_GENERATE, seq, p);
+    (void)put_u32(text_len_at, (uint32_t)(p - text));
+    send_response(PROTO_GENERATE_TEXT, seq, p);
 }
 
 static void handle_stats(uint16_t seq, uint32_t len)
@@ -1223,6 +1350,9 @@ static void handle_frame(size_t encoded_len)
         break;
     case PROTO_GENERATE:
         handle_generate(seq, payload, len);
+        break;
+    case PROTO_GENERATE_TEXT:
+        handle_generate_text(seq, payload, len);
         break;
     case PROTO_STATS:
         handle_stats(seq, len);

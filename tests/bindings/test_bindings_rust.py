@@ -73,6 +73,39 @@ def _write_lm(out: Path, name: str, seed: int, options: dict, temperature: float
     return f"lm {name} {temperature!r} {top_k} {top_p!r} {sample_seed} {new}"
 
 
+# Text (colibri/tests/text.rs): token models carrying a tokenizer section trained here.
+TEXT_PROMPTS = ["Hello, world!", "Grüße aus Köln — 日本語のテキスト 🎉👍🏽", "  spaces\tand\nlines 12345 it's"]
+TEXT_NEW = 10
+
+
+def _write_text(out: Path) -> list[str]:
+    """Per tokenizer kind: the image, then each prompt with the host library's ids, colibri.LM.decode of
+    them and colibri.LM.generate_text(prompt, TEXT_NEW) (greedy, reference kernels), all hex or
+    comma-separated, for the crate's Tokenizer and TextDecoder to match."""
+    from colibri.image import tokenizer_section as TS
+    from colibri.runtime import tokenizer_build
+    from helpers import tokenizers_trained as trained
+
+    kinds = {"text-bpe": trained.byte_bpe, "text-sp-bpe": trained.sentencepiece_model,
+             "text-sp-unigram": lambda d: trained.sentencepiece_model(d, model_type="unigram")}
+    lines = []
+    for name, make_tokenizer in kinds.items():
+        make_tokenizer(out / name)
+        section = tokenizer_build.from_folder(out / name)
+        g = lmmodels.token_model(7, vocab=section.vocab_size + 2, max_seq_len=96)
+        g.tokenizer = TS.pack(section.padded(g.vocab_size))
+        data = image.write(g)
+        (out / f"{name}.bin").write_bytes(data)
+        lm = colibri.LM(data, reference_kernels=True)
+        lines.append(f"text {name} {TEXT_NEW} {lm.eos}")
+        for prompt in TEXT_PROMPTS:
+            ids = lm.encode(prompt)
+            lines.append(" ".join(["case", name, prompt.encode().hex(), ",".join(map(str, ids)),
+                                   lm.decode(ids).encode().hex() or "-",
+                                   lm.generate_text(prompt, TEXT_NEW).encode().hex() or "-"]))
+    return lines
+
+
 def _write_hook(out: Path, name: str, data: bytes, d_in: int) -> str:
     """A model for the accelerator hook tests (colibri/tests/hook.rs): the Rust device must match the
     engine within the tolerance tests/engine/test_engine_hook.py holds the numpy and C devices to."""
@@ -156,6 +189,7 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     cases += _hook_models(tmp_path)
     _write_layout(tmp_path)
     (tmp_path / "cases.txt").write_text("\n".join(cases) + "\n")
+    (tmp_path / "text.txt").write_text("\n".join(_write_text(tmp_path)) + "\n")
     # colibri-sys's build.rs links the Makefile's libcolibri.a; building it here, under the lock the
     # other pytest workers take, leaves build.rs's own `make` nothing to write.
     built = make("-C", str(CORE), "host")
@@ -167,5 +201,5 @@ def test_cargo_test_against_the_python_engine(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     passed = sum(int(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("test result: ok."))
     # The drift checks (2), the engine comparisons and error paths (8), the accelerator hook, the
-    # image layouts it reads and token models on a pool (15): none filtered out or missing.
-    assert passed >= 25, result.stdout
+    # image layouts it reads and token models on a pool (15), text (3): none filtered out or missing.
+    assert passed >= 28, result.stdout

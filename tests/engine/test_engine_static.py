@@ -70,7 +70,7 @@ NUMERICS = ("-ffp-contract=off", "-fno-math-errno")
 # in static storage; the rest are its frame buffers and the boards' driver state). Nothing else in
 # the linked firmware may be writable: no errno, no C library state, nothing of the engine's.
 RUNNER_STATICS = {"state", "runner_model", "runner_arena", "input_buf", "output_buf", "rx_frame", "tx_packet",
-                  "lm_logits", "lm_tokens", "lm_new"}
+                  "lm_logits", "lm_tokens", "lm_new", "encode_work"}
 BOARD_STATICS = {
     "mps2_an500": {"work_overhead", "flash_info", "flash_ops", "power_cut", "board_systick_wraps"},
     "nucleo_h743zi": {"cyc_hi", "cyc_last", "flash_info", "pclk1_hz", "sysclk_hz", "reporting.0", "work_start"},

@@ -128,3 +128,31 @@ def test_cli_export_info_and_generate(folders, tmp_path) -> None:
     big = runner.invoke(main, ["generate", str(out), "--prompt", "x", "--tokenizer",
                                str(trained.sentencepiece_model(tmp_path / "big", vocab_size=700))])
     assert big.exit_code != 0 and "cannot be this model's tokenizer" in big.output
+
+
+def test_what_the_device_cannot_encode_is_refused_by_name(tmp_path) -> None:
+    """The builder refuses what the C encoder could not reproduce (docs/lm.md "Encoding"): a Split
+    pattern other than Qwen2's and Llama 3's, a SentencePiece piece with a raw space, an unused
+    piece in a SentencePiece BPE model."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from colibri.runtime import tokenizer_build
+
+    trained.byte_bpe(tmp_path / "split", regex_split=r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+")
+    with pytest.raises(ExportError, match=r"Split pattern .*the device encodes Qwen2's and Llama 3's"):
+        tokenizer_build.from_folder(tmp_path / "split")
+    for name in F.SPLIT_PATTERNS:  # the two it implements pass
+        trained.byte_bpe(tmp_path / name, regex_split=F.SPLIT_PATTERNS[name])
+        assert tokenizer_build.from_folder(tmp_path / name).pattern == F.SPLIT_PATTERNS[name]
+    path = trained.sentencepiece_model(tmp_path / "sp")
+    for what, edit, message in (
+        ("raw space", lambda p: setattr(p, "piece", "a b"), "holds a raw space"),
+        ("unused", lambda p: setattr(p, "type", 5), "unused piece .* in a BPE model"),
+    ):
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(path.read_bytes())
+        edit(proto.pieces[300])
+        bad = tmp_path / f"{what}.model"
+        bad.write_bytes(proto.SerializeToString())
+        with pytest.raises(ExportError, match=message):
+            tokenizer_build.from_sentencepiece(bad)

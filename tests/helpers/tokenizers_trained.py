@@ -33,19 +33,23 @@ CORPUS = [
 ]
 
 
-def byte_bpe(folder: Path, vocab_size: int = 400, *, added: bool = True, regex_split: str | None = None) -> Path:
+def byte_bpe(folder: Path, vocab_size: int = 400, *, added: bool = True, regex_split: str | None = None,
+             nfc: bool = False, add_prefix_space: bool = False, ignore_merges: bool = False) -> Path:
     """A byte-level BPE tokenizer.json trained on TRAINING, with <|endoftext|> (special) and, if
     `added`, one non-special added token; `regex_split` puts a Split(regex) before ByteLevel (the
-    Qwen2 style). Returns the file's path."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    Qwen2 style); `nfc` an NFC normaliser (Qwen2, GPT-NeoX); `ignore_merges` as Llama 3's. Returns
+    the file's path."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     if regex_split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(regex_split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>"], show_progress=False)
@@ -55,13 +59,18 @@ def byte_bpe(folder: Path, vocab_size: int = 400, *, added: bool = True, regex_s
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.json"
     tok.save(str(path))
+    if ignore_merges:  # the trainer's model has no such option: set in the file, as Llama 3's has it
+        spec = json.loads(path.read_text())
+        spec["model"]["ignore_merges"] = True
+        path.write_text(json.dumps(spec))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                                "bos_token": "<|endoftext|>"}))
     return path
 
 
 def sentencepiece_model(folder: Path, vocab_size: int = 600, *, model_type: str = "bpe", byte_fallback: bool = True,
-                        add_dummy_prefix: bool = True, remove_extra_whitespaces: bool = False) -> Path:
+                        add_dummy_prefix: bool = True, remove_extra_whitespaces: bool = False,
+                        user_defined_symbols: tuple[str, ...] = ()) -> Path:
     """A SentencePiece tokenizer.model trained on TRAINING (identity normaliser, as Llama's)."""
     import sentencepiece
 
@@ -70,7 +79,8 @@ def sentencepiece_model(folder: Path, vocab_size: int = 600, *, model_type: str 
         sentence_iterator=iter(TRAINING), model_writer=out, vocab_size=vocab_size, model_type=model_type,
         byte_fallback=byte_fallback, normalization_rule_name="identity", character_coverage=1.0,
         add_dummy_prefix=add_dummy_prefix, remove_extra_whitespaces=remove_extra_whitespaces,
-        hard_vocab_limit=False, minloglevel=2, num_threads=1)
+        hard_vocab_limit=False, minloglevel=2, num_threads=1,
+        **({"user_defined_symbols": list(user_defined_symbols)} if user_defined_symbols else {}))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.model"
     path.write_bytes(out.getvalue())

@@ -10,6 +10,7 @@ import pytest
 import colibri
 from colibri import image
 from colibri.image import tokenizer_section as TS
+from colibri.model import format as F
 from colibri.model.errors import ColibriError
 from colibri.model.format import Status, TokenizerFlag, TokenizerKind, TokenType
 from colibri.runtime import _engine, tokenizer_build
@@ -17,9 +18,8 @@ from colibri.runtime.tokenizer_build import SectionTokenizer
 from helpers import lmmodels
 from helpers import tokenizers_trained as trained
 
-# The Qwen2-style split (letters, digits one at a time, punctuation runs, whitespace), written here
-# as the test's own regular expression.
-SPLIT = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen2's split, one of the patterns the device's encoder implements.
+SPLIT = F.QWEN2_PATTERN
 
 KINDS = {
     "byte_bpe": lambda d: trained.byte_bpe(d),

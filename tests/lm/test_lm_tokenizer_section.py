@@ -101,7 +101,8 @@ def test_writer_rules(sections) -> None:
 # (what, offset in the section, struct format, value) of header faults, each BAD_TOKENIZER.
 HEADER_FAULTS = [
     ("magic", 0, "<I", 0x4B544C44),
-    ("section version", 4, "<H", 2),
+    ("section version past the newest", 4, "<H", F.TOKENIZER_SECTION_VERSION + 1),
+    ("section version 0", 4, "<H", 0),
     ("kind 0", 6, "<B", 0),
     ("kind 4", 6, "<B", 4),
     ("SentencePiece flag on BPE", 7, "<B", int(TokenizerFlag.BYTE_FALLBACK)),
@@ -119,7 +120,7 @@ HEADER_FAULTS = [
     ("scores on BPE", 52, "<I", 80),
     ("byte ids past the section", 64, "<I", 0xFFFFFFF0),
     ("a pattern without the split kind", 72, "<I", 4),
-    ("reserved tail", 76, "<I", 1),
+    ("token index misaligned", 76, "<I", 1),
 ]
 
 
@@ -161,7 +162,7 @@ def test_array_faults(sections) -> None:
 
 
 def test_pattern_must_be_utf8(tmp_path) -> None:
-    trained.byte_bpe(tmp_path, regex_split=r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+")
+    trained.byte_bpe(tmp_path, regex_split=F.QWEN2_PATTERN)
     section = tokenizer_build.from_folder(tmp_path)
     assert section.pre_tokenizer == F.PreTokenizer.SPLIT_BYTE_LEVEL
     data = _image(section)

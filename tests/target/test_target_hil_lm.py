@@ -64,7 +64,7 @@ def test_info_and_arena_hold_the_kv_cache(lm_dut) -> None:
     info = dut.model_info()
     assert info.kv_cache_bytes == host.kv_cache_bytes > 0
     hello = dut.hello()
-    assert hello.protocol_version == P.VERSION == 4
+    assert hello.protocol_version == P.VERSION == 5
     # The arena holds pointers: the 32-bit target needs a little less than the 64-bit host.
     assert 0 < info.arena_size <= host.arena_size <= hello.arena_capacity
     wide = lm_image(1, d=64, hd=16)

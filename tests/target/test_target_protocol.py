@@ -30,6 +30,11 @@ def test_constants_agree_with_the_firmware() -> None:
     assert c["GENERATE_REQUEST_HEADER"] == P.GENERATE_REQUEST.size
     assert c["GENERATE_HEADER"] == P.GENERATE_RESPONSE.size
     assert (c["ROWS_ALL"], c["ROWS_LAST"]) == (P.ROWS_ALL, P.ROWS_LAST)
+    # Text on the target (protocol 5).
+    assert c["GENERATE_TEXT_REQUEST_HEADER"] == P.GENERATE_TEXT_REQUEST.size
+    assert c["GENERATE_TEXT_HEADER"] == P.GENERATE_TEXT_RESPONSE.size
+    assert (c["GENERATE_TEXT_PROMPT_TEXT"], c["GENERATE_TEXT_STOP_AT_EOS"]) == (P.GENERATE_TEXT_PROMPT_TEXT,
+                                                                               P.GENERATE_TEXT_STOP_AT_EOS)
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00", b"\x00" * 300, bytes(range(256)) * 16])

@@ -27,7 +27,11 @@
 #define COLIBRI_MAX_SEQ_LEN 1048576u
 #define COLIBRI_TOKENIZER_VERSION 6u
 #define COLIBRI_TOKENIZER_MAGIC 0x4B544C43u
-#define COLIBRI_TOKENIZER_SECTION_VERSION 1u
+#define COLIBRI_TOKENIZER_SECTION_VERSION 2u
+#define COLIBRI_TOKENIZER_SECTION_VERSION_MIN 1u
+#define COLIBRI_TOKENIZER_INDEX_VERSION 2u
+#define COLIBRI_SPLIT_PATTERN_QWEN2 "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define COLIBRI_SPLIT_PATTERN_LLAMA3 "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 #define COLIBRI_TOKENIZER_HEADER_SIZE 80u
 #define COLIBRI_TOKENIZER_BYTE_IDS 256u
 #define COLIBRI_WIDE_VERSION 7u
@@ -153,6 +157,8 @@ typedef enum colibri_status {
     COLIBRI_E_IMAGE_TOO_LARGE = -37, /* the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES) */
     COLIBRI_E_BAD_TOKENIZER = -38, /* invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids) */
     COLIBRI_E_NO_TOKENIZER = -39, /* the model image holds no tokenizer section (or this engine was built without the tokenizer) */
+    COLIBRI_E_BAD_TEXT = -40, /* the text to encode is not well-formed UTF-8 */
+    COLIBRI_E_TEXT_NOT_NORMALIZED = -41, /* an NFC tokenizer and text NFC may change: the device cannot encode it (the host can) */
 } colibri_status;
 
 /* X(code, message) for every status, for colibri_strerror(). */
@@ -197,6 +203,8 @@ typedef enum colibri_status {
     X(-37, "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)") \
     X(-38, "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)") \
     X(-39, "the model image holds no tokenizer section (or this engine was built without the tokenizer)") \
+    X(-40, "the text to encode is not well-formed UTF-8") \
+    X(-41, "an NFC tokenizer and text NFC may change: the device cannot encode it (the host can)") \
 
 
 #endif /* COLIBRI_FORMAT_H */

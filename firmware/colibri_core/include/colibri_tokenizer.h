@@ -23,8 +23,16 @@
  * from_utf8_lossy). SentencePiece's leading-space rule is applied: the first
  * piece that is not CONTROL loses its leading space (its U+2581).
  *
+ * Encoding (docs/lm.md "Encoding") takes the caller's id buffer and work
+ * buffer, sized for the text by the two macros below:
+ *
+ *   int32_t ids[COLIBRI_TOKENIZER_ENCODE_MAX_IDS(TEXT_MAX)];
+ *   uint8_t work[COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(TEXT_MAX)];
+ *   colibri_tokenizer_encode(&tok, text, len, ids, 64, &n, work, sizeof work);
+ *
  * Built with COLIBRI_NO_TOKENIZER, every function here returns
- * COLIBRI_E_NO_TOKENIZER (the validator still checks the section).
+ * COLIBRI_E_NO_TOKENIZER (the validator still checks the section); with
+ * COLIBRI_NO_TOKENIZER_ENCODE, decoding stays and encoding is UNSUPPORTED.
  */
 #ifndef COLIBRI_TOKENIZER_H
 #define COLIBRI_TOKENIZER_H
@@ -86,6 +94,28 @@ COLIBRI_API colibri_status colibri_tokenizer_decode(const colibri_tokenizer *tok
  * most 3 bytes); the stream is then as new. */
 COLIBRI_API colibri_status colibri_tokenizer_flush(colibri_text_stream *s, uint8_t *out, size_t out_cap,
                                                    size_t *out_len);
+
+/* Ids colibri_tokenizer_encode gives at most for `text_len` bytes of text,
+ * whatever the tokenizer (a SentencePiece space may fall back to the three
+ * bytes of U+2581; a byte-level pre-token may gain a space). */
+#define COLIBRI_TOKENIZER_ENCODE_MAX_IDS(text_len) (3u * (size_t)(text_len) + 3u)
+/* Work bytes colibri_tokenizer_encode needs for `text_len` bytes of text
+ * (any alignment). */
+#define COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(text_len) (16u * (size_t)(text_len) + 64u)
+
+/* Text (UTF-8, no BOS or EOS added) to ids, as the library the tokenizer came
+ * from encodes it: `tokenizers` for byte-level BPE, `sentencepiece` for the
+ * SentencePiece kinds. *n_ids is the count the text encodes to; the ids are
+ * in ids[0 .. *n_ids) when it is at most ids_cap, else BUFFER_SIZE (ids then
+ * holds the first ids_cap). BAD_TEXT for ill-formed UTF-8;
+ * TEXT_NOT_NORMALIZED when the tokenizer normalises to NFC and the text
+ * holds a character NFC may change (the host encodes it); ARENA_TOO_SMALL
+ * when work_bytes is below COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(text_len);
+ * UNSUPPORTED for a section written before encoding (section version 1) or
+ * a pre-tokenizer pattern the device does not implement; NULL_ARG. */
+COLIBRI_API colibri_status colibri_tokenizer_encode(const colibri_tokenizer *tok, const uint8_t *text,
+                                                    size_t text_len, int32_t *ids, size_t ids_cap, size_t *n_ids,
+                                                    void *work, size_t work_bytes);
 
 #ifdef __cplusplus
 }

@@ -1223,9 +1223,13 @@ colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t
                    bytes_size = colibri_rd_u32(p + 44), types_at = colibri_rd_u32(p + 48),
                    scores_at = colibri_rd_u32(p + 52), merges_at = colibri_rd_u32(p + 56),
                    order_at = colibri_rd_u32(p + 60), byte_ids_at = colibri_rd_u32(p + 64),
-                   pattern_at = colibri_rd_u32(p + 68), pattern_size = colibri_rd_u32(p + 72);
-    if (colibri_rd_u32(p) != COLIBRI_TOKENIZER_MAGIC || colibri_rd_u16(p + 4) != COLIBRI_TOKENIZER_SECTION_VERSION)
+                   pattern_at = colibri_rd_u32(p + 68), pattern_size = colibri_rd_u32(p + 72),
+                   index_at = colibri_rd_u32(p + 76);
+    const uint32_t version = colibri_rd_u16(p + 4);
+    if (colibri_rd_u32(p) != COLIBRI_TOKENIZER_MAGIC || version < COLIBRI_TOKENIZER_SECTION_VERSION_MIN ||
+        version > COLIBRI_TOKENIZER_SECTION_VERSION)
         return COLIBRI_E_BAD_TOKENIZER;
+    const int indexed = version >= COLIBRI_TOKENIZER_INDEX_VERSION;
     const int sp = kind == COLIBRI_TOKENIZER_SENTENCEPIECE_BPE || kind == COLIBRI_TOKENIZER_SENTENCEPIECE_UNIGRAM;
     if (!sp && kind != COLIBRI_TOKENIZER_BYTE_BPE)
         return COLIBRI_E_BAD_TOKENIZER;
@@ -1239,7 +1243,7 @@ colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t
            : (normalizer > COLIBRI_NORMALIZER_NFC ||
               (pre != COLIBRI_PRE_TOKENIZER_BYTE_LEVEL && pre != COLIBRI_PRE_TOKENIZER_SPLIT_BYTE_LEVEL)))
         return COLIBRI_E_BAD_TOKENIZER;
-    if (colibri_rd_u16(p + 34) != 0 || any_set(p + 76, 4))
+    if (colibri_rd_u16(p + 34) != 0 || (!indexed && index_at != 0))
         return COLIBRI_E_BAD_TOKENIZER;
     if (count != vocab)
         return COLIBRI_E_BAD_TOKENIZER;
@@ -1256,7 +1260,8 @@ colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t
         !section_array_ok(merges_at, 12u * (uint64_t)merges, size) ||
         !section_array_ok(order_at, 4u * (uint64_t)merges, size) ||
         !section_array_ok(byte_ids_at, 4u * COLIBRI_TOKENIZER_BYTE_IDS, size) ||
-        !section_array_ok(pattern_at, pattern_size, size))
+        !section_array_ok(pattern_at, pattern_size, size) ||
+        !section_array_ok(index_at, indexed ? 4u * (uint64_t)count : 0u, size))
         return COLIBRI_E_BAD_TOKENIZER;
 
     const uint8_t *offsets = p + offsets_at, *types = p + types_at, *blob = p + bytes_at;
@@ -1325,6 +1330,24 @@ colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t
             if (len == 0)
                 return COLIBRI_E_BAD_TOKENIZER;
             at += len;
+        }
+    }
+    if (indexed && count != 0) {
+        /* Strictly increasing by (bytes, id): a permutation, in the order
+         * the encoder's binary search needs. */
+        *work += count;
+        for (uint32_t i = 0; i < count; i++)
+            if (colibri_rd_u32(p + index_at + 4u * (size_t)i) >= count)
+                return COLIBRI_E_BAD_TOKENIZER;
+        for (uint32_t i = 1; i < count; i++) {
+            const uint32_t a = colibri_rd_u32(p + index_at + 4u * (size_t)i - 4u);
+            const uint32_t b = colibri_rd_u32(p + index_at + 4u * (size_t)i);
+            const uint32_t a_at = colibri_rd_u32(offsets + 4u * (size_t)a), b_at = colibri_rd_u32(offsets + 4u * (size_t)b);
+            const uint32_t a_len = colibri_rd_u32(offsets + 4u * (size_t)a + 4u) - a_at;
+            const uint32_t b_len = colibri_rd_u32(offsets + 4u * (size_t)b + 4u) - b_at;
+            const int order = colibri_bytes_compare(blob + a_at, a_len, blob + b_at, b_len);
+            if (order > 0 || (order == 0 && a >= b))
+                return COLIBRI_E_BAD_TOKENIZER;
         }
     }
     return COLIBRI_OK;

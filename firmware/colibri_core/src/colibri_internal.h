@@ -173,6 +173,17 @@ typedef struct colibri_model {
  * the same in a build without the tokenizer (COLIBRI_NO_TOKENIZER). */
 colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t vocab, uint64_t *work);
 
+/* Byte strings in the token index's order: unsigned bytes, a prefix first
+ * (<0, 0, >0 as memcmp; the section's index and the encoder's searches). */
+static inline int colibri_bytes_compare(const uint8_t *a, uint32_t a_len, const uint8_t *b, uint32_t b_len)
+{
+    const uint32_t n = a_len < b_len ? a_len : b_len;
+    for (uint32_t i = 0; i < n; i++)
+        if (a[i] != b[i])
+            return a[i] < b[i] ? -1 : 1;
+    return a_len < b_len ? -1 : a_len > b_len ? 1 : 0;
+}
+
 /* Full validation (colibri_validate); fills *m on success. Reads the image
  * with byte loads only, so any image alignment is accepted here. */
 colibri_status colibri_check(const void *image, size_t image_len, colibri_model *m);

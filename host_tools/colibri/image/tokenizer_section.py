@@ -108,9 +108,16 @@ def merge_order(merges: np.ndarray) -> np.ndarray:
     return np.lexsort((merges[:, 1], merges[:, 0])).astype(np.uint32)
 
 
+def token_index(tokens: list[bytes]) -> np.ndarray:
+    """The ids sorted by their bytes, then by id (section version 2): what the encoder binary-searches
+    for a piece by its bytes."""
+    return np.asarray(sorted(range(len(tokens)), key=lambda i: (tokens[i], i)), np.uint32)
+
+
 def pack(section: TokenizerSection) -> bytes:
-    """The section's bytes: the header, then token offsets, token bytes, types, scores, merges,
-    merge order, byte ids and the pattern, each at a multiple of 4 (an empty array at offset 0)."""
+    """The section's bytes (version 2): the header, then token offsets, token bytes, types, scores,
+    merges, merge order, byte ids, the pattern and the token index, each at a multiple of 4 (an
+    empty array at offset 0)."""
     vocab = section.vocab_size
     blob = b"".join(section.tokens)
     offsets = np.zeros(vocab + 1, np.uint32)
@@ -126,6 +133,7 @@ def pack(section: TokenizerSection) -> bytes:
         merge_order(merges).astype("<u4").tobytes(),
         np.asarray(section.byte_ids, "<u4").tobytes(),
         pattern,
+        token_index(section.tokens).astype("<u4").tobytes(),
     ]
     at, pos = [], F.TOKENIZER_HEADER.size
     for a in arrays:
@@ -143,7 +151,7 @@ def pack(section: TokenizerSection) -> bytes:
         len(merges),
         _id(section.bos), _id(section.eos), _id(section.pad), _id(section.unk),
         int(section.normalizer), int(section.pre_tokenizer), 0,
-        at[0], at[1], len(blob), at[2], at[3], at[4], at[5], at[6], at[7], len(pattern))
+        at[0], at[1], len(blob), at[2], at[3], at[4], at[5], at[6], at[7], len(pattern), at[8])
     return bytes(buf)
 
 
@@ -160,12 +168,13 @@ def parse(data: bytes | bytearray | memoryview, vocab: int, work=None) -> Tokeni
         _bad(f"{n} bytes, its header alone is {F.TOKENIZER_HEADER.size}")
     (magic, version, kind, flags, count, n_merges, bos, eos, pad, unk, normalizer, pre, reserved,
      offsets_at, bytes_at, bytes_size, types_at, scores_at, merges_at, order_at, byte_ids_at, pattern_at,
-     pattern_size) = F.TOKENIZER_HEADER.unpack_from(buf, 0)
+     pattern_size, index_at) = F.TOKENIZER_HEADER.unpack_from(buf, 0)
     if work is not None:
         work.visits += 1
-    if magic != F.TOKENIZER_MAGIC or version != F.TOKENIZER_SECTION_VERSION:
+    if magic != F.TOKENIZER_MAGIC or not F.TOKENIZER_SECTION_VERSION_MIN <= version <= F.TOKENIZER_SECTION_VERSION:
         _bad(f"magic 0x{magic:08x} version {version} (want 0x{F.TOKENIZER_MAGIC:08x} version "
-             f"{F.TOKENIZER_SECTION_VERSION})")
+             f"{F.TOKENIZER_SECTION_VERSION_MIN}..{F.TOKENIZER_SECTION_VERSION})")
+    indexed = version >= F.TOKENIZER_INDEX_VERSION
     if kind not in iter(TokenizerKind):
         _bad(f"kind {kind}")
     kind = TokenizerKind(kind)
@@ -176,7 +185,7 @@ def parse(data: bytes | bytearray | memoryview, vocab: int, work=None) -> Tokeni
     pres = (PreTokenizer.NONE,) if sentencepiece else (PreTokenizer.BYTE_LEVEL, PreTokenizer.SPLIT_BYTE_LEVEL)
     if normalizer not in normalizers or pre not in pres:
         _bad(f"normalizer {normalizer} / pre-tokenizer {pre} for {kind.name}")
-    if reserved or any(buf[F.TOKENIZER_HEADER.size - 4 : F.TOKENIZER_HEADER.size]):
+    if reserved or (not indexed and index_at):
         _bad("reserved bytes set")
     if count != vocab:
         _bad(f"{count} tokens for a model of {vocab}")
@@ -190,7 +199,8 @@ def parse(data: bytes | bytearray | memoryview, vocab: int, work=None) -> Tokeni
     arrays = (("token offsets", offsets_at, 4 * (count + 1)), ("token bytes", bytes_at, bytes_size),
               ("types", types_at, count), ("scores", scores_at, 4 * count if sentencepiece else 0),
               ("merges", merges_at, 12 * n_merges), ("merge order", order_at, 4 * n_merges),
-              ("byte ids", byte_ids_at, 4 * F.TOKENIZER_BYTE_IDS), ("pattern", pattern_at, pattern_size))
+              ("byte ids", byte_ids_at, 4 * F.TOKENIZER_BYTE_IDS), ("pattern", pattern_at, pattern_size),
+              ("token index", index_at, 4 * count if indexed else 0))
     for name, off, size in arrays:
         if size == 0:
             if off != 0:
@@ -255,6 +265,15 @@ def parse(data: bytes | bytearray | memoryview, vocab: int, work=None) -> Tokeni
         if work is not None:
             work.visits += 1
     tokens = [blob[offsets[i] : offsets[i + 1]] for i in range(count)]
+    if indexed and count:
+        index = np.frombuffer(buf, "<u4", count, index_at)
+        if work is not None:
+            work.visits += count
+        if np.any(index >= count):
+            _bad("the token index names a token past the vocabulary")
+        keys = [(tokens[i], i) for i in index.tolist()]
+        if any(b <= a for a, b in zip(keys, keys[1:])):
+            _bad("the token index is not strictly increasing by (bytes, id)")
 
     def special(v: int) -> int | None:
         return None if v == NONE else int(v)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import struct
 
 MAGIC = 0x52424C43  # b"CLBR" little-endian
@@ -126,10 +127,14 @@ MAX_SEQ_LEN = 1 << 20
 # (from the section's start) of its arrays: token offsets (u32 x vocab+1), token bytes (and their
 # size), types (u8 x vocab), scores (f32 x vocab), merges (u32 x 3 x merge_count: left, right,
 # result), merge order (u32 x merge_count, merges sorted by (left, right)), byte ids (u32 x 256),
-# the pre-tokenizer's split pattern (UTF-8) and its size; 4 reserved bytes.
+# the pre-tokenizer's split pattern (UTF-8) and its size; then (section version 2) the offset of the
+# token index (u32 x vocab: the ids sorted by their bytes, then by id), which encoding searches; in a
+# version-1 section those 4 bytes are reserved (zero), and such a section decodes but does not encode.
 TOKENIZER_MAGIC = 0x4B544C43  # b"CLTK" little-endian
-TOKENIZER_SECTION_VERSION = 1
-TOKENIZER_HEADER = struct.Struct("<IHBBIIIIIIBBHIIIIIIIIII4x")
+TOKENIZER_SECTION_VERSION = 2  # what the writer writes; 1 and 2 are read
+TOKENIZER_SECTION_VERSION_MIN = 1
+TOKENIZER_INDEX_VERSION = 2  # the first section version with the token index
+TOKENIZER_HEADER = struct.Struct("<IHBBIIIIIIBBHIIIIIIIIIII")
 TOKENIZER_ARRAY_ALIGN = 4
 TOKENIZER_BYTE_IDS = 256
 
@@ -178,6 +183,16 @@ class PreTokenizer(enum.IntEnum):
     BYTE_LEVEL = 1  # ByteLevel(use_regex=True): GPT-2's split, then bytes to symbols
     SPLIT_BYTE_LEVEL = 2  # Split(the section's pattern, isolated), then ByteLevel(use_regex=False)
 
+
+# The Split patterns the C encoder implements (docs/lm.md "Encoding"), as the tokenizer.json files of
+# Qwen2/Qwen3 (MoE included) and of Llama 3 write them; a SPLIT_BYTE_LEVEL section holds one of
+# these byte for byte. BYTE_LEVEL's own split is GPT-2's (GPT2_PATTERN, for reference).
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERNS = {"qwen2": QWEN2_PATTERN, "llama3": LLAMA3_PATTERN}
 
 SENTENCEPIECE_UNKNOWN_SURFACE = " \u2047 ".encode()  # what SentencePiece decodes its unknown piece to
 
@@ -354,6 +369,9 @@ class Status(enum.IntEnum):
     # 64-bit images' IMAGE_TOO_LARGE, numbered on another branch.)
     BAD_TOKENIZER = -38
     NO_TOKENIZER = -39
+    # Issue 26: text the C encoder refuses (colibri_tokenizer_encode).
+    BAD_TEXT = -40
+    TEXT_NOT_NORMALIZED = -41
 
 
 STATUS_TEXT = {
@@ -397,6 +415,8 @@ STATUS_TEXT = {
     Status.IMAGE_TOO_LARGE: "the image is larger than this engine build addresses (SIZE_MAX, COLIBRI_MAX_IMAGE_BYTES)",
     Status.BAD_TOKENIZER: "invalid tokenizer section (header, kind, flags, special ids, array bounds, token offsets, types, scores, merges or byte ids)",
     Status.NO_TOKENIZER: "the model image holds no tokenizer section (or this engine was built without the tokenizer)",
+    Status.BAD_TEXT: "the text to encode is not well-formed UTF-8",
+    Status.TEXT_NOT_NORMALIZED: "an NFC tokenizer and text NFC may change: the device cannot encode it (the host can)",
 }
 
 _RECORDS = {"HEADER": HEADER, "TENSOR": TENSOR, "TENSOR_WIDE": TENSOR_WIDE, "LAYER": LAYER, "MOE": MOE,
@@ -437,6 +457,10 @@ def c_header() -> str:
         f"#define COLIBRI_TOKENIZER_VERSION {TOKENIZER_VERSION}u",
         f"#define COLIBRI_TOKENIZER_MAGIC 0x{TOKENIZER_MAGIC:08X}u",
         f"#define COLIBRI_TOKENIZER_SECTION_VERSION {TOKENIZER_SECTION_VERSION}u",
+        f"#define COLIBRI_TOKENIZER_SECTION_VERSION_MIN {TOKENIZER_SECTION_VERSION_MIN}u",
+        f"#define COLIBRI_TOKENIZER_INDEX_VERSION {TOKENIZER_INDEX_VERSION}u",
+        *(f"#define COLIBRI_SPLIT_PATTERN_{name.upper()} {json.dumps(pattern)}"
+          for name, pattern in SPLIT_PATTERNS.items()),
         f"#define COLIBRI_TOKENIZER_HEADER_SIZE {TOKENIZER_HEADER.size}u",
         f"#define COLIBRI_TOKENIZER_BYTE_IDS {TOKENIZER_BYTE_IDS}u",
         f"#define COLIBRI_WIDE_VERSION {WIDE_VERSION}u",

@@ -1264,6 +1264,94 @@ static PyObject *TextDecoder_piece(TextDecoderObject *self, PyObject *arg) {
     return st == COLIBRI_OK ? PyBytes_FromStringAndSize((const char *)bytes, (Py_ssize_t)n) : raise_status(st);
 }
 
+/* encode(text: bytes | str) -> list[int]: colibri_tokenizer_encode with buffers of the documented bounds. */
+static PyObject *TextDecoder_encode(TextDecoderObject *self, PyObject *arg) {
+    if (!decoder_ready(self)) {
+        return NULL;
+    }
+    Py_buffer text;
+    PyObject *utf8 = NULL;
+    if (PyUnicode_Check(arg)) {
+        utf8 = PyUnicode_AsUTF8String(arg);
+        if (utf8 == NULL) {
+            return NULL;
+        }
+        arg = utf8;
+    }
+    if (PyObject_GetBuffer(arg, &text, PyBUF_CONTIG_RO) < 0) {
+        Py_XDECREF(utf8);
+        return NULL;
+    }
+    const size_t len = (size_t)text.len, cap = COLIBRI_TOKENIZER_ENCODE_MAX_IDS(len);
+    const size_t work_bytes = COLIBRI_TOKENIZER_ENCODE_WORK_BYTES(len);
+    int32_t *ids = PyMem_Malloc(cap * sizeof *ids);
+    void *work = PyMem_Malloc(work_bytes);
+    PyObject *out = NULL;
+    if (ids == NULL || work == NULL) {
+        PyErr_NoMemory();
+    } else {
+        size_t n = 0;
+        int st;
+        Py_BEGIN_ALLOW_THREADS
+        st = colibri_tokenizer_encode(&self->tok, text.buf, len, ids, cap, &n, work, work_bytes);
+        Py_END_ALLOW_THREADS
+        if (st != COLIBRI_OK) {
+            raise_status(st);
+        } else if ((out = PyList_New((Py_ssize_t)n)) != NULL) {
+            for (size_t i = 0; i < n; i++) {
+                PyList_SET_ITEM(out, (Py_ssize_t)i, PyLong_FromLong(ids[i]));
+            }
+        }
+    }
+    PyMem_Free(ids);
+    PyMem_Free(work);
+    PyBuffer_Release(&text);
+    Py_XDECREF(utf8);
+    return out;
+}
+
+/* encode_into(text: bytes, ids_cap, work_bytes) -> (status, n, ids[:min(n, ids_cap)]): the C call with the
+ * caller's sizes, for the tests of its bounds and statuses. */
+static PyObject *TextDecoder_encode_into(TextDecoderObject *self, PyObject *args) {
+    Py_buffer text;
+    Py_ssize_t cap, work_bytes;
+    if (!decoder_ready(self) || !PyArg_ParseTuple(args, "y*nn", &text, &cap, &work_bytes)) {
+        return NULL;
+    }
+    if (cap < 0 || work_bytes < 0) {
+        PyBuffer_Release(&text);
+        PyErr_SetString(PyExc_ValueError, "ids_cap and work_bytes must be >= 0");
+        return NULL;
+    }
+    int32_t *ids = PyMem_Malloc((size_t)cap * sizeof *ids + 1u);
+    uint8_t *work = PyMem_Malloc((size_t)work_bytes + 1u);
+    PyObject *out = NULL;
+    if (ids == NULL || work == NULL) {
+        PyErr_NoMemory();
+    } else {
+        size_t n = 0;
+        int st = colibri_tokenizer_encode(&self->tok, text.buf, (size_t)text.len, ids, (size_t)cap, &n,
+                                          work_bytes ? work : NULL, (size_t)work_bytes);
+        PyObject *list = PyList_New(0);
+        for (size_t i = 0; list != NULL && i < n && i < (size_t)cap; i++) {
+            PyObject *v = PyLong_FromLong(ids[i]);
+            if (v == NULL || PyList_Append(list, v) < 0) {
+                Py_XDECREF(v);
+                Py_CLEAR(list);
+                break;
+            }
+            Py_DECREF(v);
+        }
+        if (list != NULL) {
+            out = Py_BuildValue("(inN)", st, (Py_ssize_t)n, list);
+        }
+    }
+    PyMem_Free(ids);
+    PyMem_Free(work);
+    PyBuffer_Release(&text);
+    return out;
+}
+
 static PyObject *TextDecoder_info(TextDecoderObject *self, PyObject *Py_UNUSED(ignored)) {
     if (!decoder_ready(self)) {
         return NULL;
@@ -1279,6 +1367,9 @@ static PyMethodDef TextDecoder_methods[] = {
     {"flush", (PyCFunction)TextDecoder_flush, METH_NOARGS, "flush() -> what the stream still holds (U+FFFD)"},
     {"piece", (PyCFunction)TextDecoder_piece, METH_O, "piece(id) -> the token's own bytes"},
     {"info", (PyCFunction)TextDecoder_info, METH_NOARGS, "info() -> kind, flags, vocab_size, special ids"},
+    {"encode", (PyCFunction)TextDecoder_encode, METH_O, "encode(text) -> ids, by colibri_tokenizer_encode"},
+    {"encode_into", (PyCFunction)TextDecoder_encode_into, METH_VARARGS,
+     "encode_into(text, ids_cap, work_bytes) -> (status, n, ids): the C call with these buffer sizes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -409,6 +409,7 @@ class LM:
                 if e.args[0] != Status.NO_TOKENIZER:
                     raise error_for(e.args[0]) from None
         self._host_tokenizer = None
+        self._device_encoder = None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -446,6 +447,20 @@ class LM:
     def encode(self, text: str) -> list[int]:
         """Text to ids with the image's tokenizer (on the host, by its library; no BOS added)."""
         return self.tokenizer.encode(text)
+
+    def encode_device(self, text: str) -> list[int]:
+        """Text to ids by the C engine's encoder (colibri_tokenizer_encode), as a device encodes it: the
+        same ids as `encode`, or the engine's error for what a device refuses (BAD_TEXT,
+        TEXT_NOT_NORMALIZED for an NFC tokenizer and text NFC may change, UNSUPPORTED for a section
+        written before encoding)."""
+        self._need_tokenizer()
+        if self._device_encoder is None:
+            self._device_encoder = _engine.TextDecoder(self.image)
+        try:
+            # a lone surrogate goes through as the bytes it would be, which the device refuses as BAD_TEXT
+            return self._device_encoder.encode(text.encode("utf-8", "surrogatepass"))
+        except _engine.EngineError as e:
+            raise error_for(e.args[0], f"encoding {text[:40]!r}") from None
 
     def text_stream(self) -> "TextStream":
         """The C engine's streaming decoder over the image's tokenizer: `push(id)` returns the text

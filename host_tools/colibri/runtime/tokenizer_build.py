@@ -108,6 +108,9 @@ def from_tokenizer_json(path: str | Path) -> TokenizerSection:
     elif _split_then_byte_level(pre):
         kind_pre, level = PreTokenizer.SPLIT_BYTE_LEVEL, pre["pretokenizers"][1]
         pattern = pre["pretokenizers"][0]["pattern"]["Regex"]
+        if pattern not in F.SPLIT_PATTERNS.values():  # the device's encoder implements these (docs/lm.md)
+            _refuse(path, f"Split pattern {pattern[:80]!r}: the device encodes Qwen2's and Llama 3's "
+                          f"({', '.join(F.SPLIT_PATTERNS)}) only")
     else:
         _refuse(path, f"pre-tokenizer {json.dumps(pre)[:120]} (Colibri supports ByteLevel with its regex, and "
                       "Split(regex, isolated) then ByteLevel without)")
@@ -142,7 +145,8 @@ def from_tokenizer_json(path: str | Path) -> TokenizerSection:
     unk = None
     if model.get("unk_token") is not None:
         unk = vocab.get(model["unk_token"])
-        if unk is not None:
+        # an added token stays one (tokenizers matches it in the text, and skips a special one in decoding)
+        if unk is not None and types[unk] == TokenType.NORMAL:
             types[unk] = TokenType.UNKNOWN
     merges = []
     for m in model.get("merges", []):
@@ -196,6 +200,12 @@ def from_sentencepiece(path: str | Path) -> TokenizerSection:
             tokens.append(bytes([value]))
             byte_ids[value] = i
         else:
+            if " " in p.piece:  # the section's space is U+2581's: a raw one would encode as it
+                _refuse(path, f"piece {p.piece!r} (id {i}) holds a raw space, which the section cannot tell "
+                              "from U+2581")
+            if kind == TokenType.UNUSED and trainer.model_type == 2:
+                _refuse(path, f"unused piece {p.piece!r} (id {i}) in a BPE model: sentencepiece re-splits it "
+                              "by the merges it took, which the device's encoder does not keep")
             tokens.append(p.piece.replace(SPACE, " ").encode("utf-8"))
         types.append(kind)
         scores.append(p.score)

@@ -142,7 +142,8 @@ class Device:
         self._seq = 0
         self._rx = bytearray()
         self.info: DeviceInfo | None = None
-        self.last_generation: GenerationWork | None = None  # set by generate()
+        self.last_generation: GenerationWork | None = None  # set by generate() and generate_text()
+        self.last_prompt_ids = 0  # set by generate_text(): the ids its prompt encoded to
 
     def close(self) -> None:
         sock = getattr(self.port, "_socket", None)
@@ -335,6 +336,36 @@ class Device:
         count, kind, prefill, decode, sample = P.GENERATE_RESPONSE.unpack_from(payload)
         self.last_generation = GenerationWork(P.WorkKind(kind), prefill, decode, sample, max(count - 1, 0))
         return [int(t) for t in np.frombuffer(payload, "<i4", count, offset=P.GENERATE_RESPONSE.size)]
+
+    def generate_text(self, prompt: str | list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True) -> tuple[str, list[int]]:
+        """GENERATE_TEXT (protocol 5): `generate` with the image's own tokenizer on the device. A str
+        prompt is encoded there (colibri_tokenizer_encode; the same ids as colibri.LM.encode), a list
+        of ids goes as it is; the tokenizer's EOS ends the run unless stop_at_eos=False; the new ids
+        come back with their text, decoded on the device by its streaming decoder. Returns (text,
+        new ids); the prompt's id count is in `self.last_prompt_ids`."""
+        self._token_model()
+        if not 0 <= max_new_tokens < 2**32:
+            raise ValueError(f"max_new_tokens must be in 0..2^32-1, got {max_new_tokens}")
+        if not 0 <= top_k < 2**32:
+            raise ValueError(f"top_k must be in 0..2^32-1, got {top_k}")
+        flags = P.GENERATE_TEXT_STOP_AT_EOS if stop_at_eos else 0
+        if isinstance(prompt, str):
+            body = prompt.encode("utf-8", "surrogatepass")
+            flags |= P.GENERATE_TEXT_PROMPT_TEXT
+            count = len(body)
+        else:
+            ids = self._ids(prompt)
+            body, count = ids.tobytes(), len(ids)
+        payload = self.request(P.Type.GENERATE_TEXT, P.GENERATE_TEXT_REQUEST.pack(
+            max_new_tokens, temperature, top_k, top_p, int(seed) % 2**64, flags, count) + body)
+        made, kind, prefill, decode, sample, prompt_ids, text_len = P.GENERATE_TEXT_RESPONSE.unpack_from(payload)
+        self.last_generation = GenerationWork(P.WorkKind(kind), prefill, decode, sample, max(made - 1, 0))
+        self.last_prompt_ids = prompt_ids
+        at = P.GENERATE_TEXT_RESPONSE.size
+        new = [int(t) for t in np.frombuffer(payload, "<i4", made, offset=at)]
+        text = payload[at + 4 * made : at + 4 * made + text_len].decode("utf-8")  # whole characters by design
+        return text, new
 
     def kernels(self, reference: bool | None = None) -> tuple[bool, str]:
         """Selects the device's kernels (reference=True: the reference kernels, the specification, which

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from cobs import cobs
 
-VERSION = 4  # 2: HELLO reports the model image format versions the engine reads; 3: KERNELS;
-# 4: token models: LM_RESET, FORWARD_TOKENS, GENERATE, and INFO adds vocab_size, max_seq_len, kv_cache_bytes
+VERSION = 5  # 2: HELLO reports the model image format versions the engine reads; 3: KERNELS;
+# 4: token models: LM_RESET, FORWARD_TOKENS, GENERATE, and INFO adds vocab_size, max_seq_len, kv_cache_bytes;
+# 5: GENERATE_TEXT, the image's tokenizer on the target (text or ids in, ids and text out, EOS ends it)
 MAX_PAYLOAD = 4096
 HEADER = struct.Struct("<BBHI")  # type, flags, seq, length
 CRC = struct.Struct("<I")
@@ -32,6 +33,7 @@ class Type(enum.IntEnum):
     LM_RESET = 0x31  # token models (docs/lm.md): empty the KV cache
     FORWARD_TOKENS = 0x32  # token ids in, logits out
     GENERATE = 0x33  # prompt in, sampled on the target, new ids out
+    GENERATE_TEXT = 0x34  # GENERATE with the image's tokenizer on the target: text in, ids and text out
     STATS = 0x40
     RESET = 0x50
     SLOT_INFO = 0x60
@@ -53,6 +55,13 @@ ROWS_ALL = 0  # FORWARD_TOKENS: every row's logits
 ROWS_LAST = 1  # FORWARD_TOKENS: the last row's only
 GENERATE_REQUEST = struct.Struct("<IfIfQI")  # max_new_tokens, temperature, top_k, top_p, seed, n_prompt; then ids
 GENERATE_RESPONSE = struct.Struct("<IIQQQ")  # count, work_kind, prefill, decode, sample work; then count i32 ids
+# GENERATE_TEXT (protocol 5): GENERATE's fields with flags before n_prompt; the prompt is n_prompt i32 ids, or
+# n_prompt bytes of UTF-8 with PROMPT_TEXT. The response adds the prompt's id count and the text's bytes; then
+# count i32 ids, then the text (the new ids decoded on the target, whole characters, the end flushed).
+GENERATE_TEXT_REQUEST = struct.Struct("<IfIfQII")  # max_new_tokens, temperature, top_k, top_p, seed, flags, n_prompt
+GENERATE_TEXT_RESPONSE = struct.Struct("<IIQQQII")  # count, work_kind, prefill, decode, sample, prompt ids, text bytes
+GENERATE_TEXT_PROMPT_TEXT = 1  # the prompt is UTF-8 text, encoded by the image's tokenizer on the target
+GENERATE_TEXT_STOP_AT_EOS = 2  # the tokenizer's EOS ends the run (it is the last id)
 
 
 class ProtocolStatus(enum.IntEnum):

@@ -89,7 +89,9 @@ pub const COLIBRI_EXPERT_GLU: u32 = 2;
 // Format v6: the tokenizer section (docs/lm.md).
 pub const COLIBRI_TOKENIZER_VERSION: u32 = 6;
 pub const COLIBRI_TOKENIZER_MAGIC: u32 = 1263815747;
-pub const COLIBRI_TOKENIZER_SECTION_VERSION: u32 = 1;
+pub const COLIBRI_TOKENIZER_SECTION_VERSION: u32 = 2;
+pub const COLIBRI_TOKENIZER_SECTION_VERSION_MIN: u32 = 1;
+pub const COLIBRI_TOKENIZER_INDEX_VERSION: u32 = 2;
 pub const COLIBRI_TOKENIZER_HEADER_SIZE: u32 = 80;
 pub const COLIBRI_TOKENIZER_BYTE_IDS: u32 = 256;
 pub const COLIBRI_DTYPE_TOKENIZER: u32 = 8;
@@ -154,6 +156,50 @@ pub const COLIBRI_E_NAN_LOGITS: colibri_status = -36;
 pub const COLIBRI_E_IMAGE_TOO_LARGE: colibri_status = -37;
 pub const COLIBRI_E_BAD_TOKENIZER: colibri_status = -38;
 pub const COLIBRI_E_NO_TOKENIZER: colibri_status = -39;
+pub const COLIBRI_E_BAD_TEXT: colibri_status = -40;
+pub const COLIBRI_E_TEXT_NOT_NORMALIZED: colibri_status = -41;
+
+// ---- colibri_tokenizer.h ----
+pub const COLIBRI_TOKENIZER_MAX_PIECE: u32 = 256;
+
+/// The tokenizer section of an image, read in place (colibri_tokenizer.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct colibri_tokenizer {
+    pub section: *const u8,
+    pub size: u32,
+    pub vocab: u32,
+    pub kind: u32,
+    pub flags: u32,
+    pub max_piece: u32,
+    pub bos: i32,
+    pub eos: i32,
+    pub pad: i32,
+    pub unk: i32,
+}
+
+/// The streaming decoder's state: an incomplete UTF-8 sequence held back.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct colibri_text_stream {
+    pub held: [u8; 4],
+    pub held_len: u8,
+    pub started: u8,
+    pub reserved: [u8; 2],
+}
+
+/// COLIBRI_TOKENIZER_DECODE_BYTES: output bytes one decode call may give.
+pub const fn colibri_tokenizer_decode_bytes(max_piece: usize) -> usize {
+    3 * (max_piece + 4)
+}
+/// COLIBRI_TOKENIZER_ENCODE_MAX_IDS: ids `text_len` bytes encode to at most.
+pub const fn colibri_tokenizer_encode_max_ids(text_len: usize) -> usize {
+    3 * text_len + 3
+}
+/// COLIBRI_TOKENIZER_ENCODE_WORK_BYTES: the encoder's work bytes for `text_len` bytes.
+pub const fn colibri_tokenizer_encode_work_bytes(text_len: usize) -> usize {
+    16 * text_len + 64
+}
 
 // ---- colibri.h ----
 pub const COLIBRI_VERSION_MAJOR: u32 = 0;
@@ -366,4 +412,34 @@ extern "C" {
     pub fn colibri_get_info(image: *const c_void, image_len: usize, info: *mut colibri_model_info) -> colibri_status;
     pub fn colibri_strerror(status: c_int) -> *const c_char;
     pub fn colibri_version() -> *const c_char;
+
+    // ---- colibri_tokenizer.h ----
+    pub fn colibri_tokenizer_open(tok: *mut colibri_tokenizer, image: *const c_void, image_len: usize) -> colibri_status;
+    pub fn colibri_tokenizer_piece(
+        tok: *const colibri_tokenizer,
+        id: i32,
+        bytes: *mut *const u8,
+        len: *mut usize,
+    ) -> colibri_status;
+    pub fn colibri_text_stream_init(s: *mut colibri_text_stream);
+    pub fn colibri_tokenizer_decode(
+        tok: *const colibri_tokenizer,
+        s: *mut colibri_text_stream,
+        id: i32,
+        out: *mut u8,
+        out_cap: usize,
+        out_len: *mut usize,
+    ) -> colibri_status;
+    pub fn colibri_tokenizer_flush(s: *mut colibri_text_stream, out: *mut u8, out_cap: usize, out_len: *mut usize)
+        -> colibri_status;
+    pub fn colibri_tokenizer_encode(
+        tok: *const colibri_tokenizer,
+        text: *const u8,
+        text_len: usize,
+        ids: *mut i32,
+        ids_cap: usize,
+        n_ids: *mut usize,
+        work: *mut c_void,
+        work_bytes: usize,
+    ) -> colibri_status;
 }

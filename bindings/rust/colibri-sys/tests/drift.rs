@@ -20,7 +20,7 @@ const CC: &str = env!("COLIBRI_BUILD_CC");
 
 fn header_text() -> String {
     let mut all = String::new();
-    for name in ["colibri_format.h", "colibri.h"] {
+    for name in ["colibri_format.h", "colibri.h", "colibri_tokenizer.h"] {
         all += &fs::read_to_string(Path::new(INCLUDE).join(name)).unwrap();
         all.push('\n');
     }
@@ -65,13 +65,18 @@ fn ident_before(s: &str) -> &str {
 /// Numeric object-like macros: name only (the C program prints their values).
 fn header_defines(text: &str) -> Vec<String> {
     // Not values: include guards, the attribute, the initializer, the X-macro, the string.
-    let skip = ["COLIBRI_H", "COLIBRI_FORMAT_H", "COLIBRI_API", "COLIBRI_EXEC_INIT", "COLIBRI_VERSION_STRING"];
+    let skip = ["COLIBRI_H", "COLIBRI_FORMAT_H", "COLIBRI_TOKENIZER_H", "COLIBRI_API", "COLIBRI_EXEC_INIT",
+                "COLIBRI_VERSION_STRING"];
     let mut names = Vec::new();
     for line in text.lines() {
         let Some(rest) = line.trim().strip_prefix("#define ") else { continue };
         let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         let function_like = rest[name.len()..].starts_with('(');
-        if name.starts_with("COLIBRI_") && !function_like && !skip.contains(&name.as_str()) && !names.contains(&name) {
+        // The Split patterns are strings the C encoder compares against; the crate encodes through it.
+        let pattern = name.starts_with("COLIBRI_SPLIT_PATTERN_");
+        if name.starts_with("COLIBRI_") && !function_like && !pattern && !skip.contains(&name.as_str())
+            && !names.contains(&name)
+        {
             names.push(name);
         }
     }
@@ -102,7 +107,8 @@ fn struct_fields(body: &str) -> Vec<String> {
     let mut fields = Vec::new();
     for decl in body.split(';').map(str::trim).filter(|d| !d.is_empty()) {
         for piece in decl.split(',') {
-            fields.push(ident_before(piece).to_string());
+            // an array field's name comes before its bounds: `uint8_t held[4]`
+            fields.push(ident_before(piece.split('[').next().unwrap()).to_string());
         }
     }
     fields
@@ -166,6 +172,8 @@ fn rust_facts() -> BTreeSet<String> {
                        expert, expert_user }
         colibri_rng { state }
         colibri_sampler { struct_size, temperature, top_k, top_p }
+        colibri_tokenizer { section, size, vocab, kind, flags, max_piece, bos, eos, pad, unk }
+        colibri_text_stream { held, held_len, started, reserved }
     );
     for (ty, size) in [("colibri_status", size_of::<sys::colibri_status>()),
                        ("colibri_kernel_set", size_of::<sys::colibri_kernel_set>())] {
@@ -244,6 +252,9 @@ fn rust_facts() -> BTreeSet<String> {
         ("COLIBRI_TOKENIZER_VERSION", sys::COLIBRI_TOKENIZER_VERSION as i64),
         ("COLIBRI_TOKENIZER_MAGIC", sys::COLIBRI_TOKENIZER_MAGIC as i64),
         ("COLIBRI_TOKENIZER_SECTION_VERSION", sys::COLIBRI_TOKENIZER_SECTION_VERSION as i64),
+        ("COLIBRI_TOKENIZER_SECTION_VERSION_MIN", sys::COLIBRI_TOKENIZER_SECTION_VERSION_MIN as i64),
+        ("COLIBRI_TOKENIZER_INDEX_VERSION", sys::COLIBRI_TOKENIZER_INDEX_VERSION as i64),
+        ("COLIBRI_TOKENIZER_MAX_PIECE", sys::COLIBRI_TOKENIZER_MAX_PIECE as i64),
         ("COLIBRI_TOKENIZER_HEADER_SIZE", sys::COLIBRI_TOKENIZER_HEADER_SIZE as i64),
         ("COLIBRI_TOKENIZER_BYTE_IDS", sys::COLIBRI_TOKENIZER_BYTE_IDS as i64),
         ("COLIBRI_DTYPE_TOKENIZER", sys::COLIBRI_DTYPE_TOKENIZER as i64),
@@ -314,6 +325,8 @@ fn rust_facts() -> BTreeSet<String> {
         ("COLIBRI_E_IMAGE_TOO_LARGE", sys::COLIBRI_E_IMAGE_TOO_LARGE as i64),
         ("COLIBRI_E_BAD_TOKENIZER", sys::COLIBRI_E_BAD_TOKENIZER as i64),
         ("COLIBRI_E_NO_TOKENIZER", sys::COLIBRI_E_NO_TOKENIZER as i64),
+        ("COLIBRI_E_BAD_TEXT", sys::COLIBRI_E_BAD_TEXT as i64),
+        ("COLIBRI_E_TEXT_NOT_NORMALIZED", sys::COLIBRI_E_TEXT_NOT_NORMALIZED as i64),
         ("COLIBRI_KERNELS_OPTIMISED", sys::COLIBRI_KERNELS_OPTIMISED as i64),
         ("COLIBRI_KERNELS_REFERENCE", sys::COLIBRI_KERNELS_REFERENCE as i64),
     ];
@@ -327,7 +340,9 @@ fn rust_facts() -> BTreeSet<String> {
 #[test]
 fn layouts_and_values_match_the_header() {
     let text = header_text();
-    let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"colibri.h\"\nint main(void) {\n");
+    let mut c = String::from(
+        "#include <stdio.h>\n#include <stddef.h>\n#include \"colibri.h\"\n#include \"colibri_tokenizer.h\"\nint main(void) {\n",
+    );
     for (name, body) in typedef_bodies(&text, "struct") {
         c += &format!("    printf(\"size {name} %zu\\n\", sizeof({name}));\n");
         for field in struct_fields(&body) {
@@ -420,7 +435,7 @@ fn every_function_matches_its_prototype() {
         .collect();
 
     let rust = flat(&fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/lib.rs")).unwrap()).replace("< ", "<");
-    let mut checks = String::from("#include \"colibri.h\"\n");
+    let mut checks = String::from("#include \"colibri.h\"\n#include \"colibri_tokenizer.h\"\n");
     let mut rust_fns = BTreeSet::new();
     for decl in rust.split("pub fn ").skip(1) {
         let name = &decl[..decl.find('(').unwrap()];

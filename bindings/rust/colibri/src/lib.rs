@@ -82,11 +82,13 @@ pub enum Status {
     ImageTooLarge = sys::COLIBRI_E_IMAGE_TOO_LARGE,
     BadTokenizer = sys::COLIBRI_E_BAD_TOKENIZER,
     NoTokenizer = sys::COLIBRI_E_NO_TOKENIZER,
+    BadText = sys::COLIBRI_E_BAD_TEXT,
+    TextNotNormalized = sys::COLIBRI_E_TEXT_NOT_NORMALIZED,
 }
 
 impl Status {
     /// Every failure status, in the header's order.
-    pub const ALL: [Status; 39] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge, Status::BadTokenizer, Status::NoTokenizer];
+    pub const ALL: [Status; 41] = [Status::NullArg, Status::Truncated, Status::BadMagic, Status::BadVersion, Status::BadHeader, Status::BadCrc, Status::TableBounds, Status::TensorBounds, Status::BadTensor, Status::BadRef, Status::BadLayer, Status::BadMoe, Status::Unsupported, Status::ArenaTooSmall, Status::ArenaAlign, Status::ImageAlign, Status::BadBatch, Status::BufferSize, Status::BadContext, Status::BadQuant, Status::BadCompensation, Status::UnsupportedVersion, Status::BadExec, Status::BadPayloadCrc, Status::FileNotFound, Status::FileOpen, Status::MmapFailed, Status::MlockFailed, Status::FileChanged, Status::NoSuchExpert, Status::BadAttention, Status::CacheFull, Status::BadToken, Status::ModelKind, Status::BadSampler, Status::NanLogits, Status::ImageTooLarge, Status::BadTokenizer, Status::NoTokenizer, Status::BadText, Status::TextNotNormalized];
 
     /// The C value.
     pub const fn code(self) -> i32 {
@@ -136,6 +138,8 @@ impl Status {
             sys::COLIBRI_E_IMAGE_TOO_LARGE => Status::ImageTooLarge,
             sys::COLIBRI_E_BAD_TOKENIZER => Status::BadTokenizer,
             sys::COLIBRI_E_NO_TOKENIZER => Status::NoTokenizer,
+            sys::COLIBRI_E_BAD_TEXT => Status::BadText,
+            sys::COLIBRI_E_TEXT_NOT_NORMALIZED => Status::TextNotNormalized,
             _ => return None,
         })
     }
@@ -468,6 +472,107 @@ impl Model<'_> {
             out[made] = self.lm_sample(sampler, &logits[..vocab], rng)?;
         }
         Ok(())
+    }
+}
+
+/// The tokenizer section of a token model's image (format v6, docs/lm.md "Tokenizer section"),
+/// read in place: text to ids ([`Tokenizer::encode`]) and ids to text ([`TextDecoder`]) on the
+/// device, as the library the tokenizer came from does. Nothing is allocated: the caller gives
+/// every buffer, sized by [`encode_max_ids`], [`encode_work_bytes`] and [`Tokenizer::decode_bytes`].
+pub struct Tokenizer<'a> {
+    raw: sys::colibri_tokenizer,
+    _image: PhantomData<&'a [u8]>,
+}
+
+/// Ids [`Tokenizer::encode`] gives at most for `text_len` bytes of text, whatever the tokenizer.
+pub const fn encode_max_ids(text_len: usize) -> usize {
+    sys::colibri_tokenizer_encode_max_ids(text_len)
+}
+
+/// Work bytes [`Tokenizer::encode`] needs for `text_len` bytes of text.
+pub const fn encode_work_bytes(text_len: usize) -> usize {
+    sys::colibri_tokenizer_encode_work_bytes(text_len)
+}
+
+impl<'a> Tokenizer<'a> {
+    /// Checks the image's structure and finds its section: [`Status::NoTokenizer`] without one.
+    pub fn open(image: &'a [u8]) -> Result<Tokenizer<'a>, Status> {
+        let mut raw = core::mem::MaybeUninit::<sys::colibri_tokenizer>::uninit();
+        // SAFETY: the image outlives the tokenizer ('a); open fills raw on success.
+        check(unsafe { sys::colibri_tokenizer_open(raw.as_mut_ptr(), image.as_ptr().cast(), image.len()) })?;
+        // SAFETY: initialised by the successful call.
+        Ok(Tokenizer { raw: unsafe { raw.assume_init() }, _image: PhantomData })
+    }
+
+    pub fn vocab_size(&self) -> u32 {
+        self.raw.vocab
+    }
+
+    /// The end-of-sequence id, if the tokenizer names one.
+    pub fn eos(&self) -> Option<i32> {
+        (self.raw.eos >= 0).then_some(self.raw.eos)
+    }
+
+    /// The beginning-of-sequence id, if the tokenizer names one.
+    pub fn bos(&self) -> Option<i32> {
+        (self.raw.bos >= 0).then_some(self.raw.bos)
+    }
+
+    /// Output bytes that always suffice for one [`TextDecoder::push`].
+    pub fn decode_bytes(&self) -> usize {
+        sys::colibri_tokenizer_decode_bytes(self.raw.max_piece as usize)
+    }
+
+    /// `text` to ids in `ids` (no BOS or EOS added): their count. `ids` shorter than the count is
+    /// `Err((Status::BufferSize, count))`; a `work` below [`encode_work_bytes`] is
+    /// [`Status::ArenaTooSmall`]; ill-formed UTF-8 [`Status::BadText`]; text an NFC tokenizer would
+    /// change [`Status::TextNotNormalized`] (encode it on a host).
+    pub fn encode(&self, text: &[u8], ids: &mut [i32], work: &mut [u8]) -> Result<usize, (Status, usize)> {
+        let mut n = 0usize;
+        // SAFETY: every pointer with its length; the section lives as long as 'a.
+        let code = unsafe {
+            sys::colibri_tokenizer_encode(&self.raw, text.as_ptr(), text.len(), ids.as_mut_ptr(), ids.len(), &mut n,
+                                          work.as_mut_ptr().cast(), work.len())
+        };
+        check(code).map(|()| n).map_err(|status| (status, n))
+    }
+
+    /// A new streaming decoder over this tokenizer.
+    pub fn decoder(&self) -> TextDecoder<'_, 'a> {
+        let mut stream = sys::colibri_text_stream::default();
+        // SAFETY: a valid stream to initialise.
+        unsafe { sys::colibri_text_stream_init(&mut stream) };
+        TextDecoder { tok: self, stream }
+    }
+}
+
+/// Ids to text, one token at a time: each push gives only whole UTF-8 characters (a character split
+/// across tokens comes out with its last byte), ill-formed bytes as U+FFFD; [`TextDecoder::flush`]
+/// ends the stream.
+pub struct TextDecoder<'t, 'a> {
+    tok: &'t Tokenizer<'a>,
+    stream: sys::colibri_text_stream,
+}
+
+impl TextDecoder<'_, '_> {
+    /// The text token `id` completes, written into `out` (at least [`Tokenizer::decode_bytes`] bytes
+    /// always suffice; a shorter one may be [`Status::BufferSize`], the stream as before).
+    pub fn push<'o>(&mut self, id: i32, out: &'o mut [u8]) -> Result<&'o str, Status> {
+        let mut n = 0usize;
+        // SAFETY: out with its length; the tokenizer's section is alive.
+        check(unsafe {
+            sys::colibri_tokenizer_decode(&self.tok.raw, &mut self.stream, id, out.as_mut_ptr(), out.len(), &mut n)
+        })?;
+        core::str::from_utf8(&out[..n]).map_err(|_| Status::BadTokenizer)
+    }
+
+    /// What the stream still holds (an incomplete character, as U+FFFD: at most 3 bytes); it then
+    /// starts afresh.
+    pub fn flush<'o>(&mut self, out: &'o mut [u8]) -> Result<&'o str, Status> {
+        let mut n = 0usize;
+        // SAFETY: out with its length.
+        check(unsafe { sys::colibri_tokenizer_flush(&mut self.stream, out.as_mut_ptr(), out.len(), &mut n) })?;
+        core::str::from_utf8(&out[..n]).map_err(|_| Status::BadTokenizer)
     }
 }
 
