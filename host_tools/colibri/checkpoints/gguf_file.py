@@ -690,11 +690,14 @@ def export_gguf(path_in: str | Path, path: str | Path, *, max_seq_len: int | Non
                 keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
                 group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
                 on_tensor: Callable[[int, int, int], None] | None = None,
-                page_aligned: bool | None = None) -> GGUFExport:
+                page_aligned: bool | None = None, tokenizer: bool | str | Path = True) -> GGUFExport:
     """Export a GGUF file to a token-model image at `path`, one tensor in memory at a time.
 
     The options are `hf_folder.export_folder`'s; `dtype=None` takes the file's own (`natural_dtype`:
-    Q4_0 -> q4, Q8_0 -> q8, F16 -> f16, BF16 and F32 -> f32)."""
+    Q4_0 -> q4, Q8_0 -> q8, F16 -> f16, BF16 and F32 -> f32). `tokenizer` (default True): the file's
+    tokenizer metadata becomes the image's tokenizer section (`gguf_tokenizer`), if it has a
+    vocabulary; a path (a folder, tokenizer.json or tokenizer.model) takes it from there instead;
+    False leaves it out. A kind Colibri does not carry is refused by name before anything is written."""
     if path is None:
         raise ExportError("a streamed export writes a file: give the output path")
     ck = GGUFCheckpoint(path_in)
@@ -702,6 +705,17 @@ def export_gguf(path_in: str | Path, path: str | Path, *, max_seq_len: int | Non
         raise missing_max_seq_len(ck)
     dtype = ck.natural_dtype() if dtype is None else dtype
     graph = hf_folder.build_folder_graph(ck, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
+    if tokenizer is not False:
+        from ..runtime import tokenizer_build
+
+        if tokenizer is True:
+            from .gguf_tokenizer import section_from_gguf
+
+            section = section_from_gguf(ck.path)
+            if section is not None:
+                graph.tokenizer = tokenizer_build.packed_for(section, graph.vocab_size, str(ck.path))
+        else:
+            graph.tokenizer = tokenizer_build.packed_for(tokenizer, graph.vocab_size, str(tokenizer))
     result = hf_folder.export_graph(ck, graph, path, dtype=dtype, compensation=compensation, keep=keep,
                                     int8_act=int8_act, int8_blocks=int8_blocks, group=group, q8=q8, check=check,
                                     on_tensor=on_tensor, page_aligned=page_aligned)
@@ -739,6 +753,9 @@ class GGUFTokenizer:
     add_bos: bool | None = None
     add_eos: bool | None = None
     chat_template: str | None = None
+    add_space_prefix: bool | None = None  # SentencePiece: add_dummy_prefix
+    remove_extra_whitespaces: bool | None = None  # SentencePiece's normaliser option
+    precompiled_charsmap: int = 0  # bytes of a SentencePiece normaliser's character map (0: none)
 
 
 def tokenizer_metadata(path: str | Path) -> GGUFTokenizer | None:
@@ -782,4 +799,7 @@ def tokenizer_metadata(path: str | Path) -> GGUFTokenizer | None:
         merges=merges, pre=meta.string("tokenizer.ggml.pre"), special=special,
         add_bos=meta.boolean("tokenizer.ggml.add_bos_token"), add_eos=meta.boolean("tokenizer.ggml.add_eos_token"),
         chat_template=meta.string("tokenizer.chat_template"),
+        add_space_prefix=meta.boolean("tokenizer.ggml.add_space_prefix"),
+        remove_extra_whitespaces=meta.boolean("tokenizer.ggml.remove_extra_whitespaces"),
+        precompiled_charsmap=meta.array_length("tokenizer.ggml.precompiled_charsmap") or 0,
     )
