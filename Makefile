@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-prefill bench-lm-gemm
+        bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-prefill bench-lm-gemm
 
 setup:
 	./scripts/setup.sh
@@ -202,6 +202,11 @@ bench-lm: bench-lm-setup
 
 bench-lm-quick: bench-lm-setup
 	$(PY) bench/lm_vs_llama_cpp.py --quick
+
+# Colibri's GGUF import (colibri export model.gguf) on llama.cpp's own F32/F16/Q8_0/Q4_0 files (Q8_0/Q4_0
+# llama-quantize --pure) of the bench's random models, against llama.cpp on the same file: max |dlogit|.
+bench-lm-gguf: bench-lm-setup
+	$(PY) bench/lm_vs_llama_cpp.py --gguf-import --models mixtral,qwen2moe,olmoe,tiny
 
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
 # resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX
