@@ -235,12 +235,14 @@ bench-edge-jitter: setup
 # A Hugging Face folder exported streamed vs in memory (issue 26, bench/hf_export.py): peak RSS (/usr/bin/time -v)
 # and wall time of each, and the images compared byte for byte. A random Mixtral written shard by shard:
 # ~600 MB f32 (hidden 512, 8 layers, 8 experts x 1408, GQA 8/2, vocab 4096); -full the issue's 2.3 GB folder
-# (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32 and q8 only (in memory it needs >10 GB).
+# (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32, q8 and q4 only (in memory it needs >10 GB), and
+# where make bench-lm-setup built llama.cpp, its convert_hf_to_gguf.py (F32) + llama-quantize (Q8_0, Q4_0) beside.
 bench-hf-export: setup
 	$(PY) bench/hf_export.py --dtype q8 --dtype f32
 
 bench-hf-export-full: setup
-	$(PY) bench/hf_export.py --hidden 1024 --intermediate 2816 --shard-mb 500 --dtype f32 --dtype q8 --dtype q4 --no-in-memory
+	$(PY) bench/hf_export.py --hidden 1024 --intermediate 2816 --shard-mb 500 --dtype f32 --dtype q8 --dtype q4 --no-in-memory \
+		$(if $(wildcard build/llama.cpp/build/bin/llama-quantize),--llama-cpp)
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh
