@@ -73,6 +73,7 @@ def section_from_gguf(path: str | Path, tok: GGUFTokenizer | None = None) -> Tok
     tok = tokenizer_metadata(path) if tok is None else tok
     if tok is None or tok.model in NO_VOCABULARY:
         return None
+    tok = _without_padding(tok)
     if tok.model == "llama":
         defaults = {k: v for k, v in SENTENCEPIECE_SPECIALS.items() if v < len(tok.tokens)}
         tok.special = {**defaults, **tok.special}
@@ -85,6 +86,24 @@ def section_from_gguf(path: str | Path, tok: GGUFTokenizer | None = None) -> Tok
         if key in tok.special:
             setattr(section, name, tok.special[key])
     return section
+
+
+def _without_padding(tok: GGUFTokenizer) -> GGUFTokenizer:
+    """`tok` without the unused tokens that end it ([PADn]: llama.cpp's converter fills the embedding's
+    rows past the tokenizer with them). No text encodes to one and each decodes to nothing, so the
+    section's own padding (`tokenizer_build.for_model`: empty unused rows) stands for them, as it does
+    for the folder the file came from."""
+    if not tok.token_types:
+        return tok
+    n = len(tok.tokens)
+    while n > 0 and tok.token_types[n - 1] == _gguf().TokenType.UNUSED:
+        n -= 1
+    if n == len(tok.tokens):
+        return tok
+    from dataclasses import replace
+
+    return replace(tok, tokens=tok.tokens[:n], token_types=tok.token_types[:n],
+                   scores=None if tok.scores is None else tok.scores[:n])
 
 
 def _text(path: Path, tok: GGUFTokenizer, i: int) -> str:
