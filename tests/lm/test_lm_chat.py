@@ -1,4 +1,4 @@
-"""`colibri generate --chat` (colibri.runtime.chat; issue 26): the model's chat template, from the
+"""`colibri generate --chat` (colibri.checkpoints.chat_template; issue 26): the model's chat template, from the
 folder or the GGUF file the image came from, rendered by transformers around the prompt; the
 rendered chat's special tokens become their ids. Compared with transformers' own
 `apply_chat_template` on the folder's tokenizer; refused clearly where there is no template."""
@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 import colibri
 from colibri.checkpoints import hf_folder
 from colibri.cli import main
-from colibri.runtime import chat
+from colibri.checkpoints import chat_template as chat
 from helpers import tokenizers_trained as trained
 from helpers.gguf_files import write_gguf
 from helpers.hf_lm_models import mixtral

@@ -2,7 +2,7 @@
 
 A GGUF holds no tokenizer.json or tokenizer.model: llama.cpp's converter writes the vocabulary, the
 scores or merges and the special ids as `tokenizer.ggml.*` metadata (read by
-`gguf_file.tokenizer_metadata`). Each kind Colibri carries is handed, in the form its library
+`gguf_reader.tokenizer_metadata`). Each kind Colibri carries is handed, in the form its library
 reads, to the folder path's section builder (`runtime.tokenizer_build`), so a GGUF and the folder
 it was converted from give the same section where the two agree:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from ..image.tokenizer_section import TokenizerSection
 from ..model.errors import ExportError
-from .gguf_file import GGUFTokenizer, _gguf, tokenizer_metadata
+from .gguf_reader import GGUFTokenizer, _gguf, tokenizer_metadata
 
 # tokenizer.ggml.pre names carried for byte-level BPE, and what llama.cpp splits the text with:
 # GPT-2's regular expression (the ByteLevel pre-tokenizer's own) or Qwen2's (Split then ByteLevel).

@@ -102,7 +102,7 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     own = tokenizer_spec is None and lm.has_tokenizer
     chat = chat or chat_template is not None
     if chat:
-        from ..runtime import chat as chats
+        from ..checkpoints import chat_template as chats
 
         if not own:
             raise ColibriError("--chat needs the image's own tokenizer (a section; export with it, and give no "

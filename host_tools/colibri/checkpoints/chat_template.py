@@ -37,10 +37,10 @@ def load_template(source: str | Path) -> str:
         return _from_config(config)
     if not path.is_file():
         raise ColibriError(f"{path}: no such chat template file, folder or GGUF file")
-    from ..checkpoints.gguf_file import is_gguf
+    from .gguf_file import is_gguf
 
     if is_gguf(path):
-        from ..checkpoints.gguf_file import tokenizer_metadata
+        from .gguf_reader import tokenizer_metadata
 
         tok = tokenizer_metadata(path)
         if tok is None or not tok.chat_template:
