@@ -24,8 +24,12 @@ def test_colibri_on_llama_cpp_files_computes_what_llama_cpp_does(tmp_path):
     # The F32 file: the same weights and the same arithmetic up to its order.
     assert rows["F32", "f32"]["rel"] < 1e-5 and rows["F32", "own"]["rel"] < 1e-5, rows["F32", "f32"]
     # The others: Colibri's f32 holds the file's dequantised weights exactly; what is left is llama.cpp
-    # rounding its activations (f16, or 8-bit blocks for Q8_0/Q4_0) and, at the file's own dtype, Colibri's
-    # requantised tables. Both engines run the same model: the errors are a small fraction of the logits.
-    for row in rows.values():
-        assert row["rel"] < 0.05 and row["argmax_agree"] >= 0.9, row
+    # rounding its activations (to f16 for F16, 8-bit blocks for Q8_0/Q4_0) and, at the file's own dtype,
+    # Colibri's requantised tables (measured on this model: F16 2.9e-4, Q8_0 5.7e-3 and 8.6e-3, Q4_0 7.5e-3
+    # and 7.9e-3 of max |logit|).
+    assert rows["F16", "f32"]["rel"] < 2e-3 and rows["F16", "own"]["rel"] < 2e-3, rows["F16", "f32"]
+    for ftype in ("Q8_0", "Q4_0"):
+        for dtype in ("f32", "own"):
+            row = rows[ftype, dtype]
+            assert row["rel"] < 0.03 and row["argmax_agree"] >= 0.9, row
     assert json.loads((tmp_path / "gguf_import.json").read_text())["gguf_import"] == out["gguf_import"]
