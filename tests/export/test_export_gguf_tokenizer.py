@@ -183,3 +183,28 @@ def test_cli_export_carries_it_and_generate_needs_no_tokenizer(sources, tmp_path
     res = runner.invoke(main, ["export", str(file), str(plain), "--max-seq-len", "24", "--no-tokenizer"])
     assert res.exit_code == 0 and "tokenizer:" not in res.output
     assert "tokenizer none" in runner.invoke(main, ["info", str(plain)]).output
+
+
+CONVERTER = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter not there: run make bench-lm-setup")
+def test_llama_cpps_own_converter_gives_the_folders_section(sources, tmp_path):
+    """The SentencePiece Mixtral folder through llama.cpp's convert_hf_to_gguf.py itself (not the
+    gguf-writer stand-in above): the GGUF's image carries the folder's section, byte for byte."""
+    import subprocess
+    import sys
+
+    folder, _ = sources["mixtral-sentencepiece"]
+    file = tmp_path / "converted.gguf"
+    run = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(file), "--outtype", "f32"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    from_folder, from_gguf = tmp_path / "folder.clb", tmp_path / "gguf.clb"
+    hf_folder.export_folder(folder, from_folder, max_seq_len=16)
+    gguf_file.export_gguf(file, from_gguf, max_seq_len=16, dtype="f32")
+    assert TS.find(from_gguf.read_bytes()) == TS.find(from_folder.read_bytes())
+    encode, _ = _library(folder)
+    lm = colibri.LM(from_gguf)
+    assert all(lm.encode(text) == encode(text) for text in TEXTS)
