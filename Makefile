@@ -8,7 +8,8 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm bench-host-insns
+        bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm \
+        bench-host-insns
 
 setup:
 	./scripts/setup.sh
@@ -216,6 +217,11 @@ bench-lm-quick: bench-lm-setup
 bench-lm-scale: bench-lm-setup
 	nice $(PY) bench/lm_scale.py
 
+# Colibri's GGUF import (colibri export model.gguf) on llama.cpp's own F32/F16/Q8_0/Q4_0 files (Q8_0/Q4_0
+# llama-quantize --pure) of the bench's random models, against llama.cpp on the same file: max |dlogit|.
+bench-lm-gguf: bench-lm-setup
+	$(PY) bench/lm_vs_llama_cpp.py --gguf-import --models mixtral,qwen2moe,olmoe,tiny
+
 # Mapped model files (issue 11, bench/edge_mmap.py): open and first output from a cold page cache,
 # resident bytes and major faults per token with and without MADV_WILLNEED, and peak RSS against ONNX
 # Runtime on the same weights (external-data ONNX; needs the bench extra). ~400 MB; -full ~1.6 GB.
@@ -243,12 +249,14 @@ bench-edge-jitter: setup
 # A Hugging Face folder exported streamed vs in memory (issue 26, bench/hf_export.py): peak RSS (/usr/bin/time -v)
 # and wall time of each, and the images compared byte for byte. A random Mixtral written shard by shard:
 # ~600 MB f32 (hidden 512, 8 layers, 8 experts x 1408, GQA 8/2, vocab 4096); -full the issue's 2.3 GB folder
-# (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32 and q8 only (in memory it needs >10 GB).
+# (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32, q8 and q4 only (in memory it needs >10 GB), and
+# where make bench-lm-setup built llama.cpp, its convert_hf_to_gguf.py (F32) + llama-quantize (Q8_0, Q4_0) beside.
 bench-hf-export: setup
 	$(PY) bench/hf_export.py --dtype q8 --dtype f32
 
 bench-hf-export-full: setup
-	$(PY) bench/hf_export.py --hidden 1024 --intermediate 2816 --shard-mb 500 --dtype f32 --dtype q8 --dtype q4 --no-in-memory
+	$(PY) bench/hf_export.py --hidden 1024 --intermediate 2816 --shard-mb 500 --dtype f32 --dtype q8 --dtype q4 --no-in-memory \
+		$(if $(wildcard build/llama.cpp/build/bin/llama-quantize),--llama-cpp)
 
 bench: build/bench/colibri_bench firmware
 	COLIBRI_BENCH=1 ./scripts/setup.sh

@@ -17,6 +17,11 @@ interpreter and libraries included):
 
 The two images are compared byte for byte. Times are wall clock on a shared machine; with
 --repeat the median is printed.
+
+--llama-cpp (needs make bench-lm-setup) times llama.cpp's way to the same weights beside them, each
+step in its own process under /usr/bin/time -v: convert_hf_to_gguf.py DIR --outtype f32 (a
+SentencePiece vocabulary trained here is put in the folder first, after Colibri's runs, as the
+converter needs one), then llama-quantize to Q8_0 and to Q4_0 from that F32 file.
 """
 from __future__ import annotations
 
@@ -122,6 +127,30 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return seconds, rss
 
 
+def llama_cpp(folder: Path, work: Path, a: argparse.Namespace, f32_bytes: int) -> None:
+    """llama.cpp's converter and quantiser on the folder, timed as the exports are."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import lm_vs_llama_cpp as lm
+
+    if not lm.llama_built():
+        sys.exit(lm.SETUP_HINT)
+    shutil.copy(lm.vocabulary(folder, a.vocab), folder / "tokenizer.model")
+    f32 = work / "llama-f32.gguf"
+    seconds, rss = timed([PY, str(lm.LLAMA_SRC / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(f32),
+                          "--outtype", "f32"])
+    print(f"llama.cpp convert_hf_to_gguf.py F32: {seconds:7.1f} s, peak RSS {rss / 2**20:7.0f} MiB = "
+          f"{100 * rss / f32_bytes:5.1f}% of the f32 bytes; file {f32.stat().st_size / 2**20:.0f} MiB")
+    for ftype in ("Q8_0", "Q4_0"):
+        out = work / f"llama-{ftype}.gguf"
+        q_seconds, q_rss = timed([str(lm.LLAMA_BIN / "llama-quantize"), str(f32), str(out), ftype])
+        print(f"llama.cpp llama-quantize {ftype}:       {q_seconds:7.1f} s, peak RSS {q_rss / 2**20:7.0f} MiB; file "
+              f"{out.stat().st_size / 2**20:.0f} MiB; convert + quantize {seconds + q_seconds:.1f} s")
+        out.unlink()
+    f32.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
@@ -139,6 +168,8 @@ def main() -> None:
     ap.add_argument("--no-in-memory", action="store_true", help="only the streamed export (big folders)")
     ap.add_argument("--dir", type=Path, help="where the folder goes (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the folder and images")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also time convert_hf_to_gguf.py (F32) and llama-quantize (Q8_0, Q4_0) on the folder")
     a = ap.parse_args()
     work = a.dir or Path(tempfile.mkdtemp(prefix="colibri-hf-"))
     folder = work / "hf"
@@ -169,6 +200,8 @@ def main() -> None:
         if not a.no_in_memory:
             same = (work / f"s-{dtype}.clb").read_bytes() == (work / f"m-{dtype}.clb").read_bytes()
             print(f"{dtype:>3} images byte-identical: {same}")
+    if a.llama_cpp:
+        llama_cpp(folder, work, a, f32_bytes)
     if not a.keep:
         import shutil
 

@@ -5,6 +5,7 @@ perplexity on the trained tiny King James model.
     .venv/bin/python bench/lm_vs_llama_cpp.py [--models mixtral,qwen2moe,olmoe,tiny,tiny_kj] [--rounds 3]
     .venv/bin/python bench/lm_vs_llama_cpp.py --quick            (CI-sized: the tiny model, few tokens)
     .venv/bin/python bench/lm_vs_llama_cpp.py --colibri-only     (no llama.cpp needed)
+    .venv/bin/python bench/lm_vs_llama_cpp.py --gguf-import      (Colibri's GGUF import against llama.cpp)
 
 llama.cpp is the tree PyPI's llama-cpp-python 0.3.36 sdist vendors, built by scripts/llama_cpp_setup.sh
 (make bench-lm-setup) in build/llama.cpp. Models are random-weight Hugging Face MoE LMs (every matrix
@@ -350,6 +351,62 @@ def llama_files(name: str) -> dict[str, Path]:
         return {}
 
 
+def pure_gguf(name: str, ftype: str) -> Path:
+    """The F32 file quantised with llama-quantize --pure (every matrix in `ftype`, the head and routers
+    too): a file Colibri's GGUF import reads whole (the default Q4_0 head is Q6_K, which it refuses)."""
+    if ftype in ("F32", "F16"):
+        return gguf(name, ftype)
+    path = OUT / "gguf" / f"{name}-{ftype}-pure.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        r = subprocess.run([str(LLAMA_BIN / "llama-quantize"), "--pure", str(gguf(name, "F32")), str(tmp), ftype],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"llama-quantize --pure {name} {ftype} failed: {r.stderr.strip()[-3000:]}")
+        tmp.rename(path)
+        print(f"  made {shown(path)} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return path
+
+
+def gguf_image(model: Path, dtype: str | None) -> Path:
+    """`colibri export model.gguf` at `dtype` (None: the file's own), cached beside the file."""
+    path = OUT / "colibri" / f"{model.stem}-{dtype or 'own'}.clb"
+    if not path.exists() or path.stat().st_mtime < model.stat().st_mtime:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        colibri.export(model, path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, dtype=dtype, check=False)
+    return path
+
+
+def gguf_import(names, driver: Path, ldriver: Path) -> list[dict]:
+    """Colibri's import of each llama.cpp file against llama.cpp on that same file (flash attention off,
+    f32 KV cache): max |Δlogit| on CHECK_TOKENS random ids, and that over max |llama.cpp logit|. Colibri at
+    f32 holds the file's dequantised weights exactly (llama.cpp still rounds its activations to 8-bit
+    blocks for the Q8_0/Q4_0 products); at the file's own dtype Q4_0 is carried into q4 block for block."""
+    rows = []
+    print(f"\n== GGUF import: Colibri on llama.cpp's own files against llama.cpp, {CHECK_TOKENS} random ids "
+          "(max |Δlogit|, and over max |llama.cpp logit|)", flush=True)
+    for name in names:
+        vocab = json.loads((hf_folder(name) / "config.json").read_text())["vocab_size"]
+        ids = np.random.default_rng(7).integers(0, vocab, CHECK_TOKENS).astype(np.int32)
+        try:
+            files = {t: pure_gguf(name, t) for t in LLAMA_TYPES}
+        except ConversionError as e:
+            print(f"  {name}: not run: {e}", flush=True)
+            continue
+        for ftype, model in files.items():
+            want = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab)
+            for dtype in ("f32", None):
+                image = gguf_image(model, dtype)
+                got = colibri_logits(driver, image, ids, CHECK_TOKENS, vocab)
+                err = float(np.abs(got - want).max())
+                row = {"model": name, "file": ftype, "colibri_dtype": dtype or "own", "max_abs": err,
+                       "rel": rel(err, want), "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())}
+                rows.append(row)
+                print(f"  {name:9} {ftype:5} -> colibri {row['colibri_dtype']:4} max|Δlogit| {err:.3g}  rel "
+                      f"{row['rel']:.3g}  argmax agrees {100 * row['argmax_agree']:.0f}%", flush=True)
+    return rows
+
+
 def llama_logits(driver: Path, model: Path, ids: np.ndarray, window: int, vocab: int, defaults: bool = False):
     cmd = [str(driver), str(model), "1", "{IDS}", str(window), "{OUT}"] + (["--defaults"] if defaults else [])
     return run_logits(cmd, ids, window, vocab, "llama")
@@ -550,6 +607,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="CI-sized: the tiny model, few tokens, one round")
     ap.add_argument("--colibri-only", action="store_true", help="Colibri's half alone (no llama.cpp)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--gguf-import", action="store_true",
+                    help="only Colibri's import of llama.cpp's F32/F16/Q8_0/Q4_0 files against llama.cpp on them")
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "bench-lm",
                     help="where results.json and bench_lm.png go")
@@ -576,6 +635,14 @@ def main(argv: list[str] | None = None) -> dict:
     driver = colibri_driver()
     ldriver = llama_driver() if with_llama else None
     out: dict = {"cpu": cpu_name(), "shape": shape.__dict__, "threads": threads}
+    if args.gguf_import:
+        if not with_llama:
+            raise SystemExit("--gguf-import compares with llama.cpp: drop --colibri-only")
+        out["gguf_import"] = gguf_import(names, driver, ldriver)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gguf_import.json").write_text(json.dumps(out, indent=1))
+        print(f"\nwrote {args.out / 'gguf_import.json'}")
+        return out
     if not args.no_check:
         out["check"] = check(names, dtypes, with_llama, driver, ldriver)
     results = speed(names, dtypes, with_llama, driver, threads, rounds, shape)

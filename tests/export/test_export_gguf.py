@@ -409,7 +409,7 @@ def test_tokenizer_metadata_is_what_the_gguf_package_reads(models, tmp_path, kin
     assert tok.model == kind
     assert [t.decode() for t in tok.tokens] == fields["tokenizer.ggml.tokens"].contents()
     assert tok.token_types == fields["tokenizer.ggml.token_type"].contents()
-    assert tok.special == {"bos": 0, "eos": 1}
+    assert tok.special == ({"unknown": 0, "bos": 1, "eos": 2} if kind == "llama" else {"bos": 0, "eos": 1})
     assert tok.chat_template == "{{ messages }}"
     if kind == "llama":
         assert tok.scores == fields["tokenizer.ggml.scores"].contents() and tok.merges is None

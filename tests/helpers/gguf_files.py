@@ -119,10 +119,16 @@ def encode(value: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensors: dict[str, np.ndarray] | None = None,
-               types: dict[str, str] | None = None, metadata=None, tokenizer: str = "gpt2") -> Path:
+               types: dict[str, str] | None = None, metadata=None, tokenizer: str | Path = "no_vocab",
+               pre: str = "gpt-2") -> Path:
     """`model` as a GGUF file of `qtype` (F32, F16, BF16, Q8_0, Q4_0) at `path`. `tensors` replaces
     the converted tensors (to write a malformed file), `types` forces a tensor's type, `metadata(w)`
-    may add keys to the writer before it is written; `tokenizer` "gpt2" (merges) or "llama" (scores)."""
+    may add keys to the writer before it is written. `tokenizer`: "no_vocab" (the default; a token
+    list t0, t1, ... is written for the vocabulary checks, marked as no vocabulary), "gpt2" (that
+    list with merges, not a byte-level vocabulary), "llama" (that list as SentencePiece pieces with
+    scores, <unk> <s> </s> first), or a Hugging Face folder whose tokenizer.model or tokenizer.json
+    is written as llama.cpp's converter writes it (`converter_tokenizer`; `pre` names a byte-level
+    BPE's pre-tokenizer)."""
     cfg = model.config
     arch = GGUF_ARCH[type(model).__name__]
     tensors = gguf_tensors(model) if tensors is None else tensors
@@ -149,17 +155,27 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensor
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_file_type(FILE_TYPES[qtype])
-    vocab = [f"t{i}" for i in range(cfg.vocab_size)]
-    w.add_tokenizer_model(tokenizer)
-    w.add_token_list(vocab)
-    w.add_token_types([gguf.TokenType.CONTROL if i < 2 else gguf.TokenType.NORMAL for i in range(cfg.vocab_size)])
-    if tokenizer == "llama":
+    if isinstance(tokenizer, Path):
+        converter_tokenizer(w, tokenizer, cfg.vocab_size, pre=pre)
+    elif tokenizer == "llama":
+        vocab = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, cfg.vocab_size)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab)
+        w.add_token_types([gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2
+                          + [gguf.TokenType.NORMAL] * (cfg.vocab_size - 3))
         w.add_token_scores([-float(i) for i in range(cfg.vocab_size)])
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     else:
-        w.add_tokenizer_pre("default")
-        w.add_token_merges([f"t {i}" for i in range(10)])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+        w.add_tokenizer_model(tokenizer)
+        w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+        w.add_token_types([gguf.TokenType.CONTROL if i < 2 else gguf.TokenType.NORMAL for i in range(cfg.vocab_size)])
+        if tokenizer == "gpt2":
+            w.add_tokenizer_pre("default")
+            w.add_token_merges([f"t {i}" for i in range(10)])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
     if metadata is not None:
         metadata(w)
     for name, value in tensors.items():
@@ -171,6 +187,48 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensor
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def converter_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int, *, pre: str = "gpt-2") -> None:
+    """The folder's tokenizer as llama.cpp's convert_hf_to_gguf.py writes it: a tokenizer.model as
+    `llama` (SentencePiece's pieces, scores and types, through the `sentencepiece` library), else a
+    tokenizer.json as `gpt2` (the vocabulary as `tokenizers` spells it, added tokens by their text:
+    control when special, user-defined otherwise; `pre` the pre-tokenizer's name, which the
+    converter finds by hashing the tokenizer's output); the special ids, merges and chat template
+    through the gguf package's SpecialVocab, which reads tokenizer.json, tokenizer_config.json and
+    config.json as the converter does. Ids past the tokenizer up to `vocab_size` are [PADn] tokens."""
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    if (folder / "tokenizer.model").is_file():
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        scores = [-10000.0] * vocab_size
+        for i in range(sp.get_piece_size()):
+            tokens[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+            types[i] = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                        else gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i)
+                        else gguf.TokenType.NORMAL)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_scores(scores)
+        load_merges = False
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        added = tok.get_added_tokens_decoder()
+        for text, i in tok.get_vocab(with_added_tokens=False).items():
+            tokens[i], types[i] = text, gguf.TokenType.NORMAL
+        for i, a in added.items():
+            tokens[i] = a.content
+            types[i] = gguf.TokenType.CONTROL if a.special else gguf.TokenType.USER_DEFINED
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        load_merges = True
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=load_merges, n_vocab=vocab_size).add_to_gguf(w, quiet=True)
 
 
 def dequantised(path: Path) -> dict[str, np.ndarray]:

@@ -26,7 +26,7 @@ LAYERS: dict[str, set[str]] = {
     "quant": {"model", "image", "reference"},
     "runtime": {"model", "image"},
     "frontends": {"model", "image", "reference", "quant", "runtime"},
-    "target": {"model", "image", "quant", "runtime"},
+    "target": {"model", "image", "quant", "runtime", "checkpoints"},  # the board budget plans checkpoints too
     # checkpoint files streamed to an image, without torch; runtime for the tokenizer files' section builder
     "checkpoints": {"model", "image", "quant", "runtime"},
     "": {"model", "image", "reference", "runtime", "frontends", "target", "checkpoints"},
@@ -36,7 +36,10 @@ LAYERS: dict[str, set[str]] = {
 HEAVY = {"torch", "transformers"}
 # runtime.tokenizer_build: transformers' GPT-2 byte table, imported only when a byte-level BPE section is
 # built or rebuilt as a library tokenizer (the tokenizer extra).
-MAY_IMPORT_HEAVY = {"frontends", "cli.export", "runtime.tokenizer_build"}
+# checkpoints.gguf_tokenizer: transformers' GGUF tokenizer conversion, only when a GGUF's byte-level BPE goes into
+# a section; checkpoints.chat_template: transformers' chat-template rendering, only for generate --chat.
+MAY_IMPORT_HEAVY = {"frontends", "cli.export", "runtime.tokenizer_build", "checkpoints.gguf_tokenizer",
+                    "checkpoints.chat_template"}
 
 
 def module_name(path: Path) -> str:

@@ -548,9 +548,12 @@ def build_folder_graph(ck: Checkpoint, *, max_seq_len: int, max_batch: int = 1, 
 
 def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAULT_COMPENSATION,
                       keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
-                      group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = ()) -> None:
+                      group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (),
+                      dtypes: dict[str, str] | None = None) -> None:
     """Give every PlannedWeight the kind `quantize.quantize(graph, dtype, ...)` would store it as (the
-    options `export_lm` passes), in place; move each bias the companion will hold out of its owner."""
+    options `export_lm` passes), in place; move each bias the companion will hold out of its owner.
+    `dtypes` (weight name -> f32/f16/q8/q4, as `colibri quantize --target`'s plan chooses them)
+    overrides the kind of the weights it names."""
     if dtype not in Q.DTYPES:
         raise ExportError(f"dtype must be one of {Q.DTYPES}, got {dtype!r}")
     if not 0 <= compensation < 1:
@@ -576,6 +579,8 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         want = "f32" if name_matches(name, keep) or name_matches(name, Q.ROUTER_PATTERNS) else dtype
         if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, Q.ROUTER_PATTERNS)):
             want = "q8"
+        if dtypes is not None and name in dtypes:
+            want = dtypes[name]
         w.kind = want
         b_attr = BIAS_OF.get(attr)
         if b_attr and want in ("q8", "q4") and getattr(owner, b_attr) is not None:
@@ -646,10 +651,13 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
 def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation: float, keep: Sequence[str],
                  int8_act: Sequence[str], int8_blocks: Sequence[str], group: int, q8: Sequence[str], check: bool,
                  on_tensor: Callable[[int, int, int], None] | None,
-                 page_aligned: bool | None = None) -> FolderExport:
+                 page_aligned: bool | None = None, dtypes: dict[str, str] | None = None,
+                 finish: Callable[[Path], None] | None = None) -> FolderExport:
     """Plan `graph`'s quantisation (its matrices are `ck`'s PlannedWeights) and stream it to `path`:
     what every checkpoint reader (this folder's, `gguf_file`'s) ends with. `page_aligned` as
-    `stream.write_file`'s (None: experts on pages of their own once the image would be 16 MiB)."""
+    `stream.write_file`'s (None: experts on pages of their own once the image would be 16 MiB). `dtypes`
+    as `plan_quantisation`'s; `finish(tmp)` runs on the written file after the validation, before it is
+    renamed into place (raising there leaves nothing at `path`)."""
     from ..image import stream
 
     for i, layer in enumerate(graph.layers):
@@ -659,7 +667,7 @@ def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation
             raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
                               f"{F.MAX_ROUTES}")
     plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                      int8_blocks=int8_blocks, group=group, q8=q8)
+                      int8_blocks=int8_blocks, group=group, q8=q8, dtypes=dtypes)
 
     def validate(tmp: Path) -> None:
         import mmap
@@ -674,7 +682,13 @@ def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation
             raise ExportError(f"{path}: the written image fails validation ({F.STATUS_TEXT[F.Status(code)]}); "
                               "nothing written")
 
-    report = stream.write_file(graph, path, on_tensor=on_tensor, finish=validate if check else None,
+    def finished(tmp: Path) -> None:
+        if check:
+            validate(tmp)
+        if finish is not None:
+            finish(tmp)
+
+    report = stream.write_file(graph, path, on_tensor=on_tensor, finish=finished if check or finish else None,
                                page_aligned=page_aligned)
     return FolderExport(path=report.path, bytes_written=report.bytes_written, tensors=report.tensors,
                         version=report.version, graph=graph)

@@ -167,8 +167,10 @@ def _parse_prune(text: str | None) -> dict[int, list[int]] | None:
               help="Token models: the KV cache's storage.")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, path_type=Path), default=None,
               help="Token models: carry this tokenizer (a folder, tokenizer.json or tokenizer.model) in the image "
-                   "(format v6). A Hugging Face folder's own tokenizer is carried without it.")
-@click.option("--no-tokenizer", is_flag=True, help="Token models: leave the folder's tokenizer out of the image.")
+                   "(format v6). A Hugging Face folder's own tokenizer, or a GGUF file's tokenizer metadata "
+                   "(llama: SentencePiece, gpt2: byte-level BPE), is carried without it.")
+@click.option("--no-tokenizer", is_flag=True,
+              help="Token models: leave the folder's or GGUF file's tokenizer out of the image.")
 @quant_options
 def export(model: str, output: Path, max_batch: int, input_size: int | None, prune: str | None,
            calibration: Path | None, page_aligned: bool | None, no_check: bool, max_seq_len: int | None, kv_dtype: str,
@@ -210,14 +212,11 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
 
     if is_gguf(model):  # a GGUF file: streamed, no torch; without --dtype the file's own
         token_export.refuse_feature_options(model, feature_only)
-        if tokenizer_path is not None:
-            raise ColibriError(f"{model}: --tokenizer is not carried into an image exported from a GGUF file yet "
-                               "(its tokenizer metadata is read, not written as a section); export the Hugging Face "
-                               "folder to carry one")
         source = click.get_current_context().get_parameter_source("dtype")
         if source is click.core.ParameterSource.DEFAULT:
             token_options["dtype"] = None
-        token_export.export_gguf_command(Path(model), output, **token_options)
+        token_export.export_gguf_command(Path(model), output, **token_options,
+                                         tokenizer=False if no_tokenizer else tokenizer_path or True)
         return
     # The front ends first: without torch they raise the error that names the extra to install.
     from ..frontends import hf  # noqa: F401  registers the Hugging Face converters

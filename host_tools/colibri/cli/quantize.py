@@ -15,7 +15,7 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
 
 
 @main.command()
-@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
 @quant_options(dtype_required=True)
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -39,20 +39,39 @@ _SLOT_BOARDS = ("nucleo_h743zi", "mps2_an500")
 @click.option("--clip", is_flag=True,
               help="q8: search each row's scale for the least squared error (clipping), weighted by the --calibration "
                    "inputs' activation statistics when given, which also rank the compensation E.")
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="A Hugging Face folder or GGUF SOURCE: the KV cache's positions (required for them).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="A folder or GGUF SOURCE: tokens per forward the arena is sized for.")
+@click.option("--kv-dtype", type=click.Choice(("f32", "f16")), default="f32", show_default=True,
+              help="A folder or GGUF SOURCE: the KV cache's storage.")
 def quantize(source: Path, output: Path, dtype: str | None, compensation: float, group: int, q8: tuple[str, ...],
              keep: tuple[str, ...],
              int8_act: tuple[str, ...], int8_blocks: tuple[str, ...], calibration: Path | None, show_report: bool, plot: Path | None,
              page_aligned: bool, target: str | None, quantize_routers: bool, router_inputs: str | None,
-             clip: bool) -> None:
-    """Quantise an f32 model image SOURCE to OUTPUT (image to image).
+             clip: bool, max_seq_len: int | None, max_batch: int, kv_dtype: str) -> None:
+    """Quantise an f32 model image SOURCE to OUTPUT (image to image), or plan a Hugging Face folder or
+    GGUF file SOURCE for a board (--target, streamed: one tensor in memory at a time).
 
     Everything (the calibration inputs, the report) is checked before OUTPUT is written: on an
     error nothing is written. With --calibration, q8 scales and E are weighted by the inputs' activation
     statistics (feature models).
     """
     from .. import image
+    from ..checkpoints.gguf_file import is_gguf
     from ..quant import quantize as q
     from ..quant.report import image_bytes, quantisation_report
+
+    if source.is_dir() or is_gguf(source):
+        _plan_checkpoint(source, output, target=target, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                         kv_dtype=kv_dtype, compensation=compensation, group=group, keep=keep,
+                         quantize_routers=quantize_routers, router_inputs=router_inputs,
+                         refused={"--calibration": calibration, "--q8": q8, "--int8-act": int8_act,
+                                  "--int8-blocks": int8_blocks, "--clip": clip, "--plot": plot,
+                                  "--page-aligned": page_aligned, "--report": show_report})
+        return
+    if max_seq_len is not None:
+        raise click.UsageError("--max-seq-len is for a Hugging Face folder or GGUF SOURCE; an image has its own")
 
     if plot and calibration is None:
         raise ColibriError("--plot needs --calibration inputs")
@@ -106,3 +125,31 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
         if plot:
             rep.plot(plot)
             click.echo(f"wrote {plot}")
+
+
+def _plan_checkpoint(source: Path, output: Path, *, target: str | None, dtype: str | None, max_seq_len: int | None,
+                     refused: dict, **options) -> None:
+    """`--target BOARD` for a folder or GGUF file: the streamed planner (colibri.target.budget.plan_checkpoint)."""
+    from ..target.budget import plan_checkpoint
+    from .token_export import peak_rss_bytes
+
+    if target is None:
+        raise click.UsageError(f"{source} is a model folder or GGUF file: `colibri quantize` plans it for a board "
+                               f"(--target BOARD); for one dtype throughout, `colibri export {source.name} OUT --dtype "
+                               f"{dtype or 'q8'}` streams it")
+    if dtype is not None:
+        raise click.UsageError("give either --dtype or --target (which chooses a dtype per weight)")
+    for name, value in refused.items():
+        if value:
+            raise click.UsageError(f"{name} has no effect when planning a folder or GGUF file for a board")
+    if max_seq_len is None:
+        raise click.UsageError(f"{source}: a token model needs --max-seq-len (the KV cache's positions)")
+    with click.progressbar(length=1, label=f"measuring {source.name}'s weights") as bar:
+        def on_weight(index: int, count: int) -> None:
+            bar.length = count
+            bar.update(1)
+
+        chosen = plan_checkpoint(source, target, output, max_seq_len=max_seq_len, on_weight=on_weight, **options)
+    for line in chosen.lines():
+        click.echo(line)
+    click.echo(f"wrote {output}: {chosen.image_size:,} bytes; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")

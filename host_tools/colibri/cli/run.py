@@ -69,12 +69,21 @@ def run(image_path: Path, input_path: Path, output_path: Path | None, reference:
 @click.option("--verify", type=click.Choice(("on_use", "full", "none")), default="on_use", show_default=True,
               help="When payloads are checked against their CRCs: on_use (the tables and the tensors every token "
                    "reads at open, each expert when routing first picks it), full (every byte at open), none.")
+@click.option("--chat", is_flag=True,
+              help="Treat the prompt as a user's message: render the model's chat template around it (with the "
+                   "generation prompt) and encode its special tokens as theirs. The image holds no template: "
+                   "--chat-template names where it is.")
+@click.option("--chat-template", "chat_template", type=click.Path(exists=True, path_type=Path), default=None,
+              metavar="DIR|FILE.gguf|FILE",
+              help="Where --chat reads the chat template (implies --chat): the Hugging Face folder the image was "
+                   "exported from (chat_template.jinja or tokenizer_config.json), the GGUF file "
+                   "(tokenizer.chat_template), a tokenizer_config.json or a Jinja template file.")
 @click.option("--lock", "lock_all", is_flag=True,
               help="mlock the whole file (pinned pages never fault); if RLIMIT_MEMLOCK refuses, say so and go on "
                    "unpinned.")
 def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int, tokenizer_spec: str, stop_id: int | None, echo: bool, threads: int, verify: str,
-             lock_all: bool) -> None:
+             chat: bool, chat_template: Path | None, lock_all: bool) -> None:
     """Continue a text prompt with a token model, streaming tokens as the C engine makes them.
 
     The prompt is tokenized, run through the model (its KV cache holds max_seq_len positions), and
@@ -91,7 +100,20 @@ def generate(image_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if lm.lock_error is not None:
         click.echo(f"colibri generate: {lm.lock_error}; going on unpinned", err=True)
     own = tokenizer_spec is None and lm.has_tokenizer
-    if own:  # the image's tokenizer: encoded on the host by its library, decoded by the C engine
+    chat = chat or chat_template is not None
+    if chat:
+        from ..checkpoints import chat_template as chats
+
+        if not own:
+            raise ColibriError("--chat needs the image's own tokenizer (a section; export with it, and give no "
+                               "--tokenizer): the template's special tokens are that tokenizer's")
+        if chat_template is None:
+            raise ColibriError(f"{image_path}: --chat needs --chat-template DIR|FILE.gguf|FILE: an image holds no "
+                               "chat template (its tokenizer section has no field for one), so it is read from "
+                               "the folder or GGUF file the image was exported from")
+        prompt = chats.render(chats.load_template(chat_template), prompt, lm.tokenizer.section)
+        ids = chats.encode(prompt, lm.tokenizer)
+    elif own:  # the image's tokenizer: encoded on the host by its library, decoded by the C engine
         ids = lm.encode(prompt)
     else:
         tokenizer_spec = tokenizer_spec or "byte"

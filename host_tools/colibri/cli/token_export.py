@@ -90,6 +90,7 @@ def export_gguf_command(file: Path, output: Path, *, max_seq_len: int | None, ch
         click.echo(f"dtype {result.dtype}: the file's own (--dtype chooses another)")
     for line in result.lines():
         click.echo(line)
+    _echo_tokenizer(result.graph)
     _wrote(output, result, seconds)
 
 

@@ -104,9 +104,15 @@ class Plan:
     board: Board
     choices: list[Choice]
     graph: Graph  # the quantised graph
-    image: bytes
+    image: bytes  # the image planned (b"" when it was streamed to `path`)
     arena: int
     f32_bytes: int
+    path: object = None  # where a streamed plan's image was written
+    image_size: int = 0  # its bytes
+
+    def __post_init__(self) -> None:
+        if self.image:
+            self.image_size = len(self.image)
 
     @property
     def error(self) -> float:
@@ -121,8 +127,8 @@ class Plan:
         counts = {d: sum(c.dtype == d for c in self.choices) for d in reversed(PLANNED)}
         out.append("  dtypes: " + ", ".join(f"{d} {n}" for d, n in counts.items() if n)
                    + f"; summed rel. error {self.error:.3e}")
-        out.append(f"footprint: image {len(self.image):,} B of {self.board.flash:,} "
-                   f"({100 * len(self.image) / self.board.flash:.1f}%, f32 {self.f32_bytes:,} B), "
+        out.append(f"footprint: image {self.image_size:,} B of {self.board.flash:,} "
+                   f"({100 * self.image_size / self.board.flash:.1f}%, f32 {self.f32_bytes:,} B), "
                    f"arena {self.arena:,} B of {self.board.arena:,} ({100 * self.arena / self.board.arena:.1f}%)")
         return out
 
@@ -140,6 +146,71 @@ def _ladder(name: str, quantize_routers: bool, floor: str | None, table: bool) -
         return ("f32",)
     ladder = PLANNED[PLANNED.index(floor):] if floor else PLANNED
     return tuple(d for d in ladder if d != "q4") if table or router else ladder
+
+
+def _options(name: str, w: np.ndarray, bias: np.ndarray | None, ladder: Sequence[str], *, compensation: float,
+             clip: bool, importance: np.ndarray | None, group: int,
+             stored_as: dict[str, object] | None = None) -> list[Choice]:
+    """The matrix `w` in each dtype of `ladder` it can take: its bytes and error (smallest first).
+    `stored_as` gives a dtype's stored weight where the source already has it (a GGUF's Q4_0 blocks)."""
+    options = []
+    for dtype in ladder:
+        try:
+            if stored_as and dtype in stored_as:
+                stored = stored_as[dtype]
+            elif dtype == "f32":
+                stored = w
+            elif dtype == "f16":
+                stored = quantize_f16(w)
+            elif dtype == "q4":
+                stored = quantize_q4(w, compensation, group=group, bias=bias)
+            else:
+                stored = quantize_q8(w, compensation, bias=bias, compact=True, clip=clip, importance=importance)
+        except ExportError:
+            continue  # beyond f16's range: quantize() would refuse it too
+        approx = w if dtype == "f32" else dense(stored)
+        options.append(Choice(name, dtype, stored_bytes(stored, bias), _rel_error(w, approx, importance)))
+    return options
+
+
+def _choose(units: list[tuple[str, list[Choice]]], f32_bytes: int, b: Board) -> list[int]:
+    """Each unit's option (an index, 0 the smallest): the greedy upgrades of the module docstring, from
+    the smallest dtypes, within the flash. `f32_bytes`: the image's size with every matrix in f32."""
+    level = [0] * len(units)
+    fixed = f32_bytes - sum(options[-1].bytes for _, options in units)  # tables, norms, biases of f32 rows
+    used = fixed + sum(options[0].bytes for _, options in units)
+    if used > b.flash:
+        raise BudgetError(f"with every weight at its smallest dtype ({PLANNED[0]}; routers f32, embedding tables q8) "
+                          f"the image needs about "
+                          f"{used:,} B, {b.name}'s model slot holds {b.flash:,} B: the model is "
+                          f"{used - b.flash:,} B too large for this board")
+    while True:
+        best, best_gain = None, 0.0
+        for i, (_, options) in enumerate(units):
+            if level[i] + 1 >= len(options):
+                continue
+            now, up = options[level[i]], options[level[i] + 1]
+            extra = up.bytes - now.bytes
+            if used + extra > b.flash:
+                continue
+            gain = (now.error - up.error) / max(extra, 1)
+            if gain > best_gain:
+                best, best_gain = i, gain
+        if best is None:
+            return level
+        options = units[best][1]
+        used += options[level[best] + 1].bytes - options[level[best]].bytes
+        level[best] += 1
+
+
+def _undo_one(units: list[tuple[str, list[Choice]]], level: list[int], size: int, b: Board) -> None:
+    """The byte estimate missed some table or padding bytes: undo the upgrade that saves most per error."""
+    undo = [i for i in range(len(units)) if level[i] > 0]
+    if not undo:
+        raise BudgetError(f"the smallest dtypes give a {size:,}-byte image, {b.name}'s model slot holds {b.flash:,} B")
+    i = max(undo, key=lambda i: (units[i][1][level[i]].bytes - units[i][1][level[i] - 1].bytes)
+            / max(units[i][1][level[i] - 1].error - units[i][1][level[i]].error, 1e-30))
+    level[i] -= 1
 
 
 def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = None,
@@ -181,49 +252,9 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
         ladder = ("f32",) if name_matches(name, keep) else _ladder(name, quantize_routers,
                                                                  router_inputs if name in feeders else None,
                                                                  id(w) in tables)
-        options = []
-        for dtype in ladder:
-            try:
-                if dtype == "f32":
-                    stored = w
-                elif dtype == "f16":
-                    stored = quantize_f16(w)
-                elif dtype == "q4":
-                    stored = quantize_q4(w, compensation, group=group, bias=bias)
-                else:
-                    stored = quantize_q8(w, compensation, bias=bias, compact=True, clip=clip,
-                                         importance=moments.get(name))
-            except ExportError:
-                continue  # beyond f16's range: quantize() would refuse it too
-            approx = w if dtype == "f32" else dense(stored)
-            options.append(Choice(name, dtype, stored_bytes(stored, bias), _rel_error(w, approx, moments.get(name))))
-        units.append((name, options))
-
-    level = [0] * len(units)  # index into each unit's options: 0 the smallest
-    fixed = len(f32_image) - sum(options[-1].bytes for _, options in units)  # tables, norms, biases of f32 rows
-    used = fixed + sum(options[0].bytes for _, options in units)
-    if used > b.flash:
-        raise BudgetError(f"with every weight at its smallest dtype ({PLANNED[0]}; routers f32, embedding tables q8) "
-                          f"the image needs about "
-                          f"{used:,} B, {b.name}'s model slot holds {b.flash:,} B: the model is "
-                          f"{used - b.flash:,} B too large for this board")
-    while True:
-        best, best_gain = None, 0.0
-        for i, (_, options) in enumerate(units):
-            if level[i] + 1 >= len(options):
-                continue
-            now, up = options[level[i]], options[level[i] + 1]
-            extra = up.bytes - now.bytes
-            if used + extra > b.flash:
-                continue
-            gain = (now.error - up.error) / max(extra, 1)
-            if gain > best_gain:
-                best, best_gain = i, gain
-        if best is None:
-            break
-        options = units[best][1]
-        used += options[level[best] + 1].bytes - options[level[best]].bytes
-        level[best] += 1
+        units.append((name, _options(name, w, bias, ladder, compensation=compensation, clip=clip,
+                                     importance=moments.get(name), group=group)))
+    level = _choose(units, len(f32_image), b)
     while True:
         choices = [options[level[i]] for i, (_, options) in enumerate(units)]
         quantised = quantize(graph, "f32", compensation=compensation, clip=clip, calibration=calibration,
@@ -231,15 +262,115 @@ def plan(graph: Graph, target: str | Board, *, calibration: np.ndarray | None = 
         data = image.write(quantised)
         if len(data) <= b.flash:
             break
-        # The byte estimate missed some table or padding bytes: undo the upgrade that saves most per error.
-        undo = [i for i in range(len(units)) if level[i] > 0]
-        if not undo:
-            raise BudgetError(f"the smallest dtypes give a {len(data):,}-byte image, {b.name}'s model slot holds "
-                              f"{b.flash:,} B")
-        i = max(undo, key=lambda i: (units[i][1][level[i]].bytes - units[i][1][level[i] - 1].bytes)
-                / max(units[i][1][level[i] - 1].error - units[i][1][level[i]].error, 1e-30))
-        level[i] -= 1
+        _undo_one(units, level, len(data), b)
     final_arena = engine.arena_size(data)
     if final_arena > b.arena:  # not expected (see the module docstring), but never print a plan that does not run
         raise BudgetError(f"the planned model's arena needs {final_arena:,} B, {b.name}'s runner has {b.arena:,} B")
     return Plan(b, choices, quantised, data, final_arena, len(f32_image))
+
+
+class _PastFlash(Exception):
+    """The streamed image came out larger than the slot: undo an upgrade and write it again."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+def plan_checkpoint(source, target: str | Board, output, *, max_seq_len: int, max_batch: int = 1,
+                    kv_dtype: str = "f32", compensation: float = DEFAULT_COMPENSATION, quantize_routers: bool = False,
+                    keep: Sequence[str] = (), router_inputs: str | None = None, group: int = Q4_DEFAULT_GROUP,
+                    tokenizer: bool = True, on_weight=None, on_tensor=None) -> Plan:
+    """`plan` for a Hugging Face folder or a GGUF file, streamed: the model is never in memory whole.
+
+    Each weight matrix is read once (`on_weight(index, count)` after each) and its error and bytes in
+    every dtype it may take are kept, as numbers; the plan is chosen from those (the same greedy
+    upgrades as `plan`, no calibration: a token model's errors are unweighted there too), and the
+    image is then streamed to `output` by the checkpoint path's writer (`hf_folder.export_graph`,
+    each matrix read again when its turn comes). The written file is checked against the slot and
+    the arena before it is renamed into place; past the slot (the byte estimate missed padding), the
+    upgrade that saves most per error is undone and the image written again. A GGUF's Q4_0 matrices
+    count as carried, exact, in q4. `tokenizer`: the source's own goes in, as `colibri export` does."""
+    from ..checkpoints import gguf_file, hf_folder
+    from ..image import writer
+
+    if router_inputs not in (None, "f32", "f16"):
+        raise ColibriError(f"router_inputs must be f32 or f16, got {router_inputs!r}")
+    b = board(target) if isinstance(target, str) else target
+    gguf = gguf_file.is_gguf(source)
+    ck = gguf_file.GGUFCheckpoint(source) if gguf else hf_folder.Checkpoint(source)
+    graph = hf_folder.build_folder_graph(ck, max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype)
+    if tokenizer:
+        from ..runtime import tokenizer_build
+
+        if gguf:
+            from ..checkpoints.gguf_tokenizer import section_from_gguf
+
+            section = section_from_gguf(ck.path)
+        else:
+            section = tokenizer_build.from_folder(ck.folder)
+        if section is not None:
+            graph.tokenizer = tokenizer_build.packed_for(section, graph.vocab_size, str(source))
+    names = [name for name, _, _ in weight_slots(graph)]
+    for pattern in keep:
+        if not any(name_matches(n, [pattern]) for n in names):
+            raise ColibriError(f"pattern {pattern!r} matches no weight; names look like {names[:3]}")
+    feeders = set(router_feeders(graph)) if router_inputs else set()
+    tables = {id(layer.table) for layer in graph.layers if isinstance(layer, Embedding)}
+    slots_ = [(name, owner, attr) for name, owner, attr in weight_slots(graph)]
+    units: list[tuple[str, list[Choice]]] = []
+    seen: set[int] = set()
+    for index, (name, owner, attr) in enumerate(slots_):
+        w = getattr(owner, attr)
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        b_attr = BIAS_OF.get(attr)
+        bias = getattr(owner, b_attr) if b_attr else None
+        ladder = ("f32",) if name_matches(name, keep) else _ladder(name, quantize_routers,
+                                                                 router_inputs if name in feeders else None,
+                                                                 id(w) in tables)
+        values = w.load() if isinstance(w, hf_folder.PlannedWeight) else np.asarray(w)
+        carried = {}
+        if isinstance(w, gguf_file.GGUFWeight) and "q4" in ladder and ck.type_name(w.entry) == "Q4_0":
+            blocks = gguf_file.q4_from_q4_0(ck.raw_rows(w.entry), w.shape[1], group, bias, ck.gguf)
+            if blocks is not None:
+                carried["q4"] = blocks
+        units.append((name, _options(name, values, bias, ladder, compensation=compensation, clip=False,
+                                     importance=None, group=group, stored_as=carried)))
+        del values, carried
+        if on_weight is not None:
+            on_weight(index, len(slots_))
+    f32_bytes = writer.least_size(writer.layout(graph))  # every PlannedWeight is f32 until planned
+    level = _choose(units, f32_bytes, b)
+    arena: dict[str, int] = {}
+
+    def fits(tmp) -> None:
+        import mmap
+
+        size = tmp.stat().st_size
+        if size > b.flash:
+            raise _PastFlash(size)
+        with open(tmp, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            arena["bytes"] = engine.arena_size(mapped)
+        if arena["bytes"] > b.arena:
+            raise BudgetError(f"the model's arena needs {arena['bytes']:,} B, {b.name}'s runner has {b.arena:,} B: "
+                              "weight dtypes do not change it; lower max_batch or max_seq_len")
+
+    while True:
+        choices = [options[level[i]] for i, (_, options) in enumerate(units)]
+        try:
+            result = hf_folder.export_graph(ck, graph, output, dtype="f32", compensation=compensation, keep=(),
+                                            int8_act=(), int8_blocks=(), group=group, q8=(), check=True,
+                                            on_tensor=on_tensor, page_aligned=False,
+                                            dtypes={c.name: c.dtype for c in choices}, finish=fits)
+        except _PastFlash as past:
+            _undo_one(units, level, past.size, b)
+            for _, owner, attr in slots_:  # planned again from f32: the biases the companions took go back
+                w = getattr(owner, attr)
+                if isinstance(w, hf_folder.PlannedWeight) and w.bias is not None and BIAS_OF.get(attr):
+                    setattr(owner, BIAS_OF[attr], w.bias)
+                    w.bias = None
+            continue
+        return Plan(b, choices, graph, b"", arena["bytes"], f32_bytes, path=result.path,
+                    image_size=result.bytes_written)
