@@ -1173,28 +1173,33 @@ static colibri_status check_program(checker *c)
 
 /* ---- The tokenizer section (format v6, docs/lm.md "Tokenizer section") ---- */
 
-/* Length of the well-formed UTF-8 sequence at p (Unicode Table 3-7: no
- * overlong forms, surrogates or code points past U+10FFFF), 0 if none of
- * at most n bytes starts there. */
-static uint32_t utf8_sequence(const uint8_t *p, uint32_t n)
+uint32_t colibri_utf8_lead(uint8_t lead, uint8_t *lo, uint8_t *hi)
 {
-    const uint8_t b = p[0];
-    uint32_t len;
-    uint8_t lo = 0x80u, hi = 0xBFu; /* the second byte's range */
-    if (b < 0x80u)
+    *lo = 0x80u;
+    *hi = 0xBFu;
+    if (lead < 0x80u)
         return 1;
-    if (b >= 0xC2u && b <= 0xDFu)
-        len = 2;
-    else if (b >= 0xE0u && b <= 0xEFu) {
-        len = 3;
-        lo = b == 0xE0u ? 0xA0u : 0x80u;
-        hi = b == 0xEDu ? 0x9Fu : 0xBFu;
-    } else if (b >= 0xF0u && b <= 0xF4u) {
-        len = 4;
-        lo = b == 0xF0u ? 0x90u : 0x80u;
-        hi = b == 0xF4u ? 0x8Fu : 0xBFu;
-    } else
-        return 0;
+    if (lead >= 0xC2u && lead <= 0xDFu)
+        return 2;
+    if (lead >= 0xE0u && lead <= 0xEFu) {
+        *lo = lead == 0xE0u ? 0xA0u : 0x80u;
+        *hi = lead == 0xEDu ? 0x9Fu : 0xBFu;
+        return 3;
+    }
+    if (lead >= 0xF0u && lead <= 0xF4u) {
+        *lo = lead == 0xF0u ? 0x90u : 0x80u;
+        *hi = lead == 0xF4u ? 0x8Fu : 0xBFu;
+        return 4;
+    }
+    return 0;
+}
+
+uint32_t colibri_utf8_sequence(const uint8_t *p, size_t n)
+{
+    uint8_t lo, hi;
+    const uint32_t len = colibri_utf8_lead(p[0], &lo, &hi);
+    if (len <= 1)
+        return len;
     if (n < len || p[1] < lo || p[1] > hi)
         return 0;
     for (uint32_t i = 2; i < len; i++)
@@ -1326,7 +1331,7 @@ colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t
     if (pattern_size != 0) {
         (*work)++;
         for (uint32_t at = 0; at < pattern_size;) {
-            const uint32_t len = utf8_sequence(p + pattern_at + at, pattern_size - at);
+            const uint32_t len = colibri_utf8_sequence(p + pattern_at + at, pattern_size - at);
             if (len == 0)
                 return COLIBRI_E_BAD_TOKENIZER;
             at += len;

@@ -173,6 +173,15 @@ typedef struct colibri_model {
  * the same in a build without the tokenizer (COLIBRI_NO_TOKENIZER). */
 colibri_status colibri_tokenizer_check(const uint8_t *p, uint32_t size, uint32_t vocab, uint64_t *work);
 
+/* UTF-8 as Unicode Table 3-7 defines it (no overlong forms, surrogates or
+ * code points past U+10FFFF), shared by the section validator, the decoder's
+ * stream and the encoder. colibri_utf8_lead: the bytes a sequence starting
+ * with `lead` has (1 for ASCII, 0 for a byte that starts none), *lo..*hi the
+ * second byte's range. colibri_utf8_sequence: the length of the well-formed
+ * sequence at p of at most n bytes, 0 if none starts there. */
+uint32_t colibri_utf8_lead(uint8_t lead, uint8_t *lo, uint8_t *hi);
+uint32_t colibri_utf8_sequence(const uint8_t *p, size_t n);
+
 /* Byte strings in the token index's order: unsigned bytes, a prefix first
  * (<0, 0, >0 as memcmp; the section's index and the encoder's searches). */
 static inline int colibri_bytes_compare(const uint8_t *a, uint32_t a_len, const uint8_t *b, uint32_t b_len)

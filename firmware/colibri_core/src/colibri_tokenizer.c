@@ -128,27 +128,6 @@ void colibri_text_stream_init(colibri_text_stream *s)
     }
 }
 
-/* The bytes a well-formed sequence starting with `lead` has (Unicode Table
- * 3-7), 0 for a byte that starts none; *lo..*hi is the second byte's range. */
-static uint32_t sequence_length(uint8_t lead, uint8_t *lo, uint8_t *hi)
-{
-    *lo = 0x80u;
-    *hi = 0xBFu;
-    if (lead >= 0xC2u && lead <= 0xDFu)
-        return 2;
-    if (lead >= 0xE0u && lead <= 0xEFu) {
-        *lo = lead == 0xE0u ? 0xA0u : 0x80u;
-        *hi = lead == 0xEDu ? 0x9Fu : 0xBFu;
-        return 3;
-    }
-    if (lead >= 0xF0u && lead <= 0xF4u) {
-        *lo = lead == 0xF0u ? 0x90u : 0x80u;
-        *hi = lead == 0xF4u ? 0x8Fu : 0xBFu;
-        return 4;
-    }
-    return 0;
-}
-
 /* Output with a bound: `put` fails once the caller's buffer is full. */
 typedef struct sink {
     uint8_t *out;
@@ -173,14 +152,14 @@ static int push_byte(colibri_text_stream *s, sink *k, uint8_t b)
             uint8_t lo, hi;
             if (b < 0x80u)
                 return put(k, &b, 1);
-            if (sequence_length(b, &lo, &hi) == 0)
+            if (colibri_utf8_lead(b, &lo, &hi) == 0)
                 return put(k, replacement, sizeof replacement);
             s->held[0] = b;
             s->held_len = 1;
             return 1;
         }
         uint8_t lo, hi;
-        const uint32_t need = sequence_length(s->held[0], &lo, &hi);
+        const uint32_t need = colibri_utf8_lead(s->held[0], &lo, &hi);
         if (s->held_len > 1) { /* past the second byte, any continuation byte */
             lo = 0x80u;
             hi = 0xBFu;

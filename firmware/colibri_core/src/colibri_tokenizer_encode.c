@@ -152,34 +152,6 @@ static uint32_t longest_prefix(const encoder *e, const uint8_t *s, size_t n, uin
 
 /* ---- UTF-8 and character classes ---- */
 
-/* Length of the well-formed sequence at s (at most n bytes), 0 if none. */
-static uint32_t utf8_length(const uint8_t *s, size_t n)
-{
-    const uint8_t b = s[0];
-    uint32_t len;
-    uint8_t lo = 0x80u, hi = 0xBFu;
-    if (b < 0x80u)
-        return 1;
-    if (b >= 0xC2u && b <= 0xDFu)
-        len = 2;
-    else if (b >= 0xE0u && b <= 0xEFu) {
-        len = 3;
-        lo = b == 0xE0u ? 0xA0u : 0x80u;
-        hi = b == 0xEDu ? 0x9Fu : 0xBFu;
-    } else if (b >= 0xF0u && b <= 0xF4u) {
-        len = 4;
-        lo = b == 0xF0u ? 0x90u : 0x80u;
-        hi = b == 0xF4u ? 0x8Fu : 0xBFu;
-    } else
-        return 0;
-    if (n < len || s[1] < lo || s[1] > hi)
-        return 0;
-    for (uint32_t i = 2; i < len; i++)
-        if (s[i] < 0x80u || s[i] > 0xBFu)
-            return 0;
-    return len;
-}
-
 /* The code point at s (well-formed, checked before) and its length. */
 static uint32_t decode_char(const uint8_t *s, uint32_t *len)
 {
@@ -751,7 +723,7 @@ colibri_status colibri_tokenizer_encode(const colibri_tokenizer *tok, const uint
     if (tok->kind == COLIBRI_TOKENIZER_BYTE_BPE && (e.split = splitter(p)) == 0)
         return COLIBRI_E_UNSUPPORTED;
     for (size_t i = 0; i < text_len;) {
-        const uint32_t len = utf8_length(text + i, text_len - i);
+        const uint32_t len = colibri_utf8_sequence(text + i, text_len - i);
         if (len == 0)
             return COLIBRI_E_BAD_TEXT;
         i += len;

@@ -40,7 +40,6 @@
 #if defined(COLIBRI_BACKEND_X86)
 
 #include <immintrin.h>
-#include "colibri_x86_terms.h"
 #include "colibri_format.h"
 
 #define BLK_AVX2 __attribute__((target("avx2,fma,f16c")))
