@@ -5,7 +5,8 @@
 
 Each matrix is seeded N(0, 1/cols) f32, as bench/hf_export.py's folder holds them: 2816x1024 is an
 expert matrix of the 2.3 GB Mixtral folder, 5632x2048 one of the 7 B model. Printed per shape: the
-median wall time of `quantize_q4` (default group 32, clip search, 0.5 % compensation) and of
+median wall time of `quantize_q4` (default group 32, clip search, 0.5 % compensation; its search on
+Q4_SEARCH_THREADS threads, the process's cores, and on one) and of
 `quantize_q8` (compact, as the export stores it), each as wall and CPU seconds (the process's
 time.process_time: what the machine's other load moves least). With --spec also `quantize_q4` with its
 clip search done by `q4_scales_spec` (the readable form the fast search replaced, the code before it),
@@ -47,12 +48,16 @@ def main() -> None:
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in (a.shape or ["2816x1024", "5632x2048"])]
     print("seconds per matrix, wall/cpu, median of", a.repeat)
-    print(f"{'matrix':>11} {'q4':>13} {'q8':>13}" + (f" {'q4 spec':>13} {'same bytes':>10}" if a.spec else ""))
+    threads = Q.Q4_SEARCH_THREADS
+    print(f"{'matrix':>11} {f'q4 {threads} thr':>13} {'q4 1 thread':>13} {'q8':>13}"
+          + (f" {'q4 spec':>13} {'same bytes':>10}" if a.spec else ""))
     for rows, cols in shapes:
         w = (np.random.default_rng(0).standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
         t4, fast = timed(lambda: Q.quantize_q4(w), a.repeat)
+        with mock.patch.object(Q, "Q4_SEARCH_THREADS", 1):
+            t1, _ = timed(lambda: Q.quantize_q4(w), a.repeat)
         t8, _ = timed(lambda: Q.quantize_q8(w, compact=True), a.repeat)
-        line = f"{rows:>5}x{cols:<5} {t4:>13} {t8:>13}"
+        line = f"{rows:>5}x{cols:<5} {t4:>13} {t1:>13} {t8:>13}"
         if a.spec:
             with mock.patch.object(Q, "_q4_scales", Q.q4_scales_spec):
                 ts, spec = timed(lambda: Q.quantize_q4(w), a.repeat)

@@ -399,14 +399,16 @@ def _edge_matrices():
     yield "wide", rng.standard_normal((3, 700)).astype(np.float32) * 100
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("compensation", [0.0, 0.005, 0.1])
 @pytest.mark.parametrize("group", [8, 32, 256])
-def test_fast_clip_search_equals_the_spec(group: int, compensation: float, monkeypatch) -> None:
-    """The fast search (blocks of groups, [group, groups] layout, numpy's summation order replayed)
-    gives the spec's bytes on random shapes with ragged tails and on the cases where float details
-    decide: zero groups, a huge outlier, tied errors, subnormal and boundary scales. Small blocks make
-    many of them, the last one partial."""
+def test_fast_clip_search_equals_the_spec(group: int, compensation: float, threads: int, monkeypatch) -> None:
+    """The fast search (blocks of groups, [group, groups] layout, numpy's summation order replayed,
+    blocks shared among threads) gives the spec's bytes on random shapes with ragged tails and on the
+    cases where float details decide: zero groups, a huge outlier, tied errors, subnormal and boundary
+    scales. Small blocks make many of them, the last one partial."""
     monkeypatch.setattr(Q, "Q4_SEARCH_BLOCK", 3 * 256)
+    monkeypatch.setattr(Q, "Q4_SEARCH_THREADS", threads)
     rng = np.random.default_rng(group)
     shapes = [(int(rng.integers(1, 40)), int(rng.integers(1, 600))) for _ in range(6)]
     cases = [(f"random{s}", (rng.standard_normal(s) * rng.uniform(1e-3, 10)).astype(np.float32)) for s in shapes]
@@ -432,6 +434,28 @@ def test_pairwise_sum_is_numpys_order(n: int) -> None:
     for j in range(n):
         sequential += x[:, j]
     assert not np.array_equal(sequential, want)  # the order matters on these values
+
+
+def test_largest_is_argpartitions_set() -> None:
+    """The n largest (E's entries, the weights set aside): the set argpartition picks, also where a
+    tie at the boundary, NaN, inf or a tiny or wide n send it to argpartition itself."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for size in (100, 1 << 16, 300_001):
+        a = np.abs(rng.standard_normal(size)).astype(np.float32)
+        cases += [(a, n) for n in (1, 7, max(1, size // 200), size // 5, size // 3)]
+        tied = np.round(a * 4) / 4  # few distinct values: ties straddle the boundary
+        cases += [(tied, n) for n in (1, max(1, size // 200), size // 5)]
+        spiky = a.copy()
+        spiky[rng.integers(0, size, 50)] = np.inf
+        cases += [(spiky, 10), (spiky, 200)]
+        nan = a.copy()
+        nan[3] = np.nan
+        cases.append((nan, max(1, size // 200)))
+    cases.append((np.zeros(1 << 17, np.float32), 500))
+    for a, n in cases:
+        want = np.sort(np.argpartition(a, a.size - n)[a.size - n :])
+        assert np.array_equal(np.sort(Q._largest(a, n)), want), (a.size, n)
 
 
 def test_fast_clip_search_refuses_what_the_spec_refuses() -> None:
