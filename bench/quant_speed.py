@@ -53,14 +53,14 @@ def main() -> None:
           + (f" {'q4 spec':>13} {'same bytes':>10}" if a.spec else ""))
     for rows, cols in shapes:
         w = (np.random.default_rng(0).standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-        t4, fast = timed(lambda: Q.quantize_q4(w), a.repeat)
+        t4, fast = timed(lambda w=w: Q.quantize_q4(w), a.repeat)
         with mock.patch.object(Q, "Q4_SEARCH_THREADS", 1):
-            t1, _ = timed(lambda: Q.quantize_q4(w), a.repeat)
-        t8, _ = timed(lambda: Q.quantize_q8(w, compact=True), a.repeat)
+            t1, _ = timed(lambda w=w: Q.quantize_q4(w), a.repeat)
+        t8, _ = timed(lambda w=w: Q.quantize_q8(w, compact=True), a.repeat)
         line = f"{rows:>5}x{cols:<5} {t4:>13} {t1:>13} {t8:>13}"
         if a.spec:
             with mock.patch.object(Q, "_q4_scales", Q.q4_scales_spec):
-                ts, spec = timed(lambda: Q.quantize_q4(w), a.repeat)
+                ts, spec = timed(lambda w=w: Q.quantize_q4(w), a.repeat)
             line += f" {ts:>13} {str(q4_bytes(fast) == q4_bytes(spec)):>10}"
         print(line, flush=True)
 

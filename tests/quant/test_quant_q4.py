@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.runtime import _engine
 from colibri import image, reference
+from colibri.image import codecs
 from colibri.model import format as F
 from colibri.model.errors import ExportError
 from colibri.model.format import Act, DType, ExpertKind, Routing, Status
 from colibri.model.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
 from colibri.model.walks import weight_slots
-from colibri.image import codecs
 from colibri.quant import quantize as Q
 from colibri.quant.quantize import quantize, quantize_q4
-
+from colibri.runtime import _engine
 from helpers import lmmodels
 from helpers.engine_models import ENGINE_MODELS, assert_engine_matches
 from helpers.quant_models import accuracy, graph_of, inputs
