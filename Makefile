@@ -6,7 +6,7 @@ CORE := firmware/colibri_core
 
 .PHONY: setup demo test check lint engine engine-all c-tests firmware header measure clean fuzz \
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
-        bench-edge-mmap-full bench-edge-jitter bench-hf-export bench-hf-export-full upstream-check \
+        bench-edge-mmap-full bench-edge-jitter bench-quant bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
         bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm \
         bench-host-insns
@@ -251,6 +251,11 @@ bench-edge-jitter: setup
 # ~600 MB f32 (hidden 512, 8 layers, 8 experts x 1408, GQA 8/2, vocab 4096); -full the issue's 2.3 GB folder
 # (hidden 1024, 8 experts x 2816, 500 MB shards), streamed f32, q8 and q4 only (in memory it needs >10 GB), and
 # where make bench-lm-setup built llama.cpp, its convert_hf_to_gguf.py (F32) + llama-quantize (Q8_0, Q4_0) beside.
+# Seconds per weight matrix of quantize_q4 (the streamed export's cost at q4) and quantize_q8: an expert of the
+# 2.3 GB folder (2816x1024) and of the 7 B model (5632x2048), beside the clip search's readable form (bench/quant_speed.py).
+bench-quant: setup
+	$(PY) bench/quant_speed.py --spec
+
 bench-hf-export: setup
 	$(PY) bench/hf_export.py --dtype q8 --dtype f32
 

@@ -129,10 +129,79 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensor
     scores, <unk> <s> </s> first), or a Hugging Face folder whose tokenizer.model or tokenizer.json
     is written as llama.cpp's converter writes it (`converter_tokenizer`; `pre` names a byte-level
     BPE's pre-tokenizer)."""
-    cfg = model.config
     arch = GGUF_ARCH[type(model).__name__]
     tensors = gguf_tensors(model) if tensors is None else tensors
     w = gguf.GGUFWriter(str(path), arch)
+    write_metadata(w, model.config, arch, qtype, tokenizer=tokenizer, pre=pre)
+    if metadata is not None:
+        metadata(w)
+    for name, value in tensors.items():
+        t = (types or {}).get(name) or stored_type(name, value, qtype)
+        data = encode(value, t)
+        w.add_tensor(name, data, raw_dtype=QTYPES[t] if t in ("BF16", "Q8_0", "Q4_0", "Q5_0") else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_random_mixtral_q4_0(path: Path, *, hidden: int, layers: int, experts: int, intermediate: int,
+                              vocab: int, heads: int = 8, kv_heads: int = 2, seed: int = 0) -> Path:
+    """A pure-Q4_0 Mixtral GGUF (llama.cpp's `llama` with experts; norms and routers F32) of random
+    blocks at `path`, written one tensor at a time: files of hundreds of MB without the model, or
+    even one layer's f32 weights, in memory. Each Q4_0 block gets a random f16 scale in [2^-10, 2^-9)
+    and 32 random codes. Widths must be multiples of 32."""
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, max_position_embeddings=4096,
+                        rms_norm_eps=1e-5, intermediate_size=intermediate, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, num_local_experts=experts, num_experts_per_tok=2,
+                        tie_word_embeddings=False, sliding_window=None,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    hd = hidden // heads
+    plan = [("token_embd.weight", (vocab, hidden), "Q4_0"), ("output_norm.weight", (hidden,), "F32"),
+            ("output.weight", (vocab, hidden), "Q4_0")]
+    for i in range(layers):
+        b = f"blk.{i}"
+        plan += [(f"{b}.attn_norm.weight", (hidden,), "F32"), (f"{b}.ffn_norm.weight", (hidden,), "F32"),
+                 (f"{b}.attn_q.weight", (heads * hd, hidden), "Q4_0"),
+                 (f"{b}.attn_k.weight", (kv_heads * hd, hidden), "Q4_0"),
+                 (f"{b}.attn_v.weight", (kv_heads * hd, hidden), "Q4_0"),
+                 (f"{b}.attn_output.weight", (hidden, heads * hd), "Q4_0"),
+                 (f"{b}.ffn_gate_inp.weight", (experts, hidden), "F32"),
+                 (f"{b}.ffn_gate_exps.weight", (experts, intermediate, hidden), "Q4_0"),
+                 (f"{b}.ffn_up_exps.weight", (experts, intermediate, hidden), "Q4_0"),
+                 (f"{b}.ffn_down_exps.weight", (experts, hidden, intermediate), "Q4_0")]
+    rng = np.random.default_rng(seed)
+
+    def data(shape: tuple[int, ...], qtype: str) -> np.ndarray:
+        if qtype == "F32":
+            return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32) if len(shape) == 1 else \
+                (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        blocks = np.frombuffer(rng.bytes(int(np.prod(shape)) // 32 * 18), np.uint8).reshape(-1, 18).copy()
+        scales = rng.uniform(2.0**-10, 2.0**-9, blocks.shape[0]).astype("<f2")
+        blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+        return blocks.reshape(*shape[:-1], shape[-1] // 32 * 18)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    write_metadata(w, cfg, "llama", "Q4_0")
+    for name, shape, qtype in plan:
+        if qtype == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // 32 * 18), np.dtype(np.uint8),
+                              int(np.prod(shape)) // 32 * 18, raw_dtype=QTYPES["Q4_0"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, shape, qtype in plan:
+        w.write_tensor_data(data(shape, qtype))
+    w.close()
+    return path
+
+
+def write_metadata(w: gguf.GGUFWriter, cfg, arch: str, qtype: str, *, tokenizer: str | Path = "no_vocab",
+                   pre: str = "gpt-2") -> None:
+    """The converter's metadata keys for a model of config `cfg` (`write_gguf`'s `tokenizer`, `pre`)."""
     w.add_name(f"tiny {arch}")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -176,17 +245,6 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str = "F32", *, tensor
             w.add_token_merges([f"t {i}" for i in range(10)])
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
-    if metadata is not None:
-        metadata(w)
-    for name, value in tensors.items():
-        t = (types or {}).get(name) or stored_type(name, value, qtype)
-        data = encode(value, t)
-        w.add_tensor(name, data, raw_dtype=QTYPES[t] if t in ("BF16", "Q8_0", "Q4_0", "Q5_0") else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def converter_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int, *, pre: str = "gpt-2") -> None:

@@ -4,20 +4,22 @@ status for status), `quantize_q4`, and the numpy reference's float32 order."""
 from __future__ import annotations
 
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import colibri
-from colibri.runtime import _engine
 from colibri import image, reference
+from colibri.image import codecs
 from colibri.model import format as F
 from colibri.model.errors import ExportError
 from colibri.model.format import Act, DType, ExpertKind, Routing, Status
 from colibri.model.ir import Embedding, Expert, Graph, Linear, MoE, Q4Weight, Q8Weight, dense
 from colibri.model.walks import weight_slots
+from colibri.quant import quantize as Q
 from colibri.quant.quantize import quantize, quantize_q4
-
+from colibri.runtime import _engine
 from helpers import lmmodels
 from helpers.engine_models import ENGINE_MODELS, assert_engine_matches
 from helpers.quant_models import accuracy, graph_of, inputs
@@ -367,6 +369,104 @@ def test_routers_stay_f32_and_biases_move_into_companions(q4_graph: Graph) -> No
     assert q4_graph.layers[0].weight.bias is not None
 
 
+def _q4_bytes(w: Q4Weight) -> bytes:
+    return image.q4_pack(w.q) + codecs.q4_params_payload(w)
+
+
+def _spec_q4(w: np.ndarray, *args, **kwargs) -> Q4Weight:
+    """quantize_q4 with its clip search done by the readable form the fast one must equal."""
+    with mock.patch.object(Q, "_q4_scales", Q.q4_scales_spec):
+        return quantize_q4(w, *args, **kwargs)
+
+
+def _edge_matrices():
+    rng = np.random.default_rng(7)
+    yield "t-tails", rng.standard_t(3, (37, 301)).astype(np.float32) * 0.05
+    yield "zeros", np.zeros((5, 40), np.float32)
+    w = rng.standard_normal((9, 72)).astype(np.float32)
+    w[:, 8:16] = 0  # an all-zero group in every row
+    w[3, 40] = 3e4  # one huge outlier: it stretches its group's scale unless E takes it
+    w[5] = -0.0
+    yield "zero-groups-outlier", w
+    yield "ties", rng.integers(-3, 4, (12, 64)).astype(np.float32) * np.float32(0.25)  # exact grid: tied errors
+    yield "equal-magnitudes", np.sign(rng.standard_normal((6, 48))).astype(np.float32)
+    w = rng.standard_normal((4, 24)).astype(np.float32)
+    w[0, :8], w[1, :12] = 1e-42, 3e-39  # subnormal groups: scales that underflow or sit below f16's normals
+    w[2, :8] = np.float32(2.0**-14) * 7  # the smallest normal scale exactly
+    yield "tiny", w
+    yield "one-column", rng.standard_normal((7, 1)).astype(np.float32)
+    yield "wide", rng.standard_normal((3, 700)).astype(np.float32) * 100
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("compensation", [0.0, 0.005, 0.1])
+@pytest.mark.parametrize("group", [8, 32, 256])
+def test_fast_clip_search_equals_the_spec(group: int, compensation: float, threads: int, monkeypatch) -> None:
+    """The fast search (blocks of groups, [group, groups] layout, numpy's summation order replayed,
+    blocks shared among threads) gives the spec's bytes on random shapes with ragged tails and on the
+    cases where float details decide: zero groups, a huge outlier, tied errors, subnormal and boundary
+    scales. Small blocks make many of them, the last one partial."""
+    monkeypatch.setattr(Q, "Q4_SEARCH_BLOCK", 3 * 256)
+    monkeypatch.setattr(Q, "Q4_SEARCH_THREADS", threads)
+    rng = np.random.default_rng(group)
+    shapes = [(int(rng.integers(1, 40)), int(rng.integers(1, 600))) for _ in range(6)]
+    cases = [(f"random{s}", (rng.standard_normal(s) * rng.uniform(1e-3, 10)).astype(np.float32)) for s in shapes]
+    for name, w in cases + list(_edge_matrices()):
+        for clip_search in (True, False):
+            fast = quantize_q4(w, compensation, group=group, clip_search=clip_search)
+            spec = _spec_q4(w, compensation, group=group, clip_search=clip_search)
+            assert _q4_bytes(fast) == _q4_bytes(spec), (name, w.shape, clip_search)
+
+
+@pytest.mark.parametrize("n", [8, 16, 32, 64, 128, 256])
+def test_pairwise_sum_is_numpys_order(n: int) -> None:
+    """The fast search's group sums replay numpy's float32 add.reduce over a contiguous run, the spec's
+    `sum(axis=2)`: on values whose rounding depends on the order (a large term among small ones) they
+    agree bit for bit where a left-to-right sum does not."""
+    rng = np.random.default_rng(n)
+    x = rng.uniform(0, 1, (5000, n)).astype(np.float32)
+    x[np.arange(5000), rng.integers(0, n, 5000)] = np.float32(2.0**24) * rng.uniform(0.5, 1, 5000).astype(np.float32)
+    want = x.sum(axis=1)
+    got = Q._pairwise_sum(np.ascontiguousarray(x.T))
+    assert np.array_equal(got, want)
+    sequential = np.zeros(5000, np.float32)
+    for j in range(n):
+        sequential += x[:, j]
+    assert not np.array_equal(sequential, want)  # the order matters on these values
+
+
+def test_largest_is_argpartitions_set() -> None:
+    """The n largest (E's entries, the weights set aside): the set argpartition picks, also where a
+    tie at the boundary, NaN, inf or a tiny or wide n send it to argpartition itself."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for size in (100, 1 << 16, 300_001):
+        a = np.abs(rng.standard_normal(size)).astype(np.float32)
+        cases += [(a, n) for n in (1, 7, max(1, size // 200), size // 5, size // 3)]
+        tied = np.round(a * 4) / 4  # few distinct values: ties straddle the boundary
+        cases += [(tied, n) for n in (1, max(1, size // 200), size // 5)]
+        spiky = a.copy()
+        spiky[rng.integers(0, size, 50)] = np.inf
+        cases += [(spiky, 10), (spiky, 200)]
+        nan = a.copy()
+        nan[3] = np.nan
+        cases.append((nan, max(1, size // 200)))
+    cases.append((np.zeros(1 << 17, np.float32), 500))
+    for a, n in cases:
+        want = np.sort(np.argpartition(a, a.size - n)[a.size - n :])
+        assert np.array_equal(np.sort(Q._largest(a, n)), want), (a.size, n)
+
+
+def test_fast_clip_search_refuses_what_the_spec_refuses() -> None:
+    w = np.ones((3, 64), np.float32)
+    w[2, 50] = 1e6  # a group scale beyond f16, with no E to take the weight
+    with pytest.raises(ExportError, match="too large for q4") as fast:
+        quantize_q4(w, 0.0)
+    with pytest.raises(ExportError, match="too large for q4") as spec:
+        _spec_q4(w, 0.0)
+    assert str(fast.value) == str(spec.value)
+
+
 # --- the reference's float32 order -------------------------------------------------------------------
 
 
@@ -510,10 +610,12 @@ def test_cli_quantize_q4_and_info(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", ["mlp-activations-f32", "softmax-topk-renorm-f16", "softmax-topk-q8",
-                                  "softmax-topk-q8-v1", "page-aligned-q8-int8act-v3", "tensor-crc-f16-v3"])
-def test_images_without_int4_stay_byte_identical(name: str) -> None:
+                                  "softmax-topk-q8-v1", "page-aligned-q8-int8act-v3", "tensor-crc-f16-v3",
+                                  "glu-q4-int8act", "mlp-q4-odd-columns", "wide-e-q4", "mixed-q4-q8"])
+def test_seed_images_stay_byte_identical(name: str) -> None:
     """Version 5 changes nothing for other images: the committed fuzz seeds (written before int4 existed,
-    formats v1, v2 and v3) come out of today's writer byte for byte."""
+    formats v1, v2 and v3) come out of today's writer byte for byte. The int4 seeds pin the quantiser:
+    the clip search's scales, the int4 values and E as they were first written."""
     import sys
     import zlib
     from pathlib import Path

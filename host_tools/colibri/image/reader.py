@@ -66,6 +66,7 @@ class _Reader:
         self.tokenizer: int | None = None  # version 6: the TOKENIZER tensor's index
         self.crc_off = 0
         self.max_image_bytes = max_image_bytes  # a build's COLIBRI_MAX_IMAGE_BYTES (SIZE_MAX: None on 64 bits)
+        self.unpack_int4 = True  # Q4Weight.q unpacked (else zeros of its shape: `status` drops the graph)
 
     def header(self) -> tuple:
         if self.n < F.HEADER_SIZE:
@@ -153,7 +154,9 @@ def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, ch
     failure, found in the same order (the differential tests and fuzzer compare the two);
     check="structure" is colibri_validate_ex(..., COLIBRI_CHECK_STRUCTURE)."""
     try:
-        read(data, work=work, check=check, max_image_bytes=max_image_bytes)
+        # the int4 values are not unpacked: what a validation (of a streamed export's multi-GB file, say)
+        # needs of them is in their packed bytes, and the graph is dropped
+        _read(data, work=work, check=check, max_image_bytes=max_image_bytes, unpack_int4=False)
     except ColibriError as exc:
         return int(exc.status)
     return 0
@@ -168,10 +171,18 @@ def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, chec
     leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE.
     `max_image_bytes` is the engine build's COLIBRI_MAX_IMAGE_BYTES (a 32-bit target: 2**32 - 1): a
     larger image_size is IMAGE_TOO_LARGE; None (a 64-bit build) sets no limit below the format's."""
+    return _read(data, work=work, check=check, max_image_bytes=max_image_bytes, unpack_int4=True)
+
+
+def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str, max_image_bytes: int | None,
+          unpack_int4: bool) -> Graph:
+    """`read`; without `unpack_int4` each Q4Weight's `q` is a zero-stride array of zeros of its shape
+    (for `status`, which drops the graph)."""
     if check not in ("full", "structure"):
         raise ValueError(f"check must be 'full' or 'structure', got {check!r}")
     work = Work() if work is None else work
     r = _Reader(data, work, full=check == "full", max_image_bytes=max_image_bytes)
+    r.unpack_int4 = unpack_int4
     h = r.header()
     (_, _, _, _, size, flags, n_in, n_out, max_batch, n_t, t_off, n_l, l_off, n_m, m_off, n_e, e_off) = h
     size = r.size  # version 7: the u64 at 80
@@ -490,7 +501,7 @@ def _tensors(r: _Reader, t_recs: list[tuple], size: int, version: int) -> list:
             objs.append(_Section())
         elif dtype == DType.I4:
             packed = np.frombuffer(buf, dtype=np.uint8, count=rows * F.q4_row_bytes(cols), offset=off)
-            objs.append(_q4(buf, t_recs, i, packed.reshape(rows, F.q4_row_bytes(cols)), r.work))
+            objs.append(_q4(buf, t_recs, i, packed.reshape(rows, F.q4_row_bytes(cols)), r.work, r.unpack_int4))
         elif dtype == DType.I8:
             q = np.frombuffer(buf, dtype=np.int8, count=rows * cols, offset=off).reshape(rows, cols)
             objs.append(_q8(buf, t_recs, i, q, r.work, version))
@@ -542,7 +553,7 @@ def _q4_header(buf: memoryview, off: int) -> tuple[int, int, bool, bool]:
     return nnz, g_log2, bool(flags & F.Q4Flag.BIAS), ok
 
 
-def _q4(buf: memoryview, t_recs: list[tuple], i: int, packed: np.ndarray, work: Work) -> Q4Weight:
+def _q4(buf: memoryview, t_recs: list[tuple], i: int, packed: np.ndarray, work: Work, unpack: bool) -> Q4Weight:
     """The int4 tensor i with its Q4_PARAMS companion, validated in the C validator's order: the
     companion (BAD_QUANT), the unused nibbles of odd rows, the group scales and the bias (BAD_QUANT),
     then E (BAD_COMPENSATION)."""
@@ -571,7 +582,8 @@ def _q4(buf: memoryview, t_recs: list[tuple], i: int, packed: np.ndarray, work: 
             _fail(Status.BAD_QUANT, f"tensor {i}: f16 biases must be 0 or normal numbers")
     params_end = at["bias" if has_bias else "scale"] + 2 * rows * (1 if has_bias else groups)
     row_ptr, col, val = _compensation(buf, off, at, i, rows, cols, nnz, F.q8_row_ptr_bytes(2, nnz), params_end, work)
-    return Q4Weight(q=q4_unpack(packed, cols), scale=scale.reshape(rows, groups), group=1 << g_log2,
+    q = q4_unpack(packed, cols) if unpack else np.broadcast_to(np.int8(0), (rows, cols))
+    return Q4Weight(q=q, scale=scale.reshape(rows, groups), group=1 << g_log2,
                     row_ptr=row_ptr, col=col, val=val, bias=bias, packed=packed)
 
 

@@ -17,6 +17,7 @@ the token to another expert, which moves its whole output row.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -77,6 +78,26 @@ def _clip_scales(w: np.ndarray, top: np.ndarray, importance: np.ndarray | None, 
     return best
 
 
+def _largest(a: np.ndarray, n: int) -> np.ndarray:
+    """Indices, in no order, of the n largest values of the flat array `a`: the set
+    `np.argpartition(a, a.size - n)[a.size - n:]` holds. When that set is unique (its smallest value
+    is no other element's), it is found among the elements above a threshold taken from a sample,
+    a fraction of the array; with a tie there, NaN, or a sample that misses, argpartition itself."""
+    k = a.size - n
+    if a.size >= 1 << 16 and 0 < 4 * n < a.size and not np.isnan(a.max()):
+        step = a.size // (1 << 14)
+        sample = a[::step]
+        above = min(sample.size - 1, 2 * n // step + 64)  # the threshold: about 2n of `a` above it
+        low = np.partition(sample, sample.size - 1 - above)[sample.size - 1 - above]
+        candidates = np.flatnonzero(a >= low)
+        if candidates.size >= n:
+            values = a[candidates]
+            top = np.argpartition(values, values.size - n)[values.size - n :]
+            if np.count_nonzero(values >= values[top].min()) == n:
+                return candidates[top]
+    return np.argpartition(a, k)[k:]
+
+
 def _compensation(w: np.ndarray, residual: np.ndarray, n_e: int, importance: np.ndarray | None,
                   dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sparse f16 term E (CSR: row_ptr, col, val) of a q8 or q4 matrix: the n_e largest residuals
@@ -88,7 +109,7 @@ def _compensation(w: np.ndarray, residual: np.ndarray, n_e: int, importance: np.
     val = np.zeros(0, dtype=np.float16)
     if n_e:
         weight = np.abs(residual) if importance is None else np.abs(residual) * np.sqrt(importance)[None, :]
-        flat = np.argpartition(weight.ravel(), w.size - n_e)[w.size - n_e :]
+        flat = _largest(weight.ravel(), n_e)
         big = np.abs(residual.ravel()[flat]).max(initial=0)
         if big > F16_MAX:
             raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for {dtype}: its compensation "
@@ -126,7 +147,7 @@ def quantize_q8(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, bi
     n_e = int(round(compensation * w.size)) if cols <= 65536 else 0
     body = np.abs(w)
     if n_e:
-        outliers = np.argpartition(body.ravel(), w.size - n_e)[w.size - n_e :]
+        outliers = _largest(body.ravel(), n_e)
         body = body.copy()
         body.ravel()[outliers] = 0
 
@@ -190,6 +211,118 @@ def _f16_scale(s: np.ndarray) -> np.ndarray:
     return np.where((s > 0) & (s < F16_MIN_NORMAL), np.float32(F16_MIN_NORMAL), s).astype(np.float16)
 
 
+def _q4_too_large(g: np.ndarray) -> ExportError:
+    return ExportError(f"weight magnitude {np.abs(g).max():.3g} is too large for q4: a group scale would "
+                       f"exceed the f16 range ({F16_MAX:g})")
+
+
+def q4_scales_spec(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """Each group's scale ([rows, G], f32 values of the f16 as stored): of the scales
+    `_f16_scale(α · amax / 7)` for α in Q4_CLIP_GRID (only α = 1 without `clip_search`), the first with
+    the least Σ (w − q·s)² over the group's weights `m` marks (q = clip(rint(w / s), −8, 7)); amax is
+    the largest marked |w| of the group. `g` holds the groups [rows, G, group], zero-padded.
+
+    The readable form of the search; `_q4_scales` computes the same bits faster."""
+    amax = np.where(m, np.abs(g), 0).max(axis=2)
+    if float(amax.max(initial=0)) / 7 > F16_MAX:
+        raise _q4_too_large(g)
+
+    def fit(alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
+        s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
+        safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+        q = np.clip(np.rint(g / safe), -8, 7)
+        q[s == 0] = 0
+        err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
+        return s, err
+
+    scale, best = fit(np.float32(1))
+    if clip_search:
+        for alpha in Q4_CLIP_GRID[1:]:
+            s, err = fit(alpha)
+            better = err < best
+            scale[better], best[better] = s[better], err[better]
+    return scale
+
+
+# Weights per block of groups `_q4_scales` works on: its two f32 buffers (1 MiB each) stay in the
+# cache; measured best of 2^15..2^20 on the bench's Xeon with one and two threads (bench/quant_speed.py).
+Q4_SEARCH_BLOCK = 1 << 18
+# Threads of the search: the cores this process may run on (at most 8). The scales do not depend on it.
+Q4_SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _pairwise_sum(x: np.ndarray) -> np.ndarray:
+    """Σ over axis 0 of `x` [n, N] (n a multiple of 8) in the order numpy's add.reduce sums a contiguous
+    run of n float32 (pairwise: eight running sums per block of at most 128, blocks halved above)."""
+    n = x.shape[0]
+    if n > 128:
+        half = n // 2 - n // 2 % 8
+        return _pairwise_sum(x[:half]) + _pairwise_sum(x[half:])
+    r = x[:8].copy()
+    for i in range(8, n, 8):
+        r += x[i : i + 8]
+    return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+
+
+def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """`q4_scales_spec`, bit for bit, fast: blocks of groups that stay in the cache, laid out
+    [group, groups] so that every step is one long float32 vector operation, and no temporaries.
+
+    Each weight goes through the spec's float32 operations in its order, and each group's squared
+    errors are summed in the order of the spec's `sum(axis=2)` (`_pairwise_sum`). Weights outside `m`
+    are zeroed once: each then adds rint(0 / s) = 0 and (0 − 0)² = +0, the spec's masked term. A
+    group whose scale is 0 has only ±0 (or subnormals that round to 0) marked, so skipping the spec's
+    q = 0 there leaves the same terms."""
+    rows, n_groups, group = g.shape
+    alphas = Q4_CLIP_GRID if clip_search else Q4_CLIP_GRID[:1]
+    flat_g, flat_m = g.reshape(-1, group), m.reshape(-1, group)
+    total = flat_g.shape[0]
+    block = min(total, max(1, Q4_SEARCH_BLOCK // group))
+    scale = np.empty(total, np.float32)
+
+    def search(first: int, last: int) -> None:
+        """The scales of groups first..last-1, a block at a time (each worker its own buffers)."""
+        kept = np.empty((group, block), np.float32)
+        work = np.empty_like(kept)
+        errs = np.empty((len(alphas), block), np.float32)
+        for i0 in range(first, last, block):
+            i1 = min(last, i0 + block)
+            n = i1 - i0
+            k, t, e = kept[:, :n], work[:, :n], errs[:, :n]
+            np.multiply(flat_g[i0:i1].T, flat_m[i0:i1].T, out=k)  # +0 or -0 where not marked: both give +0 below
+            top = np.abs(k).max(axis=0)
+            if float(top.max()) / 7 > F16_MAX:
+                raise _q4_too_large(g)
+            # every α's scales at once: the same float32 product and quotient per element as the spec's
+            s_all = _f16_scale((top[None, :] * alphas[:, None] / np.float32(7)).astype(np.float32))
+            s_all = s_all.astype(np.float32)
+            safe_all = np.where(s_all > 0, s_all, np.float32(1))
+            for a in range(len(alphas)):
+                np.divide(k, safe_all[a], out=t)
+                np.rint(t, out=t)
+                np.clip(t, -8, 7, out=t)
+                np.multiply(t, s_all[a], out=t)
+                np.subtract(k, t, out=t)
+                np.multiply(t, t, out=t)
+                e[a] = _pairwise_sum(t)
+            # the spec keeps a later α only when its error is strictly less: the first of the least
+            scale[i0:i1] = s_all[np.argmin(e, axis=0), np.arange(n)]
+
+    blocks = -(-total // block)
+    workers = max(1, min(Q4_SEARCH_THREADS, blocks))
+    if workers == 1:
+        search(0, total)
+    else:
+        # numpy's loops release the GIL: the workers' blocks (disjoint groups) run on the cores at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = [min(total, block * (blocks * i // workers)) for i in range(workers + 1)]
+        with ThreadPoolExecutor(workers) as pool:
+            for done in [pool.submit(search, a, b) for a, b in zip(bounds, bounds[1:])]:
+                done.result()
+    return scale.reshape(rows, n_groups)
+
+
 def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, group: int = Q4_DEFAULT_GROUP,
                 bias: np.ndarray | None = None, clip_search: bool = True) -> Q4Weight:
     """Symmetric int4 (-8..7) in groups of `group` columns of a row, one f16 scale each, plus the
@@ -215,35 +348,20 @@ def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, gr
     n_e = int(round(compensation * w.size)) if cols <= 65536 else 0
     kept = np.ones(w.shape, dtype=bool)  # weights the scales are fitted to
     if n_e:
-        outliers = np.argpartition(np.abs(w).ravel(), w.size - n_e)[w.size - n_e :]
+        outliers = _largest(np.abs(w).ravel(), n_e)
         kept.ravel()[outliers] = False
 
     # Groups as [rows, G, group], padded with zeros (which quantise to 0, adding no error).
-    padded = np.zeros((rows, n_groups * group), dtype=np.float32)
-    padded[:, :cols] = w
+    if cols % group:
+        padded = np.zeros((rows, n_groups * group), dtype=np.float32)
+        padded[:, :cols] = w
+        mask = np.zeros(padded.shape, dtype=bool)
+        mask[:, :cols] = kept
+    else:
+        padded, mask = w, kept
     g = padded.reshape(rows, n_groups, group)
-    mask = np.zeros(padded.shape, dtype=bool)
-    mask[:, :cols] = kept
     m = mask.reshape(g.shape)
-    amax = np.where(m, np.abs(g), 0).max(axis=2)
-    if float(amax.max(initial=0)) / 7 > F16_MAX:
-        raise ExportError(f"weight magnitude {np.abs(w).max():.3g} is too large for q4: a group scale would "
-                          f"exceed the f16 range ({F16_MAX:g})")
-
-    def fit(alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
-        s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
-        safe = np.where(s > 0, s, np.float32(1))[:, :, None]
-        q = np.clip(np.rint(g / safe), -8, 7)
-        q[s == 0] = 0
-        err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
-        return s, err
-
-    scale, best = fit(np.float32(1))
-    if clip_search:
-        for alpha in Q4_CLIP_GRID[1:]:
-            s, err = fit(alpha)
-            better = err < best
-            scale[better], best[better] = s[better], err[better]
+    scale = _q4_scales(g, m, clip_search)
     safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
     q = np.clip(np.rint(g / safe), -8, 7)
     q[scale == 0] = 0
