@@ -9,6 +9,8 @@ fallbacks) and `-cpu max` (SDOT and fp16), each asserting which kernels colibri_
   (odd sizes and tails, n = 1..9 with and without the rows list, linear and linear_acc, NaN
   and ±inf); tolerance stated in that file (the dot-product reordering bound), the quantiser,
   ReLU and the int8 × int8 linear kernels bit-exact.
+- colibri_blocks_test: the INT8_BLOCKS kernels (ARMv8.0 on both CPUs, SDOT on `max`) against the
+  reference bit for bit.
 - colibri_kernels_e2e over a corpus of exported images (fuzz/corpus/differential and models
   exported here covering f32, f16, q8 and q8 with int8 activations under every routing mode):
   the aarch64 build's reference kernels give the x86-64 host's reference output bit for bit
@@ -74,13 +76,25 @@ def test_neon_q4_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> Non
     assert f"{CPUS[cpu]} vs reference: f32-act" in r.stdout and " 0 failures" in r.stdout, r.stdout
 
 
+# The block-form configurations colibri_blocks_test compares with the reference on each CPU: the ARMv8.0
+# kernels everywhere (colibri_kernels_neon_caps without SDOT), the SDOT ones where the CPU has dotprod.
+BLOCK_CONFIGS = {"cortex-a72": ["aarch64 neon (ARMv8.0)"],
+                 "max": ["aarch64 neon (ARMv8.0)", "aarch64 neon+dotprod (SDOT)"]}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu", list(CPUS))
-def test_block_form_falls_back_to_the_reference(aarch64_drivers: Path, cpu: str) -> None:
-    """tests/c/colibri_blocks_test.c under qemu-aarch64: NEON has no INT8_BLOCKS kernels, so its table keeps
-    the reference's, which still meets the format's definition."""
+def test_neon_block_kernels_match_reference(aarch64_drivers: Path, cpu: str) -> None:
+    """tests/c/colibri_blocks_test.c under qemu-aarch64: the INT8_BLOCKS reference kernels against the format's
+    definition, and the NEON block kernels (the quantiser, linear and linear_acc, I8 and I4, one token and
+    several) against the reference bit for bit on random shapes with tails, with and without E, and with E's
+    tables changed after validation (nothing read outside them or x)."""
     r = qemu_aarch64(cpu, str(aarch64_drivers / "colibri_blocks_test"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "(the reference's: the backend has none)" in r.stdout and " 0 failures" in r.stdout, r.stdout
+    chosen = [line.removeprefix("block kernels: ") for line in r.stdout.splitlines()
+              if line.startswith("block kernels: ")]
+    assert chosen == BLOCK_CONFIGS[cpu], r.stdout
+    assert " 0 failures" in r.stdout and ", 0 reads outside" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
