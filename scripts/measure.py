@@ -612,6 +612,31 @@ def group_riscv() -> list[Figure]:
     return figures
 
 
+def group_aarch64_blocks() -> list[Figure]:
+    """The block form of int8 activations (INT8_BLOCKS) on AArch64 under qemu-aarch64 (bench/aarch64_insns.py
+    --blocks): instructions of one linear_blocks call of the 100 M-class Mixtral's expert matrices (512->1408,
+    1408->512) with q8 and q4 (groups of 32) weights over 1 token (decode) and 8, with the reference kernels, the
+    NEON ARMv8.0 kernels (-cpu cortex-a72) and the SDOT ones (-cpu max). Emulated instructions, not cycles."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import aarch64_insns as a64
+
+    driver, plugin = a64.build_block_driver()
+    counts = a64.block_counts(driver, plugin)
+    keys = {"reference": "ref", "NEON v8.0": "v80", "NEON SDOT": "sdot"}
+    figures = []
+    for dtype in a64.BLOCK_DTYPES:
+        for layer, n_in, n_out in a64.BLOCK_LAYERS:
+            for n in a64.BLOCK_BATCHES:
+                short = layer.split()[-1]
+                for kernel_set, key in keys.items():
+                    figures.append(fig(f"aarch64.blocks.{dtype}.{short}.n{n}.{key}", counts[dtype, layer, n, kernel_set],
+                                       f"{dtype} {layer} {n_in}->{n_out}, {n} token(s): {kernel_set} instructions per call"))
+                figures.append(fig(f"aarch64.blocks.{dtype}.{short}.n{n}.ratio",
+                                   counts[dtype, layer, n, "reference"] / counts[dtype, layer, n, "NEON SDOT"],
+                                   "the reference's instructions / SDOT's", "{:.1f}"))
+    return figures
+
+
 def group_host_bounds() -> list[Figure]:
     """What the index bounds cost the x86-64 kernels (bench/host_insns.py): the bench's edge model at batch 1,
     instructions per forward counted by valgrind's callgrind (which reports no AVX-512, so the AVX2 kernels
@@ -808,6 +833,7 @@ GROUPS: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
     "tiny_lm_engine": ("The tiny King James model through the C engine", group_tiny_lm_engine),
     "m7_tiny_lm": ("The tiny King James model on the Cortex-M7", group_m7_tiny_lm),
     "riscv": ("RISC-V instructions per multiply-accumulate", group_riscv),
+    "aarch64_blocks": ("INT8_BLOCKS kernels on AArch64", group_aarch64_blocks),
     "host_bounds": ("The index bounds on the x86-64 host", group_host_bounds),
     "tests": ("Test sweeps", group_tests),
 }

@@ -19,6 +19,7 @@ fallbacks) and `-cpu max` (SDOT and fp16), each asserting which kernels colibri_
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import pytest
 
 import colibri
 
-from helpers.build import build_c_tests
+from helpers.build import ROOT, build_c_tests
 from helpers.qemu_user import BATCH, E2E_RTOL, corpus_images, qemu_aarch64, same_bits
 
 pytestmark = [pytest.mark.qemu, pytest.mark.cross]
@@ -120,3 +121,22 @@ def test_neon_end_to_end(aarch64_drivers: Path, corpus, tmp_path: Path, cpu: str
             worst = max(worst, float(err.max()))
             assert err.max() <= E2E_RTOL, f"{name}: NEON differs from the reference by {err.max():.3g}"
     print(f"{cpu}: {len(paths)} images, worst NEON deviation {worst:.3g} (relative to 1 + |ref|)")
+
+
+def test_block_instruction_counts() -> None:
+    """bench/aarch64_insns.py's INT8_BLOCKS measurement on a small shape: the counting plugin loads under
+    qemu-aarch64, one call's count is linear in the calls made (whole calls, nothing else, counted), and per
+    dtype the SDOT kernels issue fewer instructions than the ARMv8.0 ones, which issue far fewer than the
+    reference (docs/measured.md pins the full-size figures)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import aarch64_insns as A  # noqa: PLC0415
+
+    driver, plugin = A.build_block_driver()
+    for dtype in A.BLOCK_DTYPES:
+        per_call = {}
+        for kernel_set, (cpu, which, kernels) in A.BLOCK_SETS.items():
+            args = [str(driver), which, A.BLOCK_DTYPES[dtype], "200", "44", "3"]
+            one, two, three = (A.count(plugin, cpu, [*args, str(c)], kernels) for c in (1, 2, 3))
+            assert three - two == two - one > 0, (dtype, kernel_set)
+            per_call[kernel_set] = two - one
+        assert per_call["NEON SDOT"] < per_call["NEON v8.0"] < per_call["reference"] / 5, (dtype, per_call)
