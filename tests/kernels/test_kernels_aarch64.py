@@ -12,7 +12,8 @@ fallbacks) and `-cpu max` (SDOT and fp16), each asserting which kernels colibri_
 - colibri_blocks_test: the INT8_BLOCKS kernels (ARMv8.0 on both CPUs, SDOT on `max`) against the
   reference bit for bit.
 - colibri_kernels_e2e over a corpus of exported images (fuzz/corpus/differential and models
-  exported here covering f32, f16, q8 and q8 with int8 activations under every routing mode):
+  exported here covering f32, f16, q8, q8 with int8 activations and q8 and q4 with INT8_BLOCKS
+  activations under every routing mode):
   the aarch64 build's reference kernels give the x86-64 host's reference output bit for bit
   (colibri.Model(img, reference_kernels=True)), and the NEON kernels agree within E2E_RTOL.
 """

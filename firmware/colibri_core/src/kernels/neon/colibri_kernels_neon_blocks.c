@@ -24,9 +24,10 @@
  * - Several tokens (prefill, an expert's ring of tokens): 4 rows for up to
  *   4 tokens at a time, each row's weights loaded (and decoded) once for
  *   them; tokens run inside a row block, so its rows stay in L1.
- * - I4: u8 nibbles made signed in registers: the low nibble (the even
- *   column) by SHL 4 then SSHR 4, the high (the odd) by SSHR 4; the token's
- *   32 activations split into evens and odds (UZP1, UZP2) to match.
+ * - I4: the nibbles made int8 in registers, the low nibble (the even
+ *   column) and the high (the odd) apart (q4_nibbles_*: Q on ARMv8.0,
+ *   16 · Q for SDOT), the token's 32 activations split into evens and odds
+ *   (UZP1, UZP2) to match.
  *   Groups of 32 columns or more (a block lies in one group); smaller
  *   groups (8, 16) take the reference kernel.
  * - E, the companion bias and the layer bias: the operations of
@@ -113,10 +114,39 @@ NB_INLINE NB_DOTPROD int32x4_t dot8_dp(int32x4_t s, int8x16_t w0, int8x16_t x0, 
 
 #define dot4_dp dot8_dp
 
+/* I4 nibbles as int8, the low nibble (the even column) and the high (the
+ * odd). ARMv8.0: Q itself (SHL 4, SSHR 4; SSHR 4), so four products share
+ * an int16 lane. SDOT: 16 · Q (SHL 4; AND 0xF0), one step shorter: the
+ * block's sums are 16 times the true ones, |16 · 32 · 8 · 127| < 2^31, and
+ * the reduction shifts them back (exact: multiples of 16). */
+NB_INLINE void q4_nibbles_v80(int8x16_t p, int8x16_t *lo, int8x16_t *hi)
+{
+    *lo = vshrq_n_s8(vshlq_n_s8(p, 4), 4);
+    *hi = vshrq_n_s8(p, 4);
+}
+
+NB_INLINE void q4_nibbles_dp(int8x16_t p, int8x16_t *lo, int8x16_t *hi)
+{
+    *lo = vshlq_n_s8(p, 4);
+    *hi = vandq_s8(p, vdupq_n_s8((int8_t)0xF0));
+}
+
+/* The block sums of 4 rows from the change in their reduced running sums. */
+NB_INLINE int32x4_t q4_sums_v80(int32x4_t change)
+{
+    return change;
+}
+
+NB_INLINE int32x4_t q4_sums_dp(int32x4_t change)
+{
+    return vshrq_n_s32(change, 4);
+}
+
 /* The rows o .. o + R - 1 (the last row repeated past the matrix): their
  * weights, and for I4 their group scales. */
-static void rows_at(const colibri_matrix *w, int i4, size_t o, size_t R, const void **row, const uint16_t **sc)
+NB_INLINE void rows_at(const colibri_matrix *w, int i4, size_t o, size_t R, const void **row, const uint16_t **sc)
 {
+#pragma GCC unroll 8
     for (size_t r = 0; r < R; r++) {
         const size_t orow = o + r < w->rows ? o + r : w->rows - 1;
         if (i4) {
@@ -163,7 +193,8 @@ NB_INLINE float32x4_t q4_scales4(const uint16_t *const *sc, size_t g)
         {                                                                                                        \
             if (i4) {                                                                                            \
                 const int8x16_t p = q4_packed((const uint8_t *)row[r], c, n);                                    \
-                const int8x16_t lo = vshrq_n_s8(vshlq_n_s8(p, 4), 4), hi = vshrq_n_s8(p, 4);                     \
+                int8x16_t lo, hi;                                                                                \
+                q4_nibbles_##SFX(p, &lo, &hi);                                                                   \
                 _Pragma("GCC unroll 4") for (int t = 0; t < T; t++)                                              \
                     S[t][r] = dot4_##SFX(S[t][r], lo, x[t].val[0], hi, x[t].val[1]);                            \
             } else {                                                                                             \
@@ -177,7 +208,8 @@ NB_INLINE float32x4_t q4_scales4(const uint16_t *const *sc, size_t g)
             {                                                                                                    \
                 const int32x4_t red = vpaddq_s32(vpaddq_s32(S[t][4 * h], S[t][4 * h + 1]),                       \
                                                  vpaddq_s32(S[t][4 * h + 2], S[t][4 * h + 3]));                  \
-                const float32x4_t sum = vcvtq_f32_s32(vsubq_s32(red, prev[t][h]));                               \
+                const int32x4_t change = vsubq_s32(red, prev[t][h]);                                             \
+                const float32x4_t sum = vcvtq_f32_s32(i4 ? q4_sums_##SFX(change) : change);                       \
                 prev[t][h] = red;                                                                                \
                 const float32x4_t k = i4 ? vmulq_n_f32(sg[h], ab[t]) : vdupq_n_f32(ab[t]);                       \
                 acc[t][h] = vaddq_f32(acc[t][h], vmulq_f32(sum, k));                                             \
