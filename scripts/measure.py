@@ -592,7 +592,8 @@ def group_m7() -> list[Figure]:
 def group_riscv() -> list[Figure]:
     """The edge model's widest expert matrix (256->1024) over 8 token rows under qemu-riscv64
     (bench/riscv_insns.py): instructions per multiply-accumulate of one linear call with the RVV kernels
-    at VLEN 128 and 256 and with the scalar rv64gc build (emulated instructions, not cycles)."""
+    at VLEN 128 and 256 and with the scalar rv64gc build (emulated instructions, not cycles); and one
+    INT8_BLOCKS call (linear_blocks, q8 and q4) for one token through the 100 M-class Mixtral's 512->1408."""
     sys.path.insert(0, str(ROOT / "bench"))
     import riscv_insns as rv
 
@@ -609,6 +610,17 @@ def group_riscv() -> list[Figure]:
             more = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, str(1 + reps)])
             figures.append(fig(f"riscv.edge_w1.{dtype}.{key}", (more - one) / reps / macs,
                                f"edge expert 256->1024, 8 rows, {dtype}: {target} instructions per MAC", "{:.3f}"))
+    # INT8_BLOCKS, one token (decode) through the 100 M-class Mixtral's expert w1 (512->1408): the RVV block
+    # kernels against the scalar build's reference kernel.
+    shape = ["512", "1408", "1"]
+    for dtype, arg in (("q8", "q8b"), ("q4", "q4b")):
+        for target, key in (("rv64gc", "scalar"), ("RVV 128", "vlen128"), ("RVV 256", "vlen256")):
+            variant, cpu, kernels = rv.TARGETS[target]
+            one = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, "1"])
+            two = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, "2"])
+            figures.append(fig(f"riscv.blocks_w1.{dtype}.{key}", (two - one) / (512 * 1408),
+                               f"Mixtral expert 512->1408, 1 token, {dtype} INT8_BLOCKS: {target} instructions per MAC",
+                               "{:.3f}"))
     return figures
 
 
