@@ -592,7 +592,8 @@ def group_m7() -> list[Figure]:
 def group_riscv() -> list[Figure]:
     """The edge model's widest expert matrix (256->1024) over 8 token rows under qemu-riscv64
     (bench/riscv_insns.py): instructions per multiply-accumulate of one linear call with the RVV kernels
-    at VLEN 128 and 256 and with the scalar rv64gc build (emulated instructions, not cycles)."""
+    at VLEN 128 and 256 and with the scalar rv64gc build (emulated instructions, not cycles); and one
+    INT8_BLOCKS call (linear_blocks, q8 and q4) for one token through the 100 M-class Mixtral's 512->1408."""
     sys.path.insert(0, str(ROOT / "bench"))
     import riscv_insns as rv
 
@@ -609,6 +610,42 @@ def group_riscv() -> list[Figure]:
             more = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, str(1 + reps)])
             figures.append(fig(f"riscv.edge_w1.{dtype}.{key}", (more - one) / reps / macs,
                                f"edge expert 256->1024, 8 rows, {dtype}: {target} instructions per MAC", "{:.3f}"))
+    # INT8_BLOCKS, one token (decode) through the 100 M-class Mixtral's expert w1 (512->1408): the RVV block
+    # kernels against the scalar build's reference kernel.
+    shape = ["512", "1408", "1"]
+    for dtype, arg in (("q8", "q8b"), ("q4", "q4b")):
+        for target, key in (("rv64gc", "scalar"), ("RVV 128", "vlen128"), ("RVV 256", "vlen256")):
+            variant, cpu, kernels = rv.TARGETS[target]
+            one = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, "1"])
+            two = rv.count(plugin, cpu, drivers[variant], kernels, ["opt", arg, *shape, "2"])
+            figures.append(fig(f"riscv.blocks_w1.{dtype}.{key}", (two - one) / (512 * 1408),
+                               f"Mixtral expert 512->1408, 1 token, {dtype} INT8_BLOCKS: {target} instructions per MAC",
+                               "{:.3f}"))
+    return figures
+
+
+def group_aarch64_blocks() -> list[Figure]:
+    """The block form of int8 activations (INT8_BLOCKS) on AArch64 under qemu-aarch64 (bench/aarch64_insns.py
+    --blocks): instructions of one linear_blocks call of the 100 M-class Mixtral's expert matrices (512->1408,
+    1408->512) with q8 and q4 (groups of 32) weights over 1 token (decode) and 8, with the reference kernels, the
+    NEON ARMv8.0 kernels (-cpu cortex-a72) and the SDOT ones (-cpu max). Emulated instructions, not cycles."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import aarch64_insns as a64
+
+    driver, plugin = a64.build_block_driver()
+    counts = a64.block_counts(driver, plugin)
+    keys = {"reference": "ref", "NEON v8.0": "v80", "NEON SDOT": "sdot"}
+    figures = []
+    for dtype in a64.BLOCK_DTYPES:
+        for layer, n_in, n_out in a64.BLOCK_LAYERS:
+            for n in a64.BLOCK_BATCHES:
+                short = layer.split()[-1]
+                for kernel_set, key in keys.items():
+                    figures.append(fig(f"aarch64.blocks.{dtype}.{short}.n{n}.{key}", counts[dtype, layer, n, kernel_set],
+                                       f"{dtype} {layer} {n_in}->{n_out}, {n} token(s): {kernel_set} instructions per call"))
+                figures.append(fig(f"aarch64.blocks.{dtype}.{short}.n{n}.ratio",
+                                   counts[dtype, layer, n, "reference"] / counts[dtype, layer, n, "NEON SDOT"],
+                                   "the reference's instructions / SDOT's", "{:.1f}"))
     return figures
 
 
@@ -808,6 +845,7 @@ GROUPS: dict[str, tuple[str, Callable[[], list[Figure]]]] = {
     "tiny_lm_engine": ("The tiny King James model through the C engine", group_tiny_lm_engine),
     "m7_tiny_lm": ("The tiny King James model on the Cortex-M7", group_m7_tiny_lm),
     "riscv": ("RISC-V instructions per multiply-accumulate", group_riscv),
+    "aarch64_blocks": ("INT8_BLOCKS kernels on AArch64", group_aarch64_blocks),
     "host_bounds": ("The index bounds on the x86-64 host", group_host_bounds),
     "tests": ("Test sweeps", group_tests),
 }

@@ -22,7 +22,9 @@
  *    |y|) + 2^15 · 2^-149) with M the sum of the terms' magnitudes (the
  *    second term: a scale product that underflows into f32's subnormals).
  * 3. Every x86-64 configuration the CPU has (AVX2, AVX-VNNI, AVX-512 VNNI,
- *    forced through colibri_kernels_x86_caps), or the build's backend,
+ *    forced through colibri_kernels_x86_caps), on AArch64 the ARMv8.0 NEON
+ *    kernels and, where the CPU has SDOT, the dotprod ones
+ *    (colibri_kernels_neon_caps), or the build's backend,
  *    against the reference: quantiser and linear kernels bit for bit (NaN
  *    for NaN).
  *
@@ -294,6 +296,21 @@ int main(void)
             dup |= opts[j].linear_blocks == k.linear_blocks;
         if (dup)
             continue; /* the CPU lacks this level's instructions: the one below again */
+        opts[nopt] = k;
+        labels[nopt++] = configs[i].label;
+    }
+#elif defined(COLIBRI_BACKEND_NEON)
+    /* SDOT where the CPU has it, and the ARMv8.0 kernels on every CPU. */
+    static const struct {
+        int allow_dotprod;
+        const char *label;
+    } configs[] = {{0, "aarch64 neon (ARMv8.0)"}, {1, "aarch64 neon+dotprod (SDOT)"}};
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+        colibri_kernels k;
+        colibri_kernels_reference(&k);
+        colibri_kernels_neon_caps(&k, configs[i].allow_dotprod);
+        if (nopt && opts[nopt - 1].linear_blocks == k.linear_blocks)
+            continue; /* the CPU lacks SDOT: the ARMv8.0 kernels again */
         opts[nopt] = k;
         labels[nopt++] = configs[i].label;
     }

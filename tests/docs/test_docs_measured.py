@@ -35,6 +35,7 @@ GROUP_MARKS = {
     "m7": [_cross, _qemu, _slow],
     "m7_tiny_lm": [_cross, _qemu, _slow],
     "riscv": [_cross, _qemu, _slow],
+    "aarch64_blocks": [_cross, _qemu, _slow],
     "host_bounds": [_slow],  # valgrind, two library builds: about a minute
     "quantisation": [_slow],
     "random_q8": [_slow],

@@ -61,8 +61,11 @@ def differential_feature_models() -> list[Path]:
 
 def corpus_images() -> list[tuple[str, bytes]]:
     images = [(p.stem, p.read_bytes()) for p in differential_feature_models()]
+    int8_layers = ["layers.0", "layers.2.experts.*", "layers.5"]
     variants = [("f32", {}), ("f16", {"dtype": "f16"}), ("q8", {"dtype": "q8"}),
-                ("q8-int8act", {"dtype": "q8", "int8_act": ["layers.0", "layers.2.experts.*", "layers.5"]})]
+                ("q8-int8act", {"dtype": "q8", "int8_act": int8_layers}),
+                ("q8-blocks", {"dtype": "q8", "int8_blocks": int8_layers}),
+                ("q4-blocks", {"dtype": "q4", "int8_blocks": int8_layers})]
     for i, routing in enumerate(cnn.ROUTINGS):
         for j, (name, kw) in enumerate(variants):
             model = corpus_model(routing, i * len(variants) + j)

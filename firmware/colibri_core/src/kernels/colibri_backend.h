@@ -81,6 +81,12 @@ void colibri_x86_blocks(struct colibri_kernels *k, int isa);
  * over the KV cache) into *k; needs AVX2, FMA and F16C (the caller checked). */
 void colibri_x86_lm(struct colibri_kernels *k);
 void colibri_kernels_neon(struct colibri_kernels *k);
+/* The NEON backend with SDOT allowed or not (where the CPU has it), so the
+ * kernel tests reach the ARMv8.0 kernels on a CPU with dotprod too. */
+void colibri_kernels_neon_caps(struct colibri_kernels *k, int allow_dotprod);
+/* The NEON block-form kernels (neon/colibri_kernels_neon_blocks.c) into *k:
+ * dotprod 1 SDOT (the caller checked the CPU), 0 ARMv8.0. */
+void colibri_neon_blocks(struct colibri_kernels *k, int dotprod);
 /* The x86-64 backend's I4 linear kernels (x86/colibri_kernels_x86_q4.c, a
  * file of its own to keep the other's compile time): n tokens, token i
  * reading x row xrows ? xrows[i] : i (and int8 row i of xq, or xq NULL for

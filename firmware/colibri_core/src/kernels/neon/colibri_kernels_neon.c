@@ -802,6 +802,21 @@ static void quantize_rows_neon(const float *x, const uint16_t *rows, size_t n, s
     }
 }
 
+/* The block form (colibri_quantize_blocks_fn): each block of a row is
+ * quantised as quantize_rows_neon quantises a row, so bit-exact too. */
+static void quantize_blocks_neon(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
+                                 float *restrict a)
+{
+    const size_t nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        for (size_t blk = 0; blk < nb; blk++) {
+            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            quantize_rows_neon(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
+        }
+    }
+}
+
 /* ---- Activations, bit-exact: colibri_math.h's exp, tanh and erf
  * evaluated two lanes at a time in float64x2 (the same double arithmetic,
  * operation by operation, as the scalar functions on AArch64, where
@@ -1106,16 +1121,23 @@ static int neon_has_dotprod(void)
 #endif
 }
 
-void colibri_kernels_neon(colibri_kernels *k)
+void colibri_kernels_neon_caps(colibri_kernels *k, int allow_dotprod)
 {
-    const int dotprod = neon_has_dotprod();
+    const int dotprod = allow_dotprod && neon_has_dotprod();
     k->name = dotprod ? "aarch64 neon+dotprod" : "aarch64 neon";
     k->linear = dotprod ? linear_dp : linear_v80;
     k->linear_acc = dotprod ? linear_acc_dp : linear_acc_v80;
     k->quantize_rows = quantize_rows_neon;
+    k->quantize_blocks = quantize_blocks_neon;
+    colibri_neon_blocks(k, dotprod);
     k->activation = activation_neon;
     k->layernorm = layernorm_neon;
     k->rmsnorm = rmsnorm_neon;
+}
+
+void colibri_kernels_neon(colibri_kernels *k)
+{
+    colibri_kernels_neon_caps(k, 1);
 }
 
 #endif /* COLIBRI_BACKEND_NEON */

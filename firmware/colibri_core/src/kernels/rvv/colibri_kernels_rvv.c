@@ -607,6 +607,123 @@ static void rmsnorm_rvv(float *x, size_t rows, size_t n, const float *gamma, flo
     }
 }
 
+/* ---- The block form of int8 activations (INT8_BLOCKS), I8 and I4 ----
+ * Bit for bit colibri_matvec_q8b / colibri_matvec_q4b: per output row and
+ * block of 32 columns, the products Q · xq as int16 (vwmul: |128 · 127|
+ * and |8 · 127| fit) summed into int32 by one widening reduction
+ * (vwredsum, exact), then v += (float)sum · a_b (I8) or
+ * v += (float)sum · (s_g · a_b) (I4) in scalar f32, block after block; the
+ * epilogue is the reference's own (colibri_q8_compensate,
+ * colibri_q4_epilogue, colibri_emit). A block's vl covers its 32 columns
+ * (e8m2 holds 32 at VLEN 128), so a row's partial last block reads nothing
+ * past it. I4: the packed bytes' low nibbles (even columns, vsll 4 then
+ * vsra 4) times the token's even columns (a stride-2 load), the high
+ * nibbles (vsra 4) times the odd ones, the two reductions chained. Tokens
+ * run inside each row, so the row stays in L1 across a call's tokens. I4
+ * groups below 32 columns take the reference kernel. */
+
+RVV_INLINE int32_t block_dot_q8(const int8_t *w, const int8_t *xq, size_t n)
+{
+    const size_t vl = __riscv_vsetvl_e8m2(n);
+    const vint16m4_t p = __riscv_vwmul_vv_i16m4(__riscv_vle8_v_i8m2(w, vl), __riscv_vle8_v_i8m2(xq, vl), vl);
+    return __riscv_vmv_x_s_i32m1_i32(__riscv_vwredsum_vs_i16m4_i32m1(p, __riscv_vmv_s_x_i32m1(0, 1), vl));
+}
+
+/* Columns [c, c + n) of an I4 row, c even, n <= 32. */
+RVV_INLINE int32_t block_dot_q4(const uint8_t *row, const int8_t *xq, size_t c, size_t n)
+{
+    const size_t ne = (n + 1) / 2, no = n / 2;
+    size_t vl = __riscv_vsetvl_e8m1(ne);
+    const vint8m1_t packed = __riscv_vle8_v_i8m1((const int8_t *)row + c / 2, vl);
+    const vint8m1_t lo = __riscv_vsra_vx_i8m1(__riscv_vsll_vx_i8m1(packed, 4, vl), 4, vl);
+    const vint16m2_t pe = __riscv_vwmul_vv_i16m2(lo, __riscv_vlse8_v_i8m1(xq + c, 2, vl), vl);
+    vint32m1_t sum = __riscv_vwredsum_vs_i16m2_i32m1(pe, __riscv_vmv_s_x_i32m1(0, 1), vl);
+    if (no) {
+        vl = __riscv_vsetvl_e8m1(no);
+        const vint8m1_t hi = __riscv_vsra_vx_i8m1(packed, 4, vl);
+        const vint16m2_t po = __riscv_vwmul_vv_i16m2(hi, __riscv_vlse8_v_i8m1(xq + c + 1, 2, vl), vl);
+        sum = __riscv_vwredsum_vs_i16m2_i32m1(po, sum, vl);
+    }
+    return __riscv_vmv_x_s_i32m1_i32(sum);
+}
+
+/* Output row o of one token: the reference's v before its epilogue. */
+static float block_row(const colibri_matrix *w, int i4, size_t o, const int8_t *xq, const float *a)
+{
+    const size_t in = w->cols;
+    float v = 0.0f;
+    if (i4) {
+        const uint8_t *row = colibri_q4_row(w, o);
+        const uint16_t *scales = colibri_q4_scales(w, o);
+        const size_t log2 = w->q4_group_log2;
+        for (size_t c = 0; c < in; c += COLIBRI_ACT_BLOCK) {
+            const size_t n = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            v += (float)block_dot_q4(row, xq, c, n) * (colibri_q8_half(scales[c >> log2]) * a[c / COLIBRI_ACT_BLOCK]);
+        }
+    } else {
+        const int8_t *row = (const int8_t *)w->data + o * in;
+        for (size_t c = 0; c < in; c += COLIBRI_ACT_BLOCK) {
+            const size_t n = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            v += (float)block_dot_q8(row + c, xq + c, n) * a[c / COLIBRI_ACT_BLOCK];
+        }
+    }
+    return v;
+}
+
+/* Token i reads x row xrows ? xrows[i] : i (for E) and block rows i of xq;
+ * writes y row yrows ? yrows[i] : i, stored (acc 0) or added with gate s_i. */
+static void gemm_blocks_rvv(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
+                            const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y, size_t n,
+                            int acc)
+{
+    const int i4 = w->dtype == COLIBRI_DTYPE_I4;
+    const size_t in = w->cols, out = w->rows, nb = colibri_act_blocks(in);
+    for (size_t o = 0; o < out; o++)
+        for (size_t i = 0; i < n; i++) {
+            const float *xi = x + (xrows ? xrows[i] : i) * in;
+            const float v = block_row(w, i4, o, xq->q + i * in, xq->a + i * nb);
+            const float s = scale ? scale[i] : 1.0f;
+            float *yi = y + (yrows ? yrows[i] : i) * out;
+            if (i4)
+                colibri_emit(yi, o, colibri_q4_epilogue(w, o, xi, v), b, acc, s);
+            else
+                colibri_emit(yi, o, colibri_q8_compensate(w, o, xi, v * colibri_q8_scale(w, o)), b, acc, s);
+        }
+}
+
+static void linear_blocks_rvv(const float *x, const uint16_t *rows, size_t n, const colibri_matrix *w,
+                              const float *b, const colibri_qrows *xq, float *restrict y)
+{
+    if (w->dtype == COLIBRI_DTYPE_I4 && w->q4_group_log2 < 5)
+        colibri_linear_blocks_ref(x, rows, n, w, b, xq, y);
+    else
+        gemm_blocks_rvv(x, rows, NULL, NULL, xq, w, b, y, n, 0);
+}
+
+static void linear_acc_blocks_rvv(const float *x, size_t n, const colibri_matrix *w, const float *b,
+                                  const uint16_t *rows, const float *scale, const colibri_qrows *xq,
+                                  float *restrict y)
+{
+    if (w->dtype == COLIBRI_DTYPE_I4 && w->q4_group_log2 < 5)
+        colibri_linear_acc_blocks_ref(x, n, w, b, rows, scale, xq, y);
+    else
+        gemm_blocks_rvv(x, NULL, rows, scale, xq, w, b, y, n, 1);
+}
+
+/* The block quantiser: each block as quantize_rows_rvv quantises a row (bit-exact). */
+static void quantize_blocks_rvv(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
+                                float *restrict a)
+{
+    const size_t nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        for (size_t blk = 0; blk < nb; blk++) {
+            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            quantize_rows_rvv(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
+        }
+    }
+}
+
 /* ---- The table: rv64gcv guarantees the vector unit, nothing to detect ---- */
 
 void colibri_kernels_rvv(colibri_kernels *k)
@@ -615,6 +732,9 @@ void colibri_kernels_rvv(colibri_kernels *k)
     k->linear = linear_rvv;
     k->linear_acc = linear_acc_rvv;
     k->quantize_rows = quantize_rows_rvv;
+    k->quantize_blocks = quantize_blocks_rvv;
+    k->linear_blocks = linear_blocks_rvv;
+    k->linear_acc_blocks = linear_acc_blocks_rvv;
     k->activation = activation_rvv;
     k->mul = mul_rvv;
     k->add = add_rvv;
