@@ -503,3 +503,38 @@ def test_cold_open_and_first_token_request_their_pages_rather_than_fault_them(bi
     advice = lm.file.advice()
     assert advice["route_advised"] > 0 and advice["requests"] > opened["requests"]
     np.testing.assert_array_equal(got, colibri.LM(big_experts).forward_tokens(PROMPT[:2]))
+
+
+def test_cold_structure_open_requests_the_q4_companions_it_checks(tmp_path: Path) -> None:
+    """The structure check reads every int4 matrix's companion (its group scales). A cold open asks for
+    them by read-ahead requests before checking, so they are resident after it, while the experts' own
+    int4 weights are not read at all."""
+    from colibri.quant.quantize import quantize
+
+    graph = quantize(token_model(4, vocab=40, d=64, layers=2, experts=4, hidden=2048, max_seq_len=16), "q4")
+    data = image.write(graph, page_aligned=True)
+    path = _write(tmp_path, data)
+    _drop(path)
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    f = engine.open_file(path, verify="none")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+    tensors = _tensors(data)
+    companions = [t for t in tensors if t[4] == F.DType.Q4_PARAMS]
+    weights = [t for t in tensors if t[4] == F.DType.I4]
+    assert len(companions) >= 3 * 5 and f.advice()["requests"] >= len(companions) // 3
+    if f.resident() == len(data):
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    pages = 0
+    for t in companions:
+        n = -(-(t[0] + t[1]) // PAGE) - t[0] // PAGE
+        assert _resident_pages(f, t[0], t[1]) == n, t
+        pages += n
+    # Faulted in one page a fault, the check would have taken a major fault for most of those pages.
+    assert faults < pages // 4, (faults, pages)
+    spans = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    in_expert = [t for t in weights if any(o <= t[0] < o + s for o, s in spans)]
+    assert in_expert and all(-(-(t[0] + t[1]) // PAGE) - t[0] // PAGE > 8 for t in in_expert)
+    for t in in_expert:  # at most the pages it shares with its neighbours came in
+        assert _resident_pages(f, t[0], t[1]) <= 2, t
