@@ -17,7 +17,8 @@ the disk has less:
 
 1. the Hugging Face folder (bf16 shards);
 2. Colibri: `colibri export DIR x.clb --dtype q4|q8` (the streamed folder export; its wall time and
-   peak RSS from /usr/bin/time are printed);
+   peak RSS from /usr/bin/time are printed), on x86-64 with `--int8-blocks 'layers.*'` (int8
+   activation blocks: the integer dot-product decode kernels; the printed file line says which);
 3. llama.cpp: convert_hf_to_gguf.py to a bf16 GGUF (the vocabulary a sentencepiece model trained on
    the machine's licence texts, as `make bench-lm` does; the token ids both engines see are random),
    llama-quantize to Q4_0 and Q8_0 at its defaults, the bf16 GGUF deleted. The Colibri q8 export waits
@@ -709,7 +710,10 @@ def main(argv: list[str] | None = None) -> dict:
                   "engines alternating", flush=True)
             for name, path in files.items():
                 if name in engines:
-                    print(f"  {name} file {shown(path)}: {path.stat().st_size / GiB:.2f} GiB", flush=True)
+                    blocks = (" (int8 activation blocks on every layer, --int8-blocks 'layers.*')"
+                              if name == "colibri" and INT8_BLOCKS else
+                              " (f32 activations: no block kernels on this CPU)" if name == "colibri" else "")
+                    print(f"  {name} file {shown(path)}: {path.stat().st_size / GiB:.2f} GiB{blocks}", flush=True)
             order = [e for e in ("colibri", "llama.cpp") if e in engines]
             limits = [lim for lim in (None, *run_limits) if group is not None or lim is None]
             limits = list(dict.fromkeys(limits))  # unlimited first: the tokens the others are checked against
