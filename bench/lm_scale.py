@@ -29,7 +29,8 @@ the model file; which one is printed), engines alternating: each engine's C driv
 `decode`: the mapped file, verify on use, on_route advice; bench/llama_decode.c: llama.cpp's defaults)
 runs a 16-token prompt and 64 greedy decode steps inside a memory cgroup (v2 memory.max, else v1
 memory.limit_in_bytes) at each limit (7b: 4 GiB, 3 GiB, none) and 1 and 2 threads, and, under the
-second limit, Colibri with the hottest experts over the prompt mlock'd. Each run prints open to first
+second limit, Colibri with the hottest experts over the prompt mlock'd, then with every tensor that
+is no expert's mlock'd (lock=dense). Each run prints open to first
 token, tok/s with p50 / p99 per step, major faults per step, RssAnon (peak RSS without the mapped file's
 pages) and VmHWM, the group's peak and page cache, and whether it finished or was OOM-killed. Under a
 limit each engine's tokens must equal its unlimited run's (printed). Then the issue's targets, each met
@@ -411,7 +412,7 @@ class Run:
     @property
     def label(self) -> str:
         limit = f"{self.limit_mib / 1024:g} GiB" if self.limit_mib else "no limit"
-        lock = ", hot experts mlock'd" if self.lock != "none" else ""
+        lock = {"none": "", "dense": ", dense tensors mlock'd"}.get(self.lock, ", hot experts mlock'd")
         return f"{self.engine:9} {self.dtype:4} {self.threads}t {limit:9}{lock}"
 
 
@@ -734,9 +735,11 @@ def main(argv: list[str] | None = None) -> dict:
                 lock, nbytes, share = hottest(drivers["colibri"], files["colibri"], ids, size.lock_mib * MiB)
                 print(f"  mlock: the {lock.count(':')} experts routing used most over the prompt "
                       f"({nbytes / MiB:.0f} MiB, {share:.0%} of its expert calls)", flush=True)
-                for t in threads:
-                    run = execute(Run("colibri", dtype, t, second, lock=lock), files["colibri"], ids, group, drivers,
-                                  args.run_timeout)
+                # Then every tensor that is no expert's pinned (lock=dense): under the limit the kernel otherwise
+                # evicts attention, embedding and head pages along with the experts, and they fault back.
+                for t, pinned in [(t, pinned) for pinned in (lock, "dense") for t in threads]:
+                    run = execute(Run("colibri", dtype, t, second, lock=pinned), files["colibri"], ids, group,
+                                  drivers, args.run_timeout)
                     runs.append(run)
                     same = check_tokens(runs, run) if run.finished else None
                     print(report(run) + ("" if same is None else "; tokens = the unlimited run's" if same
