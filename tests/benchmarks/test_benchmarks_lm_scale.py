@@ -52,7 +52,7 @@ def _check_runs(out: dict, engines: set[str]) -> None:
         assert r["result"]["tokens"] == free["result"]["tokens"], (r["engine"], r["dtype"], r["limit_mib"])
     locked = [r for r in runs if r["lock"] != "none"]
     assert locked and all(r["engine"] == "colibri" for r in locked)
-    assert "dense" in {r["lock"] for r in locked} and len({r["lock"] for r in locked}) == 2  # hot experts, dense
+    assert "dense" in {r["lock"] for r in locked} and len({r["lock"] for r in locked}) >= 2  # hot experts, dense
     (tokens,) = [t for t in out["targets"] if t["target"].startswith("tokens under a limit")]
     assert tokens["met"] is True
 
