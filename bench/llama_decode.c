@@ -64,6 +64,20 @@ static llama_token argmax(const float *row, int n)
     return best;
 }
 
+/* Bytes this process has had read from storage so far (/proc/self/io read_bytes); -1 where unaccounted. */
+static long long read_bytes(void)
+{
+    FILE *f = fopen("/proc/self/io", "r");
+    char line[128];
+    long long v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "read_bytes:", 11) == 0)
+            v = strtoll(line + 11, NULL, 10);
+    if (f)
+        fclose(f);
+    return v;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 5) {
@@ -83,7 +97,8 @@ int main(int argc, char **argv)
     llama_token *tokens = malloc(sizeof(llama_token) * (size_t)(decode + 1));
     double *times = malloc(sizeof(double) * (size_t)(decode + 1));
     long *faults = malloc(sizeof(long) * (size_t)(decode + 1));
-    if (!prompt || !tokens || !times || !faults)
+    long long *reads = malloc(sizeof(long long) * (size_t)(decode + 1));
+    if (!prompt || !tokens || !times || !faults || !reads)
         return 1;
     int n = 0;
     for (const char *c = argv[3]; *c;) {
@@ -98,6 +113,7 @@ int main(int argc, char **argv)
     }
 
     llama_log_set(quiet, NULL);
+    const long long r0 = read_bytes();
     double t0 = now();
     llama_backend_init();
     struct llama_model *model = llama_model_load_from_file(argv[1], llama_model_default_params());
@@ -117,8 +133,10 @@ int main(int argc, char **argv)
         return 1;
     }
     double t_open = now() - t0;
+    const long long open_read = read_bytes() - r0;
     int vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     long f0 = major_faults();
+    const long long r1 = read_bytes();
     int rc = llama_decode(ctx, llama_batch_get_one(prompt, n));
     if (rc != 0) {
         fprintf(stderr, "llama_decode: llama_decode (prompt) returned %d\n", rc);
@@ -127,9 +145,11 @@ int main(int argc, char **argv)
     tokens[0] = argmax(llama_get_logits_ith(ctx, -1), vocab);
     double t_first = now() - t0;
     long prompt_faults = major_faults() - f0;
+    const long long prompt_read = read_bytes() - r1;
     long first_file_kib = status_kib("RssFile");
     for (long i = 0; i < decode; i++) {
         long fa = major_faults();
+        const long long ra = read_bytes();
         double ta = now();
         if ((rc = llama_decode(ctx, llama_batch_get_one(&tokens[i], 1))) != 0) {
             fprintf(stderr, "llama_decode: llama_decode (step %ld) returned %d\n", i, rc);
@@ -138,11 +158,12 @@ int main(int argc, char **argv)
         tokens[i + 1] = argmax(llama_get_logits_ith(ctx, -1), vocab);
         times[i] = now() - ta;
         faults[i] = major_faults() - fa;
+        reads[i] = read_bytes() - ra;
     }
     printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"first_resident_bytes\": %lld, "
-           "\"rss_anon_kib\": %ld, "
+           "\"open_read_bytes\": %lld, \"prompt_read_bytes\": %lld, \"rss_anon_kib\": %ld, "
            "\"rss_file_kib\": %ld, \"vm_hwm_kib\": %ld, \"tokens\": [",
-           t_open, t_first, prompt_faults, (long long)first_file_kib * 1024, status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
+           t_open, t_first, prompt_faults, (long long)first_file_kib * 1024, open_read, prompt_read, status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
     for (long i = 0; i <= decode; i++)
         printf("%s%d", i ? ", " : "", tokens[i]);
     printf("], \"times\": [");
@@ -151,6 +172,9 @@ int main(int argc, char **argv)
     printf("], \"faults\": [");
     for (long i = 0; i < decode; i++)
         printf("%s%ld", i ? ", " : "", faults[i]);
+    printf("], \"read_bytes\": [");
+    for (long i = 0; i < decode; i++)
+        printf("%s%lld", i ? ", " : "", reads[i]);
     printf("]}\n");
     llama_free(ctx);
     llama_model_free(model);
@@ -159,5 +183,6 @@ int main(int argc, char **argv)
     free(tokens);
     free(times);
     free(faults);
+    free(reads);
     return 0;
 }

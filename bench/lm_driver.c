@@ -22,9 +22,10 @@
  *       routing picks and the stages ahead; IDS (comma-separated token ids) as one prompt call,
  *       then DECODE greedy steps of one token each. LOCK: "none", "dense" (every non-expert
  *       tensor) or "L:E,L:E,..." (those experts mlock'd). Prints one JSON line: open to first
- *       token and the file's resident bytes then, each step's seconds and major faults, the
- *       tokens, and RssAnon / RssFile / VmHWM at the end (/proc/self/status). Exit 3 when the
- *       lock is refused.
+ *       token and the file's resident bytes then, the bytes read from storage by the open and
+ *       the prompt, each step's seconds, major faults and bytes read (/proc/self/io), the
+ *       file layer's read-ahead requests, the tokens, and RssAnon / RssFile / VmHWM at the end
+ *       (/proc/self/status). Exit 3 when the lock is refused.
  *   lm_driver hot IMAGE IDS
  *       Counts, over the prompt IDS, the tokens routing sends to each expert: one JSON line of
  *       [layer, expert, tokens, bytes] rows, for choosing the experts to pin.
@@ -299,6 +300,21 @@ static long major_faults(void)
     return u.ru_majflt;
 }
 
+/* Bytes this process has had read from storage so far (/proc/self/io read_bytes: what its faults and its
+ * read-ahead requests submitted); -1 where the kernel does not account it. */
+static long long read_bytes(void)
+{
+    FILE *f = fopen("/proc/self/io", "r");
+    char line[128];
+    long long v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "read_bytes:", 11) == 0)
+            v = strtoll(line + 11, NULL, 10);
+    if (f)
+        fclose(f);
+    return v;
+}
+
 static int32_t argmax(const float *row, size_t n)
 {
     size_t best = 0;
@@ -385,6 +401,7 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     int32_t *prompt = parse_ids(ids_text, &n);
     colibri_expert_id *lock_ids;
     colibri_file_options opts = lock_options(lock, &lock_ids);
+    const long long r0 = read_bytes();
     double t0 = seconds(CLOCK_MONOTONIC);
     colibri_file *file;
     colibri_file_diag diag = {0};
@@ -401,6 +418,7 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     memset(&m, 0, sizeof m);
     lm_attach(&m, file, workers);
     double t_open = seconds(CLOCK_MONOTONIC) - t0;
+    const long long open_read = read_bytes() - r0;
     if (n > m.info.max_batch || (uint64_t)n + (uint64_t)decode > m.info.max_seq_len) {
         fprintf(stderr, "lm_driver: the image holds %u positions and %u tokens a call; asked for a %zu-token prompt + "
                         "%ld steps\n", m.info.max_seq_len, m.info.max_batch, n, decode);
@@ -408,31 +426,40 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     }
     size_t vocab = m.info.vocab_size;
     long f0 = major_faults();
+    const long long r1 = read_bytes();
     if ((st = colibri_lm_forward_ex(m.ctx, &m.exec, prompt, (uint32_t)n, m.logits, n * vocab)) != COLIBRI_OK)
         die("colibri_lm_forward_ex (prompt)", st);
     int32_t *tokens = malloc(sizeof(int32_t) * (size_t)(decode + 1));
     double *times = malloc(sizeof(double) * (size_t)(decode + 1));
     long *faults = malloc(sizeof(long) * (size_t)(decode + 1));
-    if (!tokens || !times || !faults)
+    long long *reads = malloc(sizeof(long long) * (size_t)(decode + 1));
+    if (!tokens || !times || !faults || !reads)
         return 1;
     tokens[0] = argmax(m.logits + (n - 1) * vocab, vocab);
     double t_first = seconds(CLOCK_MONOTONIC) - t0;
     long prompt_faults = major_faults() - f0;
+    const long long prompt_read = read_bytes() - r1;
     long long first_resident = colibri_file_resident(file);
     for (long i = 0; i < decode; i++) {
         long fa = major_faults();
+        const long long ra = read_bytes();
         double ta = seconds(CLOCK_MONOTONIC);
         if ((st = colibri_lm_forward_ex(m.ctx, &m.exec, &tokens[i], 1, m.logits, vocab)) != COLIBRI_OK)
             die("colibri_lm_forward_ex (decode)", st);
         tokens[i + 1] = argmax(m.logits, vocab);
         times[i] = seconds(CLOCK_MONOTONIC) - ta;
         faults[i] = major_faults() - fa;
+        reads[i] = read_bytes() - ra;
     }
+    colibri_file_advice advice;
+    colibri_file_advice_counts(file, &advice);
     printf("{\"open_s\": %.6f, \"first_token_s\": %.6f, \"prompt_faults\": %ld, \"first_resident_bytes\": %lld, "
+           "\"open_read_bytes\": %lld, \"prompt_read_bytes\": %lld, \"requests\": %llu, \"request_bytes\": %llu, "
            "\"kernels\": \"%s\", "
            "\"image_bytes\": %zu, \"arena_bytes\": %zu, \"resident_bytes\": %lld, \"rss_anon_kib\": %ld, "
            "\"rss_file_kib\": %ld, \"vm_hwm_kib\": %ld, \"tokens\": [",
-           t_open, t_first, prompt_faults, first_resident, colibri_kernels_name(m.ctx), colibri_file_size(file), m.info.arena_size,
+           t_open, t_first, prompt_faults, first_resident, open_read, prompt_read,
+           (unsigned long long)advice.requests, (unsigned long long)advice.request_bytes, colibri_kernels_name(m.ctx), colibri_file_size(file), m.info.arena_size,
            colibri_file_resident(file), status_kib("RssAnon"), status_kib("RssFile"), status_kib("VmHWM"));
     for (long i = 0; i <= decode; i++)
         printf("%s%d", i ? ", " : "", tokens[i]);
@@ -442,6 +469,9 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     printf("], \"faults\": [");
     for (long i = 0; i < decode; i++)
         printf("%s%ld", i ? ", " : "", faults[i]);
+    printf("], \"read_bytes\": [");
+    for (long i = 0; i < decode; i++)
+        printf("%s%lld", i ? ", " : "", reads[i]);
     printf("]}\n");
     lm_close(&m);
     free(lock_ids);
@@ -449,6 +479,7 @@ static int decode_mode(const char *image, size_t workers, const char *ids_text, 
     free(tokens);
     free(times);
     free(faults);
+    free(reads);
     return 0;
 }
 

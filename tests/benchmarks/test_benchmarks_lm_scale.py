@@ -41,6 +41,9 @@ def _check_runs(out: dict, engines: set[str]) -> None:
         assert len(res["tokens"]) == bench.DECODE + 1 and len(res["times"]) == bench.DECODE
         assert all(0 <= t < bench.SIZES["tiny"].vocab for t in res["tokens"])
         assert res["first_token_s"] >= res["open_s"] > 0
+        if r["engine"] == "colibri":  # the bytes read from storage per step, and the open's read-ahead requests
+            assert len(res["read_bytes"]) == bench.DECODE and res["open_read_bytes"] >= 0
+            assert res["requests"] > 0 and res["request_bytes"] >= 4096
     limited = [r for r in runs if r["limit_mib"] is not None]
     assert limited, "no run inside a limit"
     for r in limited:  # the same tokens as the engine's unlimited run at the same threads
@@ -49,6 +52,7 @@ def _check_runs(out: dict, engines: set[str]) -> None:
         assert r["result"]["tokens"] == free["result"]["tokens"], (r["engine"], r["dtype"], r["limit_mib"])
     locked = [r for r in runs if r["lock"] != "none"]
     assert locked and all(r["engine"] == "colibri" for r in locked)
+    assert "dense" in {r["lock"] for r in locked} and len({r["lock"] for r in locked}) >= 2  # hot experts, dense
     (tokens,) = [t for t in out["targets"] if t["target"].startswith("tokens under a limit")]
     assert tokens["met"] is True
 
@@ -63,6 +67,11 @@ def test_the_tiny_size_runs_every_colibri_step(tmp_path, capsys):
     _check_runs(out, {"colibri"})
     printed = capsys.readouterr().out
     assert "== targets (issue 27)" in printed and "disk: the steps still to run need" in printed
+    if bench.INT8_BLOCKS:  # x86-64: the files carry int8 activation blocks, and the table says so
+        assert "int8 activation blocks on every layer" in printed
+        info = subprocess.run([str(Path(sys.executable).parent / "colibri"), "info",
+                               str(tmp_path / "colibri" / "model-q4.clb")], capture_output=True, text=True)
+        assert info.returncode == 0 and "int8-blocks" in info.stdout
     assert json.loads((tmp_path / "results.json").read_text())["targets"] == out["targets"]
     # A rerun reuses every step's files (the stamps) and measures again.
     again = bench.main(["--size", "tiny", "--engines", "colibri", "--out", str(tmp_path), "--threads", "1"])
@@ -96,6 +105,17 @@ def test_the_model_is_7_b_parameters_and_the_disk_plan_says_what_it_needs(tmp_pa
     want = int(2 * p) + int(2 * p) + 2 * int(p * 18 / 32 * 1.03) + int(p * 34 / 32 * 1.03)
     assert peak == want and 42e9 < peak < 45e9
     assert len(lines) == 6 and "after that deletion" in lines[-1]
+
+
+def test_the_medium_size_keeps_the_7_b_layers_and_its_limits_below_the_q4_file():
+    big, medium = bench.SIZES["7b"], bench.SIZES["medium"]
+    assert (medium.hidden, medium.intermediate, medium.heads, medium.kv_heads, medium.vocab) == (
+        big.hidden, big.intermediate, big.heads, big.kv_heads, big.vocab)
+    assert 2.3e9 < medium.params < 2.5e9
+    for first, second in zip(big.limits_mib[:2], medium.limits_mib[:2]):  # the same ratios to the model
+        assert second / medium.params == pytest.approx(first / big.params, rel=0.05)
+    assert medium.limits_mib[1] * bench.MiB < medium.params * bench.BYTES_PER_PARAM["q4"]  # below the q4 file
+    assert medium.limits_mib[2] is None
 
 
 def test_too_little_disk_is_refused_with_the_figure(tmp_path, monkeypatch, capsys):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -401,3 +402,139 @@ def test_lm_open_bench_runs_small(tmp_path: Path) -> None:
     assert out.stdout.count("checking's share of the first output") == 4
     assert all(f"ahead {n}: first token" in out.stdout for n in (0, 1, 2))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def big_experts() -> bytes:
+    """Experts of 96 pages each (f32, d 64, hidden 512): several read-ahead requests apiece."""
+    return image.write(token_model(3, vocab=40, d=64, layers=2, experts=4, hidden=512, max_seq_len=16),
+                       page_aligned=True)
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    return libc
+
+
+def _resident_pages(f: engine.ModelFile, offset: int, size: int) -> int:
+    """Pages of the image's [offset, offset + size) in the page cache now (mincore on the mapping)."""
+    base = np.frombuffer(f.raw, np.uint8).ctypes.data
+    first, end = offset // PAGE * PAGE, -(-(offset + size) // PAGE) * PAGE
+    vec = bytes((end - first) // PAGE)
+    assert _libc().mincore(base + first, end - first, vec) == 0
+    return sum(b & 1 for b in vec)
+
+
+def _cold(path: Path) -> engine.ModelFile:
+    _drop(path)
+    f = engine.open_file(path, verify="none")
+    if f.resident() > 4 * PAGE * (1 + len(f.experts())):  # the tables only, a few pages
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    return f
+
+
+def test_will_need_requests_every_missing_page_in_pieces_and_they_arrive(big_experts: bytes, tmp_path: Path) -> None:
+    """An expert routing selects is asked for whole, in requests of request_bytes (Linux reads no more of one
+    request than its read-ahead limit and drops the rest): every one of its pages is then in the page cache,
+    read by the kernel, not by faults. A resident page is not asked for again."""
+    path = _write(tmp_path, big_experts)
+    f = _cold(path)
+    assert f.advice()["request_bytes"] >= PAGE and f.advice()["request_bytes"] % PAGE == 0
+    f.set_request_bytes(8 * PAGE)
+    off, size = f.expert_range(0, 1)
+    pages = -(-(off + size) // PAGE) - off // PAGE
+    assert pages >= 90 and _resident_pages(f, off, size) == 0
+    before = f.advice()
+    f.will_need(0, [1])
+    after = f.advice()
+    assert after["route_advised"] - before["route_advised"] == pages * PAGE
+    assert after["requests"] - before["requests"] == -(-pages // 8)
+    assert after["request_bytes"] == 8 * PAGE
+    for _ in range(500):  # the reads were started, not waited for
+        if _resident_pages(f, off, size) == pages:
+            break
+        time.sleep(0.01)
+    assert _resident_pages(f, off, size) == pages
+    f.will_need(0, [1])
+    assert f.advice()["route_advised"] == after["route_advised"] and f.advice()["requests"] == after["requests"]
+    for bad in (0, PAGE + 1, PAGE // 2):
+        with pytest.raises(ColibriError) as err:
+            f.set_request_bytes(bad)
+        assert err.value.status == Status.UNSUPPORTED
+
+
+def test_will_need_asks_only_for_the_pages_a_partial_eviction_took(big_experts: bytes, tmp_path: Path) -> None:
+    path = _write(tmp_path, big_experts)
+    f = _cold(path)
+    f.set_request_bytes(4 * PAGE)
+    off, size = f.expert_range(0, 2)
+    start, end = off // PAGE * PAGE, -(-(off + size) // PAGE) * PAGE
+    view = np.frombuffer(f.raw, np.uint8)
+    middle = start + (end - start) // 2 // PAGE * PAGE
+    int(view[start:middle:PAGE].sum()) + int(view[end - PAGE])  # faults in the first half and the last page
+    resident = _resident_pages(f, off, size)
+    assert resident >= (middle - start) // PAGE + 1
+    missing = (end - start) // PAGE - resident
+    before = f.advice()
+    f.will_need(0, [2])
+    after = f.advice()
+    assert after["route_advised"] - before["route_advised"] == missing * PAGE
+    assert after["requests"] - before["requests"] >= -(-missing // 4)
+    for _ in range(500):
+        if _resident_pages(f, off, size) == (end - start) // PAGE:
+            break
+        time.sleep(0.01)
+    assert _resident_pages(f, off, size) == (end - start) // PAGE
+
+
+def test_cold_open_and_first_token_request_their_pages_rather_than_fault_them(big_experts: bytes,
+                                                                              tmp_path: Path) -> None:
+    """From a cold cache the default open reads the every-token tensors by requests (no more than their
+    pages), and a token's routed experts arrive by requests: the tokens equal the in-memory model's."""
+    path = _write(tmp_path, big_experts)
+    _cold(path).close()
+    lm = colibri.LM(path)
+    opened = lm.file.advice()
+    assert opened["requests"] > 0
+    got = lm.forward_tokens(PROMPT[:2])
+    advice = lm.file.advice()
+    assert advice["route_advised"] > 0 and advice["requests"] > opened["requests"]
+    np.testing.assert_array_equal(got, colibri.LM(big_experts).forward_tokens(PROMPT[:2]))
+
+
+def test_cold_structure_open_requests_the_q4_companions_it_checks(tmp_path: Path) -> None:
+    """The structure check reads every int4 matrix's companion (its group scales). A cold open asks for
+    them by read-ahead requests before checking, so they are resident after it, while the experts' own
+    int4 weights are not read at all."""
+    from colibri.quant.quantize import quantize
+
+    graph = quantize(token_model(4, vocab=40, d=64, layers=2, experts=4, hidden=2048, max_seq_len=16), "q4")
+    data = image.write(graph, page_aligned=True)
+    path = _write(tmp_path, data)
+    _drop(path)
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    f = engine.open_file(path, verify="none")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+    tensors = _tensors(data)
+    companions = [t for t in tensors if t[4] == F.DType.Q4_PARAMS]
+    weights = [t for t in tensors if t[4] == F.DType.I4]
+    assert len(companions) >= 3 * 5 and f.advice()["requests"] >= len(companions) // 3
+    if f.resident() == len(data):
+        pytest.skip("posix_fadvise(DONTNEED) did not drop this file's pages (tmpfs?)")
+    pages = 0
+    for t in companions:
+        n = -(-(t[0] + t[1]) // PAGE) - t[0] // PAGE
+        assert _resident_pages(f, t[0], t[1]) == n, t
+        pages += n
+    # Faulted in one page a fault, the check would have taken a major fault for most of those pages.
+    assert faults < pages // 4, (faults, pages)
+    spans = [f.expert_range(layer, e) for layer, n in enumerate(f.experts()) for e in range(n)]
+    in_expert = [t for t in weights if any(o <= t[0] < o + s for o, s in spans)]
+    assert in_expert and all(-(-(t[0] + t[1]) // PAGE) - t[0] // PAGE > 8 for t in in_expert)
+    for t in in_expert:  # at most the pages it shares with its neighbours came in
+        assert _resident_pages(f, t[0], t[1]) <= 2, t

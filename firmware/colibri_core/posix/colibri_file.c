@@ -9,11 +9,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h> /* major, minor */
 #include <unistd.h>
 
 #include "../src/colibri_internal.h"
@@ -51,7 +53,8 @@ struct colibri_file {
     uint32_t *dense_first;
     file_range *dense;
     uint32_t ahead;     /* stages advised past the one routing ran for (colibri_file_set_ahead) */
-    atomic_ullong advice[6]; /* colibri_file_advice's fields, in order */
+    size_t chunk;       /* bytes of one read-ahead request (prefetch_range) */
+    atomic_ullong advice[7]; /* colibri_file_advice's counters, in order */
 };
 
 static void set_diag(colibri_file_diag *d, int err)
@@ -329,34 +332,96 @@ static void page_range(const colibri_file *f, uint64_t start, uint64_t end, void
     *len = (size_t)(b - a);
 }
 
-/* MADV_WILLNEED over [start, end) unless its pages look resident already: up to 16 pages spread over the
- * range asked with mincore (one page each, so the cost does not grow with the range). Advising resident
- * pages is not free: the kernel walks every page of the range, some 0.5 us each here, which for the
- * ranges a token model advises every token (its shared experts, attention, head) cost more than a tenth
- * of a decode step (bench/lm_open.py). Evicted pages (memory pressure) show in the samples and are
- * advised again. Returns the bytes advised (0: skipped). */
-static size_t advise_range(const colibri_file *f, uint64_t start, uint64_t end)
+/* The most one POSIX_FADV_WILLNEED (or MADV_WILLNEED, or readahead(2)) call reads: Linux cuts the request
+ * to the larger of the device's read_ahead_kb and max_sectors_kb and drops the rest of the range without a
+ * word. With one call per 19.5 MB expert and read_ahead_kb 8192, 8 MiB of it was read ahead and the other
+ * 11.5 MiB faulted in 4 KiB at a time under MADV_RANDOM (25 MB/s against 1.2 GB/s for the whole range in
+ * requests of the cap, docs/linux-edge.md). Read from sysfs for the file's device (a partition's queue is
+ * its disk's); 128 KiB, the kernel's default read_ahead_kb, where sysfs says nothing. */
+static size_t readahead_cap(dev_t dev)
+{
+    static const char *const where[] = {"/sys/dev/block/%u:%u/queue/%s", "/sys/dev/block/%u:%u/../queue/%s"};
+    static const char *const knobs[] = {"read_ahead_kb", "max_sectors_kb"};
+    unsigned long best = 0;
+    for (unsigned w = 0; w < 2 && !best; w++)
+        for (unsigned k = 0; k < 2; k++) {
+            char path[128];
+            snprintf(path, sizeof path, where[w], major(dev), minor(dev), knobs[k]);
+            FILE *fp = fopen(path, "re");
+            unsigned long kib = 0;
+            if (fp) {
+                if (fscanf(fp, "%lu", &kib) == 1 && kib > best && kib <= (1ul << 20))
+                    best = kib;
+                fclose(fp);
+            }
+        }
+    return best ? (size_t)best * 1024u : (size_t)128u * 1024u;
+}
+
+/* Asks the kernel to read the pages of [start, end) that are not resident, in requests of f->chunk bytes
+ * (readahead_cap), without waiting for them: the compute that follows finds them in flight or read,
+ * where a fault under MADV_RANDOM reads one page and waits for it. Residency comes from mincore over the
+ * whole range, so a partly evicted range gets its missing pages back and a resident one costs a few us
+ * (mincore over mapped pages: 4 us for 20 MB here). Returns the bytes requested (0: all resident). */
+static size_t prefetch_range(colibri_file *f, uint64_t start, uint64_t end)
 {
     void *addr;
     size_t len;
     page_range(f, start, end, &addr, &len);
     if (!len)
         return 0;
-    const size_t pages = (len + f->page - 1u) / f->page, step = pages > 16u ? pages / 16u : 1u;
-    int resident = 1;
-    for (size_t p = 0; resident && p < pages; p += step) {
-        unsigned char v = 0;
-        if (mincore((uint8_t *)addr + p * f->page, f->page, &v) != 0 || !(v & 1u))
-            resident = 0;
+    enum { WINDOW = 4096 }; /* pages asked of mincore at once */
+    unsigned char vec[WINDOW];
+    const size_t pages = (len + f->page - 1u) / f->page;
+    const uint64_t first = (uint64_t)((const uint8_t *)addr - f->base);
+    size_t requested = 0, run = 0; /* run: pages of the missing run that ends before page p */
+    for (size_t w = 0; w < pages; w += WINDOW) {
+        const size_t n = pages - w < WINDOW ? pages - w : WINDOW;
+        const int known = mincore((uint8_t *)addr + w * f->page, n * f->page, vec) == 0;
+        for (size_t i = 0; i <= n; i++) {
+            const size_t p = w + i;
+            const int missing = i < n && (!known || !(vec[i] & 1u));
+            if (missing) {
+                run++;
+                continue;
+            }
+            if (i == n && p < pages)
+                break; /* the run may go on in the next window */
+            for (uint64_t o = first + (uint64_t)(p - run) * f->page, stop = first + (uint64_t)p * f->page; o < stop;) {
+                const uint64_t piece = stop - o < f->chunk ? stop - o : f->chunk;
+                const uint64_t piece_end = o + piece < f->map_len ? o + piece : f->map_len;
+                (void)posix_fadvise(f->fd, (off_t)o, (off_t)(piece_end - o), POSIX_FADV_WILLNEED); /* advice */
+                atomic_fetch_add_explicit(&f->advice[6], 1u, memory_order_relaxed);
+                requested += (size_t)(piece_end - o);
+                o += piece;
+            }
+            run = 0;
+        }
     }
-    if (resident) {
-        unsigned char v = 0; /* the last page too: a range's tail is what a partial eviction leaves out */
-        resident = mincore((uint8_t *)addr + (pages - 1u) * f->page, f->page, &v) == 0 && (v & 1u);
+    return requested;
+}
+
+/* Besides its tables, the structure check reads every I8 / I4 matrix's companion (the scales, the sparse
+ * terms' row pointers and columns) and the tokenizer. They lie all over the file, beside their matrices:
+ * for a 7 B q4 model some 400 MB of group scales in 720 KB pieces, which under MADV_RANDOM the check
+ * faulted in a page at a time (the 22-49 s of a cold open). Requested first, from the tensor table as it
+ * is: nothing here is validated yet, so every range is clamped to the mapping and a bad one costs at
+ * most a useless read; the check that follows decides. */
+static void prefetch_checked(colibri_file *f)
+{
+    colibri_header h;
+    colibri_read_header(f->base, &h);
+    const size_t record = h.version >= COLIBRI_WIDE_VERSION ? COLIBRI_TENSOR_WIDE_SIZE : COLIBRI_TENSOR_SIZE;
+    if (h.tensor_offset > f->map_len || h.tensor_count > (f->map_len - h.tensor_offset) / record)
+        return;
+    prefetch_range(f, h.tensor_offset, (uint64_t)h.tensor_offset + (uint64_t)h.tensor_count * record);
+    for (uint32_t i = 0; i < h.tensor_count; i++) {
+        colibri_tensor t;
+        colibri_read_tensor(f->base, &h, i, &t);
+        if ((t.dtype == COLIBRI_DTYPE_Q8_PARAMS || t.dtype == COLIBRI_DTYPE_Q4_PARAMS ||
+             t.dtype == COLIBRI_DTYPE_TOKENIZER) && t.offset < f->map_len)
+            prefetch_range(f, t.offset, t.nbytes < f->map_len - t.offset ? t.offset + t.nbytes : f->map_len);
     }
-    if (resident)
-        return 0;
-    (void)madvise(addr, len, MADV_WILLNEED); /* advice: a refusal changes nothing */
-    return len;
 }
 
 static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, colibri_file_diag *diag,
@@ -365,6 +430,7 @@ static colibri_status lock_range(colibri_file *f, uint64_t start, uint64_t end, 
     void *addr;
     size_t len;
     page_range(f, start, end, &addr, &len);
+    prefetch_range(f, start, end); /* mlock faults the range in: under MADV_RANDOM, a page per read */
     if (len && mlock(addr, len) != 0) {
         const int err = errno;
         if (diag) {
@@ -401,7 +467,7 @@ static colibri_status apply_options(colibri_file *f, const colibri_file_options 
         if ((st = verify_all(f)) != COLIBRI_OK)
             return st;
     } else if (f->verify == COLIBRI_VERIFY_ON_USE) {
-        /* Everything but the experts: embeddings, attention, routers, dense layers, norms, maps. Advised
+        /* Everything but the experts: embeddings, attention, routers, dense layers, norms, maps. Requested
          * first, all of it: the kernel then reads them in large requests, where the CRC's faults under
          * MADV_RANDOM would read a page at a time (a cold open: about 10x slower, bench/lm_open.py). */
         for (int pass = 0; pass < 2; pass++)
@@ -415,11 +481,8 @@ static colibri_status apply_options(colibri_file *f, const colibri_file_options 
                 }
                 colibri_tensor t;
                 colibri_read_tensor(f->base, h, i, &t);
-                void *addr;
-                size_t len;
-                page_range(f, t.offset, (uint64_t)t.offset + t.nbytes, &addr, &len);
-                if (len && t.offset < f->map_len)
-                    (void)madvise(addr, len, MADV_WILLNEED);
+                if (t.offset < f->map_len)
+                    prefetch_range(f, t.offset, (uint64_t)t.offset + t.nbytes);
             }
     }
     if (!o || o->lock == COLIBRI_LOCK_NONE)
@@ -531,6 +594,8 @@ colibri_status colibri_file_open(colibri_file **out, const char *path, const col
     f->base = map;
     /* Random access by default: no readahead of neighbouring experts. */
     (void)madvise(map, f->map_len, MADV_RANDOM);
+    f->chunk = readahead_cap(sb.st_dev);
+    prefetch_checked(f);
 
     uint64_t work;
     if ((st = colibri_check_level(f->base, f->map_len, &f->model, &work, COLIBRI_CHECK_STRUCTURE)) != COLIBRI_OK)
@@ -580,7 +645,7 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
         file_expert *x = slot(f, layer, experts[i]);
         if (!x)
             return COLIBRI_E_NO_SUCH_EXPERT;
-        const size_t len = advise_range(f, x->start, x->end);
+        const size_t len = prefetch_range(f, x->start, x->end);
         atomic_fetch_add_explicit(&f->advice[0], 1u, memory_order_relaxed);
         atomic_fetch_add_explicit(&f->advice[1], (uint64_t)(x->end - x->start), memory_order_relaxed);
         atomic_fetch_add_explicit(&f->advice[4], len, memory_order_relaxed);
@@ -595,7 +660,7 @@ colibri_status colibri_file_will_need(colibri_file *f, uint32_t layer, const uin
     return COLIBRI_OK;
 }
 
-/* MADV_WILLNEED over what the next f->ahead stages read besides their routed experts, known before their
+/* Read-ahead requests for what the next f->ahead stages read besides their routed experts, known before their
  * routing is: the attention and norms ahead of each MoE layer, its router and its shared experts, and
  * after the last one the head; past the head, the next token's first stages. The kernel reads them in
  * while this layer's experts compute. Advice only: verification stays with each expert's own layer. */
@@ -607,7 +672,7 @@ static void advise_ahead(colibri_file *f, uint32_t layer)
         const uint32_t s = (layer + k) % stages;
         for (uint32_t i = f->dense_first[s]; i < f->dense_first[s + 1u]; i++) {
             const uint64_t end = f->dense[i].end < f->map_len ? f->dense[i].end : f->map_len;
-            const size_t len = advise_range(f, f->dense[i].start, end);
+            const size_t len = prefetch_range(f, f->dense[i].start, end);
             atomic_fetch_add_explicit(&f->advice[2], 1u, memory_order_relaxed);
             atomic_fetch_add_explicit(&f->advice[3], end - f->dense[i].start, memory_order_relaxed);
             atomic_fetch_add_explicit(&f->advice[5], len, memory_order_relaxed);
@@ -634,6 +699,18 @@ colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_ad
     out->ahead_bytes = atomic_load_explicit(&m->advice[3], memory_order_relaxed);
     out->route_advised = atomic_load_explicit(&m->advice[4], memory_order_relaxed);
     out->ahead_advised = atomic_load_explicit(&m->advice[5], memory_order_relaxed);
+    out->requests = atomic_load_explicit(&m->advice[6], memory_order_relaxed);
+    out->request_bytes = m->chunk;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_file_set_request_bytes(colibri_file *f, size_t bytes)
+{
+    if (!f)
+        return COLIBRI_E_NULL_ARG;
+    if (bytes < f->page || bytes % f->page)
+        return COLIBRI_E_UNSUPPORTED;
+    f->chunk = bytes;
     return COLIBRI_OK;
 }
 

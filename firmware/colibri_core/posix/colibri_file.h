@@ -7,8 +7,9 @@
  * CRC, tables, every offset and reference; no weight is read), maps it
  * read-only with MADV_RANDOM over the whole mapping, and can:
  *
- *   - advise the kernel ahead of use (MADV_WILLNEED) over the pages of the
- *     experts routing selected: colibri_file_will_need(), called from the
+ *   - ask the kernel ahead of use to read the pages of the experts routing
+ *     selected that are not resident (POSIX_FADV_WILLNEED in requests the
+ *     kernel carries out whole): colibri_file_will_need(), called from the
  *     engine's on_route callback before an MoE layer runs its experts;
  *   - pin experts that must never fault (mlock): all, none, or a named set;
  *   - verify payload integrity per expert on first use (format v3 keeps one
@@ -101,7 +102,7 @@ COLIBRI_API void colibri_file_close(colibri_file *f);
 COLIBRI_API const void *colibri_file_data(const colibri_file *f);
 COLIBRI_API size_t colibri_file_size(const colibri_file *f);
 
-/* MADV_WILLNEED over the pages of these experts of MoE layer `layer` (ids
+/* Read-ahead requests for the missing pages of these experts of MoE layer `layer` (ids
  * as colibri_expert_id), verifying each one's payload CRCs on first use
  * (COLIBRI_VERIFY_ON_USE). NO_SUCH_EXPERT for an id out of range,
  * BAD_PAYLOAD_CRC for a corrupted expert. */
@@ -128,14 +129,24 @@ COLIBRI_API colibri_status colibri_file_set_ahead(colibri_file *f, uint32_t stag
 
 /* The advice so far: colibri_file_will_need's ranges (one a selected expert, on_route's included) and
  * the advice ahead's (one a merged page range of a stage), counted as asked; *_advised the bytes of
- * those that reached madvise (a range whose sampled pages are all resident is skipped: advising
- * resident pages costs a page walk and brings nothing). For tests and benches. */
+ * those that were requested from the kernel (only the pages mincore says are not resident: asking for
+ * resident pages costs a page walk and brings nothing); requests the POSIX_FADV_WILLNEED calls made
+ * for them (and for the open's and mlock's ranges), each of at most request_bytes. For tests and
+ * benches. */
 typedef struct colibri_file_advice {
     uint64_t route_calls, route_bytes; /* experts routing selected */
     uint64_t ahead_calls, ahead_bytes; /* ranges of the stages ahead */
-    uint64_t route_advised, ahead_advised; /* bytes given MADV_WILLNEED */
+    uint64_t route_advised, ahead_advised; /* bytes requested (not resident when asked) */
+    uint64_t requests;      /* read-ahead requests made */
+    uint64_t request_bytes; /* the most one request asks for (colibri_file_set_request_bytes) */
 } colibri_file_advice;
 COLIBRI_API colibri_status colibri_file_advice_counts(const colibri_file *f, colibri_file_advice *out);
+
+/* The size of one read-ahead request, a whole number of pages. Linux reads at most the larger of the
+ * device's read_ahead_kb and max_sectors_kb of one request and ignores the rest of it, so a range is
+ * asked for in pieces of that size; open reads it from sysfs (128 KiB where it cannot). Smaller pieces
+ * cost more calls and read the same pages. UNSUPPORTED for 0 or a size that is not whole pages. */
+COLIBRI_API colibri_status colibri_file_set_request_bytes(colibri_file *f, size_t bytes);
 
 /* The merged page ranges of stage `stage` (0 .. colibri_file_moe_layers(f)) that the advice ahead
  * covers: *count ranges; the first capacity / 2 written as (start, end) byte offsets into ranges. */

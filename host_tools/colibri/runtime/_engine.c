@@ -300,9 +300,23 @@ static PyObject *File_advice(FileObject *self, PyObject *Py_UNUSED(ignored)) {
     if (st != COLIBRI_OK) {
         return raise_status(st);
     }
-    return Py_BuildValue("(KKKKKK)", (unsigned long long)a.route_calls, (unsigned long long)a.route_bytes,
+    return Py_BuildValue("(KKKKKKKK)", (unsigned long long)a.route_calls, (unsigned long long)a.route_bytes,
                          (unsigned long long)a.ahead_calls, (unsigned long long)a.ahead_bytes,
-                         (unsigned long long)a.route_advised, (unsigned long long)a.ahead_advised);
+                         (unsigned long long)a.route_advised, (unsigned long long)a.ahead_advised,
+                         (unsigned long long)a.requests, (unsigned long long)a.request_bytes);
+}
+
+static PyObject *File_set_request_bytes(FileObject *self, PyObject *args) {
+    Py_ssize_t bytes;
+    colibri_file *f = open_file(self);
+    if (f == NULL || !PyArg_ParseTuple(args, "n", &bytes)) {
+        return NULL;
+    }
+    if (bytes < 0) {
+        return raise_status(COLIBRI_E_UNSUPPORTED);
+    }
+    colibri_status st = colibri_file_set_request_bytes(f, (size_t)bytes);
+    return st == COLIBRI_OK ? (Py_INCREF(Py_None), Py_None) : raise_status(st);
 }
 
 static PyObject *File_ahead_ranges(FileObject *self, PyObject *args) {
@@ -345,7 +359,8 @@ static PyObject *File_close(FileObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyMethodDef File_methods[] = {
-    {"will_need", (PyCFunction)File_will_need, METH_VARARGS, "will_need(layer, experts): MADV_WILLNEED (+ verify on use)"},
+    {"will_need", (PyCFunction)File_will_need, METH_VARARGS,
+     "will_need(layer, experts): read-ahead requests for their missing pages (+ verify on use)"},
     {"verify", (PyCFunction)File_verify, METH_NOARGS, "verify every payload now"},
     {"verify_expert", (PyCFunction)File_verify_expert, METH_VARARGS, "verify_expert(layer, expert)"},
     {"expert_range", (PyCFunction)File_expert_range, METH_VARARGS, "expert_range(layer, expert) -> (offset, size)"},
@@ -355,7 +370,10 @@ static PyMethodDef File_methods[] = {
     {"resident", (PyCFunction)File_resident, METH_NOARGS, "bytes of the mapping resident now (mincore)"},
     {"set_ahead", (PyCFunction)File_set_ahead, METH_VARARGS, "set_ahead(stages): colibri_file_set_ahead"},
     {"advice", (PyCFunction)File_advice, METH_NOARGS,
-     "(route calls, route bytes, ahead calls, ahead bytes, route advised, ahead advised) so far"},
+     "(route calls, route bytes, ahead calls, ahead bytes, route advised, ahead advised, requests, "
+     "request bytes) so far"},
+    {"set_request_bytes", (PyCFunction)File_set_request_bytes, METH_VARARGS,
+     "set_request_bytes(n): colibri_file_set_request_bytes"},
     {"ahead_ranges", (PyCFunction)File_ahead_ranges, METH_VARARGS,
      "ahead_ranges(stage) -> [(start, end)]: the page ranges the advice ahead covers for a stage"},
     {"close", (PyCFunction)File_close, METH_NOARGS, "unmap (refused while a buffer is exported)"},

@@ -44,7 +44,8 @@ class ModelFile:
         self.raw, self.path = raw, path
 
     def will_need(self, layer: int, experts) -> None:
-        """MADV_WILLNEED over these experts' pages (and their CRCs on first use with verify="on_use")."""
+        """Asks the kernel to read these experts' missing pages, in requests it carries out whole, without
+        waiting (and checks their CRCs on first use with verify="on_use", which reads them)."""
         _call(self.raw.will_need, layer, list(experts))
 
     def verify(self) -> None:
@@ -82,9 +83,16 @@ class ModelFile:
     def advice(self) -> dict[str, int]:
         """The advice so far (colibri_file_advice_counts): the experts routing selected (route_calls,
         route_bytes) and the stages ahead's ranges (ahead_calls, ahead_bytes), as asked; route_advised and
-        ahead_advised the bytes that reached MADV_WILLNEED (ranges already resident are skipped)."""
-        names = ("route_calls", "route_bytes", "ahead_calls", "ahead_bytes", "route_advised", "ahead_advised")
+        ahead_advised the bytes requested from the kernel (the pages mincore said were not resident);
+        requests the read-ahead calls made (open's and mlock's included), each of at most request_bytes."""
+        names = ("route_calls", "route_bytes", "ahead_calls", "ahead_bytes", "route_advised", "ahead_advised",
+                 "requests", "request_bytes")
         return dict(zip(names, _call(self.raw.advice)))
+
+    def set_request_bytes(self, nbytes: int) -> None:
+        """The most one read-ahead request asks for (colibri_file_set_request_bytes; whole pages). Open reads
+        the device's limit from sysfs: Linux reads no more of one request than that."""
+        _call(self.raw.set_request_bytes, operator.index(nbytes))
 
     def ahead_ranges(self, stage: int) -> list[tuple[int, int]]:
         """The page ranges (start, end) the advice ahead covers for stage 0..len(experts())."""
