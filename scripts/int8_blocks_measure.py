@@ -77,7 +77,7 @@ def tiny(windows: int | None) -> None:
             nll, scored = held_out_nll(lm, text, windows)
             ppl = math.exp(nll)
             base = ppl if base is None else base
-            print(f"  {dtype:4} {form:12} perplexity {ppl:.4f}  ({100 * (ppl / base - 1):+.3f}% vs f32, "
+            print(f"  {dtype:4} {form:15} perplexity {ppl:.4f}  ({100 * (ppl / base - 1):+.3f}% vs f32, "
                   f"{scored} bytes, {lm.kernels})", flush=True)
 
 
