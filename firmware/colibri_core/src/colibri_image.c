@@ -1032,12 +1032,13 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
     /* INT8_BLOCKS: every projection int8 or int4 (the references are valid by now). The quantised
      * rows are x (d columns) for q, k and v, then the heads' output (qw) for o. */
     if (a.flags & COLIBRI_ATTENTION_FLAG_INT8_BLOCKS) {
-        if (!is_int(c, a.q_w) || !is_int(c, a.k_w) || !is_int(c, a.v_w) || !is_int(c, a.o_w))
-            return COLIBRI_E_BAD_ATTENTION;
-        widen(&m->qwidth, d);
-        widen(&m->qwidth, qw);
-        widen(&m->qblocks, (uint32_t)colibri_act_blocks(d));
-        widen(&m->qblocks, (uint32_t)colibri_act_blocks(qw));
+        const uint32_t projections[4] = {a.q_w, a.k_w, a.v_w, a.o_w};
+        for (int i = 0; i < 4; i++)
+            if (!is_int(c, projections[i]))
+                return COLIBRI_E_BAD_ATTENTION;
+        const uint32_t widest = d > qw ? d : qw;
+        widen(&m->qwidth, widest);
+        widen(&m->qblocks, (uint32_t)colibri_act_blocks(widest));
     }
 
     c->next_attention = index + 1u; /* index < attention_count, so no wrap */
