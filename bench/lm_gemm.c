@@ -3,7 +3,8 @@
  *
  * The linear kernels at prefill batch sizes on the layers of the 100 M-class
  * Mixtral token model (bench/lm_threads.py: experts 512 -> 1408 and
- * 1408 -> 512, attention 512 -> 512, LM head 512 -> 4096), per weight dtype
+ * 1408 -> 512, attention 512 -> 512 (q, o) and 512 -> 128 (k, v: GQA 8/2),
+ * LM head 512 -> 4096), per weight dtype
  * (f32, f16, q8, q4 group 32) with f32 activations and, for q8 and q4, with
  * INT8_BLOCKS (quantize_blocks + linear_blocks), at 1, 16 and 64 tokens, for
  * the AVX2 level and the best one this CPU has (colibri_kernels_x86_caps):
@@ -131,7 +132,7 @@ int main(int argc, char **argv)
     colibri_kernels_optimised(&tables[0]);
     nt = 1;
 #endif
-    static const size_t shapes[4][2] = {{1408, 512}, {512, 1408}, {512, 512}, {4096, 512}}; /* out, in */
+    static const size_t shapes[][2] = {{1408, 512}, {512, 1408}, {512, 512}, {128, 512}, {4096, 512}}; /* out, in */
     static const struct {
         uint8_t dtype;
         int blocks;
@@ -141,7 +142,7 @@ int main(int argc, char **argv)
                  {COLIBRI_DTYPE_I4, 0, "q4"},        {COLIBRI_DTYPE_I4, 1, "q4-blocks"}};
     static const size_t batches[] = {1, 16, 64};
     printf("MAC/ns of thread CPU time (median); columns: batch 1, 16, 64\n");
-    for (size_t s = 0; s < 4; s++) {
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const size_t rows = shapes[s][0], cols = shapes[s][1];
         float *x = alloc(64 * cols * sizeof *x), *y = alloc(64 * rows * sizeof *y);
         float *xa = alloc(64 * colibri_act_blocks(cols) * sizeof *xa);

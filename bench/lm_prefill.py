@@ -8,8 +8,10 @@ a 16-token prompt), optionally of two builds of the engine side by side.
 Models: the random-weight Hugging Face Mixtral of bench/lm_threads.py (hidden 512, 8 layers, 8 experts
 x 1408 top-2, GQA 8/2, vocab 4096, 148 M parameters) and the trained tiny King James model
 (examples/tiny_lm/model, hidden 64). Forms: f32, f16, q8 and q4 with f32 activations (the default),
-and q8-blocks, q4-blocks with INT8_BLOCKS on every layer's experts and the LM head
-(colibri.export(..., int8_blocks=["layers.*"]): every quantised layer that allows it). Images are cached in build/bench/lm_prefill/.
+q8-blocks, q4-blocks with INT8_BLOCKS on every layer that allows it: the experts, the LM head and the
+attention projections (colibri.export(..., int8_blocks=["layers.*"])), and q8-blocks-ffn, q4-blocks-ffn
+with it on the experts and the head only (the attention projections with f32 activations). Images are
+cached in build/bench/lm_prefill/; a cached image whose attention flags are not its form's is exported again.
 
 --engine DIR (repeatable) names a host_tools directory whose colibri package (and built binding) is
 measured, e.g. one of an older checkout: each round runs every engine once in a process of its own,
@@ -41,12 +43,38 @@ FORMS = {
     "q8-blocks": ("q8", {"int8_blocks": ["layers.*"]}),
     "q4": ("q4", {}),
     "q4-blocks": ("q4", {"int8_blocks": ["layers.*"]}),
+    "q8-blocks-ffn": ("q8", "ffn"),
+    "q4-blocks-ffn": ("q4", "ffn"),
 }
+
+
+def ffn_blocks(model) -> list[str]:
+    """INT8_BLOCKS patterns for a Hugging Face decoder's experts and LM head, not its attention: the image
+    is EMBED, 8 layers per decoder layer (docs/lm.md "A decoder layer"), the final norm, the head."""
+    cfg = model.config
+    patterns = ["layers.*.experts.*", f"layers.{2 + 8 * cfg.num_hidden_layers}"]
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        patterns.append("layers.*.shared.*")
+    return patterns
+
+
+def attention_flags(path: Path) -> set[int]:
+    """The flags bytes of an image's attention records (docs/lm.md "Attention record")."""
+    sys.path.insert(0, str(ROOT / "host_tools"))
+    from colibri.model import format as F
+
+    with path.open("rb") as fh:
+        head = fh.read(F.V4_FIELDS_OFFSET + F.V4_FIELDS.size)
+        count, offset = F.V4_FIELDS.unpack_from(head, F.V4_FIELDS_OFFSET)
+        fh.seek(offset)
+        table = fh.read(count * F.ATTENTION.size)
+    return {table[j * F.ATTENTION.size + F.ATTENTION_FLAGS_OFFSET] for j in range(count)}
 
 
 def image(name: str, form: str) -> Path:
     path = CACHE / f"{name}-{form}.clb"
-    if not path.exists():
+    want = {2} if FORMS[form][1] == {"int8_blocks": ["layers.*"]} else {0}
+    if not path.exists() or attention_flags(path) != want:  # an image of before attention blocks, too
         import torch
 
         sys.path.insert(0, str(ROOT / "host_tools"))
@@ -59,6 +87,8 @@ def image(name: str, form: str) -> Path:
         t = time.perf_counter()
         model = lm_threads.mixtral() if name == "mixtral" else lm_threads.tiny()
         dtype, extra = FORMS[form]
+        if extra == "ffn":
+            extra = {"int8_blocks": ffn_blocks(model)}
         colibri.export(model, path, max_seq_len=MAX_SEQ_LEN, max_batch=PREFILL, dtype=dtype, check=False, **extra)
         print(f"exported {path.relative_to(ROOT)} ({path.stat().st_size / 1e6:.1f} MB) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)

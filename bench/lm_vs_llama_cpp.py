@@ -50,7 +50,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "host_tools"))
+sys.path.insert(0, str(ROOT / "bench"))
 import colibri  # noqa: E402
+from lm_prefill import attention_flags  # noqa: E402
 
 CORE = ROOT / "firmware" / "colibri_core"
 OUT = ROOT / "build" / "bench-lm"
@@ -198,7 +200,8 @@ def colibri_driver() -> Path:
 def colibri_image(name: str, dtype: str) -> Path:
     """The model exported by colibri.export at `dtype` (max_batch 64, 256 positions), cached."""
     path = OUT / "colibri" / f"{name}-{dtype}.clb"
-    if path.exists():
+    blocks = "int8_blocks" in COLIBRI_DTYPES[dtype][0]
+    if path.exists() and not (blocks and attention_flags(path) == {0}):  # exported before attention blocks
         return path
     import torch
 

@@ -1,6 +1,7 @@
 """What INT8_BLOCKS (int8 activations, one scale per 32 columns) costs in accuracy and gains in speed on
 token models (issue 23), each q8 / q4 image with f32 activations (the default), with per-row int8
-activations (INT8_ACT) and with INT8_BLOCKS on every expert and the LM head:
+activations (INT8_ACT), with INT8_BLOCKS on every expert and the LM head (int8-blocks-ffn) and with
+INT8_BLOCKS on the attention projections too (int8-blocks: `layers.*`):
 
 1. the trained tiny King James model (examples/tiny_lm): held-out perplexity per byte, the C engine;
 2. a random-weight Hugging Face Mixtral of the 100 M class (hidden 512, 8 layers, 8 experts x 1408
@@ -31,7 +32,18 @@ sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
 import colibri  # noqa: E402
 
 CACHE = ROOT / "build" / "int8_blocks"
-FORMS = {"f32-act": {}, "int8-rows": {"int8_act": ["layers.*"]}, "int8-blocks": {"int8_blocks": ["layers.*"]}}
+FORMS = {"f32-act": {}, "int8-rows": {"int8_act": ["layers.*"]}, "int8-blocks-ffn": "ffn",
+         "int8-blocks": {"int8_blocks": ["layers.*"]}}
+
+
+def form_options(form: str, model) -> dict:
+    """colibri.export's options for a form: int8-blocks-ffn names the experts and the head, not attention."""
+    if FORMS[form] == "ffn":
+        sys.path.insert(0, str(ROOT / "bench"))
+        from lm_prefill import ffn_blocks
+
+        return {"int8_blocks": ffn_blocks(model)}
+    return FORMS[form]
 
 
 def cpu_name() -> str:
@@ -56,15 +68,16 @@ def tiny(windows: int | None) -> None:
     base = None
     print("tiny King James model, held-out perplexity per byte (C engine, max_batch 1):")
     for dtype in ("f32", "q8", "q4"):
-        for form, kw in FORMS.items():
+        for form in FORMS:
             if dtype == "f32" and form != "f32-act":
                 continue
-            data = colibri.export(model, max_seq_len=CONTEXT, max_batch=1, dtype=dtype, check=False, **kw).image
+            data = colibri.export(model, max_seq_len=CONTEXT, max_batch=1, dtype=dtype, check=False,
+                                  **form_options(form, model)).image
             lm = colibri.LM(data)
             nll, scored = held_out_nll(lm, text, windows)
             ppl = math.exp(nll)
             base = ppl if base is None else base
-            print(f"  {dtype:4} {form:12} perplexity {ppl:.4f}  ({100 * (ppl / base - 1):+.3f}% vs f32, "
+            print(f"  {dtype:4} {form:15} perplexity {ppl:.4f}  ({100 * (ppl / base - 1):+.3f}% vs f32, "
                   f"{scored} bytes, {lm.kernels})", flush=True)
 
 
@@ -92,7 +105,8 @@ def mixtral_model():
 def mixtral_images() -> dict[str, Path]:
     CACHE.mkdir(parents=True, exist_ok=True)
     wanted = [("f32", "f32-act"), ("f16", "f32-act")] + [(d, f) for d in ("q8", "q4") for f in FORMS]
-    paths = {f"{d} {f}": CACHE / f"mixtral100m-{d}-{f}.clb" for d, f in wanted}
+    # "-att": int8-blocks images of before attention blocks had the attention projections in f32 activations
+    paths = {f"{d} {f}": CACHE / f"mixtral100m-{d}-{f}{'-att' if f == 'int8-blocks' else ''}.clb" for d, f in wanted}
     if all(p.exists() for p in paths.values()):
         return paths
     model = mixtral_model()
@@ -101,7 +115,8 @@ def mixtral_images() -> dict[str, Path]:
     for (dtype, form), (key, path) in zip(wanted, paths.items()):
         if not path.exists():
             t0 = time.perf_counter()
-            colibri.export(model, path, max_seq_len=160, max_batch=16, dtype=dtype, check=False, **FORMS[form])
+            colibri.export(model, path, max_seq_len=160, max_batch=16, dtype=dtype, check=False,
+                           **form_options(form, model))
             print(f"  exported {key}: {path.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - t0:.0f} s",
                   flush=True)
     return paths

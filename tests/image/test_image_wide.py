@@ -63,6 +63,7 @@ def _graphs() -> dict[str, tuple[Graph, dict]]:
         "lm-f32-v4": (lmmodels.token_model(1), {}),
         "lm-q8-v4": (quantize(lmmodels.token_model(2, tied=True), "q8"), {}),
         "lm-q4-v5": (quantize(lmmodels.token_model(3, qk_norm="head"), "q4", group=8), {}),
+        "lm-q4-blocks-v5": (quantize(lmmodels.token_model(4), "q4", int8_blocks=["layers.*"]), {}),
     }
 
 
@@ -251,7 +252,7 @@ def test_named_wide_faults(c_drivers: Path, wide_q8: bytes, limited: Path) -> No
 
 def _wide_images() -> dict[str, bytes]:
     return {name: image.write(graph, version=F.WIDE_VERSION, **opts) for name, (graph, opts) in GRAPHS.items()
-            if name in ("q8-page-aligned-v3", "q4-v5", "lm-q8-v4")}
+            if name in ("q8-page-aligned-v3", "q4-v5", "lm-q8-v4", "lm-q4-blocks-v5")}
 
 
 @pytest.mark.slow

@@ -38,7 +38,8 @@ CONFIGS = {
     "q8-bias-tied": dict(dtype="q8", bias=True, tied=True),
     "q8-int8act": dict(dtype="q8", int8_act=["layers.*.experts.*"]),
     "q4": dict(dtype="q4"),
-    # INT8_BLOCKS: decode's one-token kernels on each worker's row blocks, prefill's multi-token ones.
+    # INT8_BLOCKS: decode's one-token kernels on each worker's row blocks, prefill's multi-token ones; the
+    # attention projections too (q, k and v one loop over the shared int8 row of x, then o).
     "q8-int8blocks": dict(dtype="q8", int8_blocks=["layers.*"]),
     "q4-int8blocks": dict(dtype="q4", int8_blocks=["layers.*"]),
 }

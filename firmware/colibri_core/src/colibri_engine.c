@@ -416,6 +416,7 @@ static void plan_attention(colibri_plan_attention *p, uint8_t **cache, const uin
     p->scale = (float)(1.0 / root);
     p->eps = a.qk_norm_eps;
     p->kv_f16 = a.kv_dtype == COLIBRI_DTYPE_F16;
+    p->int8_act = (a.flags & COLIBRI_ATTENTION_FLAG_INT8_BLOCKS) ? COLIBRI_INT8_BLOCKS : 0;
     const size_t rows = (size_t)a.max_seq_len * a.n_kv_heads * a.head_dim * (p->kv_f16 ? 2u : 4u);
     p->k_cache = *cache;
     p->v_cache = *cache + rows;
@@ -1243,14 +1244,28 @@ static void rope_table(float *rope, size_t n, uint32_t pos, float theta, size_t 
  * rope table holds for this call's rows, so layers alike share it. */
 /* One row's q, k and v as one loop over the three matrices' row blocks. */
 static NOINLINE colibri_status qkv_rows(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
-                                        const float *x)
+                                        const float *x, const colibri_qrows *xq)
 {
+    const uint8_t mode = a->int8_act;
     row_job j = {c,
-                 {{&a->q, a->q_bias, x, NULL, c->att_q, 0, 0},
-                  {&a->k, a->k_bias, x, NULL, c->att_k, 0, 0},
-                  {&a->v, a->v_bias, x, NULL, c->att_v, 0, 0}},
+                 {{&a->q, a->q_bias, x, xq, c->att_q, 0, mode},
+                  {&a->k, a->k_bias, x, xq, c->att_k, 0, mode},
+                  {&a->v, a->v_bias, x, xq, c->att_v, 0, mode}},
                  3};
     return run_rows(o, &j);
+}
+
+/* The n rows x [n, in] of an attention projection in its activation mode:
+ * with INT8_BLOCKS quantised once into worker 0's int8 rows (q, k and v
+ * share x's), else NULL (f32 activations). */
+static const colibri_qrows *attention_act(const colibri_ctx *c, const colibri_plan_attention *a, const float *x,
+                                          size_t n, size_t in, colibri_qrows *q)
+{
+    if (!a->int8_act)
+        return NULL;
+    const scratch sc0 = worker_scratch(c, NULL, 0);
+    *q = quantize(c, &sc0, a->int8_act, x, NULL, n, in);
+    return q;
 }
 
 /* q, k, v [n, *] = the projections of x [n, d]: at decode on workers as
@@ -1258,14 +1273,17 @@ static NOINLINE colibri_status qkv_rows(const colibri_ctx *c, const run_opts *o,
 static colibri_status attention_qkv(const colibri_ctx *c, const run_opts *o, const colibri_plan_attention *a,
                                     const float *x, size_t n)
 {
+    colibri_qrows q;
+    const colibri_qrows *xq = attention_act(c, a, x, n, a->q.cols, &q);
+    const uint8_t mode = a->int8_act;
     colibri_status st;
     if (lm_parallel(c, o) && n == 1 &&
         ((uint64_t)a->q.rows + a->k.rows + a->v.rows) * a->q.cols >= LM_PAR_MIN_MACS)
-        return qkv_rows(c, o, a, x);
-    if ((st = linear_split(c, o, &a->q, a->q_bias, NULL, 0, x, c->att_q, n)) < 0 ||
-        (st = linear_split(c, o, &a->k, a->k_bias, NULL, 0, x, c->att_k, n)) < 0)
+        return qkv_rows(c, o, a, x, xq);
+    if ((st = linear_split(c, o, &a->q, a->q_bias, xq, mode, x, c->att_q, n)) < 0 ||
+        (st = linear_split(c, o, &a->k, a->k_bias, xq, mode, x, c->att_k, n)) < 0)
         return st;
-    return linear_split(c, o, &a->v, a->v_bias, NULL, 0, x, c->att_v, n);
+    return linear_split(c, o, &a->v, a->v_bias, xq, mode, x, c->att_v, n);
 }
 
 /* Each head of each row over positions 0 .. its own (causal); query head h
@@ -1360,7 +1378,8 @@ static colibri_status attention_forward(colibri_ctx *c, const run_opts *o, const
     }
     if ((st = attention_heads(c, o, a, n, pos)) < 0)
         return st;
-    return linear_split(c, o, &a->o, a->o_bias, NULL, 0, q, y, n);
+    colibri_qrows oq;
+    return linear_split(c, o, &a->o, a->o_bias, attention_act(c, a, q, n, qw, &oq), a->int8_act, q, y, n);
 }
 
 /* Whether [a, a + an) and [b, b + bn) (floats) share memory. */

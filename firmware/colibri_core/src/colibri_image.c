@@ -203,7 +203,8 @@ void colibri_read_attention(const uint8_t *image, const colibri_header *h, uint3
     a->qk_norm_eps = colibri_rd_f32(p + 56);
     a->max_seq_len = colibri_rd_u32(p + 60);
     a->kv_dtype = p[64];
-    a->reserved_set = any_set(p + 65, COLIBRI_ATTENTION_SIZE - 65u);
+    a->flags = p[COLIBRI_ATTENTION_FLAGS_OFFSET];
+    a->reserved_set = any_set(p + COLIBRI_ATTENTION_RESERVED, COLIBRI_ATTENTION_SIZE - COLIBRI_ATTENTION_RESERVED);
 }
 
 /* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32) ----
@@ -1006,7 +1007,7 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
     colibri_read_attention(c->image, c->h, index, &a);
     const uint32_t heads = a.n_heads, kv_heads = a.n_kv_heads, hd = a.head_dim;
     const int normed = a.q_norm != COLIBRI_NONE || a.k_norm != COLIBRI_NONE;
-    if (a.reserved_set || a.d_model != width || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 ||
+    if (a.reserved_set || (a.flags & ~COLIBRI_ATTENTION_FLAG_INT8_BLOCKS) || a.d_model != width || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 ||
         hd == 0 || hd % 2u != 0 || (uint64_t)heads * hd > UINT32_MAX ||
         !(isfinite(a.rope_theta) && a.rope_theta >= 1.0f) || /* format.ROPE_THETA_MIN (docs/lm.md) */
         (normed ? !(isfinite(a.qk_norm_eps) && a.qk_norm_eps > 0.0f) : a.qk_norm_eps != 0.0f) ||
@@ -1028,6 +1029,17 @@ static colibri_status check_attention(checker *c, uint32_t index, uint32_t width
         (st = check_qk_norm(c, a.q_norm, hd, heads)) != COLIBRI_OK ||
         (st = check_qk_norm(c, a.k_norm, hd, kv_heads)) != COLIBRI_OK)
         return COLIBRI_E_BAD_ATTENTION;
+    /* INT8_BLOCKS: every projection int8 or int4 (the references are valid by now). The quantised
+     * rows are x (d columns) for q, k and v, then the heads' output (qw) for o. */
+    if (a.flags & COLIBRI_ATTENTION_FLAG_INT8_BLOCKS) {
+        const uint32_t projections[4] = {a.q_w, a.k_w, a.v_w, a.o_w};
+        for (int i = 0; i < 4; i++)
+            if (!is_int(c, projections[i]))
+                return COLIBRI_E_BAD_ATTENTION;
+        const uint32_t widest = d > qw ? d : qw;
+        widen(&m->qwidth, widest);
+        widen(&m->qblocks, (uint32_t)colibri_act_blocks(widest));
+    }
 
     c->next_attention = index + 1u; /* index < attention_count, so no wrap */
     m->attn_layers++;

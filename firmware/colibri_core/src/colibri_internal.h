@@ -110,7 +110,8 @@ typedef struct colibri_attention {
     float rope_theta, qk_norm_eps;
     uint32_t max_seq_len;
     uint8_t kv_dtype;   /* COLIBRI_DTYPE_F32 or _F16 */
-    int reserved_set;   /* the 15 trailing reserved bytes */
+    uint8_t flags;      /* COLIBRI_ATTENTION_FLAG_* */
+    int reserved_set;   /* the 14 trailing reserved bytes */
 } colibri_attention;
 
 /* Record readers. The table they read must have passed its bounds check
@@ -292,6 +293,7 @@ typedef struct colibri_plan_attention {
     uint32_t heads, kv_heads, head_dim;
     uint8_t q_norm_per_head, k_norm_per_head; /* the norm's weight is [hd] */
     uint8_t kv_f16;                /* the cache holds f16 */
+    uint8_t int8_act;              /* the projections' activations: 0 or COLIBRI_INT8_BLOCKS */
 } colibri_plan_attention;
 
 /* One layer of the program. */

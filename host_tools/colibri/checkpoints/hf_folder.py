@@ -30,7 +30,7 @@ from ..model import format as F
 from ..model.errors import ExportError
 from ..model.format import Act, DType, ExpertKind, Routing
 from ..model.ir import Attention, Embedding, Expert, Graph, Layer, Linear, MoE, ResidualAdd, ResidualPush, RMSNorm
-from ..model.walks import BIAS_OF, act_targets, name_matches, weight_slots
+from ..model.walks import BIAS_OF, act_forms, act_targets, act_weights, name_matches, weight_slots
 from ..model.walks import where as _where
 from ..quant import quantize as Q
 
@@ -589,16 +589,12 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
                 setattr(owner, b_attr, None)
             else:
                 w.bias = None
-    for name, target in targets:
-        rows, blocks = name_matches(name, int8_act), name_matches(name, int8_blocks)
-        if not (rows or blocks):
-            continue
-        if rows and blocks:
-            raise ExportError(f"{name}: int8_act and int8_blocks both match it; choose one activation form")
-        weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
-        if not all(isinstance(w, PlannedWeight) and w.kind in ("q8", "q4") for w in weights):
+    for name, target, rows, blocks in act_forms(graph, int8_act, int8_blocks):
+        if not all(isinstance(w, PlannedWeight) and w.kind in ("q8", "q4") for w in act_weights(target)):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
-        target.int8_act, target.int8_blocks = rows, blocks
+        if not isinstance(target, Attention):  # it has the block form only
+            target.int8_act = rows
+        target.int8_blocks = blocks
 
 
 @dataclass

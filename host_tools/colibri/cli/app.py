@@ -153,8 +153,9 @@ def quant_options(fn=None, *, dtype_required: bool = False):
         click.option("--int8-act", multiple=True, metavar="PATTERN",
                      help="Run matching layers/experts with int8 activations, e.g. 'layers.*' (repeatable)."),
         click.option("--int8-blocks", multiple=True, metavar="PATTERN",
-                     help="Run matching layers/experts with int8 activations in blocks of 32 columns, each with its "
-                          "own scale (INT8_BLOCKS; not with --int8-act on the same layer), e.g. 'layers.*.experts.*'."),
+                     help="Run matching layers/experts/attention blocks with int8 activations in blocks of 32 "
+                          "columns, each with its own scale (INT8_BLOCKS; not with --int8-act on the same layer), "
+                          "e.g. 'layers.*' or 'layers.*.experts.*'."),
     ]
     for option in reversed(options):
         fn = option(fn)

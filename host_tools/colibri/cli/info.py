@@ -68,7 +68,8 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
             row.update(shape=f"{layer.d_model}->{layer.d_model}",
                        params=affine(layer.q_w, layer.q_b) + affine(layer.k_w, layer.k_b) + affine(layer.v_w, layer.v_b)
                        + affine(layer.o_w, layer.o_b) + numel(layer.q_norm, layer.k_norm),
-                       dtype=_storage([layer.q_w, layer.k_w, layer.v_w, layer.o_w]),
+                       dtype=_storage([layer.q_w, layer.k_w, layer.v_w, layer.o_w])
+                       + (" int8-blocks" if layer.int8_blocks else ""),
                        heads=layer.n_heads, kv_heads=layer.n_kv_heads, head_dim=layer.head_dim,
                        rope_theta=layer.rope_theta, max_seq_len=layer.max_seq_len,
                        kv_dtype=layer.kv_dtype.name.lower(), kv_cache_bytes=cache,

@@ -195,7 +195,7 @@ def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str
     if h[1] >= F.LM_VERSION:
         n_a, a_off = F.V4_FIELDS.unpack_from(r.buf, F.V4_FIELDS_OFFSET)
         a_recs = r.table(n_a, a_off, F.ATTENTION)
-        a_reserved = [bytes(r.buf[a_off + i * F.ATTENTION.size + 65 : a_off + (i + 1) * F.ATTENTION.size])
+        a_reserved = [bytes(r.buf[a_off + i * F.ATTENTION.size + F.ATTENTION_RESERVED : a_off + (i + 1) * F.ATTENTION.size])
                       for i in range(n_a)]
     if r.meta:  # the CRC table: bounds as the other tables', entries read as each payload is checked
         if r.crc_off % 4 or r.crc_off < r.header_size or r.crc_off + 4 * n_t > r.meta:
@@ -266,7 +266,7 @@ def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str
 
     def attention(j: int, width: int, where: str) -> Attention:
         """Attention record j, every field checked (docs/lm.md "Attention record"): BAD_ATTENTION."""
-        d, heads, kv_heads, hd, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_n, k_n, theta, eps, msl, kv = a_recs[j]
+        d, heads, kv_heads, hd, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_n, k_n, theta, eps, msl, kv, a_flags = a_recs[j]
         work.visits += 1
 
         def bad(why: str) -> None:
@@ -274,6 +274,8 @@ def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str
 
         if any(a_reserved[j]):
             bad("reserved bytes set")
+        if a_flags & ~int(F.AttentionFlag.INT8_BLOCKS):
+            bad(f"flags {a_flags:#x} (only INT8_BLOCKS, bit 1)")
         if kv not in (DType.F32, DType.F16):
             bad(f"kv_dtype {kv} (F32 or F16)")
         if d != width:
@@ -311,7 +313,7 @@ def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str
             return obj
 
         q_out, kv_out = heads * hd, kv_heads * hd
-        return Attention(
+        a = Attention(
             n_heads=heads, n_kv_heads=kv_heads, head_dim=hd,
             q_w=matrix(q_w, (q_out, d), "q_w"), q_b=vector(q_b, (q_out,), "q_b"),
             k_w=matrix(k_w, (kv_out, d), "k_w"), k_b=vector(k_b, (kv_out,), "k_b"),
@@ -319,7 +321,13 @@ def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str
             o_w=matrix(o_w, (d, q_out), "o_w"), o_b=vector(o_b, (d,), "o_b"),
             q_norm=vector(q_n, (hd, q_out), "q_norm"), k_norm=vector(k_n, (hd, kv_out), "k_norm"),
             rope_theta=theta, qk_norm_eps=eps, max_seq_len=msl, kv_dtype=DType(kv),
+            int8_blocks=bool(a_flags & F.AttentionFlag.INT8_BLOCKS),
         )
+        if a.int8_blocks:
+            work.visits += 4
+            if not all(isinstance(w, QuantWeight) for w in (a.q_w, a.k_w, a.v_w, a.o_w)):
+                bad("INT8_BLOCKS needs int8 or int4 q, k, v and o projections")
+        return a
 
     page = bool(flags & F.Flag.PAGE_ALIGNED)
     layers = []

@@ -413,5 +413,6 @@ def wide_needed(plan: Layout, sizes: list[int]) -> bool:
 
 def _attention_record(a: Attention, tensors: _Tensors) -> bytes:
     refs = [tensors.add(w) for w in (a.q_w, a.q_b, a.k_w, a.k_b, a.v_w, a.v_b, a.o_w, a.o_b, a.q_norm, a.k_norm)]
+    flags = F.AttentionFlag.INT8_BLOCKS if a.int8_blocks else 0
     return F.ATTENTION.pack(a.d_model, a.n_heads, a.n_kv_heads, a.head_dim, *refs, a.rope_theta, a.qk_norm_eps,
-                            a.max_seq_len, int(a.kv_dtype))
+                            a.max_seq_len, int(a.kv_dtype), int(flags))

@@ -84,8 +84,11 @@ def tensor_record(version: int) -> struct.Struct:
 
 
 # One self-attention block: d_model, n_heads, n_kv_heads, head_dim; tensor refs q_w, q_b, k_w, k_b,
-# v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype; reserved.
-ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIB15x")
+# v_w, v_b, o_w, o_b, q_norm, k_norm; rope_theta, qk_norm_eps, max_seq_len, kv_dtype, flags
+# (AttentionFlag, at 65); reserved from ATTENTION_RESERVED on.
+ATTENTION = struct.Struct("<IHHIIIIIIIIIIIffIBB14x")
+ATTENTION_FLAGS_OFFSET = 65
+ATTENTION_RESERVED = 66
 
 
 class Flag(enum.IntFlag):
@@ -283,6 +286,12 @@ class ExpertFlag(enum.IntFlag):
     INT8_BLOCKS = 2  # int8 activations, a scale per 32 columns (not with INT8_ACT)
 
 
+class AttentionFlag(enum.IntFlag):
+    # The bit INT8_BLOCKS has in layer and expert flags. Bit 0 (INT8_ACT there) has no attention form:
+    # an attention record with it, like any other unknown bit, is BAD_ATTENTION.
+    INT8_BLOCKS = 2  # q, k, v and o (all I8 or I4) with int8 activations, a scale per 32 columns
+
+
 class Op(enum.IntEnum):
     LINEAR = 1
     ACTIVATION = 2
@@ -454,6 +463,8 @@ def c_header() -> str:
         f"#define COLIBRI_Q4_GROUP_LOG2_MIN {Q4_GROUP_LOG2_MIN}u",
         f"#define COLIBRI_Q4_GROUP_LOG2_MAX {Q4_GROUP_LOG2_MAX}u",
         f"#define COLIBRI_MAX_SEQ_LEN {MAX_SEQ_LEN}u",
+        f"#define COLIBRI_ATTENTION_FLAGS_OFFSET {ATTENTION_FLAGS_OFFSET}u",
+        f"#define COLIBRI_ATTENTION_RESERVED {ATTENTION_RESERVED}u",
         f"#define COLIBRI_TOKENIZER_VERSION {TOKENIZER_VERSION}u",
         f"#define COLIBRI_TOKENIZER_MAGIC 0x{TOKENIZER_MAGIC:08X}u",
         f"#define COLIBRI_TOKENIZER_SECTION_VERSION {TOKENIZER_SECTION_VERSION}u",
@@ -477,6 +488,7 @@ def c_header() -> str:
         (Flag, "FLAG"),
         (LayerFlag, "LAYER_FLAG"),
         (ExpertFlag, "EXPERT_FLAG"),
+        (AttentionFlag, "ATTENTION_FLAG"),
         (DType, "DTYPE"),
         (Op, "OP"),
         (Act, "ACT"),

@@ -250,6 +250,7 @@ class Attention:
     k_norm: np.ndarray | None = None
     qk_norm_eps: float = 0.0  # > 0 with a norm, 0 without
     kv_dtype: DType = DType.F32
+    int8_blocks: bool = False  # q, k, v and o with int8 activations, a scale per 32 columns (all I8 or I4)
 
     @property
     def d_model(self) -> int:

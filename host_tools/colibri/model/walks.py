@@ -67,16 +67,42 @@ def name_matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
 
 
-def act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert]]:
-    """(name, layer or expert) that int8_act / int8_blocks patterns choose among: `layers.N` for a Linear,
-    `layers.N.experts.E` and `layers.N.shared.S` inside a MoE."""
+def act_targets(graph: Graph) -> Iterator[tuple[str, Linear | Expert | Attention]]:
+    """(name, layer, expert or attention block) that int8_act / int8_blocks patterns choose among: `layers.N`
+    for a Linear or an Attention (its four projections together), `layers.N.experts.E` and `layers.N.shared.S`
+    inside a MoE."""
     for i, layer in enumerate(graph.layers):
-        if isinstance(layer, Linear):
+        if isinstance(layer, (Linear, Attention)):
             yield f"layers.{i}", layer
         elif isinstance(layer, MoE):
             for group, experts in (("experts", layer.experts), ("shared", layer.shared)):
                 for j, e in enumerate(experts):
                     yield f"layers.{i}.{group}.{j}", e
+
+
+def act_weights(target: Linear | Expert | Attention) -> list:
+    """The weight matrices an activation flag on `target` runs: all of them must be int8 or int4."""
+    if isinstance(target, Linear):
+        return [target.weight]
+    if isinstance(target, Attention):
+        return [target.q_w, target.k_w, target.v_w, target.o_w]
+    return [w for w in (target.w1, target.w2, target.w3) if w is not None]
+
+
+def act_forms(graph: Graph, int8_act: Sequence[str],
+              int8_blocks: Sequence[str]) -> Iterator[tuple[str, Linear | Expert | Attention, bool, bool]]:
+    """(name, target, int8_act, int8_blocks) for each target a pattern chooses. An attention block has only
+    the block form (docs/model-format.md "INT8_BLOCKS"), so int8_act patterns pass over it: `layers.*`
+    keeps meaning the linear layers and experts there. Both forms on one target is an ExportError."""
+    from .errors import ExportError
+
+    for name, target in act_targets(graph):
+        rows = not isinstance(target, Attention) and name_matches(name, int8_act)
+        blocks = name_matches(name, int8_blocks)
+        if rows and blocks:
+            raise ExportError(f"{name}: int8_act and int8_blocks both match it; choose one activation form")
+        if rows or blocks:
+            yield name, target, rows, blocks
 
 
 def where(graph: Graph, name: str) -> str:

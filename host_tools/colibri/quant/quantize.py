@@ -8,7 +8,9 @@ Every weight matrix has a name (colibri.model.walks): `layers.3` for a Linear,
 f32 (`*.router`, `layers.0`); `int8_act` patterns select the layers and
 experts (`layers.0`, `layers.5.experts.*`) that also run with int8
 activations (one scale per token row), `int8_blocks` those that run with int8
-activations in blocks (one scale per 32 columns: INT8_BLOCKS).
+activations in blocks (one scale per 32 columns: INT8_BLOCKS), attention blocks
+(`layers.1`: their q, k, v and o projections) included; `int8_act` patterns pass
+over attention blocks, which have only the block form.
 
 Routers and shared-expert gates stay f32 unless `quantize_routers`: they are a
 sliver of the bytes, and a quantised router logit that crosses a near-tie sends
@@ -24,8 +26,8 @@ import numpy as np
 from rich.progress import track
 
 from ..model.errors import ExportError
-from ..model.ir import Embedding, F16Weight, Graph, Linear, Q4Weight, Q8Weight, QuantWeight, Weight
-from ..model.walks import BIAS_OF, act_targets, name_matches, router_feeders, weight_slots
+from ..model.ir import Attention, Embedding, F16Weight, Graph, Q4Weight, Q8Weight, QuantWeight, Weight
+from ..model.walks import BIAS_OF, act_forms, act_targets, act_weights, name_matches, router_feeders, weight_slots
 from ..model.walks import where as _where
 
 DTYPES = ("f32", "f16", "q8", "q4")
@@ -516,14 +518,10 @@ def quantize(
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
-    for name, target in act_targets(out):
-        rows, blocks = name_matches(name, int8_act), name_matches(name, int8_blocks)
-        if not (rows or blocks):
-            continue
-        if rows and blocks:
-            raise ExportError(f"{name}: int8_act and int8_blocks both match it; choose one activation form")
-        weights = [target.weight] if isinstance(target, Linear) else [w for w in (target.w1, target.w2, target.w3) if w is not None]
-        if not all(isinstance(w, QuantWeight) for w in weights):
+    for name, target, rows, blocks in act_forms(out, int8_act, int8_blocks):
+        if not all(isinstance(w, QuantWeight) for w in act_weights(target)):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
-        target.int8_act, target.int8_blocks = rows, blocks
+        if not isinstance(target, Attention):  # it has the block form only
+            target.int8_act = rows
+        target.int8_blocks = blocks
     return out

@@ -616,9 +616,10 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
                       v_cache: np.ndarray) -> np.ndarray:
     """Rows x [n, d] at positions position.. : writes their k, v into the caches, returns [n, d]."""
     n, hd, heads, kv_heads = x.shape[0], a.head_dim, a.n_heads, a.n_kv_heads
-    q = _qk_norm(linear(x, a.q_w, a.q_b), a.q_norm, heads, hd, a.qk_norm_eps)
-    k = _qk_norm(linear(x, a.k_w, a.k_b), a.k_norm, kv_heads, hd, a.qk_norm_eps)
-    v = linear(x, a.v_w, a.v_b)
+    blocks = a.int8_blocks
+    q = _qk_norm(linear(x, a.q_w, a.q_b, int8_blocks=blocks), a.q_norm, heads, hd, a.qk_norm_eps)
+    k = _qk_norm(linear(x, a.k_w, a.k_b, int8_blocks=blocks), a.k_norm, kv_heads, hd, a.qk_norm_eps)
+    v = linear(x, a.v_w, a.v_b, int8_blocks=blocks)
     pos = np.arange(position, position + n)
     cos, sin = rope_tables(pos, hd, a.rope_theta)
     q = apply_rope(q.reshape(n, heads, hd), cos, sin)
@@ -640,4 +641,4 @@ def attention_forward(a: Attention, x: np.ndarray, position: int, k_cache: np.nd
         for i in range(n):
             t = position + i + 1
             out[i, h, :] = (probs[i, :t] @ values[:t, g, :]).astype(f32)
-    return linear(out.reshape(n, heads * hd), a.o_w, a.o_b)
+    return linear(out.reshape(n, heads * hd), a.o_w, a.o_b, int8_blocks=blocks)
