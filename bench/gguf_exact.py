@@ -81,11 +81,17 @@ def q8_0_round(x: np.ndarray, gguf) -> np.ndarray:
 
 
 class Forward:
-    def __init__(self, model: GGUFModel, act_rounding: str = "none") -> None:
+    """`routes` (layer -> int [tokens, k]) forces each MoE layer's choice of experts, say to what an
+    engine chose; their weights are still this forward's router probabilities. That separates what a
+    routing flip costs from what the arithmetic does."""
+
+    def __init__(self, model: GGUFModel, act_rounding: str = "none",
+                 routes: dict[int, np.ndarray] | None = None) -> None:
         if act_rounding not in ("none", "ggml"):
             raise ValueError(f"act_rounding {act_rounding!r}: none or ggml")
         self.m = model
         self.act_rounding = act_rounding
+        self.routes = routes
         a = model.arch
         self.d = int(model.hp("embedding_length"))
         self.heads = int(model.hp("attention.head_count"))
@@ -170,6 +176,10 @@ class Forward:
         z = logits - logits.max(axis=-1, keepdims=True)
         probs = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, : self.k]
+        if self.routes is not None:
+            top = np.asarray(self.routes[i], dtype=np.int64)
+            if top.shape != (len(x), self.k):
+                raise ValueError(f"forced routes of layer {i}: shape {top.shape}, want {(len(x), self.k)}")
         weights = np.take_along_axis(probs, top, axis=-1)
         if self.norm_topk:
             weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -210,8 +220,9 @@ class Forward:
         return result
 
 
-def exact_forward(path: str | Path, ids: np.ndarray, act_rounding: str = "none") -> ExactResult:
-    return Forward(GGUFModel(path), act_rounding)(ids)
+def exact_forward(path: str | Path, ids: np.ndarray, act_rounding: str = "none",
+                  routes: dict[int, np.ndarray] | None = None) -> ExactResult:
+    return Forward(GGUFModel(path), act_rounding, routes)(ids)
 
 
 def main(argv: list[str] | None = None) -> None:

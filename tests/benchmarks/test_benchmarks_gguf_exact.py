@@ -114,3 +114,18 @@ def test_colibris_f32_import_is_the_exact_answer(models, tmp_path, arch, qtype):
     assert not bench.route_flips(routes, exact.chosen).any()
     for layer in set(routes) - set(exact.chosen):  # a dense layer: Colibri's one expert behind a zero router
         assert (routes[layer] == 0).all() and routes[layer].shape == (TOKENS, 1)
+
+
+def test_forced_routes_are_followed(models, tmp_path):
+    """Forcing the forward's own choice changes nothing; forcing another choice is what that costs."""
+    model = models["mixtral"]
+    ids = _ids(model)
+    file = write_gguf(model, tmp_path / "m.gguf", "F32")
+    own = gguf_exact.exact_forward(file, ids)
+    assert np.array_equal(gguf_exact.exact_forward(file, ids, routes=own.chosen).logits, own.logits)
+    other = {layer: (chosen + 1) % model.config.num_local_experts for layer, chosen in own.chosen.items()}
+    moved = gguf_exact.exact_forward(file, ids, routes=other)
+    assert all(np.array_equal(np.sort(moved.chosen[i], axis=1), np.sort(other[i], axis=1)) for i in other)
+    assert np.abs(moved.logits - own.logits).max() > 1e-3 * np.abs(own.logits).max()
+    with pytest.raises(ValueError, match="forced routes of layer 0"):
+        gguf_exact.exact_forward(file, ids, routes={i: c[:, :1] for i, c in own.chosen.items()})
