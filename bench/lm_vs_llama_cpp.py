@@ -393,8 +393,9 @@ def llama_files(name: str) -> dict[str, Path]:
 
 
 def pure_gguf(name: str, ftype: str) -> Path:
-    """The F32 file quantised with llama-quantize --pure (every matrix in `ftype`, the head and routers
-    too): a file Colibri's GGUF import reads whole (the default Q4_0 head is Q6_K, which it refuses)."""
+    """The F32 file quantised with llama-quantize --pure (every matrix in `ftype`, the embedding and head
+    too; the routers, ffn_gate_inp, stay F32, which llama-quantize never quantises): a file Colibri's GGUF
+    import reads whole (the default Q4_0 head is Q6_K, which it refuses)."""
     if ftype in ("F32", "F16"):
         return gguf(name, ftype)
     path = OUT / "gguf" / f"{name}-{ftype}-pure.gguf"

@@ -99,7 +99,8 @@ def test_colibris_f32_import_is_the_exact_answer(models, tmp_path, arch, qtype):
     float64 forward's to f32 arithmetic, and every token goes to the same experts."""
     model = models[arch]
     layers = model.config.num_hidden_layers
-    pure = {f"blk.{i}.ffn_gate_inp.weight": qtype for i in range(layers)}  # llama-quantize --pure: the router too
+    # The routers quantised too (llama-quantize --pure keeps ffn_gate_inp F32): every product is of blocks.
+    pure = {f"blk.{i}.ffn_gate_inp.weight": qtype for i in range(layers)}
     file = write_gguf(model, tmp_path / f"{arch}.gguf", qtype, types=pure)
     image = tmp_path / f"{arch}.clb"
     import colibri
