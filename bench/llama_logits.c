@@ -4,18 +4,45 @@
  * scripts/llama_cpp_setup.sh builds. The bench's own tools (llama-bench) take text or random
  * tokens, not the ids both engines must see, hence this driver over llama.h's C API.
  *
- *   llama_logits MODEL.gguf THREADS IDS.i32 WINDOW OUT.f32 [--defaults]
+ *   llama_logits MODEL.gguf THREADS IDS.i32 WINDOW OUT.f32 [--defaults] [--routes ROUTES.i32]
  *
  * Every consecutive WINDOW tokens of IDS (int32, native order) from an empty cache in one decode
  * call, every position's logits out (f32, [windows * WINDOW, n_vocab]). Flash attention off and an
  * f32 KV cache, so that F32 weights give the model's own function; --defaults keeps the library's
  * context defaults for these two (flash attention "auto", f16 cache) to show what they cost.
+ * --routes writes the experts each MoE layer chose for each token (llama.cpp's "ffn_moe_topk-L"
+ * tensors, caught by the scheduler's eval callback), one record per layer and window: int32 layer,
+ * k, tokens, then tokens x k expert indices (int32).
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml-backend.h"
 #include "llama.h"
+
+#define TOPK_PREFIX "ffn_moe_topk-"
+
+/* Asked about each graph node before it runs: the top-k selections are wanted, and each is written
+ * out once computed. The selection is a view into the argsort's rows, hence row by row. */
+static bool on_tensor(struct ggml_tensor *t, bool ask, void *user)
+{
+    FILE *routes = user;
+    if (strncmp(t->name, TOPK_PREFIX, strlen(TOPK_PREFIX)) != 0)
+        return !ask;
+    if (ask)
+        return true;
+    int32_t head[3] = {atoi(t->name + strlen(TOPK_PREFIX)), (int32_t)t->ne[0], (int32_t)t->ne[1]};
+    int32_t row[64];
+    if (t->type != GGML_TYPE_I32 || t->ne[0] > 64 || t->ne[2] != 1 || fwrite(head, sizeof head, 1, routes) != 1)
+        return false;
+    for (int64_t r = 0; r < t->ne[1]; r++) {
+        ggml_backend_tensor_get(t, row, (size_t)r * t->nb[1], (size_t)t->ne[0] * sizeof(int32_t));
+        if (fwrite(row, sizeof(int32_t), (size_t)t->ne[0], routes) != (size_t)t->ne[0])
+            return false;
+    }
+    return true;
+}
 
 static void quiet(enum ggml_log_level level, const char *text, void *user)
 {
@@ -26,8 +53,20 @@ static void quiet(enum ggml_log_level level, const char *text, void *user)
 
 int main(int argc, char **argv)
 {
-    if (argc != 6 && !(argc == 7 && strcmp(argv[6], "--defaults") == 0)) {
-        fprintf(stderr, "usage: llama_logits MODEL.gguf THREADS IDS.i32 WINDOW OUT.f32 [--defaults]\n");
+    int defaults = 0;
+    const char *routes_path = NULL;
+    int bad = argc < 6;
+    for (int a = 6; a < argc && !bad; a++) {
+        if (strcmp(argv[a], "--defaults") == 0)
+            defaults = 1;
+        else if (strcmp(argv[a], "--routes") == 0 && a + 1 < argc)
+            routes_path = argv[++a];
+        else
+            bad = 1;
+    }
+    if (bad) {
+        fprintf(stderr, "usage: llama_logits MODEL.gguf THREADS IDS.i32 WINDOW OUT.f32 [--defaults] "
+                        "[--routes ROUTES.i32]\n");
         return 2;
     }
     int threads = atoi(argv[2]);
@@ -69,7 +108,17 @@ int main(int argc, char **argv)
     cp.n_ubatch = (uint32_t)window;
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
-    if (argc == 6) {
+    FILE *routes = NULL;
+    if (routes_path) {
+        routes = fopen(routes_path, "wb");
+        if (!routes) {
+            perror(routes_path);
+            return 1;
+        }
+        cp.cb_eval = on_tensor;
+        cp.cb_eval_user_data = routes;
+    }
+    if (!defaults) {
         cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
         cp.type_k = GGML_TYPE_F32;
         cp.type_v = GGML_TYPE_F32;
@@ -111,6 +160,10 @@ int main(int argc, char **argv)
     }
     if (fclose(out) != 0) {
         perror(argv[5]);
+        return 1;
+    }
+    if (routes && fclose(routes) != 0) {
+        perror(routes_path);
         return 1;
     }
     llama_batch_free(batch);

@@ -4,10 +4,12 @@
  * process's peak RSS is what a C program serving the model needs: the touched pages of the image,
  * the arena and this driver.
  *
- *   lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32
+ *   lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32 [ROUTES]
  *       Every consecutive WINDOW tokens of IDS (int32, native order) from an empty cache, fed in
  *       calls of up to the image's max_batch tokens; writes every position's logits (f32,
- *       [windows * WINDOW, vocab]) to OUT.
+ *       [windows * WINDOW, vocab]) to OUT. ROUTES, if given, gets what routing chose, one record
+ *       per MoE layer and call (from on_route): int32 layer, routed experts E, tokens T, then a
+ *       T x E byte matrix, 1 where the token goes to that expert.
  *   lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS
  *       Random token ids (fixed seed). Decode: PROMPT tokens in one call, then DECODE calls of one
  *       token each; prefill: PREFILL tokens in one call from an empty cache. ROUNDS of each after
@@ -151,7 +153,26 @@ static long parse(const char *s, long lo, long hi, const char *what)
     return v;
 }
 
-static int logits_mode(const char *image, size_t workers, const char *ids_path, long window, const char *out_path)
+/* on_route for the logits mode's ROUTES file: the slots' token lists turned into a token x expert
+ * matrix (the bench compares each token's chosen experts with llama.cpp's). */
+static colibri_status write_route(void *user, const colibri_route *r)
+{
+    FILE *routes = user;
+    int32_t head[3] = {(int32_t)r->layer, (int32_t)r->experts, (int32_t)r->batch};
+    uint8_t *chosen = calloc(r->batch * r->experts + 1, 1);
+    if (!chosen)
+        return COLIBRI_E_BAD_EXEC;
+    for (uint32_t s = 0; s < r->experts; s++)
+        for (uint32_t i = 0; i < r->tokens[s]; i++)
+            chosen[(size_t)r->token[s * r->batch + i] * r->experts + s] = 1;
+    int ok = fwrite(head, sizeof head, 1, routes) == 1 &&
+             fwrite(chosen, 1, r->batch * r->experts, routes) == r->batch * r->experts;
+    free(chosen);
+    return ok ? COLIBRI_OK : COLIBRI_E_BAD_EXEC;
+}
+
+static int logits_mode(const char *image, size_t workers, const char *ids_path, long window, const char *out_path,
+                       const char *routes_path)
 {
     FILE *f = fopen(ids_path, "rb");
     if (!f) {
@@ -173,6 +194,15 @@ static int logits_mode(const char *image, size_t workers, const char *ids_path, 
     }
     lm m;
     lm_open(&m, image, workers);
+    FILE *routes = NULL;
+    if (routes_path) {
+        if (!(routes = fopen(routes_path, "wb"))) {
+            perror(routes_path);
+            return 1;
+        }
+        m.exec.on_route = write_route;
+        m.exec.on_route_user = routes;
+    }
     size_t vocab = m.info.vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)window * vocab);
     FILE *out = fopen(out_path, "wb");
@@ -192,6 +222,10 @@ static int logits_mode(const char *image, size_t workers, const char *ids_path, 
     }
     if (fclose(out) != 0) {
         perror(out_path);
+        return 1;
+    }
+    if (routes && fclose(routes) != 0) {
+        perror(routes_path);
         return 1;
     }
     lm_close(&m);
@@ -551,14 +585,14 @@ int main(int argc, char **argv)
                            parse(argv[5], 0, 1L << 20, "DECODE"), argv[6]);
     if (argc == 4 && strcmp(argv[1], "hot") == 0)
         return hot_mode(argv[2], argv[3]);
-    if (argc == 7 && strcmp(argv[1], "logits") == 0)
+    if ((argc == 7 || argc == 8) && strcmp(argv[1], "logits") == 0)
         return logits_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"), argv[4],
-                           parse(argv[5], 1, 1L << 20, "WINDOW"), argv[6]);
+                           parse(argv[5], 1, 1L << 20, "WINDOW"), argv[6], argc == 8 ? argv[7] : NULL);
     if (argc == 8 && strcmp(argv[1], "speed") == 0)
         return speed_mode(argv[2], (size_t)parse(argv[3], 1, COLIBRI_POOL_MAX_WORKERS, "WORKERS"),
                           parse(argv[4], 1, 1L << 20, "PROMPT"), parse(argv[5], 0, 1L << 20, "DECODE"),
                           parse(argv[6], 1, 1L << 20, "PREFILL"), parse(argv[7], 1, MAX_ROUNDS, "ROUNDS"));
-    fprintf(stderr, "usage: lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32\n"
+    fprintf(stderr, "usage: lm_driver logits IMAGE WORKERS IDS.i32 WINDOW OUT.f32 [ROUTES]\n"
                     "       lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS\n"
                     "       lm_driver decode IMAGE WORKERS IDS DECODE LOCK\n"
                     "       lm_driver hot IMAGE IDS\n");

@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "host_tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 import colibri  # noqa: E402
+import gguf_exact  # noqa: E402  (bench/, beside this file)
 from lm_prefill import attention_flags  # noqa: E402
 
 CORE = ROOT / "firmware" / "colibri_core"
@@ -214,23 +215,63 @@ def colibri_image(name: str, dtype: str) -> Path:
     return path
 
 
-def run_logits(cmd: list[str], ids: np.ndarray, window: int, vocab: int, tag: str) -> np.ndarray:
+def run_logits(cmd: list[str], ids: np.ndarray, window: int, vocab: int, tag: str,
+               routes=None) -> np.ndarray | tuple[np.ndarray, dict[int, np.ndarray]]:
+    """The driver's logits [len(ids), vocab]; with `routes` (a reader of the driver's ROUTES file) also
+    each MoE layer's chosen experts per token, layer -> int [len(ids), k], sorted."""
     ids_file, out_file = OUT / f"{tag}.ids.i32", OUT / f"{tag}.logits.f32"
+    routes_file = OUT / f"{tag}.routes"
     OUT.mkdir(parents=True, exist_ok=True)
     ids.astype(np.int32).tofile(ids_file)
-    r = subprocess.run(cmd[:1] + [a.replace("{IDS}", str(ids_file)).replace("{OUT}", str(out_file)) for a in cmd[1:]],
-                       capture_output=True, text=True)
+    args = [a.replace("{IDS}", str(ids_file)).replace("{OUT}", str(out_file)).replace("{ROUTES}", str(routes_file))
+            for a in cmd[1:]]
+    r = subprocess.run(cmd[:1] + args, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
     logits = np.fromfile(out_file, dtype=np.float32)
     ids_file.unlink()
     out_file.unlink()
-    return logits.reshape(len(ids), -1)[:, :vocab]
+    logits = logits.reshape(len(ids), -1)[:, :vocab]
+    if routes is None:
+        return logits
+    chosen = routes(routes_file.read_bytes())
+    routes_file.unlink()
+    return logits, chosen
 
 
-def colibri_logits(driver: Path, image: Path, ids: np.ndarray, window: int, vocab: int) -> np.ndarray:
-    return run_logits([str(driver), "logits", str(image), "1", "{IDS}", str(window), "{OUT}"], ids, window, vocab,
-                      "colibri")
+def _colibri_routes(raw: bytes) -> dict[int, np.ndarray]:
+    """lm_driver's ROUTES records (int32 layer, experts E, tokens T, then T x E bytes) -> layer ->
+    the chosen experts of each token, calls of one layer concatenated in order."""
+    out: dict[int, list[np.ndarray]] = {}
+    at = 0
+    while at < len(raw):
+        layer, experts, tokens = np.frombuffer(raw, np.int32, 3, at)
+        at += 12
+        mask = np.frombuffer(raw, np.uint8, tokens * experts, at).reshape(tokens, experts).astype(bool)
+        at += tokens * experts
+        k = mask.sum(axis=1)
+        if (k != k[0]).any():
+            raise SystemExit(f"lm_driver routes: layer {layer} sends tokens to {sorted(set(k))} experts")
+        out.setdefault(int(layer), []).append(np.nonzero(mask)[1].reshape(tokens, k[0]))
+    return {layer: np.concatenate(parts) for layer, parts in out.items()}
+
+
+def _llama_routes(raw: bytes) -> dict[int, np.ndarray]:
+    """llama_logits' --routes records (int32 layer, k, tokens T, then T x k expert ids) -> layer -> sorted ids."""
+    out: dict[int, list[np.ndarray]] = {}
+    at = 0
+    while at < len(raw):
+        layer, k, tokens = np.frombuffer(raw, np.int32, 3, at)
+        at += 12
+        out.setdefault(int(layer), []).append(np.sort(np.frombuffer(raw, np.int32, tokens * k, at).reshape(tokens, k),
+                                                      axis=1))
+        at += 4 * tokens * k
+    return {layer: np.concatenate(parts) for layer, parts in out.items()}
+
+
+def colibri_logits(driver: Path, image: Path, ids: np.ndarray, window: int, vocab: int, routes: bool = False):
+    cmd = [str(driver), "logits", str(image), "1", "{IDS}", str(window), "{OUT}"] + (["{ROUTES}"] if routes else [])
+    return run_logits(cmd, ids, window, vocab, "colibri", _colibri_routes if routes else None)
 
 
 def timed(cmd: list[str], cpus: str) -> tuple[str, int]:
@@ -355,8 +396,9 @@ def llama_files(name: str) -> dict[str, Path]:
 
 
 def pure_gguf(name: str, ftype: str) -> Path:
-    """The F32 file quantised with llama-quantize --pure (every matrix in `ftype`, the head and routers
-    too): a file Colibri's GGUF import reads whole (the default Q4_0 head is Q6_K, which it refuses)."""
+    """The F32 file quantised with llama-quantize --pure (every matrix in `ftype`, the embedding and head
+    too; the routers, ffn_gate_inp, stay F32, which llama-quantize never quantises): a file Colibri's GGUF
+    import reads whole (the default Q4_0 head is Q6_K, which it refuses)."""
     if ftype in ("F32", "F16"):
         return gguf(name, ftype)
     path = OUT / "gguf" / f"{name}-{ftype}-pure.gguf"
@@ -380,11 +422,40 @@ def gguf_image(model: Path, dtype: str | None) -> Path:
     return path
 
 
-def gguf_import(names, driver: Path, ldriver: Path) -> list[dict]:
+def route_flips(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> np.ndarray:
+    """bool [tokens, layers]: where two runs' chosen expert sets differ, over b's MoE layers (Colibri also
+    reports a dense layer, which it runs as one expert behind a zero router)."""
+    layers = sorted(b)
+    if not set(layers) <= set(a):
+        raise SystemExit(f"routing of layers {sorted(a)} beside {layers}")
+    return np.stack([(a[i] != b[i]).any(axis=1) for i in layers], axis=1)
+
+
+def route_margin(probs: dict[int, np.ndarray], k: int) -> np.ndarray:
+    """float [tokens, layers]: the exact router's gap between its k-th and (k+1)-th expert's probability,
+    how near the choice was to a tie."""
+    out = []
+    for i in sorted(probs):
+        p = -np.sort(-probs[i], axis=1)
+        out.append(p[:, k - 1] - p[:, k])
+    return np.stack(out, axis=1)
+
+
+def against_exact(got: np.ndarray, exact: np.ndarray) -> dict:
+    err = float(np.abs(got - exact).max())
+    return {"max_abs": err, "rel": rel(err, exact), "argmax_agree": float((got.argmax(1) == exact.argmax(1)).mean())}
+
+
+def gguf_import(names, driver: Path, ldriver: Path, exact: bool = True) -> list[dict]:
     """Colibri's import of each llama.cpp file against llama.cpp on that same file (flash attention off,
     f32 KV cache): max |Δlogit| on CHECK_TOKENS random ids, and that over max |llama.cpp logit|. Colibri at
     f32 holds the file's dequantised weights exactly (llama.cpp still rounds its activations to 8-bit
-    blocks for the Q8_0/Q4_0 products); at the file's own dtype Q4_0 is carried into q4 block for block."""
+    blocks for the Q8_0/Q4_0 products); at the file's own dtype Q8_0 is requantised to q8 and Q4_0 carried
+    into q4 block for block.
+
+    With `exact`, each engine is also set beside the exact answer (bench/gguf_exact.py: a float64 forward
+    over the file's dequantised weights) and beside that forward with llama.cpp's activation rounding
+    emulated, and the experts each one's routing chose (per token and MoE layer) are compared."""
     rows = []
     print(f"\n== GGUF import: Colibri on llama.cpp's own files against llama.cpp, {CHECK_TOKENS} random ids "
           "(max |Δlogit|, and over max |llama.cpp logit|)", flush=True)
@@ -397,22 +468,81 @@ def gguf_import(names, driver: Path, ldriver: Path) -> list[dict]:
             print(f"  {name}: not run: {e}", flush=True)
             continue
         for ftype, model in files.items():
-            want = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab)
+            want, llama_routes = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab, routes=True)
+            if exact:
+                ref = gguf_exact.exact_forward(model, ids)
+                emulated = gguf_exact.exact_forward(model, ids, act_rounding="ggml")
+                on_its_routes = gguf_exact.exact_forward(model, ids, routes=llama_routes)
+                emulated_on_its_routes = gguf_exact.exact_forward(model, ids, act_rounding="ggml",
+                                                                  routes=llama_routes)
+                k = next(iter(ref.chosen.values())).shape[1]
+                margin = route_margin(ref.probs, k)
+                ll_flips = route_flips(llama_routes, ref.chosen)
+                em_flips = route_flips(emulated.chosen, ref.chosen)
+                gates = np.concatenate([g.ravel() for g in ref.gates.values()])
+                llama_vs = {"exact": against_exact(want, ref.logits),
+                            # The exact forward made to route as llama.cpp did: what is left is its arithmetic,
+                            # and the exact forward's own move is what llama.cpp's routing flips cost.
+                            "exact_on_its_routes": against_exact(want, on_its_routes.logits),
+                            "routing_cost": against_exact(on_its_routes.logits, ref.logits),
+                            "emulated_on_its_routes": against_exact(want, emulated_on_its_routes.logits),
+                            "route_flips_vs_exact": float(ll_flips.mean()),
+                            "tokens_flipped_vs_exact": float(ll_flips.any(axis=1).mean()),
+                            "emulated_vs_exact": {**against_exact(emulated.logits, ref.logits),
+                                                  "route_flips": float(em_flips.mean())},
+                            "gate_weight_median": float(np.median(gates)),
+                            "exact_margin_median": float(np.median(margin))}
+                if ll_flips.any():
+                    llama_vs["exact_margin_where_flipped"] = float(np.median(margin[ll_flips]))
+                print(f"  {name:9} {ftype:5}    llama.cpp vs exact: rel {llama_vs['exact']['rel']:.3g}, argmax "
+                      f"{100 * llama_vs['exact']['argmax_agree']:.0f}%, routes differ on "
+                      f"{100 * llama_vs['route_flips_vs_exact']:.1f}% of token-layers "
+                      f"({100 * llama_vs['tokens_flipped_vs_exact']:.0f}% of tokens); on its own routes rel "
+                      f"{llama_vs['exact_on_its_routes']['rel']:.3g} (its rounding emulated: "
+                      f"{llama_vs['emulated_on_its_routes']['rel']:.3g}); its flips alone move the exact "
+                      f"logits by rel {llama_vs['routing_cost']['rel']:.3g}", flush=True)
+                print(f"  {'':9} {'':5}    exact with llama.cpp's activation rounding emulated: rel "
+                      f"{llama_vs['emulated_vs_exact']['rel']:.3g}, routes differ on "
+                      f"{100 * llama_vs['emulated_vs_exact']['route_flips']:.1f}%; chosen experts' gate weight "
+                      f"median {llama_vs['gate_weight_median']:.2g}; router margin (k-th minus next probability) "
+                      f"median {llama_vs['exact_margin_median']:.2g}"
+                      + (f", where llama.cpp flipped {llama_vs['exact_margin_where_flipped']:.2g}"
+                         if ll_flips.any() else ""), flush=True)
             for dtype in ("f32", None):
                 image = gguf_image(model, dtype)
-                got = colibri_logits(driver, image, ids, CHECK_TOKENS, vocab)
+                got, routes = colibri_logits(driver, image, ids, CHECK_TOKENS, vocab, routes=True)
                 err = float(np.abs(got - want).max())
+                flips = route_flips(routes, llama_routes)
                 row = {"model": name, "file": ftype, "colibri_dtype": dtype or "own", "max_abs": err,
-                       "rel": rel(err, want), "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())}
-                rows.append(row)
+                       "rel": rel(err, want), "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean()),
+                       "route_flips_vs_llama": float(flips.mean()),
+                       "tokens_flipped_vs_llama": float(flips.any(axis=1).mean())}
+                # The logit gap on the tokens where every layer routed alike, and on the others.
+                same = ~flips.any(axis=1)
+                row["max_abs_same_routes"] = float(np.abs(got - want)[same].max()) if same.any() else None
                 print(f"  {name:9} {ftype:5} -> colibri {row['colibri_dtype']:4} max|Δlogit| {err:.3g}  rel "
-                      f"{row['rel']:.3g}  argmax agrees {100 * row['argmax_agree']:.0f}%", flush=True)
+                      f"{row['rel']:.3g}  argmax agrees {100 * row['argmax_agree']:.0f}%; routes differ from "
+                      f"llama.cpp's on {100 * row['route_flips_vs_llama']:.1f}% of token-layers "
+                      f"({100 * row['tokens_flipped_vs_llama']:.0f}% of tokens)", flush=True)
+                if exact:
+                    c_flips = route_flips(routes, ref.chosen)
+                    row["colibri_vs_exact"] = {**against_exact(got, ref.logits),
+                                               "route_flips_vs_exact": float(c_flips.mean()),
+                                               "tokens_flipped_vs_exact": float(c_flips.any(axis=1).mean())}
+                    row["llama_vs_exact"] = llama_vs
+                    cx = row["colibri_vs_exact"]
+                    print(f"  {'':9} {'':5}    colibri {row['colibri_dtype']:4} vs exact: rel {cx['rel']:.3g}, argmax "
+                          f"{100 * cx['argmax_agree']:.0f}%, routes differ on {100 * cx['route_flips_vs_exact']:.1f}%",
+                          flush=True)
+                rows.append(row)
     return rows
 
 
-def llama_logits(driver: Path, model: Path, ids: np.ndarray, window: int, vocab: int, defaults: bool = False):
-    cmd = [str(driver), str(model), "1", "{IDS}", str(window), "{OUT}"] + (["--defaults"] if defaults else [])
-    return run_logits(cmd, ids, window, vocab, "llama")
+def llama_logits(driver: Path, model: Path, ids: np.ndarray, window: int, vocab: int, defaults: bool = False,
+                 routes: bool = False):
+    cmd = [str(driver), str(model), "1", "{IDS}", str(window), "{OUT}"] + (["--defaults"] if defaults else []) + \
+        (["--routes", "{ROUTES}"] if routes else [])
+    return run_logits(cmd, ids, window, vocab, "llama", _llama_routes if routes else None)
 
 
 def llama_speed(model: Path, threads: int, shape: Shape) -> dict:
@@ -612,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--gguf-import", action="store_true",
                     help="only Colibri's import of llama.cpp's F32/F16/Q8_0/Q4_0 files against llama.cpp on them")
+    ap.add_argument("--no-exact", action="store_true",
+                    help="with --gguf-import: skip the float64 forward (bench/gguf_exact.py) each engine is set beside")
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "bench-lm",
                     help="where results.json and bench_lm.png go")
@@ -641,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gguf_import:
         if not with_llama:
             raise SystemExit("--gguf-import compares with llama.cpp: drop --colibri-only")
-        out["gguf_import"] = gguf_import(names, driver, ldriver)
+        out["gguf_import"] = gguf_import(names, driver, ldriver, exact=not args.no_exact)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gguf_import.json").write_text(json.dumps(out, indent=1))
         print(f"\nwrote {args.out / 'gguf_import.json'}")

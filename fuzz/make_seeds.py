@@ -14,7 +14,8 @@ pointers of 1 or 2 bytes, and a companion whose parameters fall back to f32)
 and version 1 (f32 scales, 4-byte row pointers); version 3 (one CRC per
 tensor payload) page-aligned and not; version 6, token models with a byte-level
 BPE and a SentencePiece tokenizer section. The runner
-fuzzer also loads one of them (runner-model.clb) into its emulated flash.
+fuzzer also loads two of them (runner-model.clb, runner-lm.clb: the byte-level BPE token model) into
+its emulated flash.
 """
 from __future__ import annotations
 
@@ -210,9 +211,12 @@ def main(out: Path, only: str = "") -> None:
             data = _token_model_with_tokenizer(kind)
             (out / f"{name}.clb").write_bytes(data)
             print(f"{name}.clb: {len(data)} bytes")
-    # The runner fuzzer boots this one from its emulated flash slot.
+    # The runner fuzzer boots these from its emulated flash slots: a feature model, and a token model
+    # with a tokenizer (for GENERATE_TEXT).
     if (out / "top1-f32.clb").exists():
         (out / "runner-model.clb").write_bytes((out / "top1-f32.clb").read_bytes())
+    if (out / "tokenizer-bpe-v6.clb").exists():
+        (out / "runner-lm.clb").write_bytes((out / "tokenizer-bpe-v6.clb").read_bytes())
 
 
 if __name__ == "__main__":

@@ -8,14 +8,21 @@
  * The input is a script the harness turns into bytes on the runner's UART:
  * raw bytes (to fuzz COBS and framing), well-formed packets of any type and
  * payload (correct CRC, or deliberately wrong), whole model uploads through
- * LOAD_* or UPDATE_* of the seed model with a few mutated bytes (image CRC
- * fixed up, so the engine's validator sees them), and FORWARD requests. Its
- * first byte says whether flash slot A (and B) hold the seed model at boot.
+ * LOAD_* or UPDATE_* of a seed model with a few mutated bytes (image CRC
+ * fixed up, so the engine's validator sees them), FORWARD requests, and
+ * GENERATE_TEXT requests (protocol v5) with a well-formed header and a text
+ * or id prompt, valid or broken as the script says. Two seed models: a
+ * feature model, and a token model with a byte-level BPE tokenizer section
+ * (what GENERATE_TEXT needs). Its first byte says whether flash slot A (and
+ * B) hold a seed model at boot, and which.
  *
  * Properties beyond "no crash": every response decodes (COBS, length, CRC).
+ * At exit it prints how many GENERATE_TEXT requests it sent and how many the
+ * runner answered with ids and text (fuzz/Makefile requires some).
  */
 #include <setjmp.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,14 +32,30 @@
 #include "runner.c"
 #undef main
 
-/* The seed model (fuzz/make_seeds.py: runner-model.clb), linked in. */
+/* The seed models (fuzz/make_seeds.py: runner-model.clb, runner-lm.clb), linked in. */
 __asm__(".pushsection .rodata\n"
         ".balign 8\n"
         "fuzz_model:\n"
         ".incbin \"" FUZZ_RUNNER_MODEL "\"\n"
         "fuzz_model_end:\n"
+        ".balign 8\n"
+        "fuzz_lm:\n"
+        ".incbin \"" FUZZ_RUNNER_LM "\"\n"
+        "fuzz_lm_end:\n"
         ".popsection\n");
-extern const uint8_t fuzz_model[], fuzz_model_end[];
+extern const uint8_t fuzz_model[], fuzz_model_end[], fuzz_lm[], fuzz_lm_end[];
+
+typedef struct {
+    const uint8_t *data;
+    uint32_t size;
+} seed_model;
+
+/* The feature model, or (lm) the token model with its tokenizer. */
+static seed_model seed_of(int lm)
+{
+    seed_model m = {lm ? fuzz_lm : fuzz_model, (uint32_t)(lm ? fuzz_lm_end - fuzz_lm : fuzz_model_end - fuzz_model)};
+    return m;
+}
 
 /* ---- The UART byte stream built from one input ---- */
 
@@ -103,18 +126,21 @@ static const uint8_t *take(script *s, size_t *n)
 }
 
 static const uint8_t request_types[] = {
-    PROTO_HELLO, PROTO_LOAD_BEGIN, PROTO_LOAD_CHUNK, PROTO_LOAD_END, PROTO_INFO, PROTO_KERNELS, PROTO_FORWARD,
-    PROTO_STATS, PROTO_RESET, PROTO_SLOT_INFO, PROTO_UPDATE_BEGIN, PROTO_UPDATE_CHUNK, PROTO_UPDATE_COMMIT,
+    PROTO_HELLO,     PROTO_LOAD_BEGIN,  PROTO_LOAD_CHUNK,     PROTO_LOAD_END,      PROTO_INFO,
+    PROTO_KERNELS,   PROTO_FORWARD,     PROTO_STATS,          PROTO_RESET,         PROTO_SLOT_INFO,
+    PROTO_UPDATE_BEGIN, PROTO_UPDATE_CHUNK, PROTO_UPDATE_COMMIT, PROTO_LM_RESET,   PROTO_FORWARD_TOKENS,
+    PROTO_GENERATE,  PROTO_GENERATE_TEXT,
 };
 
 static uint8_t model_copy[RUNNER_MODEL_CAPACITY];
 
-/* Uploads the seed model, a few bytes mutated and its header CRC made right,
+/* Uploads a seed model, a few bytes mutated and its header CRC made right,
  * through LOAD_* (RAM) or UPDATE_* (the other flash slot). */
-static void emit_upload(script *s, int update)
+static void emit_upload(script *s, int update, int lm)
 {
-    const uint32_t size = (uint32_t)(fuzz_model_end - fuzz_model);
-    memcpy(model_copy, fuzz_model, size);
+    const seed_model m = seed_of(lm);
+    const uint32_t size = m.size;
+    memcpy(model_copy, m.data, size);
     for (unsigned k = take8(s) % 8u; k > 0; k--) {
         const uint32_t at = take16(s) % size;
         model_copy[at] ^= take8(s);
@@ -153,21 +179,99 @@ static void emit_forward(script *s)
     emit_packet(PROTO_FORWARD, take16(s), p, len, 0, 0);
 }
 
-/* Puts the seed model in flash slot `slot` with this sequence, as UPDATE would. */
-static void flash_seed(unsigned slot, uint32_t sequence)
+/* Pieces of well-formed prompt text for the token model's byte-level BPE:
+ * its merges (t h, th e, " " the), two- and four-byte characters, its special
+ * token, and bytes no merge joins. */
+static const char *const text_pieces[] = {
+    "t", "h", "e", "th", "the", " the", "\xC3\xA9", "\xF0\x9F\x8E\x89", "<|endoftext|>", " ", "x", "\n",
+};
+
+static unsigned long generate_text_sent;
+
+/* A GENERATE_TEXT request: the sampler (greedy or sampled, or fields out of
+ * range), flags (text or ids, stop at EOS, an unknown bit), and a prompt of
+ * text pieces (one byte flipped, or raw script bytes) or of ids (in the
+ * vocabulary and its padding, or any 32-bit value); its n_prompt right, or
+ * one off. */
+static void emit_generate_text(script *s)
 {
-    const uint32_t size = (uint32_t)(fuzz_model_end - fuzz_model);
+    static const float temperatures[] = {0.0f, 0.7f, 1.0f, 2.5f};
+    static const float top_ps[] = {1.0f, 0.9f, 0.5f, 0.05f};
+    const uint8_t how = take8(s);
+    uint8_t p[PROTO_MAX_PAYLOAD];
+    const uint8_t pick = take8(s);
+    put_u32(p, how & 0x80u ? take16(s) : take8(s) % 8u);
+    float t = temperatures[pick & 3u], top_p = top_ps[pick >> 2 & 3u];
+    uint32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    put_u32(p + 4, how & 0x08u ? (uint32_t)take16(s) << 16 : bits); /* any f32 exponent: NaN, Inf, < 0 */
+    put_u32(p + 8, pick >> 4);
+    memcpy(&bits, &top_p, sizeof bits);
+    put_u32(p + 12, how & 0x08u ? (uint32_t)take16(s) << 16 : bits);
+    put_u32(p + 16, take16(s));
+    put_u32(p + 20, 0u);
+    const int text = how & PROTO_GENERATE_TEXT_PROMPT_TEXT;
+    put_u32(p + 24, (how & (PROTO_GENERATE_TEXT_PROMPT_TEXT | PROTO_GENERATE_TEXT_STOP_AT_EOS)) |
+                        (how & 0x10u ? 4u : 0u));
+    uint32_t n = 0;
+    uint8_t *prompt = p + PROTO_GENERATE_TEXT_REQUEST_HEADER;
+    const uint32_t room = PROTO_MAX_PAYLOAD - PROTO_GENERATE_TEXT_REQUEST_HEADER;
+    if (text && (how & 0x40u)) { /* raw bytes: any UTF-8, or none */
+        size_t k = take8(s) % 48u;
+        memcpy(prompt, take(s, &k), k);
+        n = (uint32_t)k;
+    } else if (text) {
+        for (unsigned k = take8(s) % 6u; k > 0; k--) {
+            const char *piece = text_pieces[take8(s) % (sizeof text_pieces / sizeof text_pieces[0])];
+            const size_t len = strlen(piece);
+            if (n + len > room)
+                break;
+            memcpy(prompt + n, piece, len);
+            n += (uint32_t)len;
+        }
+        if ((how & 0x20u) && n > 0u)
+            prompt[take8(s) % n] ^= take8(s);
+    } else {
+        for (unsigned k = take8(s) % 6u; k > 0; k--, n++) {
+            const uint32_t id = how & 0x40u ? (uint32_t)take16(s) << 16 | take16(s) : take16(s) % 300u;
+            put_u32(prompt + 4u * n, id);
+        }
+    }
+    put_u32(p + 28, how & 0x20u && !text ? n ^ 1u : n);
+    emit_packet(PROTO_GENERATE_TEXT, take16(s), p, PROTO_GENERATE_TEXT_REQUEST_HEADER + n * (text ? 1u : 4u), 0, 0);
+    generate_text_sent++;
+}
+
+static void report(void)
+{
+    fprintf(stderr, "runner_fuzz: GENERATE_TEXT: %lu requests sent, %lu answered with ids and text\n",
+            generate_text_sent, fuzz_board_responses_of(PROTO_GENERATE_TEXT | PROTO_RESPONSE));
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    atexit(report);
+    return 0;
+}
+
+/* Puts a seed model in flash slot `slot` with this sequence, as UPDATE would. */
+static void flash_seed(unsigned slot, uint32_t sequence, int lm)
+{
+    const seed_model m = seed_of(lm);
+    const uint32_t size = m.size;
     uintptr_t failed = 0;
     if (slot_erase_for(slot, size, &failed) != BOARD_FLASH_OK)
         abort();
     for (uint32_t off = 0; off < size; off += SLOT_HEADER_SIZE) {
         uint8_t word[SLOT_HEADER_SIZE];
         memset(word, 0xFF, sizeof word);
-        memcpy(word, fuzz_model + off, size - off < sizeof word ? size - off : sizeof word);
+        memcpy(word, m.data + off, size - off < sizeof word ? size - off : sizeof word);
         if (board_flash_program((uintptr_t)slot_image(slot) + off, word) != BOARD_FLASH_OK)
             abort();
     }
-    if (slot_write_header(slot, sequence, size, crc32_update(0u, fuzz_model, size)) != BOARD_FLASH_OK)
+    if (slot_write_header(slot, sequence, size, crc32_update(0u, m.data, size)) != BOARD_FLASH_OK)
         abort();
 }
 
@@ -198,10 +302,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 3:
         case 4:
             if (uploads++ < 3) /* more only repeat what the first ones did */
-                emit_upload(&s, op % 6u == 4);
+                emit_upload(&s, op % 6u == 4, (op & 0x20) != 0);
             break;
-        default:
-            emit_forward(&s);
+        default: /* a request the seed models answer: FORWARD (feature), GENERATE_TEXT (token) */
+            if (op & 0x20)
+                emit_generate_text(&s);
+            else
+                emit_forward(&s);
             break;
         }
     }
@@ -210,10 +317,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_board_begin(stream, stream_len);
     memset(&state, 0, sizeof state);
     state.running = PROTO_RUNNING_NONE;
-    if (boot & 1u)
-        flash_seed(0, 1u + (boot >> 2));
+    if (boot & 1u) /* bit 7: the token model in A (and bit 6 in B) */
+        flash_seed(0, 1u + (boot >> 2), (boot & 0x80u) != 0);
     if (boot & 2u)
-        flash_seed(1, 1u + (boot >> 4));
+        flash_seed(1, 1u + (boot >> 4), (boot & 0x40u) != 0);
     if (setjmp(fuzz_board_done) == 0)
         runner_main();
     if (!fuzz_board_responses_ok())

@@ -26,6 +26,7 @@ static size_t uart_left;
 static uint8_t frame[COBS_MAX_ENCODED(PROTO_OVERHEAD + PROTO_MAX_PAYLOAD) + 16];
 static uint8_t packet[sizeof frame];
 static size_t frame_len;
+static unsigned long responses_of[256];
 static int responses_ok;
 
 static uint8_t flash[2][FUZZ_SLOT_SIZE] __attribute__((aligned(FUZZ_SECTOR_SIZE)));
@@ -43,6 +44,11 @@ void fuzz_board_begin(const uint8_t *in, size_t n)
 int fuzz_board_responses_ok(void)
 {
     return responses_ok;
+}
+
+unsigned long fuzz_board_responses_of(uint8_t type)
+{
+    return responses_of[type];
 }
 
 void board_init(void)
@@ -69,6 +75,8 @@ static void check_frame(void)
         n - PROTO_OVERHEAD > PROTO_MAX_PAYLOAD ||
         crc32_update(0u, packet, n - PROTO_CRC_SIZE) != le32(packet + n - PROTO_CRC_SIZE))
         responses_ok = 0;
+    else
+        responses_of[packet[0]]++;
 }
 
 void board_uart_write(const uint8_t *data, size_t n)

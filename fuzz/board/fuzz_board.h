@@ -26,4 +26,8 @@ void fuzz_board_begin(const uint8_t *uart_in, size_t n);
  * length field, CRC); 0 after the first malformed one. */
 int fuzz_board_responses_ok(void);
 
+/* Well-formed responses of this packet type (a request type | PROTO_RESPONSE,
+ * or PROTO_STATUS) since the process started: what the harness reached. */
+unsigned long fuzz_board_responses_of(uint8_t type);
+
 #endif /* FUZZ_BOARD_H */

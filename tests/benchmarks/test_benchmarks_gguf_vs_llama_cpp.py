@@ -1,6 +1,6 @@
 """`make bench-lm-gguf` (bench/lm_vs_llama_cpp.py --gguf-import): Colibri's GGUF import on llama.cpp's
 own files (its converter's F32/F16, llama-quantize --pure Q8_0/Q4_0 of the bench's tiny random Mixtral)
-against llama.cpp on the same file. Runs where llama.cpp is built (make bench-lm-setup); the figures
+against llama.cpp on the same file, and both against the exact answer. Runs where llama.cpp is built (make bench-lm-setup); the figures
 for the bench's larger models are printed by the make target, never asserted here."""
 from __future__ import annotations
 
@@ -32,4 +32,13 @@ def test_colibri_on_llama_cpp_files_computes_what_llama_cpp_does(tmp_path):
         for dtype in ("f32", "own"):
             row = rows[ftype, dtype]
             assert row["rel"] < 0.03 and row["argmax_agree"] >= 0.9, row
+    # Beside the exact answer (bench/gguf_exact.py, float64 over the file's dequantised weights): Colibri's
+    # f32 import is it to f32 arithmetic on every file, routing alike; llama.cpp made to route as it did
+    # is no further from it than llama.cpp itself.
+    for (ftype, dtype), row in rows.items():
+        llama = row["llama_vs_exact"]
+        assert llama["exact_on_its_routes"]["rel"] <= llama["exact"]["rel"] + 1e-9, row
+        if dtype == "f32":
+            assert row["colibri_vs_exact"]["rel"] < 1e-5 and row["colibri_vs_exact"]["route_flips_vs_exact"] == 0, row
+    assert rows["F32", "f32"]["llama_vs_exact"]["exact"]["rel"] < 1e-5
     assert json.loads((tmp_path / "gguf_import.json").read_text())["gguf_import"] == out["gguf_import"]

@@ -9,6 +9,7 @@ library. What Colibri does not carry is refused by name and nothing is written."
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import gguf
@@ -28,15 +29,37 @@ from helpers import tokenizers_trained as trained
 from helpers.gguf_files import write_gguf
 from helpers.hf_lm_models import ARCHS, randomised
 
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+# Llama 3's split, as its tokenizer.json (and transformers' GGUF conversion of `llama-bpe`) writes it.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# A word the merges alone split (q+z first, then nothing joins x and qz) but which is a token of its own:
+# Llama 3's ignore_merges takes it whole.
+WHOLE_WORD = "xqz"
+
+
+def llama3_bpe(folder: Path) -> Path:
+    """A byte-level BPE with Llama 3's split and ignore_merges, and WHOLE_WORD a token that only
+    ignore_merges reaches (its merges q z, x q, xq z in that order)."""
+    path = trained.byte_bpe(folder, added=False, regex_split=LLAMA3_SPLIT, ignore_merges=True)
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    for token in ("qz", "xq", WHOLE_WORD):
+        vocab[token] = len(vocab)
+    spec["model"]["merges"] += [["q", "z"], ["x", "q"], ["xq", "z"]]
+    path.write_text(json.dumps(spec))
+    return path
+
+
 # name: (architecture, tokenizer writer, its vocabulary, tokenizer.ggml.pre)
 CASES = {
     "mixtral-sentencepiece": ("mixtral", lambda d: trained.sentencepiece_model(d), 600, None),
     "qwen2-byte-bpe": ("qwen2_moe", lambda d: trained.byte_bpe(d, regex_split=QWEN2_SPLIT), 401, "qwen2"),
     "olmoe-byte-bpe": ("olmoe", lambda d: trained.byte_bpe(d), 408, "olmo"),  # 7 rows padded: [PADn] in the GGUF
+    "mixtral-llama3-bpe": ("mixtral", llama3_bpe, 403, "llama-bpe"),  # a Llama 3 style MoE: `llama` with gpt2
 }
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
-TEXTS = [*trained.CORPUS, "a colibri bird <|endoftext|> sings", ""]
+TEXTS = [*trained.CORPUS, "a colibri bird <|endoftext|> sings", f"{WHOLE_WORD} {WHOLE_WORD}s", ""]
 
 
 def with_vocab(arch: str, vocab: int, seed: int):
@@ -90,12 +113,31 @@ def test_gguf_image_carries_the_folders_tokenizer(sources, tmp_path, name):
 def test_both_kinds_are_read(sources):
     kinds = {name: gguf_tokenizer.section_from_gguf(sources[name][1]).kind for name in CASES}
     assert kinds == {"mixtral-sentencepiece": F.TokenizerKind.SENTENCEPIECE_BPE,
-                     "qwen2-byte-bpe": F.TokenizerKind.BYTE_BPE, "olmoe-byte-bpe": F.TokenizerKind.BYTE_BPE}
+                     "qwen2-byte-bpe": F.TokenizerKind.BYTE_BPE, "olmoe-byte-bpe": F.TokenizerKind.BYTE_BPE,
+                     "mixtral-llama3-bpe": F.TokenizerKind.BYTE_BPE}
     section = gguf_tokenizer.section_from_gguf(sources["qwen2-byte-bpe"][1])
     assert section.pre_tokenizer == F.PreTokenizer.SPLIT_BYTE_LEVEL and section.pattern == QWEN2_SPLIT
     assert section.eos == section.bos == 0 and section.tokens[0] == b"<|endoftext|>"
     added = section.tokens.index(b"colibri bird")  # a user-defined token with a space, whole at its id
     assert section.types[added] == F.TokenType.USER_DEFINED
+
+
+def test_llama3_bpe_takes_a_whole_word_token_as_llama_cpp_does(sources):
+    """`llama-bpe`: Llama 3's split (the C encoder's LLAMA3_PATTERN) and ignore_merges, which llama.cpp
+    sets for this name and transformers' conversion leaves out: without it WHOLE_WORD would be two
+    tokens, as the folder's tokenizer without the flag shows."""
+    folder, file = sources["mixtral-llama3-bpe"]
+    section = gguf_tokenizer.section_from_gguf(file)
+    assert section.pre_tokenizer == F.PreTokenizer.SPLIT_BYTE_LEVEL and section.pattern == F.LLAMA3_PATTERN
+    assert section.flags & F.TokenizerFlag.IGNORE_MERGES
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    whole = spec["model"]["vocab"][WHOLE_WORD]
+    spec["model"]["ignore_merges"] = False
+    assert len(Tokenizer.from_str(json.dumps(spec)).encode(WHOLE_WORD).ids) == 2
+    out = file.with_suffix(".clb")
+    gguf_file.export_gguf(file, out, max_seq_len=16, dtype="f32")
+    lm = colibri.LM(out)
+    assert lm.encode(WHOLE_WORD) == lm.encode_device(WHOLE_WORD) == [whole]
 
 
 def test_a_unigram_model_is_carried_as_llama_cpp_runs_it(tmp_path):

@@ -23,9 +23,11 @@ it was converted from give the same section where the two agree:
   `tokenizers` fast tokenizer, whose JSON `tokenizer_build.from_tokenizer_json` reads. A GGUF names
   its pre-tokenizer (`tokenizer.ggml.pre`) instead of holding its regular expression; only the
   names in `PRE_TOKENIZERS`, whose expression llama.cpp and that conversion agree on, are taken.
-  Two things are completed in the converted JSON: the tokens the file marks control or
-  user-defined that the conversion leaves out of its added tokens (a user-defined token with a
-  space, say) are added at their ids, as llama.cpp matches them whole; and with no normaliser,
+  Three things are completed in the converted JSON: Llama 3's `llama-bpe` gets `ignore_merges`,
+  which llama.cpp sets for it (and Llama 3's tokenizer.json holds) and the conversion leaves
+  out; the tokens the file marks control or user-defined that the conversion leaves out of its
+  added tokens (a user-defined token with a space, say) are added at their ids, as llama.cpp
+  matches them whole; and with no normaliser,
   where `normalized` changes nothing, each added token's flag is the builder's convention
   (special ones unnormalised, the others normalised).
 
@@ -46,8 +48,12 @@ from ..model.errors import ExportError
 from .gguf_reader import GGUFTokenizer, _gguf, tokenizer_metadata
 
 # tokenizer.ggml.pre names carried for byte-level BPE, and what llama.cpp splits the text with:
-# GPT-2's regular expression (the ByteLevel pre-tokenizer's own) or Qwen2's (Split then ByteLevel).
-PRE_TOKENIZERS = {"gpt-2": "GPT-2", "olmo": "GPT-2", "qwen2": "Qwen2"}
+# GPT-2's regular expression (the ByteLevel pre-tokenizer's own), Qwen2's or Llama 3's (Split then
+# ByteLevel; the conversion writes the same expressions as format.SPLIT_PATTERNS).
+PRE_TOKENIZERS = {"gpt-2": "GPT-2", "olmo": "GPT-2", "qwen2": "Qwen2", "llama-bpe": "Llama 3"}
+# Names llama.cpp tokenizes with ignore_merges (a pre-tokenized word that is a token is taken whole,
+# as Llama 3's tokenizer.json says), which transformers' conversion does not set.
+IGNORE_MERGES = ("llama-bpe",)
 # What llama.cpp takes a `llama` file without the key to mean (llama-vocab.cpp's defaults); it
 # never removes extra whitespace from a SentencePiece BPE text, whatever the file says.
 SENTENCEPIECE_ADD_SPACE_PREFIX = True
@@ -203,6 +209,8 @@ def _byte_level_bpe(path: Path, tok: GGUFTokenizer) -> TokenizerSection:
     except Exception as exc:  # tokenizers raises its own Exception subclass on a vocabulary it cannot build
         raise _refuse(path, f"transformers cannot build its gpt2 tokenizer ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]})") from None
+    if tok.pre in IGNORE_MERGES:
+        spec["model"]["ignore_merges"] = True
     added = {a["id"]: a for a in spec.get("added_tokens") or []}
     vocab = spec["model"]["vocab"]
     by_id = {i: text for text, i in vocab.items()}
