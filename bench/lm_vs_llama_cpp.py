@@ -562,6 +562,12 @@ def rel(err: float, ref: np.ndarray) -> float:
     return err / float(np.abs(ref).max())
 
 
+def rms_rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """RMS of the logit error over the RMS logit: every position and token counts, where the max is
+    one near-tied routing decision (docs/benchmarks.md)."""
+    return float(np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+
+
 def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path | None) -> list[dict]:
     rows = []
     print(f"\n== logits on {CHECK_TOKENS} random token ids against Hugging Face f32 "
@@ -575,6 +581,7 @@ def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path |
             got = colibri_logits(driver, colibri_image(name, dtype), ids, CHECK_TOKENS, vocab)
             err = float(np.abs(got - want).max())
             rows.append({"model": name, "engine": "colibri", "dtype": dtype, "max_abs": err, "rel": rel(err, want),
+                         "rms_rel": rms_rel(got, want),
                          "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
         if with_llama:
             for ftype, model in llama_files(name).items():
@@ -582,12 +589,12 @@ def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path |
                     got = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab, defaults)
                     err = float(np.abs(got - want).max())
                     rows.append({"model": name, "engine": "llama.cpp" + (" (fa auto, f16 KV)" if defaults else ""),
-                                 "dtype": ftype, "max_abs": err, "rel": rel(err, want),
+                                 "dtype": ftype, "max_abs": err, "rel": rel(err, want), "rms_rel": rms_rel(got, want),
                                  "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
         for r in rows:
             if r["model"] == name:
                 print(f"  {name:9} {r['engine']:26} {r['dtype']:5} max|err| {r['max_abs']:.3g}  rel {r['rel']:.3g}  "
-                      f"argmax agrees {100 * r['argmax_agree']:.0f}%", flush=True)
+                      f"rms {r['rms_rel']:.3g}  argmax agrees {100 * r['argmax_agree']:.0f}%", flush=True)
     return rows
 
 

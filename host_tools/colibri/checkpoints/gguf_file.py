@@ -473,6 +473,9 @@ class GGUFWeight(hf_folder.PlannedWeight):
     checkpoint: GGUFCheckpoint | None = None
     entry: _Entry | None = None
 
+    def source_is_q4(self) -> bool:
+        return self.checkpoint.type_name(self.entry) == "Q4_0"
+
     def quantised(self):
         ck, e = self.checkpoint, self.entry
         source = ck.type_name(e)

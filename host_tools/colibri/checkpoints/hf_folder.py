@@ -262,6 +262,10 @@ class PlannedWeight:
         """The weight's tensor dtype in the image (what `image.writer.has_int4` asks)."""
         return {"f32": DType.F32, "f16": DType.F16, "q8": DType.I8, "q4": DType.I4}[self.kind]
 
+    def source_is_q4(self) -> bool:
+        """Whether the source holds this matrix in int4 already (a GGUF's Q4_0; never a folder's)."""
+        return False
+
     def quantised(self):
         return self.quantise(self.load())
 
@@ -577,7 +581,7 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         done.add(id(w))
         w.name, w.graph_where, w.compensation, w.group = name, _where(graph, name), compensation, group
         want = "f32" if name_matches(name, keep) or name_matches(name, Q.ROUTER_PATTERNS) else dtype
-        if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, Q.ROUTER_PATTERNS)):
+        if want == "q4" and Q.q4_stored_as_q8(name, owner, attr, id(w) in tables, q8, w.source_is_q4()):
             want = "q8"
         if dtypes is not None and name in dtypes:
             want = dtypes[name]

@@ -134,7 +134,8 @@ def quant_options(fn=None, *, dtype_required: bool = False):
     from ..quant.quantize import DEFAULT_COMPENSATION, DTYPES, Q4_DEFAULT_GROUP
 
     kinds = ("f16, q8 (int8 per output channel + sparse f16 compensation), or q4 (int4 in groups of --group "
-             "columns with f16 scales + the same compensation; routers stay f32, embedding tables q8)")
+             "columns with f16 scales + the same compensation; routers stay f32; embedding tables and "
+             "attention k/v q8)")
     dtype = (click.option("--dtype", type=click.Choice(DTYPES),
                           help=f"Weight storage: {kinds}; required unless --target chooses per weight.")
              if dtype_required else

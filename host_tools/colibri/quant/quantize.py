@@ -61,6 +61,21 @@ def _f16_bias(b: np.ndarray) -> np.ndarray:
 CLIP_STEPS = 41
 CLIP_LOWEST = 0.5
 ROUTER_PATTERNS = ("*.router", "*.shared_gate")
+# The attention projections a q4 model stores as q8: k and v. Their rounding reaches every later
+# position through the cache, and they are the small ones (n_kv_heads · head_dim rows): on the bench's
+# random Mixtral, Qwen2-MoE and OLMoE (docs/quantization.md) q8 k/v cut the q4 logit error by a fifth to
+# a third for 0.5-2.5% more bytes. llama.cpp's Q4_0 raises them to Q8_0 for 8-expert models.
+Q4_KV_AS_Q8 = ("k_w", "v_w")
+
+
+def q4_stored_as_q8(name: str, owner: object, attr: str, is_table: bool, q8: Sequence[str],
+                    int4_source: bool = False) -> bool:
+    """Whether weight `name` (`attr` of `owner`) of a q4 model is stored as q8 instead: embedding tables
+    and routers (the format has no int4 form of them), what the `q8` patterns name, and the attention's
+    k and v projections (Q4_KV_AS_Q8) unless they come as int4 already (`int4_source`: a GGUF's Q4_0,
+    carried as it is)."""
+    return (is_table or name_matches(name, q8) or name_matches(name, ROUTER_PATTERNS)
+            or (isinstance(owner, Attention) and attr in Q4_KV_AS_Q8 and not int4_source))
 
 
 def _clip_scales(w: np.ndarray, top: np.ndarray, importance: np.ndarray | None, skip: np.ndarray | None) -> np.ndarray:
@@ -420,9 +435,9 @@ def quantize(
     """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8, q4).
 
     q4 (format v5, `quantize_q4`): int4 in groups of `group` columns with f16 scales and the same
-    sparse E as q8, each bias in the companion where f16 holds it. Routers and shared gates stay f32
-    and embedding tables (with a tied head) become q8: the format has no int4 form of them
-    (docs/model-format.md). `q8` patterns name further weights to store as q8 instead of q4.
+    sparse E as q8, each bias in the companion where f16 holds it. Routers and shared gates stay f32;
+    embedding tables (with a tied head) and the attention's k and v projections become q8
+    (`q4_stored_as_q8`). `q8` patterns name further weights to store as q8 instead of q4.
 
     q8 with `compact` (format v2, the default): each int8 matrix's bias moves into its
     Q8_PARAMS companion, and scales and bias are f16 where the error budget allows
@@ -490,9 +505,7 @@ def quantize(
                 setattr(owner, attr, done[id(w)])
                 continue
             want = dtype_of(name)
-            if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, ROUTER_PATTERNS)):
-                # The format has no int4 embedding table or router (docs/model-format.md); q8 patterns
-                # choose int8 for chosen weights inside a q4 model.
+            if want == "q4" and q4_stored_as_q8(name, owner, attr, id(w) in tables, q8):
                 want = "q8"
             if want == "f32":
                 done[id(w)] = w  # kept in f32: a tied head stays f32 with it
