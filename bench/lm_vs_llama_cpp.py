@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "host_tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 import colibri  # noqa: E402
 import gguf_exact  # noqa: E402  (bench/, beside this file)
-from lm_prefill import attention_flags  # noqa: E402
+import image_cache  # noqa: E402
 
 CORE = ROOT / "firmware" / "colibri_core"
 OUT = ROOT / "build" / "bench-lm"
@@ -201,15 +201,16 @@ def colibri_driver() -> Path:
 def colibri_image(name: str, dtype: str) -> Path:
     """The model exported by colibri.export at `dtype` (max_batch 64, 256 positions), cached."""
     path = OUT / "colibri" / f"{name}-{dtype}.clb"
-    blocks = "int8_blocks" in COLIBRI_DTYPES[dtype][0]
-    if path.exists() and not (blocks and attention_flags(path) == {0}):  # exported before attention blocks
+    settings = {"max_seq_len": MAX_SEQ_LEN, "max_batch": FULL.prefill, **COLIBRI_DTYPES[dtype][0]}
+    if image_cache.is_fresh(path, settings):
         return path
     import torch
 
     torch.set_num_threads(1)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    colibri.export(load_hf(name), path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, **COLIBRI_DTYPES[dtype][0])
+    colibri.export(load_hf(name), path, **settings)
+    image_cache.mark_fresh(path, settings)
     print(f"  exported {shown(path)} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t:.0f} s)",
           flush=True)
     return path
