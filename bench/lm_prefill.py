@@ -40,9 +40,9 @@ MAX_SEQ_LEN = 256
 FORMS = {
     "f32": ("f32", {}),
     "f16": ("f16", {}),
-    "q8": ("q8", {}),
+    "q8": ("q8", {"int8_blocks": []}),
     "q8-blocks": ("q8", {"int8_blocks": ["layers.*"]}),
-    "q4": ("q4", {}),
+    "q4": ("q4", {"int8_blocks": []}),
     "q4-blocks": ("q4", {"int8_blocks": ["layers.*"]}),
     "q8-blocks-ffn": ("q8", "ffn"),
     "q4-blocks-ffn": ("q4", "ffn"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from rich.progress import track
@@ -531,10 +531,35 @@ def quantize(
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
-    for name, target, rows, blocks in act_forms(out, int8_act, int8_blocks):
-        if not all(isinstance(w, QuantWeight) for w in act_weights(target)):
+    set_act_forms(out, int8_act, int8_blocks, stored_int8)
+    return out
+
+
+def stored_int8(w: object) -> bool:
+    """Whether a quantised graph's weight is int8 or int4."""
+    return isinstance(w, QuantWeight)
+
+
+def set_act_forms(graph: Graph, int8_act: Sequence[str], int8_blocks: Sequence[str],
+                  is_int8: Callable[[object], bool]) -> None:
+    """Flags the layers, experts and attention blocks the patterns choose with their activation form;
+    `is_int8(w)`: whether weight `w` will be stored int8 or int4, which both forms need."""
+    for name, target, rows, blocks in act_forms(graph, int8_act, int8_blocks):
+        if not all(is_int8(w) for w in act_weights(target)):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
         if not isinstance(target, Attention):  # it has the block form only
             target.int8_act = rows
         target.int8_blocks = blocks
-    return out
+
+
+def linux_int8_blocks(graph: Graph, is_int8: Callable[[object], bool]) -> list[str]:
+    """The INT8_BLOCKS targets of a token-model export that names no activation form: every linear
+    layer, expert and attention block whose weights are all int8 or int4 (`is_int8`), when the image
+    is for Linux (`image.writer.linux_layout`: experts, and 16 MiB or more compact, which no
+    microcontroller slot holds); none otherwise. Every Linux backend (x86-64, AArch64, RISC-V V) has
+    block kernels; the Cortex-M one, which has not, never gets such an image (docs/quantization.md)."""
+    from ..image.writer import linux_layout
+
+    if not graph.is_token_model or not linux_layout(graph):
+        return []
+    return [name for name, target in act_targets(graph) if all(is_int8(w) for w in act_weights(target))]
