@@ -30,6 +30,15 @@ from ..model.ir import Attention, Embedding, F16Weight, Graph, Q4Weight, Q8Weigh
 from ..model.walks import BIAS_OF, act_forms, act_targets, act_weights, name_matches, router_feeders, weight_slots
 from ..model.walks import where as _where
 
+try:  # the clip search in C (setup.py builds it beside the engine binding)
+    from . import _q4_search
+except ImportError:  # a source checkout without a build: the numpy search, the same bits
+    _q4_search = None
+else:
+    from ..runtime import sources as _sources
+
+    _sources.check_binding(_q4_search)  # a checkout refuses a build older than its C, as for the engine
+
 DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
 F16_MAX = 65504.0
@@ -246,11 +255,55 @@ def q4_scales_spec(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarra
     return scale
 
 
-# Weights per block of groups `_q4_scales` works on: its two f32 buffers (1 MiB each) stay in the
-# cache; measured best of 2^15..2^20 on the bench's Xeon with one and two threads (bench/quant_speed.py).
+# Weights per block of groups the numpy search (`_q4_scales_numpy`) works on: its two f32 buffers (1 MiB
+# each) stay in the cache; measured best of 2^15..2^20 on the bench's Xeon with one and two threads
+# (bench/quant_speed.py). The C search hands its threads chunks of this many weights.
 Q4_SEARCH_BLOCK = 1 << 18
 # Threads of the search: the cores this process may run on (at most 8). The scales do not depend on it.
 Q4_SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _on_threads(task, starts: list[int], stops: list[int]) -> list:
+    """task(start, stop) for each range, on up to Q4_SEARCH_THREADS threads (numpy's loops and the C search
+    release the GIL, so the ranges, disjoint groups, run on the cores at once); the results in order."""
+    workers = max(1, min(Q4_SEARCH_THREADS, len(starts)))
+    if workers == 1:
+        return [task(a, b) for a, b in zip(starts, stops)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [done.result() for done in [pool.submit(task, a, b) for a, b in zip(starts, stops)]]
+
+
+def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """`q4_scales_spec`, bit for bit, fast: the C search when it is built, else the numpy one."""
+    if _q4_search is not None and g.dtype == np.float32 and m.dtype == np.bool_:
+        scale = _q4_scales_c(g, m, clip_search)
+        if scale is not None:
+            return scale
+    return _q4_scales_numpy(g, m, clip_search)
+
+
+def _q4_scales_c(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray | None:
+    """`q4_scales_spec` by colibri.quant._q4_search (its file says how the bits stay the spec's), in
+    chunks of about Q4_SEARCH_BLOCK weights shared among the threads (a busy core holds up one chunk, not
+    half the matrix). None when g holds NaN or inf, which it leaves to the numpy search: whatever that
+    does with them (quantize_q4 refuses them before) stays as it is."""
+    rows, n_groups, group = g.shape
+    alphas = np.ascontiguousarray(Q4_CLIP_GRID if clip_search else Q4_CLIP_GRID[:1])
+    flat_g = np.ascontiguousarray(g.reshape(-1, group))
+    flat_m = np.ascontiguousarray(m.reshape(-1, group))
+    total = flat_g.shape[0]
+    scale = np.empty(total, np.float32)
+    chunk = max(1, Q4_SEARCH_BLOCK // group)
+    starts = list(range(0, total, chunk))
+    stops = [min(total, a + chunk) for a in starts]
+    status = _on_threads(lambda a, b: _q4_search.scales(flat_g[a:b], flat_m[a:b], alphas, scale[a:b]), starts, stops)
+    if any(s != _q4_search.OK for s in status):
+        if not np.all(np.isfinite(g)):
+            return None
+        raise _q4_too_large(g)  # the only other status: a group scale beyond f16
+    return scale.reshape(rows, n_groups)
 
 
 def _pairwise_sum(x: np.ndarray) -> np.ndarray:
@@ -266,9 +319,10 @@ def _pairwise_sum(x: np.ndarray) -> np.ndarray:
     return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
 
 
-def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
-    """`q4_scales_spec`, bit for bit, fast: blocks of groups that stay in the cache, laid out
-    [group, groups] so that every step is one long float32 vector operation, and no temporaries.
+def _q4_scales_numpy(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """`q4_scales_spec`, bit for bit, in numpy (the search when the C one is not built): blocks of
+    groups that stay in the cache, laid out [group, groups] so that every step is one long float32
+    vector operation, and no temporaries.
 
     Each weight goes through the spec's float32 operations in its order, and each group's squared
     errors are summed in the order of the spec's `sum(axis=2)` (`_pairwise_sum`). Weights outside `m`
@@ -312,16 +366,8 @@ def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
 
     blocks = -(-total // block)
     workers = max(1, min(Q4_SEARCH_THREADS, blocks))
-    if workers == 1:
-        search(0, total)
-    else:
-        # numpy's loops release the GIL: the workers' blocks (disjoint groups) run on the cores at once
-        from concurrent.futures import ThreadPoolExecutor
-
-        bounds = [min(total, block * (blocks * i // workers)) for i in range(workers + 1)]
-        with ThreadPoolExecutor(workers) as pool:
-            for done in [pool.submit(search, a, b) for a, b in zip(bounds, bounds[1:])]:
-                done.result()
+    bounds = [min(total, block * (blocks * i // workers)) for i in range(workers + 1)]
+    _on_threads(search, bounds[:-1], bounds[1:])
     return scale.reshape(rows, n_groups)
 
 
