@@ -20,7 +20,9 @@
  * reciprocal for the division); GCC and clang vectorise only what keeps each lane's operations, so the
  * SSE2, AVX2 and AVX-512 forms (picked at run time on x86-64) and AArch64's NEON give the same bits.
  *
- * The GIL is released during the search: quantize.py's threads run it on disjoint groups at once.
+ * `values` then gives the int4 values and the residuals under the scales found, as quantize_q4's numpy
+ * steps do. The GIL is released during both: quantize.py's threads run the search on disjoint groups
+ * at once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -120,43 +122,41 @@ static inline __attribute__((always_inline)) void group_error(const float *kT, s
     }
 }
 
-/* The scales of n groups of `group` weights (g and m row-major [n][group]) into out[n]. */
+/* The scales of n groups of `group` weights (g and m row-major [n][group]) into out[n]; with `errors`
+ * ([n_alphas][n]) also every alpha's squared error, for the tests. */
 static inline __attribute__((always_inline)) int search_body(const float *g, const uint8_t *m, size_t n,
                                                              size_t group, const float *alphas, size_t n_alphas,
-                                                             float *out) {
+                                                             float *out, float *errors) {
     float kT[MAX_GROUP * LANES];
     float top[LANES], s[LANES], safe[LANES], err[LANES], best[LANES], best_err[LANES];
-    int too_large = 0;
     for (size_t b0 = 0; b0 < n; b0 += LANES) {
         size_t lanes = n - b0 < LANES ? n - b0 : LANES;
         const float *gb = g + b0 * group;
         const uint8_t *mb = m + b0 * group;
-        int nonfinite = 0;
+        int nonfinite = 0, too_large = 0;
         for (size_t l = 0; l < lanes; l++) {
             float t = 0.0f;
             for (size_t i = 0; i < group; i++) {
                 float w = gb[l * group + i];
-                nonfinite |= !(fabsf(w) <= FLT_MAX); /* masked or not: the numpy path decides then */
+                nonfinite |= !(fabsf(w) <= FLT_MAX); /* marked or not: the numpy search takes those */
                 float k = mb[l * group + i] ? w : 0.0f;
                 kT[i * LANES + l] = k;
                 t = fabsf(k) > t ? fabsf(k) : t;
             }
             top[l] = t;
+            too_large |= (double)t / 7 > F16_MAX;
         }
         if (nonfinite) {
             return SEARCH_NONFINITE;
+        }
+        if (too_large) {
+            return SEARCH_TOO_LARGE; /* before any scale: f16_scale holds for scales within f16 only */
         }
         for (size_t l = lanes; l < LANES; l++) { /* a partial block's spare lanes: zero groups */
             for (size_t i = 0; i < group; i++) {
                 kT[i * LANES + l] = 0.0f;
             }
             top[l] = 0.0f;
-        }
-        for (size_t l = 0; l < lanes; l++) {
-            too_large |= (double)top[l] / 7 > F16_MAX;
-        }
-        if (too_large) {
-            return SEARCH_TOO_LARGE; /* before any scale: beyond f16, f16_scale would be wrong */
         }
         for (size_t a = 0; a < n_alphas; a++) {
             for (int l = 0; l < LANES; l++) {
@@ -170,51 +170,88 @@ static inline __attribute__((always_inline)) int search_body(const float *g, con
                     best[l] = s[l];
                 }
             }
+            if (errors) {
+                memcpy(errors + a * n + b0, err, lanes * sizeof *errors);
+            }
         }
         memcpy(out + b0, best, lanes * sizeof *out);
     }
     return SEARCH_OK;
 }
 
-typedef int (*search_fn)(const float *, const uint8_t *, size_t, size_t, const float *, size_t, float *);
-
-static int search_generic(const float *g, const uint8_t *m, size_t n, size_t group, const float *alphas,
-                          size_t n_alphas, float *out) {
-    return search_body(g, m, n, group, alphas, n_alphas, out);
+/* quantize_q4's int4 values and residuals of n groups (g row-major [n][group]) under their scales:
+ * q = clip(rint(w / safe), -8, 7), 0 where the scale is 0, and w - q·scale, numpy's float32 steps. */
+static inline __attribute__((always_inline)) void values_body(const float *restrict g, const float *restrict scale,
+                                                              size_t n, size_t group, int8_t *restrict q,
+                                                              float *restrict residual) {
+    for (size_t b = 0; b < n; b++) {
+        float s = scale[b];
+        float safe = s > 0 ? s : 1.0f;
+        const float *w = g + b * group;
+        int8_t *qb = q + b * group;
+        float *rb = residual + b * group;
+        for (size_t i = 0; i < group; i++) {
+            float v = rintf(w[i] / safe);
+            v = v < -8.0f ? -8.0f : v;
+            v = v > 7.0f ? 7.0f : v;
+            v = s > 0 ? v : 0.0f;
+            qb[i] = (int8_t)v;
+            rb[i] = w[i] - v * s;
+        }
+    }
 }
+
+typedef struct {
+    const char *name;
+    int (*search)(const float *, const uint8_t *, size_t, size_t, const float *, size_t, float *, float *);
+    void (*values)(const float *, const float *, size_t, size_t, int8_t *, float *);
+    int (*runs_here)(void);
+} kernel;
+
+/* One kernel's entry points, compiled with `attrs` (a target attribute, or none). */
+#define KERNEL_FUNCTIONS(suffix, attrs)                                                                          \
+    attrs static int search_##suffix(const float *g, const uint8_t *m, size_t n, size_t group,                 \
+                                     const float *alphas, size_t n_alphas, float *out, float *errors) {        \
+        return search_body(g, m, n, group, alphas, n_alphas, out, errors);                                     \
+    }                                                                                                          \
+    attrs static void values_##suffix(const float *g, const float *scale, size_t n, size_t group, int8_t *q,   \
+                                      float *residual) {                                                       \
+        values_body(g, scale, n, group, q, residual);                                                          \
+    }
+
+static int always(void) { return 1; }
+
+KERNEL_FUNCTIONS(generic, )
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-/* The same code for wider vectors (rintf becomes roundps): picked at run time, so the module runs on
- * any x86-64. FMA is not enabled, and -ffp-contract=off would keep it from fusing anyway. */
-__attribute__((target("avx2"))) static int search_avx2(const float *g, const uint8_t *m, size_t n, size_t group,
-                                                        const float *alphas, size_t n_alphas, float *out) {
-    return search_body(g, m, n, group, alphas, n_alphas, out);
-}
+/* The same code for wider vectors (rintf becomes roundps / vrndscaleps), picked at run time, so the
+ * module runs on any x86-64. FMA is not enabled, and -ffp-contract=off would keep it from fusing. */
+#define X86_KERNELS 1
+KERNEL_FUNCTIONS(avx2, __attribute__((target("avx2"))))
+KERNEL_FUNCTIONS(avx512f, __attribute__((target("avx512f,prefer-vector-width=512"))))
 
-__attribute__((target("avx512f,prefer-vector-width=512"))) static int search_avx512(
-    const float *g, const uint8_t *m, size_t n, size_t group, const float *alphas, size_t n_alphas, float *out) {
-    return search_body(g, m, n, group, alphas, n_alphas, out);
-}
-#endif
-
-static search_fn pick(const char **name) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+static int has_avx2(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) {
-        *name = "avx512f";
-        return search_avx512;
-    }
-    if (__builtin_cpu_supports("avx2")) {
-        *name = "avx2";
-        return search_avx2;
-    }
-#endif
-    *name = "generic";
-    return search_generic;
+    return __builtin_cpu_supports("avx2");
 }
 
-static search_fn chosen;
-static const char *chosen_name;
+static int has_avx512f(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#endif
+
+/* Widest last: the default is the last one this CPU runs. */
+static const kernel kernels[] = {
+    {"generic", search_generic, values_generic, always},
+#ifdef X86_KERNELS
+    {"avx2", search_avx2, values_avx2, has_avx2},
+    {"avx512f", search_avx512f, values_avx512f, has_avx512f},
+#endif
+};
+#define N_KERNELS (sizeof kernels / sizeof kernels[0])
+
+static const kernel *chosen;
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -225,15 +262,74 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind, c
     if (*f == '<' || *f == '=' || *f == '@') {
         f++;
     }
-    int ok = kind == 'f' ? (strcmp(f, "f") == 0 && view->itemsize == 4)
-                         : ((strcmp(f, "?") == 0 || strcmp(f, "B") == 0) && view->itemsize == 1);
+    int ok = kind == 'f'   ? (strcmp(f, "f") == 0 && view->itemsize == 4)
+             : kind == 'b' ? (strcmp(f, "b") == 0 && view->itemsize == 1)
+                           : ((strcmp(f, "?") == 0 || strcmp(f, "B") == 0) && view->itemsize == 1);
     if (!ok) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous %s buffer, got format '%s'", what,
-                     kind == 'f' ? "float32" : "bool", view->format ? view->format : "B");
+                     kind == 'f' ? "float32" : kind == 'b' ? "int8" : "bool", view->format ? view->format : "B");
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
+}
+
+static void release(Py_buffer *views, int n) {
+    for (int i = 0; i < n; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+}
+
+/* Buffers by kind ('f' float32, 'b' int8, '?' bool; upper case: writable); -1 with all released on error. */
+static int get_buffers(PyObject **objs, Py_buffer *views, const char *kinds, const char *const *names) {
+    for (int i = 0; kinds[i]; i++) {
+        char k = kinds[i];
+        int writable = k == 'F' || k == 'B';
+        if (get_buffer(objs[i], &views[i], writable, writable ? (char)(k - 'A' + 'a') : k, names[i]) < 0) {
+            release(views, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *run_search(PyObject *args, int with_errors) {
+    PyObject *objs[5] = {NULL};
+    static const char *const names[] = {"g", "m", "alphas", "out", "errors"};
+    if (!PyArg_ParseTuple(args, with_errors ? "OOOOO:errors" : "OOOO:scales", &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4])) {
+        return NULL;
+    }
+    Py_buffer v[5];
+    int count = with_errors ? 5 : 4;
+    if (get_buffers(objs, v, with_errors ? "f?fFF" : "f?fF", names) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    size_t n = (size_t)(v[3].len / 4);
+    size_t group = v[0].ndim == 2 ? (size_t)v[0].shape[1] : 0;
+    size_t n_alphas = (size_t)(v[2].len / 4);
+    if (group < 8 || group > MAX_GROUP || (group & (group - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "g must be [groups, group] with group a power of two from 8 to %d",
+                     MAX_GROUP);
+    } else if ((size_t)v[0].shape[0] != n || v[1].len != v[0].len / 4) {
+        PyErr_Format(PyExc_ValueError, "g, m and out disagree: %zd groups, %zd marks for %zd weights, %zu outputs",
+                     v[0].shape[0], v[1].len, v[0].len / 4, n);
+    } else if (n_alphas == 0) {
+        PyErr_SetString(PyExc_ValueError, "alphas is empty");
+    } else if (with_errors && (size_t)v[4].len != 4 * n * n_alphas) {
+        PyErr_Format(PyExc_ValueError, "errors must hold %zu x %zu float32", n_alphas, n);
+    } else {
+        const kernel *k = chosen;
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = k->search((const float *)v[0].buf, (const uint8_t *)v[1].buf, n, group, (const float *)v[2].buf,
+                           n_alphas, (float *)v[3].buf, with_errors ? (float *)v[4].buf : NULL);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromLong(status);
+    }
+    release(v, count);
+    return result;
 }
 
 PyDoc_STRVAR(scales_doc,
@@ -246,57 +342,106 @@ PyDoc_STRVAR(scales_doc,
 
 static PyObject *scales(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *g_obj, *m_obj, *a_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OOOO:scales", &g_obj, &m_obj, &a_obj, &out_obj)) {
+    return run_search(args, 0);
+}
+
+PyDoc_STRVAR(errors_doc,
+             "errors(g, m, alphas, out, errors) -> status\n\n"
+             "scales(), also writing each alpha's squared error of each group into errors (float32\n"
+             "[len(alphas), n]): the sums the search compares, for the tests.");
+
+static PyObject *errors(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_search(args, 1);
+}
+
+PyDoc_STRVAR(values_doc,
+             "values(g, scale, q, residual)\n\n"
+             "The int4 values (into q, int8 [n, group]) and the residuals w - q*scale (into residual, float32\n"
+             "[n, group]) of the groups of g (float32 [n, group], finite) under scale (float32 [n]), with the\n"
+             "GIL released.");
+
+static PyObject *values(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[4];
+    static const char *const names[] = {"g", "scale", "q", "residual"};
+    if (!PyArg_ParseTuple(args, "OOOO:values", &objs[0], &objs[1], &objs[2], &objs[3])) {
         return NULL;
     }
-    Py_buffer g, m, a, out;
-    if (get_buffer(g_obj, &g, 0, 'f', "g") < 0) {
-        return NULL;
-    }
-    if (get_buffer(m_obj, &m, 0, '?', "m") < 0) {
-        PyBuffer_Release(&g);
-        return NULL;
-    }
-    if (get_buffer(a_obj, &a, 0, 'f', "alphas") < 0) {
-        PyBuffer_Release(&g);
-        PyBuffer_Release(&m);
-        return NULL;
-    }
-    if (get_buffer(out_obj, &out, 1, 'f', "out") < 0) {
-        PyBuffer_Release(&g);
-        PyBuffer_Release(&m);
-        PyBuffer_Release(&a);
+    Py_buffer v[4];
+    if (get_buffers(objs, v, "ffBF", names) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    size_t n = (size_t)(out.len / 4);
-    size_t group = g.ndim == 2 ? (size_t)g.shape[1] : 0;
-    if (group < 8 || group > MAX_GROUP || (group & (group - 1)) != 0) {
-        PyErr_Format(PyExc_ValueError, "g must be [groups, group] with group a power of two from 8 to %d",
-                     MAX_GROUP);
-    } else if ((size_t)g.shape[0] != n || m.len != g.len / 4) {
-        PyErr_Format(PyExc_ValueError, "g, m and out disagree: %zd groups, %zd marks for %zd weights, %zu outputs",
-                     g.shape[0], m.len, g.len / 4, n);
-    } else if (a.len < 4) {
-        PyErr_SetString(PyExc_ValueError, "alphas is empty");
+    size_t n = (size_t)(v[1].len / 4);
+    size_t weights = (size_t)(v[0].len / 4);
+    if (n == 0 || weights % n != 0 || (size_t)v[2].len != weights || (size_t)v[3].len != 4 * weights) {
+        PyErr_Format(PyExc_ValueError, "g (%zu weights), scale (%zu), q (%zd) and residual (%zd) disagree", weights,
+                     n, v[2].len, v[3].len / 4);
     } else {
-        int status;
+        const kernel *k = chosen;
         Py_BEGIN_ALLOW_THREADS
-        status = chosen((const float *)g.buf, (const uint8_t *)m.buf, n, group, (const float *)a.buf,
-                        (size_t)(a.len / 4), (float *)out.buf);
+        k->values((const float *)v[0].buf, (const float *)v[1].buf, n, weights / n, (int8_t *)v[2].buf,
+                  (float *)v[3].buf);
         Py_END_ALLOW_THREADS
-        result = PyLong_FromLong(status);
+        result = Py_NewRef(Py_None);
     }
-    PyBuffer_Release(&g);
-    PyBuffer_Release(&m);
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&out);
+    release(v, 4);
     return result;
+}
+
+PyDoc_STRVAR(kernels_doc, "kernels() -> tuple\n\nThe kernels this CPU runs, the default (the widest) last.");
+
+static PyObject *kernels_here(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *names = PyTuple_New(0);
+    for (size_t i = 0; names && i < N_KERNELS; i++) {
+        if (kernels[i].runs_here()) {
+            PyObject *name = PyUnicode_FromString(kernels[i].name);
+            if (!name || _PyTuple_Resize(&names, PyTuple_GET_SIZE(names) + 1) < 0) {
+                Py_XDECREF(name);
+                Py_XDECREF(names);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(names, PyTuple_GET_SIZE(names) - 1, name);
+        }
+    }
+    return names;
+}
+
+PyDoc_STRVAR(kernel_doc,
+             "kernel(name=None) -> str\n\n"
+             "The kernel in use; with a name (one of kernels()), switch to it first. The tests run each one.");
+
+static PyObject *kernel_in_use(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|z:kernel", &name)) {
+        return NULL;
+    }
+    if (name) {
+        const kernel *found = NULL;
+        for (size_t i = 0; i < N_KERNELS; i++) {
+            if (strcmp(kernels[i].name, name) == 0 && kernels[i].runs_here()) {
+                found = &kernels[i];
+            }
+        }
+        if (!found) {
+            PyErr_Format(PyExc_ValueError, "no kernel '%s' on this CPU", name);
+            return NULL;
+        }
+        chosen = found;
+    }
+    return PyUnicode_FromString(chosen->name);
 }
 
 static PyMethodDef methods[] = {
     {"scales", scales, METH_VARARGS, scales_doc},
+    {"errors", errors, METH_VARARGS, errors_doc},
+    {"values", values, METH_VARARGS, values_doc},
+    {"kernels", kernels_here, METH_NOARGS, kernels_doc},
+    {"kernel", kernel_in_use, METH_VARARGS, kernel_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -306,13 +451,16 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__q4_search(void) {
-    chosen = pick(&chosen_name);
+    for (size_t i = 0; i < N_KERNELS; i++) {
+        if (kernels[i].runs_here()) {
+            chosen = &kernels[i];
+        }
+    }
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) {
         return NULL;
     }
     if (PyModule_AddStringConstant(mod, "SOURCE_HASH", COLIBRI_SOURCE_HASH) < 0 ||
-        PyModule_AddStringConstant(mod, "KERNEL", chosen_name) < 0 ||
         PyModule_AddIntConstant(mod, "OK", SEARCH_OK) < 0 ||
         PyModule_AddIntConstant(mod, "TOO_LARGE", SEARCH_TOO_LARGE) < 0 ||
         PyModule_AddIntConstant(mod, "NONFINITE", SEARCH_NONFINITE) < 0) {

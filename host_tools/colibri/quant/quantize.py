@@ -227,29 +227,31 @@ def _q4_too_large(g: np.ndarray) -> ExportError:
                        f"exceed the f16 range ({F16_MAX:g})")
 
 
+def q4_fit_spec(g: np.ndarray, m: np.ndarray, amax: np.ndarray, alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """One α of `q4_scales_spec`: each group's scale `_f16_scale(α · amax / 7)` (f32 values) and its
+    squared error Σ (w − q·s)² over the weights `m` marks, q = clip(rint(w / s), −8, 7) (0 where s is 0)."""
+    s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+    q = np.clip(np.rint(g / safe), -8, 7)
+    q[s == 0] = 0
+    err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
+    return s, err
+
+
 def q4_scales_spec(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
     """Each group's scale ([rows, G], f32 values of the f16 as stored): of the scales
     `_f16_scale(α · amax / 7)` for α in Q4_CLIP_GRID (only α = 1 without `clip_search`), the first with
-    the least Σ (w − q·s)² over the group's weights `m` marks (q = clip(rint(w / s), −8, 7)); amax is
-    the largest marked |w| of the group. `g` holds the groups [rows, G, group], zero-padded.
+    the least Σ (w − q·s)² over the group's weights `m` marks (q = clip(rint(w / s), −8, 7): `q4_fit_spec`);
+    amax is the largest marked |w| of the group. `g` holds the groups [rows, G, group], zero-padded.
 
     The readable form of the search; `_q4_scales` computes the same bits faster."""
     amax = np.where(m, np.abs(g), 0).max(axis=2)
     if float(amax.max(initial=0)) / 7 > F16_MAX:
         raise _q4_too_large(g)
-
-    def fit(alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
-        s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
-        safe = np.where(s > 0, s, np.float32(1))[:, :, None]
-        q = np.clip(np.rint(g / safe), -8, 7)
-        q[s == 0] = 0
-        err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
-        return s, err
-
-    scale, best = fit(np.float32(1))
+    scale, best = q4_fit_spec(g, m, amax, np.float32(1))
     if clip_search:
         for alpha in Q4_CLIP_GRID[1:]:
-            s, err = fit(alpha)
+            s, err = q4_fit_spec(g, m, amax, alpha)
             better = err < best
             scale[better], best[better] = s[better], err[better]
     return scale
@@ -371,6 +373,24 @@ def _q4_scales_numpy(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndar
     return scale.reshape(rows, n_groups)
 
 
+def _q4_values(g: np.ndarray, scale: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int4 values [rows, cols] (int8) of the finite groups g [rows, G, group] under their scales
+    [rows, G], clip(rint(w / s), −8, 7) and 0 where s is 0, and the residuals w − q·s: in C when it is
+    built (the same float32 steps), else in numpy."""
+    rows, n_groups, group = g.shape
+    if _q4_search is not None and g.dtype == np.float32:
+        q = np.empty((rows, n_groups * group), np.int8)
+        residual = np.empty(q.shape, np.float32)
+        _q4_search.values(np.ascontiguousarray(g), np.ascontiguousarray(scale, dtype=np.float32), q, residual)
+        return np.ascontiguousarray(q[:, :cols]), residual[:, :cols]
+    safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
+    q = np.clip(np.rint(g / safe), -8, 7)
+    q[scale == 0] = 0
+    q = q.reshape(rows, -1)[:, :cols].astype(np.int8)
+    per_col = np.repeat(scale, group, axis=1)[:, :cols]
+    return q, g.reshape(rows, -1)[:, :cols] - q.astype(np.float32) * per_col
+
+
 def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, group: int = Q4_DEFAULT_GROUP,
                 bias: np.ndarray | None = None, clip_search: bool = True) -> Q4Weight:
     """Symmetric int4 (-8..7) in groups of `group` columns of a row, one f16 scale each, plus the
@@ -410,12 +430,7 @@ def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, gr
     g = padded.reshape(rows, n_groups, group)
     m = mask.reshape(g.shape)
     scale = _q4_scales(g, m, clip_search)
-    safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
-    q = np.clip(np.rint(g / safe), -8, 7)
-    q[scale == 0] = 0
-    q = q.reshape(rows, -1)[:, :cols].astype(np.int8)
-    per_col = np.repeat(scale, group, axis=1)[:, :cols]
-    residual = w - q.astype(np.float32) * per_col
+    q, residual = _q4_values(g, scale, cols)
 
     row_ptr, col, val = _compensation(w, residual, n_e, None, "q4")
     return Q4Weight(q=q, scale=scale.astype(np.float16), group=group, row_ptr=row_ptr, col=col, val=val,
