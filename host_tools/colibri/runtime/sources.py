@@ -170,8 +170,9 @@ def check_binding(module) -> None:
         return  # an installed package: its binding and sources come from the same wheel
     built = getattr(module, "SOURCE_HASH", None)
     if needs_rebuild(checkout, built):
+        name = getattr(module, "__name__", "colibri.runtime._engine")
         raise StaleEngineError(
-            f"{getattr(module, '__name__', 'colibri.runtime._engine')} ({module.__file__}) was built from other sources than {checkout} now holds "
+            f"{name} ({module.__file__}) was built from other sources than {checkout} now holds "
             f"(built from {str(built)[:12]}, sources now {source_hash(checkout)[:12]}): {REBUILD_HINT}")
 
 
