@@ -428,6 +428,19 @@ def _edge_matrices():
     yield "one-column", rng.standard_normal((7, 1)).astype(np.float32)
     yield "wide", rng.standard_normal((3, 700)).astype(np.float32) * 100
     yield "many-groups", rng.standard_normal((67, 515)).astype(np.float32)  # blocks of 32 groups, a partial last
+    yield "half-steps", _half_steps(rng, 24, 512)
+
+
+def _half_steps(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Weights an ulp from halfway between two steps of their group's α = 1 scale s (a random f16; 7·s
+    every 8 columns, the largest |w| of any group): w / s rounds to the nearer step, while a quotient by
+    the reciprocal of s often lands on the other side of the half, and another error. The C search must
+    divide where it cannot tell (its screen); exactly halfway would not tell, both steps being as far."""
+    s = rng.uniform(0.01, 2, (rows, 1)).astype(np.float16).astype(np.float32)
+    half = (rng.integers(-7, 7, (rows, cols)) + np.float32(0.5)).astype(np.float32) * s
+    w = np.nextafter(half, np.where(rng.random(half.shape) < 0.5, np.float32(0), np.copysign(np.inf, half)))
+    w[:, ::8] = 7 * s
+    return w.astype(np.float32)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -488,10 +501,13 @@ def test_a_tie_keeps_the_earlier_clip_ratio(j: int, tied: tuple[int, int], searc
 def test_c_search_errors_are_the_specs_sums(group: int) -> None:
     """Every clip ratio's squared error of every group, as the C search compares them, is the spec's
     float32 sum bit for bit (numpy's pairwise order) on every kernel: on heavy-tailed weights, where the
-    clipped largest weight's error dwarfs the others', a left-to-right sum differs in many groups."""
+    clipped largest weight's error dwarfs the others', a left-to-right sum differs in many groups; and on
+    weights halfway between two steps, where only the division rounds as numpy does."""
     rng = np.random.default_rng(group)
     g = rng.standard_t(2, (2, 700, group)).astype(np.float32)
+    g[1, 600:] = _half_steps(rng, 100, group).reshape(100, group)  # ties to even in the division
     m = rng.random(g.shape) > 0.05
+    m[1, 600:] = True
     amax = np.where(m, np.abs(g), 0).max(axis=2)
     spec = np.stack([Q.q4_fit_spec(g, m, amax, a)[1].ravel() for a in Q.Q4_CLIP_GRID])
     flat_g, flat_m = g.reshape(-1, group), m.reshape(-1, group)
