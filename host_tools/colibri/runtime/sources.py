@@ -16,8 +16,8 @@ the sources it was built from (HASHED). In a checkout, `check_binding()`
 refuses a binding whose hash differs from the sources now on disk, so a C edit
 cannot go untested by the Python tests; scripts/setup.sh rebuilds it when
 `python scripts/source_hash.py check` says so. The quantiser's C search
-(colibri.quant._q4_search) is built in the same step with the same hash, and
-checked the same way.
+(colibri.quant._q4_search) is built in the same step from sources this hash
+covers, so the binding's check covers it too.
 
 This module uses only the standard library: setup.py and scripts/source_hash.py
 load it by path, before the package (numpy, the binding) can be imported.
@@ -45,7 +45,7 @@ HASHED = (
     "firmware/colibri_core/posix/**/*",
     "firmware/colibri_core/sources.txt",
     "host_tools/colibri/runtime/_engine.c",
-    "host_tools/colibri/quant/_q4_search.c",  # the quantiser's C search, built (and hashed) beside it
+    "host_tools/colibri/quant/_q4_search.c",  # the quantiser's C search, built in the same step
     "setup.py",
     "pyproject.toml",
 )
@@ -170,9 +170,8 @@ def check_binding(module) -> None:
         return  # an installed package: its binding and sources come from the same wheel
     built = getattr(module, "SOURCE_HASH", None)
     if needs_rebuild(checkout, built):
-        name = getattr(module, "__name__", "colibri.runtime._engine")
         raise StaleEngineError(
-            f"{name} ({module.__file__}) was built from other sources than {checkout} now holds "
+            f"colibri.runtime._engine ({module.__file__}) was built from other sources than {checkout} now holds "
             f"(built from {str(built)[:12]}, sources now {source_hash(checkout)[:12]}): {REBUILD_HINT}")
 
 
