@@ -11,7 +11,8 @@ x 1408 top-2, GQA 8/2, vocab 4096, 148 M parameters) and the trained tiny King J
 q8-blocks, q4-blocks with INT8_BLOCKS on every layer that allows it: the experts, the LM head and the
 attention projections (colibri.export(..., int8_blocks=["layers.*"])), and q8-blocks-ffn, q4-blocks-ffn
 with it on the experts and the head only (the attention projections with f32 activations). Images are
-cached in build/bench/lm_prefill/; a cached image whose attention flags are not its form's is exported again.
+cached in build/bench/lm_prefill/ and exported again when the exporter or the settings changed
+(bench/image_cache.py).
 
 --engine DIR (repeatable) names a host_tools directory whose colibri package (and built binding) is
 measured, e.g. one of an older checkout: each round runs every engine once in a process of its own,
@@ -39,9 +40,9 @@ MAX_SEQ_LEN = 256
 FORMS = {
     "f32": ("f32", {}),
     "f16": ("f16", {}),
-    "q8": ("q8", {}),
+    "q8": ("q8", {"int8_blocks": []}),
     "q8-blocks": ("q8", {"int8_blocks": ["layers.*"]}),
-    "q4": ("q4", {}),
+    "q4": ("q4", {"int8_blocks": []}),
     "q4-blocks": ("q4", {"int8_blocks": ["layers.*"]}),
     "q8-blocks-ffn": ("q8", "ffn"),
     "q4-blocks-ffn": ("q4", "ffn"),
@@ -58,23 +59,13 @@ def ffn_blocks(model) -> list[str]:
     return patterns
 
 
-def attention_flags(path: Path) -> set[int]:
-    """The flags bytes of an image's attention records (docs/lm.md "Attention record")."""
-    sys.path.insert(0, str(ROOT / "host_tools"))
-    from colibri.model import format as F
-
-    with path.open("rb") as fh:
-        head = fh.read(F.V4_FIELDS_OFFSET + F.V4_FIELDS.size)
-        count, offset = F.V4_FIELDS.unpack_from(head, F.V4_FIELDS_OFFSET)
-        fh.seek(offset)
-        table = fh.read(count * F.ATTENTION.size)
-    return {table[j * F.ATTENTION.size + F.ATTENTION_FLAGS_OFFSET] for j in range(count)}
-
-
 def image(name: str, form: str) -> Path:
     path = CACHE / f"{name}-{form}.clb"
-    want = {2} if FORMS[form][1] == {"int8_blocks": ["layers.*"]} else {0}
-    if not path.exists() or attention_flags(path) != want:  # an image of before attention blocks, too
+    sys.path.insert(0, str(ROOT / "bench"))
+    import image_cache
+
+    settings = {"model": name, "form": form, "max_seq_len": MAX_SEQ_LEN, "max_batch": PREFILL}
+    if not image_cache.is_fresh(path, settings):
         import torch
 
         sys.path.insert(0, str(ROOT / "host_tools"))
@@ -90,6 +81,7 @@ def image(name: str, form: str) -> Path:
         if extra == "ffn":
             extra = {"int8_blocks": ffn_blocks(model)}
         colibri.export(model, path, max_seq_len=MAX_SEQ_LEN, max_batch=PREFILL, dtype=dtype, check=False, **extra)
+        image_cache.mark_fresh(path, settings)
         print(f"exported {path.relative_to(ROOT)} ({path.stat().st_size / 1e6:.1f} MB) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
     return path

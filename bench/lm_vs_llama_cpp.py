@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "host_tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 import colibri  # noqa: E402
 import gguf_exact  # noqa: E402  (bench/, beside this file)
-from lm_prefill import attention_flags  # noqa: E402
+import image_cache  # noqa: E402
 
 CORE = ROOT / "firmware" / "colibri_core"
 OUT = ROOT / "build" / "bench-lm"
@@ -69,8 +69,9 @@ CHECK_TOKENS = 64
 COLIBRI_DTYPES = {
     "f32": ({"dtype": "f32"}, "F32"),
     "f16": ({"dtype": "f16"}, "F16"),
-    "q8": ({"dtype": "q8"}, "Q8_0"),
-    "q4": ({"dtype": "q4"}, "Q4_0"),
+    # f32 activations (what `colibri export` writes below 16 MiB); q8b/q4b: the int8 blocks it writes above
+    "q8": ({"dtype": "q8", "int8_blocks": []}, "Q8_0"),
+    "q4": ({"dtype": "q4", "int8_blocks": []}, "Q4_0"),
     "q8b": ({"dtype": "q8", "int8_blocks": ["layers.*"]}, "Q8_0"),
     "q4b": ({"dtype": "q4", "int8_blocks": ["layers.*"]}, "Q4_0"),
 }
@@ -201,15 +202,16 @@ def colibri_driver() -> Path:
 def colibri_image(name: str, dtype: str) -> Path:
     """The model exported by colibri.export at `dtype` (max_batch 64, 256 positions), cached."""
     path = OUT / "colibri" / f"{name}-{dtype}.clb"
-    blocks = "int8_blocks" in COLIBRI_DTYPES[dtype][0]
-    if path.exists() and not (blocks and attention_flags(path) == {0}):  # exported before attention blocks
+    settings = {"max_seq_len": MAX_SEQ_LEN, "max_batch": FULL.prefill, **COLIBRI_DTYPES[dtype][0]}
+    if image_cache.is_fresh(path, settings):
         return path
     import torch
 
     torch.set_num_threads(1)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    colibri.export(load_hf(name), path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, **COLIBRI_DTYPES[dtype][0])
+    colibri.export(load_hf(name), path, **settings)
+    image_cache.mark_fresh(path, settings)
     print(f"  exported {shown(path)} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t:.0f} s)",
           flush=True)
     return path
@@ -418,7 +420,9 @@ def gguf_image(model: Path, dtype: str | None) -> Path:
     path = OUT / "colibri" / f"{model.stem}-{dtype or 'own'}.clb"
     if not path.exists() or path.stat().st_mtime < model.stat().st_mtime:
         path.parent.mkdir(parents=True, exist_ok=True)
-        colibri.export(model, path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, dtype=dtype, check=False)
+        # f32 activations: the comparison is of the weights the import carries or requantises
+        colibri.export(model, path, max_seq_len=MAX_SEQ_LEN, max_batch=FULL.prefill, dtype=dtype, check=False,
+                       int8_blocks=[])
     return path
 
 
@@ -562,6 +566,12 @@ def rel(err: float, ref: np.ndarray) -> float:
     return err / float(np.abs(ref).max())
 
 
+def rms_rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """RMS of the logit error over the RMS logit: every position and token counts, where the max is
+    one near-tied routing decision (docs/benchmarks.md)."""
+    return float(np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+
+
 def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path | None) -> list[dict]:
     rows = []
     print(f"\n== logits on {CHECK_TOKENS} random token ids against Hugging Face f32 "
@@ -575,6 +585,7 @@ def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path |
             got = colibri_logits(driver, colibri_image(name, dtype), ids, CHECK_TOKENS, vocab)
             err = float(np.abs(got - want).max())
             rows.append({"model": name, "engine": "colibri", "dtype": dtype, "max_abs": err, "rel": rel(err, want),
+                         "rms_rel": rms_rel(got, want),
                          "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
         if with_llama:
             for ftype, model in llama_files(name).items():
@@ -582,12 +593,12 @@ def check(names, colibri_dtypes, with_llama: bool, driver: Path, ldriver: Path |
                     got = llama_logits(ldriver, model, ids, CHECK_TOKENS, vocab, defaults)
                     err = float(np.abs(got - want).max())
                     rows.append({"model": name, "engine": "llama.cpp" + (" (fa auto, f16 KV)" if defaults else ""),
-                                 "dtype": ftype, "max_abs": err, "rel": rel(err, want),
+                                 "dtype": ftype, "max_abs": err, "rel": rel(err, want), "rms_rel": rms_rel(got, want),
                                  "argmax_agree": float((got.argmax(1) == want.argmax(1)).mean())})
         for r in rows:
             if r["model"] == name:
                 print(f"  {name:9} {r['engine']:26} {r['dtype']:5} max|err| {r['max_abs']:.3g}  rel {r['rel']:.3g}  "
-                      f"argmax agrees {100 * r['argmax_agree']:.0f}%", flush=True)
+                      f"rms {r['rms_rel']:.3g}  argmax agrees {100 * r['argmax_agree']:.0f}%", flush=True)
     return rows
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "examples" / "tiny_lm"))
 import colibri  # noqa: E402
 
 CACHE = ROOT / "build" / "int8_blocks"
-FORMS = {"f32-act": {}, "int8-rows": {"int8_act": ["layers.*"]}, "int8-blocks-ffn": "ffn",
+FORMS = {"f32-act": {"int8_blocks": ()}, "int8-rows": {"int8_act": ["layers.*"]}, "int8-blocks-ffn": "ffn",
          "int8-blocks": {"int8_blocks": ["layers.*"]}}
 
 

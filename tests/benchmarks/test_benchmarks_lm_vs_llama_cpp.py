@@ -24,10 +24,11 @@ def _rows(out: dict, key: str, **match) -> list[dict]:
 
 def _check_colibri(out: dict) -> None:
     f32 = _rows(out, "check", model="tiny", engine="colibri", dtype="f32")[0]
-    assert f32["rel"] < 1e-5, f32  # the same model as Hugging Face's
+    assert f32["rel"] < 1e-5 and f32["rms_rel"] < 1e-5, f32  # the same model as Hugging Face's
     for dtype in ("f16", "q8", "q4", "q8b", "q4b"):  # each costs something, and not the model
         row = _rows(out, "check", model="tiny", engine="colibri", dtype=dtype)[0]
         assert f32["max_abs"] < row["max_abs"] and row["rel"] < 0.2, row
+        assert f32["rms_rel"] < row["rms_rel"] < 0.2, row
     for dtype in bench.COLIBRI_DTYPES:
         for threads in (1, 2):
             (row,) = _rows(out, "speed", model="tiny", engine="colibri", dtype=dtype, threads=threads)

@@ -24,7 +24,7 @@ from colibri.cli import main
 from colibri.frontends.hf_lm import LM_RTOL
 from colibri.image import reader
 from colibri.model.errors import ExportError
-from colibri.model.ir import Q4Weight, dense
+from colibri.model.ir import Q4Weight, Q8Weight, dense
 from colibri.model.walks import weight_slots
 from helpers.gguf_files import (
     GGUF_ARCH,
@@ -153,6 +153,32 @@ def test_q4_0_carried_into_q4_is_lossless(blocks, root, tmp_path, arch, group):
             want.shape[0], -1, 32).min(axis=2)).sum())
     assert negative_blocks > 0  # blocks whose largest magnitude is positive: d < 0, the E fix-up exercised
     assert any("Q4_0 -> q4" in line for line in result.lines())
+
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_q4_puts_attention_k_v_in_q8_unless_the_file_has_them_in_q4_0(blocks, root, tmp_path, arch):
+    """Quantised by Colibri (an F32 file to q4), k and v are q8 as in the folder export; a Q4_0 file's
+    k and v stay int4, carried as they are, like its other Q4_0 matrices."""
+    model = blocks[arch]
+
+    def kinds(out: Path) -> dict[str, type]:
+        graph = reader.read(out.read_bytes(), check="structure")
+        return {n: type(getattr(o, a)) for n, o, a in weight_slots(graph) if n.endswith((".q", ".k", ".v", ".o"))}
+
+    requantised = kinds(_export(_file(model, root / f"block-{arch}-F32.gguf", "F32"), tmp_path / "f.clb"))
+    assert {t for n, t in requantised.items() if n.endswith((".k", ".v"))} == {Q8Weight}
+    assert {t for n, t in requantised.items() if n.endswith((".q", ".o"))} == {Q4Weight}
+    q4_0 = gguf_file.export_gguf(_file(model, root / f"block-{arch}-Q4_0.gguf", "Q4_0"), tmp_path / "c.clb",
+                                 max_seq_len=16, dtype="q4")
+    carried = {n for n, r in q4_0.records.items() if r.carried}
+    kv = {n for n in kinds(tmp_path / "c.clb") if n.endswith((".k", ".v"))}
+    assert kv and kv <= carried
+
+
+def _export(file: Path, out: Path) -> Path:
+    gguf_file.export_gguf(file, out, max_seq_len=16, dtype="q4")
+    return out
 
 
 def test_q4_0_block_mapping(tmp_path):

@@ -134,6 +134,24 @@ def test_token_model_with_int4_is_version_5() -> None:
     assert Q4Weight in kinds
 
 
+
+def test_q4_token_model_keeps_attention_k_and_v_in_q8() -> None:
+    """k and v (their rounding reaches every cached position) are q8 in a q4 model; q, o and the
+    experts int4; a q8 pattern still widens more, and the C engine runs the mixed attention."""
+    lm = quantize(lmmodels.token_model(1), "q4", group=8)
+    kinds = {n: type(getattr(o, a)) for n, o, a in weight_slots(lm)}
+    attention = [n for n in kinds if n.rsplit(".", 1)[-1] in "qkvo" and n.count(".") == 2]
+    assert attention and {kinds[n] for n in attention if n.endswith((".k", ".v"))} == {Q8Weight}
+    assert {kinds[n] for n in attention if n.endswith((".q", ".o"))} == {Q4Weight}
+    assert Q4Weight in {t for n, t in kinds.items() if ".experts." in n}
+    wider = quantize(lmmodels.token_model(1), "q4", group=8, q8=["layers.*.q"])
+    assert {type(getattr(o, a)) for n, o, a in weight_slots(wider) if n.endswith(".q")} == {Q8Weight}
+    data = image.write(lm)
+    ids = np.array([3, 1, 4, 1, 5], np.int32)
+    got = colibri.LM(data, reference_kernels=True).forward_tokens(ids)
+    np.testing.assert_allclose(got, reference.LMState(image.read(data)).forward_tokens(ids), rtol=1e-4, atol=1e-5)
+
+
 # --- validation: every Q4_PARAMS rule, C and Python alike -------------------------------------------
 
 

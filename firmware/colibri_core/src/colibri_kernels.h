@@ -130,6 +130,24 @@ typedef void (*colibri_quantize_fn)(const float *x, const uint16_t *rows, size_t
  * gives the reference's bits. */
 typedef colibri_quantize_fn colibri_quantize_blocks_fn;
 
+/* The block form of a row quantiser: each block of COLIBRI_ACT_BLOCK columns
+ * of each row is quantised as `quantize_rows` quantises a row, so the block
+ * form of a bit-exact row quantiser is bit-exact too. Inline, so that each
+ * backend's call compiles to a direct call of its own row quantiser. */
+static inline void colibri_quantize_blocks_with(colibri_quantize_fn quantize_rows, const float *x,
+                                                const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
+                                                float *restrict a)
+{
+    const size_t nb = colibri_act_blocks(in);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + (rows ? rows[i] : i) * in;
+        for (size_t blk = 0; blk < nb; blk++) {
+            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
+            quantize_rows(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
+        }
+    }
+}
+
 /* x[i] = act(x[i]) for i < n; kind is a COLIBRI_ACT_* code. */
 typedef void (*colibri_activation_fn)(float *x, size_t n, uint32_t kind);
 

@@ -473,6 +473,9 @@ class GGUFWeight(hf_folder.PlannedWeight):
     checkpoint: GGUFCheckpoint | None = None
     entry: _Entry | None = None
 
+    def source_is_q4(self) -> bool:
+        return self.checkpoint.type_name(self.entry) == "Q4_0"
+
     def quantised(self):
         ck, e = self.checkpoint, self.entry
         source = ck.type_name(e)
@@ -545,7 +548,7 @@ def missing_max_seq_len(source: GGUFCheckpoint | str | Path) -> ExportError:
 
 def export_gguf(path_in: str | Path, path: str | Path, *, max_seq_len: int | None = None, max_batch: int = 1,
                 dtype: str | None = None, kv_dtype: str = "f32", compensation: float = Q.DEFAULT_COMPENSATION,
-                keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
+                keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] | None = None,
                 group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
                 on_tensor: Callable[[int, int, int], None] | None = None,
                 page_aligned: bool | None = None, tokenizer: bool | str | Path = True) -> GGUFExport:

@@ -262,6 +262,10 @@ class PlannedWeight:
         """The weight's tensor dtype in the image (what `image.writer.has_int4` asks)."""
         return {"f32": DType.F32, "f16": DType.F16, "q8": DType.I8, "q4": DType.I4}[self.kind]
 
+    def source_is_q4(self) -> bool:
+        """Whether the source holds this matrix in int4 already (a GGUF's Q4_0; never a folder's)."""
+        return False
+
     def quantised(self):
         return self.quantise(self.load())
 
@@ -577,7 +581,7 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
         done.add(id(w))
         w.name, w.graph_where, w.compensation, w.group = name, _where(graph, name), compensation, group
         want = "f32" if name_matches(name, keep) or name_matches(name, Q.ROUTER_PATTERNS) else dtype
-        if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, Q.ROUTER_PATTERNS)):
+        if want == "q4" and Q.q4_stored_as_q8(name, owner, attr, id(w) in tables, q8, w.source_is_q4()):
             want = "q8"
         if dtypes is not None and name in dtypes:
             want = dtypes[name]
@@ -589,12 +593,12 @@ def plan_quantisation(graph: Graph, dtype: str, *, compensation: float = Q.DEFAU
                 setattr(owner, b_attr, None)
             else:
                 w.bias = None
-    for name, target, rows, blocks in act_forms(graph, int8_act, int8_blocks):
-        if not all(isinstance(w, PlannedWeight) and w.kind in ("q8", "q4") for w in act_weights(target)):
-            raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
-        if not isinstance(target, Attention):  # it has the block form only
-            target.int8_act = rows
-        target.int8_blocks = blocks
+    Q.set_act_forms(graph, int8_act, int8_blocks, planned_int8)
+
+
+def planned_int8(w: object) -> bool:
+    """Whether a planned weight will be stored int8 or int4."""
+    return isinstance(w, PlannedWeight) and w.kind in ("q8", "q4")
 
 
 @dataclass
@@ -608,7 +612,7 @@ class FolderExport:
 
 def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | None = None, max_batch: int = 1,
                   dtype: str = "f32", kv_dtype: str = "f32", compensation: float = Q.DEFAULT_COMPENSATION,
-                  keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] = (),
+                  keep: Sequence[str] = (), int8_act: Sequence[str] = (), int8_blocks: Sequence[str] | None = None,
                   group: int = Q.Q4_DEFAULT_GROUP, q8: Sequence[str] = (), check: bool = True,
                   on_tensor: Callable[[int, int, int], None] | None = None,
                   page_aligned: bool | None = None, tokenizer: bool | str | Path = True) -> FolderExport:
@@ -645,7 +649,8 @@ def export_folder(folder: str | Path, path: str | Path, *, max_seq_len: int | No
 
 
 def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation: float, keep: Sequence[str],
-                 int8_act: Sequence[str], int8_blocks: Sequence[str], group: int, q8: Sequence[str], check: bool,
+                 int8_act: Sequence[str], int8_blocks: Sequence[str] | None, group: int, q8: Sequence[str],
+                 check: bool,
                  on_tensor: Callable[[int, int, int], None] | None,
                  page_aligned: bool | None = None, dtypes: dict[str, str] | None = None,
                  finish: Callable[[Path], None] | None = None) -> FolderExport:
@@ -663,7 +668,9 @@ def export_graph(ck, graph: Graph, path: str | Path, *, dtype: str, compensation
             raise ExportError(f"{graph.where(i)}: {layer.route_count} router outputs, the engine allows at most "
                               f"{F.MAX_ROUTES}")
     plan_quantisation(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                      int8_blocks=int8_blocks, group=group, q8=q8, dtypes=dtypes)
+                      int8_blocks=int8_blocks or (), group=group, q8=q8, dtypes=dtypes)
+    if int8_blocks is None and not int8_act:  # docs/quantization.md "Activation blocks by default"
+        Q.set_act_forms(graph, (), Q.linux_int8_blocks(graph, planned_int8), planned_int8)
 
     def validate(tmp: Path) -> None:
         import mmap

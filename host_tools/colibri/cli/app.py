@@ -134,7 +134,8 @@ def quant_options(fn=None, *, dtype_required: bool = False):
     from ..quant.quantize import DEFAULT_COMPENSATION, DTYPES, Q4_DEFAULT_GROUP
 
     kinds = ("f16, q8 (int8 per output channel + sparse f16 compensation), or q4 (int4 in groups of --group "
-             "columns with f16 scales + the same compensation; routers stay f32, embedding tables q8)")
+             "columns with f16 scales + the same compensation; routers stay f32; embedding tables and "
+             "attention k/v q8)")
     dtype = (click.option("--dtype", type=click.Choice(DTYPES),
                           help=f"Weight storage: {kinds}; required unless --target chooses per weight.")
              if dtype_required else
@@ -155,11 +156,24 @@ def quant_options(fn=None, *, dtype_required: bool = False):
         click.option("--int8-blocks", multiple=True, metavar="PATTERN",
                      help="Run matching layers/experts/attention blocks with int8 activations in blocks of 32 "
                           "columns, each with its own scale (INT8_BLOCKS; not with --int8-act on the same layer), "
-                          "e.g. 'layers.*' or 'layers.*.experts.*'."),
+                          "e.g. 'layers.*' or 'layers.*.experts.*'. Default for a q8/q4 token model whose image "
+                          "is 16 MiB or more (a Linux one): every int8/int4 layer; 'none' turns that off."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def int8_blocks_choice(patterns: tuple[str, ...]) -> tuple[str, ...] | None:
+    """--int8-blocks as the exporters take it: None when not given (their default: activation blocks on a
+    Linux-sized token model, `quantize.linux_int8_blocks`), () for 'none', else the patterns."""
+    if not patterns:
+        return None
+    if "none" in patterns:
+        if len(patterns) > 1:
+            raise click.UsageError("--int8-blocks none means no activation blocks: give no other pattern with it")
+        return ()
+    return patterns
 
 
 def option_given(ctx: click.Context, name: str) -> bool:

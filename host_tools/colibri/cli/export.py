@@ -12,7 +12,7 @@ import click
 
 from ..model import format as F
 from ..model.errors import ColibriError, UserCodeError
-from .app import DEBUG_ENV, load_inputs, main, one_line, quant_options
+from .app import DEBUG_ENV, int8_blocks_choice, load_inputs, main, one_line, quant_options
 
 
 def _on_path_like_python_m() -> None:
@@ -196,9 +196,10 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
     """
     from . import token_export
 
+    blocks = int8_blocks_choice(int8_blocks)
     token_options = dict(max_seq_len=max_seq_len, max_batch=max_batch, kv_dtype=kv_dtype, dtype=dtype,
                          compensation=compensation, group=group, q8=q8, keep=keep, int8_act=int8_act,
-                         int8_blocks=int8_blocks, page_aligned=page_aligned,
+                         int8_blocks=blocks, page_aligned=page_aligned,
                          check=not no_check)
     feature_only = {"--input-size": input_size, "--prune": prune, "--calibration": calibration}
     if tokenizer_path is not None and no_tokenizer:
@@ -240,7 +241,7 @@ def export(model: str, output: Path, max_batch: int, input_size: int | None, pru
         calib = load_inputs(calibration, width, calibration=True)
     result = do_export(module, None, max_batch=max_batch, example_input=example, prune=_parse_prune(prune),
                        calibration=calib, page_aligned=page_aligned, dtype=dtype, compensation=compensation,
-                       keep=keep, int8_act=int8_act, int8_blocks=int8_blocks, check=not no_check, group=group,
+                       keep=keep, int8_act=int8_act, int8_blocks=blocks or (), check=not no_check, group=group,
                        q8=q8)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(output, result.image)

@@ -7,7 +7,7 @@ import click
 
 from ..model import format as F
 from ..model.errors import ColibriError
-from .app import load_inputs, main, quant_options
+from .app import int8_blocks_choice, load_inputs, main, quant_options
 
 
 # Boards with a model slot and a runner build (colibri.target.budget reads their budgets).
@@ -100,10 +100,13 @@ def quantize(source: Path, output: Path, dtype: str | None, compensation: float,
             click.echo(line)
         quantised = chosen.graph
     else:
+        blocks = int8_blocks_choice(int8_blocks)
         quantised = q.quantize(graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                               int8_blocks=int8_blocks, progress=True,
+                               int8_blocks=blocks or (), progress=True,
                                quantize_routers=quantize_routers, clip=clip, calibration=weighting,
                                router_inputs=router_inputs, group=group, q8=q8)
+        if blocks is None and not int8_act:  # a Linux-sized token model: as `colibri export` writes it
+            q.set_act_forms(quantised, (), q.linux_int8_blocks(quantised, q.stored_int8), q.stored_int8)
     if target is not None:
         if page_aligned:
             raise click.UsageError("--page-aligned has no effect with --target: a board boots its slot in place, "

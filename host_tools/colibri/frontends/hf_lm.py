@@ -320,7 +320,7 @@ def export_lm(
     check: bool = True,
     group: int = quantize.Q4_DEFAULT_GROUP,
     q8: Sequence[str] = (),
-    int8_blocks: Sequence[str] = (),
+    int8_blocks: Sequence[str] | None = None,
     page_aligned: bool | None = None,
     tokenizer=None,
 ) -> ExportResult:
@@ -334,6 +334,8 @@ def export_lm(
     within 1e-4·(1 + max|logits|) for f32 (ExportCheckError and nothing written otherwise); for f16
     and q8 the error is only reported, in `max_abs_error`. `page_aligned` as colibri.export's (None: the
     experts on pages of their own once the image would be at least 16 MiB; docs/linux-edge.md).
+    `int8_blocks` None (the default) with no `int8_act`: int8 activation blocks on every int8/int4
+    layer once the image is that size (`quantize.linux_int8_blocks`); () for none.
 
     `tokenizer`: a model folder, a tokenizer.json, a SentencePiece tokenizer.model (or a
     `TokenizerSection`) to carry in the image as its tokenizer section (format v6, docs/lm.md);
@@ -357,7 +359,10 @@ def export_lm(
 
         f32_graph.tokenizer = tokenizer_build.packed_for(tokenizer, f32_graph.vocab_size, str(tokenizer))
     graph = quantize.quantize(f32_graph, dtype, compensation=compensation, keep=keep, int8_act=int8_act,
-                              int8_blocks=int8_blocks, group=group, q8=q8)
+                              int8_blocks=int8_blocks or (), group=group, q8=q8)
+    if int8_blocks is None and not int8_act:  # docs/quantization.md "Activation blocks by default"
+        blocks = quantize.linux_int8_blocks(graph, quantize.stored_int8)
+        quantize.set_act_forms(graph, (), blocks, quantize.stored_int8)
     data = image.write(graph, page_aligned=linux_layout(graph) if page_aligned is None else page_aligned)
     image.read(data)  # the reader is the validator's twin (tests/lm/test_lm_format.py)
     ids = check_tokens(f32_graph.vocab_size, min(max_seq_len, 32))

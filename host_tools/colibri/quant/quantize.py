@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from rich.progress import track
@@ -69,6 +69,21 @@ def _f16_bias(b: np.ndarray) -> np.ndarray:
 CLIP_STEPS = 41
 CLIP_LOWEST = 0.5
 ROUTER_PATTERNS = ("*.router", "*.shared_gate")
+# The attention projections a q4 model stores as q8: k and v. Their rounding reaches every later
+# position through the cache, and they are the small ones (n_kv_heads · head_dim rows): on the bench's
+# random Mixtral, Qwen2-MoE and OLMoE (docs/quantization.md) q8 k/v cut the q4 logit error by a fifth to
+# a third for 0.5-2.5% more bytes. llama.cpp's Q4_0 raises them to Q8_0 for 8-expert models.
+Q4_KV_AS_Q8 = ("k_w", "v_w")
+
+
+def q4_stored_as_q8(name: str, owner: object, attr: str, is_table: bool, q8: Sequence[str],
+                    int4_source: bool = False) -> bool:
+    """Whether weight `name` (`attr` of `owner`) of a q4 model is stored as q8 instead: embedding tables
+    and routers (the format has no int4 form of them), what the `q8` patterns name, and the attention's
+    k and v projections (Q4_KV_AS_Q8) unless they come as int4 already (`int4_source`: a GGUF's Q4_0,
+    carried as it is)."""
+    return (is_table or name_matches(name, q8) or name_matches(name, ROUTER_PATTERNS)
+            or (isinstance(owner, Attention) and attr in Q4_KV_AS_Q8 and not int4_source))
 
 
 def _clip_scales(w: np.ndarray, top: np.ndarray, importance: np.ndarray | None, skip: np.ndarray | None) -> np.ndarray:
@@ -480,9 +495,9 @@ def quantize(
     """A copy of `graph` with its weight matrices stored as `dtype` (f32, f16, q8, q4).
 
     q4 (format v5, `quantize_q4`): int4 in groups of `group` columns with f16 scales and the same
-    sparse E as q8, each bias in the companion where f16 holds it. Routers and shared gates stay f32
-    and embedding tables (with a tied head) become q8: the format has no int4 form of them
-    (docs/model-format.md). `q8` patterns name further weights to store as q8 instead of q4.
+    sparse E as q8, each bias in the companion where f16 holds it. Routers and shared gates stay f32;
+    embedding tables (with a tied head) and the attention's k and v projections become q8
+    (`q4_stored_as_q8`). `q8` patterns name further weights to store as q8 instead of q4.
 
     q8 with `compact` (format v2, the default): each int8 matrix's bias moves into its
     Q8_PARAMS companion, and scales and bias are f16 where the error budget allows
@@ -550,9 +565,7 @@ def quantize(
                 setattr(owner, attr, done[id(w)])
                 continue
             want = dtype_of(name)
-            if want == "q4" and (id(w) in tables or name_matches(name, q8) or name_matches(name, ROUTER_PATTERNS)):
-                # The format has no int4 embedding table or router (docs/model-format.md); q8 patterns
-                # choose int8 for chosen weights inside a q4 model.
+            if want == "q4" and q4_stored_as_q8(name, owner, attr, id(w) in tables, q8):
                 want = "q8"
             if want == "f32":
                 done[id(w)] = w  # kept in f32: a tied head stays f32 with it
@@ -578,10 +591,35 @@ def quantize(
             except ExportError as exc:
                 raise ExportError(f"{_where(out, name)}: {exc}; keep it in f32 with keep=[{name!r}] "
                                   f"(--keep {name})") from None
-    for name, target, rows, blocks in act_forms(out, int8_act, int8_blocks):
-        if not all(isinstance(w, QuantWeight) for w in act_weights(target)):
+    set_act_forms(out, int8_act, int8_blocks, stored_int8)
+    return out
+
+
+def stored_int8(w: object) -> bool:
+    """Whether a quantised graph's weight is int8 or int4."""
+    return isinstance(w, QuantWeight)
+
+
+def set_act_forms(graph: Graph, int8_act: Sequence[str], int8_blocks: Sequence[str],
+                  is_int8: Callable[[object], bool]) -> None:
+    """Flags the layers, experts and attention blocks the patterns choose with their activation form;
+    `is_int8(w)`: whether weight `w` will be stored int8 or int4, which both forms need."""
+    for name, target, rows, blocks in act_forms(graph, int8_act, int8_blocks):
+        if not all(is_int8(w) for w in act_weights(target)):
             raise ExportError(f"{name}: int8 activations need int8 weights (q8, or q4's int4; not kept in f32)")
         if not isinstance(target, Attention):  # it has the block form only
             target.int8_act = rows
         target.int8_blocks = blocks
-    return out
+
+
+def linux_int8_blocks(graph: Graph, is_int8: Callable[[object], bool]) -> list[str]:
+    """The INT8_BLOCKS targets of a token-model export that names no activation form: every linear
+    layer, expert and attention block whose weights are all int8 or int4 (`is_int8`), when the image
+    is for Linux (`image.writer.linux_layout`: experts, and 16 MiB or more compact, which no
+    microcontroller slot holds); none otherwise. Every Linux backend (x86-64, AArch64, RISC-V V) has
+    block kernels; the Cortex-M one, which has not, never gets such an image (docs/quantization.md)."""
+    from ..image.writer import linux_layout
+
+    if not graph.is_token_model or not linux_layout(graph):
+        return []
+    return [name for name, target in act_targets(graph) if all(is_int8(w) for w in act_weights(target))]

@@ -96,14 +96,7 @@ void colibri_quantize_rows_ref(const float *x, const uint16_t *rows, size_t n, s
 void colibri_quantize_blocks_ref(const float *x, const uint16_t *rows, size_t n, size_t in,
                                  int8_t *restrict q, float *restrict a)
 {
-    const size_t nb = colibri_act_blocks(in);
-    for (size_t i = 0; i < n; i++) {
-        const float *xi = x + (rows ? rows[i] : i) * in;
-        for (size_t blk = 0; blk < nb; blk++) {
-            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
-            colibri_quantize_rows_ref(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
-        }
-    }
+    colibri_quantize_blocks_with(colibri_quantize_rows_ref, x, rows, n, in, q, a);
 }
 
 void colibri_matvec_q8b(const colibri_matrix *w, const float *x, const int8_t *xq, const float *a,

@@ -807,14 +807,7 @@ static void quantize_rows_neon(const float *x, const uint16_t *rows, size_t n, s
 static void quantize_blocks_neon(const float *x, const uint16_t *rows, size_t n, size_t in, int8_t *restrict q,
                                  float *restrict a)
 {
-    const size_t nb = colibri_act_blocks(in);
-    for (size_t i = 0; i < n; i++) {
-        const float *xi = x + (rows ? rows[i] : i) * in;
-        for (size_t blk = 0; blk < nb; blk++) {
-            const size_t c = blk * COLIBRI_ACT_BLOCK, len = in - c < COLIBRI_ACT_BLOCK ? in - c : COLIBRI_ACT_BLOCK;
-            quantize_rows_neon(xi + c, NULL, 1, len, q + i * in + c, a + i * nb + blk);
-        }
-    }
+    colibri_quantize_blocks_with(quantize_rows_neon, x, rows, n, in, q, a);
 }
 
 /* ---- Activations, bit-exact: colibri_math.h's exp, tanh and erf
