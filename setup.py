@@ -1,4 +1,5 @@
-"""Builds colibri.runtime._engine, the CPython binding, from the engine's own sources.
+"""Builds colibri.runtime._engine, the CPython binding, from the engine's own sources, and
+colibri.quant._q4_search, the quantiser's q4 clip search in C.
 
 The source list is firmware/colibri_core/sources.txt, shared with the
 engine's Makefile, so `pip install .` needs no separate build step.
@@ -53,6 +54,15 @@ setup(
             # -ffp-contract=off -fno-math-errno: the engine's floating-point contract
             # (firmware/colibri_core/Makefile), whatever CFLAGS Python was built with.
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno"],
-        )
+        ),
+        Extension(
+            "colibri.quant._q4_search",
+            # The q4 clip search of colibri/quant/quantize.py. -O3 vectorises it across groups, which
+            # keeps each group's float32 operations and their order (no -ffast-math: nothing is
+            # reassociated); -ffp-contract=off keeps numpy's separate roundings (no fused multiply-add).
+            sources=["host_tools/colibri/quant/_q4_search.c"],
+            define_macros=[("COLIBRI_SOURCE_HASH", f'"{src.source_hash(ROOT)}"')],
+            extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno"],
+        ),
     ]
 )

@@ -31,6 +31,7 @@ EDITS = {
     "internal header": ("firmware/colibri_core/src/colibri_internal.h", "\n/* edited */\n"),
     "source list": ("firmware/colibri_core/sources.txt", "src/kernels/colibri_kernels_new.c\n"),
     "binding": ("host_tools/colibri/runtime/_engine.c", "\n/* edited */\n"),
+    "quantiser's C search": ("host_tools/colibri/quant/_q4_search.c", "\n/* edited */\n"),
     "build flags": ("setup.py", "\n# edited\n"),
     "new file": ("firmware/colibri_core/src/kernels/colibri_kernels_new.c", "int colibri_new;\n"),
 }
@@ -61,6 +62,11 @@ def test_loaded_binding_is_built_from_this_checkout() -> None:
     assert sources.checkout_root() == ROOT
     assert Path(_engine.__file__).parent == ROOT / "host_tools" / "colibri" / "runtime"
     assert _engine.SOURCE_HASH == sources.source_hash(ROOT)
+    # the quantiser's C search is built in the same step from the same sources: the engine's check covers it
+    from colibri.quant import _q4_search
+
+    assert Path(_q4_search.__file__).parent == ROOT / "host_tools" / "colibri" / "quant"
+    assert _q4_search.SOURCE_HASH == _engine.SOURCE_HASH
 
 
 @pytest.mark.parametrize("what", EDITS)

@@ -392,9 +392,37 @@ def _q4_bytes(w: Q4Weight) -> bytes:
 
 
 def _spec_q4(w: np.ndarray, *args, **kwargs) -> Q4Weight:
-    """quantize_q4 with its clip search done by the readable form the fast one must equal."""
-    with mock.patch.object(Q, "_q4_scales", Q.q4_scales_spec):
+    """quantize_q4 with its clip search done by the readable form the fast ones must equal, and the
+    int4 values and residuals by numpy."""
+    with mock.patch.object(Q, "_q4_scales", Q.q4_scales_spec), mock.patch.object(Q, "_q4_search", None):
         return quantize_q4(w, *args, **kwargs)
+
+
+# The fast searches: colibri.quant._q4_search with each kernel this CPU runs (the default, the widest,
+# last), and the numpy one a checkout without a build uses.
+SEARCHES = [f"c-{k}" for k in (Q._q4_search.kernels() if Q._q4_search else ())] + ["numpy"]
+
+
+@pytest.fixture(params=SEARCHES)
+def search(request, monkeypatch):
+    """Runs the test with one fast search in place of quantize_q4's default."""
+    if request.param == "numpy":
+        monkeypatch.setattr(Q, "_q4_search", None)
+        yield request.param
+        return
+    default = Q._q4_search.kernel()
+    Q._q4_search.kernel(request.param.removeprefix("c-"))
+    try:
+        yield request.param
+    finally:
+        Q._q4_search.kernel(default)
+
+
+def test_the_c_search_is_built() -> None:
+    """A checkout's `make setup` builds the C search: the numpy one is only the unbuilt checkout's."""
+    assert Q._q4_search is not None and Q._q4_search.kernel() == Q._q4_search.kernels()[-1]
+    with pytest.raises(ValueError, match="no kernel 'sse9'"):
+        Q._q4_search.kernel("sse9")
 
 
 def _edge_matrices():
@@ -412,18 +440,37 @@ def _edge_matrices():
     w[0, :8], w[1, :12] = 1e-42, 3e-39  # subnormal groups: scales that underflow or sit below f16's normals
     w[2, :8] = np.float32(2.0**-14) * 7  # the smallest normal scale exactly
     yield "tiny", w
+    w = (rng.standard_normal((40, 96)) * 3e-4).astype(np.float32)  # every scale below f16's normals: 2^-14
+    w[::3] *= np.float32(1e-3)  # scales that are subnormal in f32 too, or 0
+    yield "subnormal-scales", w
     yield "one-column", rng.standard_normal((7, 1)).astype(np.float32)
     yield "wide", rng.standard_normal((3, 700)).astype(np.float32) * 100
+    yield "many-groups", rng.standard_normal((67, 515)).astype(np.float32)  # blocks of 32 groups, a partial last
+    yield "half-steps", _half_steps(rng, 24, 512)
+
+
+def _half_steps(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Weights an ulp from halfway between two steps of their group's α = 1 scale s (a random f16; 7·s
+    every 8 columns, the largest |w| of any group): w / s rounds to the nearer step, while a quotient by
+    the reciprocal of s often lands on the other side of the half, and another error. The C search must
+    divide where it cannot tell (its screen); exactly halfway would not tell, both steps being as far."""
+    s = rng.uniform(0.01, 2, (rows, 1)).astype(np.float16).astype(np.float32)
+    half = (rng.integers(-7, 7, (rows, cols)) + np.float32(0.5)).astype(np.float32) * s
+    w = np.nextafter(half, np.where(rng.random(half.shape) < 0.5, np.float32(0), np.copysign(np.inf, half)))
+    w[:, ::8] = 7 * s
+    return w.astype(np.float32)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("compensation", [0.0, 0.005, 0.1])
 @pytest.mark.parametrize("group", [8, 32, 256])
-def test_fast_clip_search_equals_the_spec(group: int, compensation: float, threads: int, monkeypatch) -> None:
-    """The fast search (blocks of groups, [group, groups] layout, numpy's summation order replayed,
-    blocks shared among threads) gives the spec's bytes on random shapes with ragged tails and on the
-    cases where float details decide: zero groups, a huge outlier, tied errors, subnormal and boundary
-    scales. Small blocks make many of them, the last one partial."""
+def test_fast_clip_search_equals_the_spec(group: int, compensation: float, threads: int, search: str,
+                                          monkeypatch) -> None:
+    """Each fast search (the C one on every kernel: lanes of 32 groups; the numpy one: blocks of groups in
+    [group, groups] layout, numpy's summation order replayed), its groups shared among threads, gives
+    the spec's bytes on random shapes with ragged tails and on the cases where float details decide:
+    zero groups, a huge outlier, tied errors, subnormal and boundary scales. Small blocks make many of
+    them, the last one partial."""
     monkeypatch.setattr(Q, "Q4_SEARCH_BLOCK", 3 * 256)
     monkeypatch.setattr(Q, "Q4_SEARCH_THREADS", threads)
     rng = np.random.default_rng(group)
@@ -434,6 +481,131 @@ def test_fast_clip_search_equals_the_spec(group: int, compensation: float, threa
             fast = quantize_q4(w, compensation, group=group, clip_search=clip_search)
             spec = _spec_q4(w, compensation, group=group, clip_search=clip_search)
             assert _q4_bytes(fast) == _q4_bytes(spec), (name, w.shape, clip_search)
+
+
+def _tied_group(j: int) -> np.ndarray:
+    """A group of 8 whose squared error is least, and exactly equal, for two clip ratios of the grid.
+
+    amax = 7 makes α = 1's scale 1; s_j is the j-th ratio's scale. The weights k·s_j (k = 6, 3, 2) are
+    exact steps of s_j, and off by k·(1 − s_j) from steps of 1; the 7 is off by 7·(1 − s_j) from 7·s_j.
+    So the error under s_j is 49·(1 − s_j)², under 1 it is (36 + 9 + 4)·(1 − s_j)², every term exact in
+    float32 (1 − s_j has few bits), and every smaller scale does worse on the 7."""
+    s_j = Q._f16_scale(np.float32(7) * Q.Q4_CLIP_GRID[j] / np.float32(7)).astype(np.float32)
+    return np.array([7, 6 * s_j, 3 * s_j, 2 * s_j, 0, 0, 0, 0], np.float32)
+
+
+@pytest.mark.parametrize("j,tied", [(1, (0, 1)), (3, (1, 2))])
+def test_a_tie_keeps_the_earlier_clip_ratio(j: int, tied: tuple[int, int], search: str) -> None:
+    """Of two clip ratios with the same least error the first is kept (the spec's strict `<`), by every
+    search, whichever lane, block and position in its row the group has."""
+    group = _tied_group(j)
+    g = np.zeros((3, 40, 8), np.float32)
+    rng = np.random.default_rng(j)
+    g[...] = rng.standard_normal(g.shape)
+    g[1, 37] = group  # in the second block of 32 groups, a partial one
+    g[2, 0] = group[::-1]
+    m = np.ones(g.shape, bool)
+    amax = np.abs(group).max(keepdims=True)[None]
+    errors = np.array([Q.q4_fit_spec(group[None, None], m[:1, :1], amax, a)[1][0, 0] for a in Q.Q4_CLIP_GRID])
+    assert tuple(np.flatnonzero(errors == errors.min())) == tied  # the construction holds
+    scales = [Q.q4_fit_spec(group[None, None], m[:1, :1], amax, Q.Q4_CLIP_GRID[i])[0][0, 0] for i in tied]
+    assert scales[0] != scales[1]
+    got = Q._q4_scales(g, m, True)
+    assert got[1, 37] == scales[0] and got[2, 0] == scales[0]
+    np.testing.assert_array_equal(got, Q.q4_scales_spec(g, m, True))
+
+
+@pytest.mark.parametrize("group", [8, 16, 32, 64, 128, 256])
+def test_c_search_errors_are_the_specs_sums(group: int) -> None:
+    """Every clip ratio's squared error of every group, as the C search compares them, is the spec's
+    float32 sum bit for bit (numpy's pairwise order) on every kernel: on heavy-tailed weights, where the
+    clipped largest weight's error dwarfs the others', a left-to-right sum differs in many groups; and on
+    weights halfway between two steps, where only the division rounds as numpy does."""
+    rng = np.random.default_rng(group)
+    g = rng.standard_t(2, (2, 700, group)).astype(np.float32)
+    g[1, 600:] = _half_steps(rng, 100, group).reshape(100, group)  # ties to even in the division
+    m = rng.random(g.shape) > 0.05
+    m[1, 600:] = True
+    amax = np.where(m, np.abs(g), 0).max(axis=2)
+    spec = np.stack([Q.q4_fit_spec(g, m, amax, a)[1].ravel() for a in Q.Q4_CLIP_GRID])
+    flat_g, flat_m = g.reshape(-1, group), m.reshape(-1, group)
+    default = Q._q4_search.kernel()
+    try:
+        for kernel in Q._q4_search.kernels():
+            Q._q4_search.kernel(kernel)
+            out = np.empty(flat_g.shape[0], np.float32)
+            errors = np.empty((len(Q.Q4_CLIP_GRID), flat_g.shape[0]), np.float32)
+            assert Q._q4_search.errors(flat_g, flat_m, Q.Q4_CLIP_GRID, out, errors) == Q._q4_search.OK
+            np.testing.assert_array_equal(errors, spec, err_msg=kernel)
+            np.testing.assert_array_equal(out, Q.q4_scales_spec(g, m, True).ravel(), err_msg=kernel)
+    finally:
+        Q._q4_search.kernel(default)
+    # the order matters on these weights: the same squares summed left to right
+    sequential = np.stack([np.add.accumulate(np.where(m, (g - _q(g, s) * s[:, :, None]) ** 2, 0), axis=2)[..., -1]
+                           .ravel() for s in (Q.q4_fit_spec(g, m, amax, a)[0] for a in Q.Q4_CLIP_GRID)])
+    assert np.mean(sequential != spec) > (0.01 if group > 8 else 0.001)
+
+
+def _q(g: np.ndarray, s: np.ndarray) -> np.ndarray:
+    safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+    return np.where(s[:, :, None] > 0, np.clip(np.rint(g / safe), -8, 7), 0).astype(np.float32)
+
+
+def _outcome(fn) -> tuple:
+    """The scales' bits fn returns, or the message of the ExportError it raises."""
+    try:
+        return ("scales", fn().view(np.uint32).tobytes())
+    except ExportError as exc:
+        return ("refused", str(exc))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite_weights_behave_as_before(search: str) -> None:
+    """quantize_q4 refuses NaN and inf before the search. Given to the search itself, the C one leaves
+    them to the numpy one (whatever it makes of them is what it made before), and a scale beyond f16
+    is refused alike."""
+    for bad in (np.nan, np.inf, -np.inf):
+        w = np.ones((3, 64), np.float32)
+        w[1, 40] = bad
+        with pytest.raises(ExportError, match="NaN or inf"):
+            quantize_q4(w)
+        g, m = w.reshape(3, 2, 32), np.ones((3, 2, 32), bool)
+        m[1, 1, 8] = False  # the bad weight unmarked: the numpy search still sees it
+        for marks in (np.ones_like(m), m):
+            with mock.patch.object(Q, "_q4_search", None):
+                before = _outcome(lambda: Q._q4_scales(g, marks, True))  # noqa: B023
+            assert _outcome(lambda: Q._q4_scales(g, marks, True)) == before  # noqa: B023
+    if Q._q4_search is not None:
+        g = np.ones((4, 32), np.float32)
+        g[2, 5] = np.nan
+        assert Q._q4_search.scales(g, np.ones(g.shape, bool), Q.Q4_CLIP_GRID, np.empty(4, np.float32)) \
+            == Q._q4_search.NONFINITE
+        g[2, 5] = 1e6
+        assert Q._q4_search.scales(g, np.ones(g.shape, bool), Q.Q4_CLIP_GRID, np.empty(4, np.float32)) \
+            == Q._q4_search.TOO_LARGE
+
+
+def test_c_search_refuses_bad_buffers() -> None:
+    S = Q._q4_search
+    g, m, out = np.ones((4, 32), np.float32), np.ones((4, 32), bool), np.empty(4, np.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        S.scales(np.ones((4, 12), np.float32), np.ones((4, 12), bool), Q.Q4_CLIP_GRID, out)
+    with pytest.raises(ValueError, match="disagree"):
+        S.scales(g, m, Q.Q4_CLIP_GRID, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="disagree"):
+        S.scales(g, m[:3], Q.Q4_CLIP_GRID, out)
+    with pytest.raises(TypeError, match="float32"):
+        S.scales(g.astype(np.float64), m, Q.Q4_CLIP_GRID, out)
+    with pytest.raises(TypeError, match="bool"):
+        S.scales(g, m.astype(np.int32), Q.Q4_CLIP_GRID, out)
+    with pytest.raises(ValueError, match="alphas is empty"):
+        S.scales(g, m, np.zeros(0, np.float32), out)
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        S.scales(np.ones((4, 64), np.float32)[:, ::2], m, Q.Q4_CLIP_GRID, out)
+    with pytest.raises(ValueError, match="disagree"):
+        S.values(g, out, np.empty((4, 31), np.int8), np.empty((4, 32), np.float32))
+    with pytest.raises(TypeError, match="int8"):
+        S.values(g, out, np.empty((4, 32), np.uint8), np.empty((4, 32), np.float32))
 
 
 @pytest.mark.parametrize("n", [8, 16, 32, 64, 128, 256])
@@ -475,7 +647,7 @@ def test_largest_is_argpartitions_set() -> None:
         assert np.array_equal(np.sort(Q._largest(a, n)), want), (a.size, n)
 
 
-def test_fast_clip_search_refuses_what_the_spec_refuses() -> None:
+def test_fast_clip_search_refuses_what_the_spec_refuses(search: str) -> None:
     w = np.ones((3, 64), np.float32)
     w[2, 50] = 1e6  # a group scale beyond f16, with no E to take the weight
     with pytest.raises(ExportError, match="too large for q4") as fast:

@@ -49,7 +49,9 @@ def describe(data: bytes | memoryview | mmap.mmap) -> dict:
         weight's companion, so a layer counts the same parameters whatever its dtype."""
         return numel(weight, bias) + numel(getattr(weight, "bias", None))
 
-    graph = image.read(data, check="structure")
+    # int4 values stay packed: unpacked they would take a byte per parameter (7 GB for a 7 B q4 image),
+    # and nothing here reads them
+    graph = image.read(data, check="structure", unpack_int4=False)
     table = graph.layers[0].table if graph.is_token_model else None
     layers = []
     params = 0

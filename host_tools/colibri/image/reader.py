@@ -163,15 +163,19 @@ def status(data: bytes | bytearray | memoryview, *, work: Work | None = None, ch
 
 
 def read(data: bytes | bytearray | memoryview, *, work: Work | None = None, check: str = "full",
-         max_image_bytes: int | None = None) -> Graph:
+         max_image_bytes: int | None = None, unpack_int4: bool = True) -> Graph:
     """Parse and validate an image. Weights are numpy views into `data` (zero copy), except int4
     values, unpacked into one int8 each (`Q4Weight.packed` is the view of their bytes).
 
     `work`, if given, is increased by the records and payload entries visited. `check="structure"`
     leaves out the per-tensor payload CRCs of a version-3 image, as COLIBRI_CHECK_STRUCTURE.
     `max_image_bytes` is the engine build's COLIBRI_MAX_IMAGE_BYTES (a 32-bit target: 2**32 - 1): a
-    larger image_size is IMAGE_TOO_LARGE; None (a 64-bit build) sets no limit below the format's."""
-    return _read(data, work=work, check=check, max_image_bytes=max_image_bytes, unpack_int4=True)
+    larger image_size is IMAGE_TOO_LARGE; None (a 64-bit build) sets no limit below the format's.
+
+    `unpack_int4=False` is for readers of the structure alone (`colibri info`): each Q4Weight's `q`
+    is then a zero-stride array of zeros of its shape, not its values (`packed` still holds them), so
+    an int4 image costs no memory per parameter; validated exactly as with the values."""
+    return _read(data, work=work, check=check, max_image_bytes=max_image_bytes, unpack_int4=unpack_int4)
 
 
 def _read(data: bytes | bytearray | memoryview, *, work: Work | None, check: str, max_image_bytes: int | None,

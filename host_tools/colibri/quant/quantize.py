@@ -30,6 +30,14 @@ from ..model.ir import Attention, Embedding, F16Weight, Graph, Q4Weight, Q8Weigh
 from ..model.walks import BIAS_OF, act_forms, act_targets, act_weights, name_matches, router_feeders, weight_slots
 from ..model.walks import where as _where
 
+# The clip search in C. setup.py builds it in the step that builds the engine binding, from the sources
+# that binding's hash covers (colibri.runtime.sources.HASHED), so a checkout whose C changed refuses the
+# pair on `import colibri` until `make setup` rebuilds both.
+try:
+    from . import _q4_search
+except ImportError:  # a source checkout without a build: the numpy search, the same bits
+    _q4_search = None
+
 DTYPES = ("f32", "f16", "q8", "q4")
 DEFAULT_COMPENSATION = 0.005  # share of each tensor's weights kept exactly in E
 F16_MAX = 65504.0
@@ -233,39 +241,85 @@ def _q4_too_large(g: np.ndarray) -> ExportError:
                        f"exceed the f16 range ({F16_MAX:g})")
 
 
+def q4_fit_spec(g: np.ndarray, m: np.ndarray, amax: np.ndarray, alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """One α of `q4_scales_spec`: each group's scale `_f16_scale(α · amax / 7)` (f32 values) and its
+    squared error Σ (w − q·s)² over the weights `m` marks, q = clip(rint(w / s), −8, 7) (0 where s is 0)."""
+    s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+    q = np.clip(np.rint(g / safe), -8, 7)
+    q[s == 0] = 0
+    err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
+    return s, err
+
+
 def q4_scales_spec(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
     """Each group's scale ([rows, G], f32 values of the f16 as stored): of the scales
     `_f16_scale(α · amax / 7)` for α in Q4_CLIP_GRID (only α = 1 without `clip_search`), the first with
-    the least Σ (w − q·s)² over the group's weights `m` marks (q = clip(rint(w / s), −8, 7)); amax is
-    the largest marked |w| of the group. `g` holds the groups [rows, G, group], zero-padded.
+    the least Σ (w − q·s)² over the group's weights `m` marks (q = clip(rint(w / s), −8, 7): `q4_fit_spec`);
+    amax is the largest marked |w| of the group. `g` holds the groups [rows, G, group], zero-padded.
 
     The readable form of the search; `_q4_scales` computes the same bits faster."""
     amax = np.where(m, np.abs(g), 0).max(axis=2)
     if float(amax.max(initial=0)) / 7 > F16_MAX:
         raise _q4_too_large(g)
-
-    def fit(alpha: np.float32) -> tuple[np.ndarray, np.ndarray]:
-        s = _f16_scale((amax * alpha / np.float32(7)).astype(np.float32)).astype(np.float32)
-        safe = np.where(s > 0, s, np.float32(1))[:, :, None]
-        q = np.clip(np.rint(g / safe), -8, 7)
-        q[s == 0] = 0
-        err = np.where(m, (g - q * s[:, :, None]) ** 2, 0).sum(axis=2)
-        return s, err
-
-    scale, best = fit(np.float32(1))
+    scale, best = q4_fit_spec(g, m, amax, np.float32(1))
     if clip_search:
         for alpha in Q4_CLIP_GRID[1:]:
-            s, err = fit(alpha)
+            s, err = q4_fit_spec(g, m, amax, alpha)
             better = err < best
             scale[better], best[better] = s[better], err[better]
     return scale
 
 
-# Weights per block of groups `_q4_scales` works on: its two f32 buffers (1 MiB each) stay in the
-# cache; measured best of 2^15..2^20 on the bench's Xeon with one and two threads (bench/quant_speed.py).
+# Weights per block of groups the numpy search (`_q4_scales_numpy`) works on: its two f32 buffers (1 MiB
+# each) stay in the cache; measured best of 2^15..2^20 on the bench's Xeon with one and two threads
+# (bench/quant_speed.py). The C search hands its threads chunks of this many weights.
 Q4_SEARCH_BLOCK = 1 << 18
 # Threads of the search: the cores this process may run on (at most 8). The scales do not depend on it.
 Q4_SEARCH_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _on_threads(task, starts: list[int], stops: list[int]) -> list:
+    """task(start, stop) for each range, on up to Q4_SEARCH_THREADS threads (numpy's loops and the C search
+    release the GIL, so the ranges, disjoint groups, run on the cores at once); the results in order."""
+    workers = max(1, min(Q4_SEARCH_THREADS, len(starts)))
+    if workers == 1:
+        return [task(a, b) for a, b in zip(starts, stops)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [done.result() for done in [pool.submit(task, a, b) for a, b in zip(starts, stops)]]
+
+
+def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """`q4_scales_spec`, bit for bit, fast: the C search when it is built, else the numpy one."""
+    if _q4_search is not None and g.dtype == np.float32 and m.dtype == np.bool_:
+        scale = _q4_scales_c(g, m, clip_search)
+        if scale is not None:
+            return scale
+    return _q4_scales_numpy(g, m, clip_search)
+
+
+def _q4_scales_c(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray | None:
+    """`q4_scales_spec` by colibri.quant._q4_search (its file says how the bits stay the spec's), in
+    chunks of about Q4_SEARCH_BLOCK weights shared among the threads (a busy core holds up one chunk, not
+    half the matrix). None when g holds NaN or inf, which it leaves to the numpy search: whatever that
+    does with them (quantize_q4 refuses them before) stays as it is."""
+    rows, n_groups, group = g.shape
+    alphas = np.ascontiguousarray(Q4_CLIP_GRID if clip_search else Q4_CLIP_GRID[:1])
+    flat_g = np.ascontiguousarray(g.reshape(-1, group))
+    flat_m = np.ascontiguousarray(m.reshape(-1, group))
+    total = flat_g.shape[0]
+    scale = np.empty(total, np.float32)
+    chunk = max(1, Q4_SEARCH_BLOCK // group)
+    starts = list(range(0, total, chunk))
+    stops = [min(total, a + chunk) for a in starts]
+    status = _on_threads(lambda a, b: _q4_search.scales(flat_g[a:b], flat_m[a:b], alphas, scale[a:b]), starts, stops)
+    if any(s != _q4_search.OK for s in status):
+        if not np.all(np.isfinite(g)):
+            return None
+        raise _q4_too_large(g)  # the only other status: a group scale beyond f16
+    return scale.reshape(rows, n_groups)
 
 
 def _pairwise_sum(x: np.ndarray) -> np.ndarray:
@@ -281,9 +335,10 @@ def _pairwise_sum(x: np.ndarray) -> np.ndarray:
     return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
 
 
-def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
-    """`q4_scales_spec`, bit for bit, fast: blocks of groups that stay in the cache, laid out
-    [group, groups] so that every step is one long float32 vector operation, and no temporaries.
+def _q4_scales_numpy(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
+    """`q4_scales_spec`, bit for bit, in numpy (the search when the C one is not built): blocks of
+    groups that stay in the cache, laid out [group, groups] so that every step is one long float32
+    vector operation, and no temporaries.
 
     Each weight goes through the spec's float32 operations in its order, and each group's squared
     errors are summed in the order of the spec's `sum(axis=2)` (`_pairwise_sum`). Weights outside `m`
@@ -327,17 +382,27 @@ def _q4_scales(g: np.ndarray, m: np.ndarray, clip_search: bool) -> np.ndarray:
 
     blocks = -(-total // block)
     workers = max(1, min(Q4_SEARCH_THREADS, blocks))
-    if workers == 1:
-        search(0, total)
-    else:
-        # numpy's loops release the GIL: the workers' blocks (disjoint groups) run on the cores at once
-        from concurrent.futures import ThreadPoolExecutor
-
-        bounds = [min(total, block * (blocks * i // workers)) for i in range(workers + 1)]
-        with ThreadPoolExecutor(workers) as pool:
-            for done in [pool.submit(search, a, b) for a, b in zip(bounds, bounds[1:])]:
-                done.result()
+    bounds = [min(total, block * (blocks * i // workers)) for i in range(workers + 1)]
+    _on_threads(search, bounds[:-1], bounds[1:])
     return scale.reshape(rows, n_groups)
+
+
+def _q4_values(g: np.ndarray, scale: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int4 values [rows, cols] (int8) of the finite groups g [rows, G, group] under their scales
+    [rows, G], clip(rint(w / s), −8, 7) and 0 where s is 0, and the residuals w − q·s: in C when it is
+    built (the same float32 steps), else in numpy."""
+    rows, n_groups, group = g.shape
+    if _q4_search is not None and g.dtype == np.float32:
+        q = np.empty((rows, n_groups * group), np.int8)
+        residual = np.empty(q.shape, np.float32)
+        _q4_search.values(np.ascontiguousarray(g), np.ascontiguousarray(scale, dtype=np.float32), q, residual)
+        return np.ascontiguousarray(q[:, :cols]), residual[:, :cols]
+    safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
+    q = np.clip(np.rint(g / safe), -8, 7)
+    q[scale == 0] = 0
+    q = q.reshape(rows, -1)[:, :cols].astype(np.int8)
+    per_col = np.repeat(scale, group, axis=1)[:, :cols]
+    return q, g.reshape(rows, -1)[:, :cols] - q.astype(np.float32) * per_col
 
 
 def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, group: int = Q4_DEFAULT_GROUP,
@@ -379,12 +444,7 @@ def quantize_q4(w: np.ndarray, compensation: float = DEFAULT_COMPENSATION, *, gr
     g = padded.reshape(rows, n_groups, group)
     m = mask.reshape(g.shape)
     scale = _q4_scales(g, m, clip_search)
-    safe = np.where(scale > 0, scale, np.float32(1))[:, :, None]
-    q = np.clip(np.rint(g / safe), -8, 7)
-    q[scale == 0] = 0
-    q = q.reshape(rows, -1)[:, :cols].astype(np.int8)
-    per_col = np.repeat(scale, group, axis=1)[:, :cols]
-    residual = w - q.astype(np.float32) * per_col
+    q, residual = _q4_values(g, scale, cols)
 
     row_ptr, col, val = _compensation(w, residual, n_e, None, "q4")
     return Q4Weight(q=q, scale=scale.astype(np.float16), group=group, row_ptr=row_ptr, col=col, val=val,

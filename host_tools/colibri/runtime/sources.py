@@ -15,7 +15,9 @@ The binding (colibri.runtime._engine) is compiled with SOURCE_HASH, `source_hash
 the sources it was built from (HASHED). In a checkout, `check_binding()`
 refuses a binding whose hash differs from the sources now on disk, so a C edit
 cannot go untested by the Python tests; scripts/setup.sh rebuilds it when
-`python scripts/source_hash.py check` says so.
+`python scripts/source_hash.py check` says so. The quantiser's C search
+(colibri.quant._q4_search) is built in the same step from sources this hash
+covers, so the binding's check covers it too.
 
 This module uses only the standard library: setup.py and scripts/source_hash.py
 load it by path, before the package (numpy, the binding) can be imported.
@@ -43,6 +45,7 @@ HASHED = (
     "firmware/colibri_core/posix/**/*",
     "firmware/colibri_core/sources.txt",
     "host_tools/colibri/runtime/_engine.c",
+    "host_tools/colibri/quant/_q4_search.c",  # the quantiser's C search, built in the same step
     "setup.py",
     "pyproject.toml",
 )
