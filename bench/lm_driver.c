@@ -12,7 +12,10 @@
  *       T x E byte matrix, 1 where the token goes to that expert.
  *   lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS
  *       Random token ids (fixed seed). Decode: PROMPT tokens in one call, then DECODE calls of one
- *       token each; prefill: PREFILL tokens in one call from an empty cache. ROUNDS of each after
+ *       token each; prefill: PREFILL tokens in one call from an empty cache. Each call asks for its
+ *       last token's logits only, as llama-bench does (its batches mark the last token as the one
+ *       output), so both engines do the same work: the full pass up to the last attention layer
+ *       for every token, the rest and the LM head for the last one. ROUNDS of each after
  *       one warm-up; prints one JSON line with the median tokens/s of each, the CPU time the
  *       process got over the wall time, the arena and the kernels. The bench takes the peak RSS
  *       from outside (GNU time): Linux keeps a process's high-water mark across exec, so this
@@ -115,13 +118,14 @@ static void lm_close(lm *m)
     free(m->logits);
 }
 
-/* Runs n tokens in calls of up to max_batch; out (if not NULL) gets their logits. */
+/* Runs n tokens in calls of up to max_batch; out (if not NULL) gets their logits. Without out each call
+ * asks for its last token's logits only, as llama-bench's prompt and a generator's prompt do. */
 static void lm_run(lm *m, const int32_t *ids, size_t n, float *out)
 {
     size_t vocab = m->info.vocab_size;
     for (size_t i = 0; i < n;) {
         uint32_t k = (uint32_t)(n - i < m->info.max_batch ? n - i : m->info.max_batch);
-        colibri_status st = colibri_lm_forward_ex(m->ctx, &m->exec, ids + i, k, m->logits, k * vocab);
+        colibri_status st = colibri_lm_forward_ex(m->ctx, &m->exec, ids + i, k, m->logits, out ? k * vocab : vocab);
         if (st != COLIBRI_OK)
             die("colibri_lm_forward_ex", st);
         if (out)

@@ -511,12 +511,12 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
  * matrices wider than this many columns, take the fused kernel of
  * x86/colibri_kernels_x86_q4.c, which decodes the weights per token pair):
  * 6 rows of up to 2048 columns (48 KiB of stack), one row of up to 12288.
- * The fused kernel sums as the AVX2 micro-kernel does (8 lanes along the
- * columns, the same reduction), so at the AVX2 level a token's outputs have
- * the same bits whatever the call's token count; the AVX-512 levels sum in
- * 16 lanes from 4 tokens on, within the same tolerance. Threads split a
- * call's tokens in chunks of 4 or more (colibri_engine.c), so their bits
- * are one thread's. */
+ * The fused kernel sums as the micro-kernel of its level does (AVX2: 8
+ * lanes along the columns; AVX-512: 16 lanes folded to 8; the same
+ * reduction), so a token's outputs have the same bits whatever the call's
+ * token count: a prompt's last token alone (colibri_lm_forward's last-token
+ * logits) gets its bits in the whole call. Threads split a call's tokens in
+ * chunks of 4 or more (colibri_engine.c), so their bits are one thread's. */
 #define X86_I4_WIDE_MAX 12288
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
@@ -690,7 +690,7 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
         break;
     case COLIBRI_DTYPE_I4: /* int8 activations: x86/colibri_kernels_x86_q4.c, AVX2 */
         if (g->xq || n < 4 || g->w->cols > X86_I4_WIDE_MAX)
-            colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc);
+            colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc, avx512);
         else if (avx512)
             gemm_i4_avx512(g, n);
         else
