@@ -282,19 +282,28 @@ Q4_INLINE Q4_AVX512 void q4f_rows4_512(const colibri_matrix *w, size_t o, int T,
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++)
         acc[i] = _mm512_setzero_ps();
+    /* The columns' multiples of 16, a span of one group at a time (two
+     * groups of 8 per span at group_log2 3), its scales widened once. */
+    const size_t full = in & ~(size_t)15, span = log2 >= 4 ? (size_t)1 << log2 : 16;
     size_t k = 0;
-    for (; k + 16 <= in; k += 16) {
-        __m512 xv[2];
-#pragma GCC unroll 2
-        for (int t = 0; t < T; t++)
-            xv[t] = _mm512_loadu_ps(xr[t] + k);
+    while (k < full) {
+        const size_t stop = k + span < full ? k + span : full;
+        __m512 s[4];
 #pragma GCC unroll 4
-        for (size_t r = 0; r < 4; r++) {
-            const __m512 wv = q4_weights16(_mm_loadl_epi64((const __m128i *)(row[r] + (k >> 1))),
-                                           q4_scales16(sc[r], k, log2, in));
+        for (size_t r = 0; r < 4; r++)
+            s[r] = q4_scales16(sc[r], k, log2, in);
+        for (; k < stop; k += 16) {
+            __m512 xv[2];
 #pragma GCC unroll 2
             for (int t = 0; t < T; t++)
-                acc[t * 4 + (int)r] = _mm512_fmadd_ps(wv, xv[t], acc[t * 4 + (int)r]);
+                xv[t] = _mm512_loadu_ps(xr[t] + k);
+#pragma GCC unroll 4
+            for (size_t r = 0; r < 4; r++) {
+                const __m512 wv = q4_weights16(_mm_loadl_epi64((const __m128i *)(row[r] + (k >> 1))), s[r]);
+#pragma GCC unroll 2
+                for (int t = 0; t < T; t++)
+                    acc[t * 4 + (int)r] = _mm512_fmadd_ps(wv, xv[t], acc[t * 4 + (int)r]);
+            }
         }
     }
     __m256 a8[8];
