@@ -431,8 +431,11 @@ X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
  * in its order (colibri_q8_scale, colibri_q8_compensate, colibri_emit),
  * through the q8 block accessors and four rows at a time where they are
  * element-wise (no FMA: the engine builds with -ffp-contract=off). */
+#define EMIT_ALL 0   /* scale, E, biases, emit */
+#define EMIT_SCALE 1 /* the I8 scale only (v written), before terms_tokens */
+#define EMIT_REST 2  /* after terms_tokens: the biases and the emit */
 X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, size_t o, float *v,
-                                   const int32_t *vi)
+                                   const int32_t *vi, int phase)
 {
     const colibri_matrix *w = g->w;
     const size_t in = w->cols, out = w->rows;
@@ -441,7 +444,9 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
     int r;
     if (dt == DT_I8) {
         const colibri_q8_block p = colibri_q8_params_at(w, o);
-        if (vi) { /* (float)sum · (s_o · a) */
+        if (phase == EMIT_REST) {
+            /* v was scaled by the EMIT_SCALE pass */
+        } else if (vi) { /* (float)sum · (s_o · a) */
             const float a = g->xq->a[i];
             for (r = 0; r + 4 <= R; r += 4)
                 _mm_storeu_ps(v + r, _mm_mul_ps(_mm_cvtepi32_ps(_mm_setr_epi32(vi[r], vi[r + 1], vi[r + 2], vi[r + 3])),
@@ -454,7 +459,9 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
             for (; r < R; r++)
                 v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
         }
-        if (w->q8_ptr) /* + Σ e · x[col], row by row in storage order */
+        if (phase == EMIT_SCALE)
+            return;
+        if (w->q8_ptr && phase == EMIT_ALL) /* + Σ e · x[col], row by row in storage order */
             colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
             for (r = 0; r + 4 <= R; r += 4)
@@ -463,8 +470,10 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
                 v[r] += q8_one(p.bias_f16, p.bias_f32, r);
         }
     }
+    if (phase == EMIT_SCALE)
+        return;
     if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias (colibri_q4_epilogue) */
-        if (w->q8_ptr)
+        if (w->q8_ptr && phase == EMIT_ALL)
             colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (w->q4_bias)
             for (r = 0; r < R; r++)
@@ -482,6 +491,44 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
     }
     for (; r < R; r++)
         colibri_emit(yi, o + (size_t)r, v[r], g->b, g->acc, s);
+}
+
+/* E of rows o .. o + R - 1 for tokens i .. i + T - 1 (2 <= T <= 4) at
+ * once, the tokens in the lanes: v[t·R + r] += e · x_t[col] over row o + r's
+ * entries in storage order (colibri_q8_terms, colibri_q8_term_col: read in
+ * place, bounded where they are used), each product rounded, then added:
+ * per token the reference's operations in its order, so colibri_x86_e_terms'
+ * bits, with each entry read once for the T tokens instead of once each.
+ * x is gathered with 64-bit offsets (a row index times cols may pass 2^31);
+ * lanes from T on read token i's row and are never stored. */
+X86_INLINE X86_GEMM void terms_tokens(const gemm_args *g, int T, int R, size_t i, size_t o, float *v)
+{
+    const colibri_matrix *w = g->w;
+    const size_t in = w->cols;
+    int64_t base[4];
+    for (int t = 0; t < 4; t++) {
+        const size_t ti = i + (size_t)(t < T ? t : 0);
+        base[t] = (int64_t)((g->xrows ? g->xrows[ti] : ti) * in);
+    }
+    const __m256i vbase = _mm256_loadu_si256((const __m256i *)base);
+    for (int r = 0; r < R; r++) {
+        uint32_t k, end;
+        colibri_q8_terms(w, o + (size_t)r, &k, &end);
+        if (k >= end)
+            continue;
+        float lane[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int t = 0; t < T; t++)
+            lane[t] = v[t * R + r];
+        __m128 acc = _mm_loadu_ps(lane);
+        for (; k < end; k++) {
+            const __m256i at = _mm256_add_epi64(vbase, _mm256_set1_epi64x((long long)colibri_q8_term_col(w, k)));
+            const __m128 e = _mm_set1_ps(_cvtsh_ss(colibri_q8_term_bits(w, k)));
+            acc = _mm_add_ps(acc, _mm_mul_ps(e, _mm256_i64gather_ps(g->x, at, 4)));
+        }
+        _mm_storeu_ps(lane, acc);
+        for (int t = 0; t < T; t++)
+            v[t * R + r] = lane[t];
+    }
 }
 
 /* Rows [o, o + R) of an f16 or int8 matrix [*, in], widened to f32 into
@@ -539,8 +586,16 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
             for (int t = 0; t < T; t++)                                                            \
                 xq[t] = g->xq->q + (i + (size_t)t) * in;                                           \
             Q8DOT(T, R, w->data, in, o, xq, vi);                                                   \
+            if (T > 1 && w->q8_ptr) {                                                              \
+                for (int t = 0; t < T; t++)                                                        \
+                    emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R, EMIT_SCALE);   \
+                terms_tokens(g, T, R, i, o, v);                                                    \
+                for (int t = 0; t < T; t++)                                                        \
+                    emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, NULL, EMIT_REST);          \
+                return;                                                                            \
+            }                                                                                      \
             for (int t = 0; t < T; t++)                                                            \
-                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R);                   \
+                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R, EMIT_ALL);         \
             return;                                                                                \
         }                                                                                          \
         const float *xr[4] = {NULL};                                                               \
@@ -548,8 +603,16 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
         for (int t = 0; t < T; t++)                                                                \
             xr[t] = g->x + (g->xrows ? g->xrows[i + (size_t)t] : i + (size_t)t) * in;              \
         DOT(ddt, T, R, W, in, wo, xr, v);                                                          \
+        if (T > 1 && w->q8_ptr && (dt == DT_I8 || dt == DT_I4)) {                                  \
+            for (int t = 0; t < T; t++)                                                            \
+                emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_SCALE);                \
+            terms_tokens(g, T, R, i, o, v);                                                        \
+            for (int t = 0; t < T; t++)                                                            \
+                emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_REST);                 \
+            return;                                                                                \
+        }                                                                                          \
         for (int t = 0; t < T; t++)                                                                \
-            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL);                                \
+            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_ALL);                      \
     }                                                                                              \
                                                                                                    \
     /* All tokens for rows [o, o + R): token groups of 4, then the rest. ddt                      \
