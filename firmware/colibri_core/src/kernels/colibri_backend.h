@@ -101,6 +101,8 @@ void colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *
 /* Rows [o, o + R) of an I4 matrix widened to f32 weights Q · s_g (exact)
  * into wide [R, cols], for the f32 GEMM micro-kernels (AVX2, F16C). */
 void colibri_x86_q4_widen(const struct colibri_matrix *w, size_t o, size_t R, float *wide);
+/* The same values with 16-lane conversions (AVX-512F). */
+void colibri_x86_q4_widen512(const struct colibri_matrix *w, size_t o, size_t R, float *wide);
 void colibri_kernels_cmsis(struct colibri_kernels *k);
 void colibri_kernels_rvv(struct colibri_kernels *k);
 

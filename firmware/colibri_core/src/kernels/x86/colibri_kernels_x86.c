@@ -569,8 +569,8 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
 /* The driver, once per instruction set: SFX names it, TGT is its target
  * attribute, DOT its f32-activation micro-kernel, Q8DOT its q8 x int8 one.
  * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
- * groups of four tokens. */
-#define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY)                                       \
+ * groups of four tokens; Q4WIDEN widens I4 rows (its level's conversions). */
+#define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY, Q4WIDEN)                              \
     /* Rows [o, o + R) for tokens [i, i + T); the f32-activation products read                     \
      * rows [wo, wo + R) of W, of dtype ddt (the matrix's, or its rows widened).                   \
      */                                                                                            \
@@ -687,11 +687,11 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
         size_t o = 0;                                                                              \
         if ((size_t)R * in <= X86_I4_WIDE_MAX)                                                     \
             for (; o + (size_t)R <= out; o += (size_t)R) {                                         \
-                colibri_x86_q4_widen(g->w, o, (size_t)R, wide);                                    \
+                Q4WIDEN(g->w, o, (size_t)R, wide);                                                 \
                 groups_##SFX(g, DT_I4, R, n, o, DT_F32, wide, 0);                                  \
             }                                                                                      \
         for (; o < out; o++) {                                                                     \
-            colibri_x86_q4_widen(g->w, o, 1, wide);                                                \
+            Q4WIDEN(g->w, o, 1, wide);                                                             \
             groups_##SFX(g, DT_I4, 1, n, o, DT_F32, wide, 0);                                      \
         }                                                                                          \
     }                                                                                              \
@@ -713,11 +713,11 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
     }
 
 /* AVX2: 8 accumulators of 8 lanes (4 tokens x 2 rows; 8 rows for one token). */
-X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, dot_block_q8q8, 8, 4, 2)
+X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, dot_block_q8q8, 8, 4, 2, colibri_x86_q4_widen)
 /* AVX-512F: 24 accumulators of 16 lanes (4 tokens x 6 rows) of the 32 registers. */
-X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, dot_block_q8q8, 8, 4, 6)
+X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, dot_block_q8q8, 8, 4, 6, colibri_x86_q4_widen512)
 /* AVX-512 VNNI, used for q8 x int8 only: 16 + 4 accumulators (4 tokens x 4 rows). */
-X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 4)
+X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 4, colibri_x86_q4_widen512)
 
 static X86_GEMM __attribute__((noinline)) void gemm_q8q8(const gemm_args *g, size_t n)
 {

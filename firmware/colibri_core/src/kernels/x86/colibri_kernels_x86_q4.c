@@ -376,6 +376,38 @@ void Q4_AVX2 colibri_x86_q4_widen(const colibri_matrix *w, size_t o, size_t R, f
     }
 }
 
+/* colibri_x86_q4_widen with 16-lane conversions, for the AVX-512 levels:
+ * the same values (each an exact product), fewer instructions a weight. */
+void Q4_AVX512 colibri_x86_q4_widen512(const colibri_matrix *w, size_t o, size_t R, float *wide)
+{
+    const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
+    for (size_t r = 0; r < R; r++, wide += in) {
+        const uint8_t *row = colibri_q4_row(w, o + r);
+        const uint16_t *sc = colibri_q4_scales(w, o + r);
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
+            size_t c = c0;
+            for (; c + 32 <= end; c += 32) {
+                const __m256i q = q4_decode32(_mm_loadu_si128((const __m128i *)(row + (c >> 1))));
+                _mm512_storeu_ps(wide + c,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s));
+                _mm512_storeu_ps(wide + c + 16, _mm512_mul_ps(
+                                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s));
+            }
+            if (c < end) { /* a group narrower than 32 columns, or the row's last partial 32 */
+                const size_t n = end - c;
+                const __m256i q = q4_decode32(q4_packed_at(row, c, n));
+                float buf[32];
+                _mm512_storeu_ps(buf, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s));
+                _mm512_storeu_ps(buf + 16, _mm512_mul_ps(
+                                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s));
+                memcpy(wide + c, buf, n * sizeof *buf);
+            }
+        }
+    }
+}
+
 /* Rows o .. o + R - 1 (R <= 8) of one token from their group sums v (in
  * place): colibri_q4_epilogue's E (bounded where it is read,
  * colibri_x86_e_terms) and companion bias, then colibri_emit. */
