@@ -1494,20 +1494,24 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
         case COLIBRI_OP_EMBED: /* layer 0 of a token model: x starts as the tokens' rows */
             ctx->k.embed(&l->w, tokens, batch, act0);
             x = act0;
+            if (i == trim_after) { /* no attention layer */
+                keep_last_row(ctx, i, act0, batch, stack_slot);
+                batch = 1;
+            }
             break;
         case COLIBRI_OP_ATTENTION: {
             float *y = x == act0 ? act1 : act0;
             if ((st = attention_forward(ctx, o, &ctx->attention[l->entry], x, y, batch, ctx->position, rope_for)) < 0)
                 return st;
             x = y;
+            if (i == trim_after) {
+                keep_last_row(ctx, i, y, batch, stack_slot);
+                batch = 1;
+            }
             break;
         }
         default: /* unreachable: ops are validated */
             break;
-        }
-        if (i == trim_after) {
-            keep_last_row(ctx, i, (float *)(uintptr_t)x, batch, stack_slot); /* act[0] or act[1] here */
-            batch = 1;
         }
     }
     if (x == input) { /* no LINEAR or MOE: through act[0], as output may overlap the input */
