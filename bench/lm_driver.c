@@ -12,10 +12,14 @@
  *       T x E byte matrix, 1 where the token goes to that expert.
  *   lm_driver speed IMAGE WORKERS PROMPT DECODE PREFILL ROUNDS
  *       Random token ids (fixed seed). Decode: PROMPT tokens in one call, then DECODE calls of one
- *       token each; prefill: PREFILL tokens in one call from an empty cache. ROUNDS of each after
+ *       token each; prefill: PREFILL tokens in one call from an empty cache. Each call asks for its
+ *       last token's logits only, as llama-bench does (its batches mark the last token as the one
+ *       output), so both engines do the same work: the full pass up to the last attention layer
+ *       for every token, the rest and the LM head for the last one. ROUNDS of each after
  *       one warm-up; prints one JSON line with the median tokens/s of each, the CPU time the
- *       process got over the wall time, the arena and the kernels. The bench takes the peak RSS
- *       from outside (GNU time): Linux keeps a process's high-water mark across exec, so this
+ *       process got over the wall time of each (decode_cpus, prefill_cpus), the arena and the
+ *       kernels. The bench takes the peak RSS from outside (GNU time): Linux keeps a process's
+ *       high-water mark across exec, so this
  *       process's own getrusage would include its launcher's.
  *
  *   lm_driver decode IMAGE WORKERS IDS DECODE LOCK
@@ -115,13 +119,14 @@ static void lm_close(lm *m)
     free(m->logits);
 }
 
-/* Runs n tokens in calls of up to max_batch; out (if not NULL) gets their logits. */
+/* Runs n tokens in calls of up to max_batch; out (if not NULL) gets their logits. Without out each call
+ * asks for its last token's logits only, as llama-bench's prompt and a generator's prompt do. */
 static void lm_run(lm *m, const int32_t *ids, size_t n, float *out)
 {
     size_t vocab = m->info.vocab_size;
     for (size_t i = 0; i < n;) {
         uint32_t k = (uint32_t)(n - i < m->info.max_batch ? n - i : m->info.max_batch);
-        colibri_status st = colibri_lm_forward_ex(m->ctx, &m->exec, ids + i, k, m->logits, k * vocab);
+        colibri_status st = colibri_lm_forward_ex(m->ctx, &m->exec, ids + i, k, m->logits, out ? k * vocab : vocab);
         if (st != COLIBRI_OK)
             die("colibri_lm_forward_ex", st);
         if (out)
@@ -255,7 +260,7 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         ids[i] = (int32_t)((s >> 33) % m.info.vocab_size);
     }
-    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS];
+    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS], pre_busy[MAX_ROUNDS];
     for (long r = -1; r < rounds; r++) { /* round -1 warms the caches and the pool's threads */
         colibri_status st = colibri_lm_reset(m.ctx);
         if (st != COLIBRI_OK)
@@ -267,19 +272,21 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
         double t1 = seconds(CLOCK_MONOTONIC), c1 = seconds(CLOCK_PROCESS_CPUTIME_ID);
         if ((st = colibri_lm_reset(m.ctx)) != COLIBRI_OK)
             die("colibri_lm_reset", st);
-        double t2 = seconds(CLOCK_MONOTONIC);
+        double t2 = seconds(CLOCK_MONOTONIC), c2 = seconds(CLOCK_PROCESS_CPUTIME_ID);
         lm_run(&m, ids, (size_t)prefill, NULL);
-        double t3 = seconds(CLOCK_MONOTONIC);
+        double t3 = seconds(CLOCK_MONOTONIC), c3 = seconds(CLOCK_PROCESS_CPUTIME_ID);
         if (r >= 0) {
             dec[r] = (double)decode / (t1 - t0);
             pre[r] = (double)prefill / (t3 - t2);
             busy[r] = (c1 - c0) / (t1 - t0);
+            pre_busy[r] = (c3 - c2) / (t3 - t2);
         }
     }
-    printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"workers\": %zu, "
-           "\"arena_bytes\": %zu, \"kv_cache_bytes\": %zu, \"image_bytes\": %zu, "
+    printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"prefill_cpus\": %.3f, "
+           "\"workers\": %zu, \"arena_bytes\": %zu, \"kv_cache_bytes\": %zu, \"image_bytes\": %zu, "
            "\"kernels\": \"%s\"}\n",
-           median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), workers, m.info.arena_size,
+           median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), median(pre_busy, (int)rounds),
+           workers, m.info.arena_size,
            m.info.kv_cache_bytes, colibri_file_size(m.file), colibri_kernels_name(m.ctx));
     lm_close(&m);
     free(ids);

@@ -23,7 +23,10 @@ to Q8_0 and Q4_0 (its defaults: routers stay F32, Q4_0's output head is raised t
    decode (DECODE tokens one call each after a PROMPT-token prompt) and prefill (PREFILL tokens in one
    call). Colibri: bench/lm_driver.c over libcolibri (colibri_lm_forward_ex, a colibri_pool of N
    workers). llama.cpp: llama-bench -t N at its defaults (flash attention auto, f16 cache, Q4_0 repacked
-   at load), tg DECODE at depth PROMPT and pp PREFILL. Medians over rounds. Peak RSS: each C process's
+   at load), tg DECODE at depth PROMPT and pp PREFILL. Every call on both sides outputs its last token's
+   logits only (llama-bench's batches mark only the last token; lm_driver passes logits_len = vocab), so
+   both skip the layers after the last attention and the LM head for the other tokens: the same work.
+   Medians over rounds. Peak RSS: each C process's
    ru_maxrss (wait4), the driver's and llama-bench's.
 3. Perplexity per byte of the held-out King James text (examples/tiny_lm/evaluate.py's windows and
    images) through both engines' C drivers.

@@ -14,7 +14,12 @@
  *   - a parallel_for handing out a worker index beyond the exec's, one
  *     failing, an on_route or hook failing: their statuses, the position
  *     unchanged;
- *   - the checks of colibri_lm_forward() before the exec's.
+ *   - the checks of colibri_lm_forward() before the exec's;
+ *   - logits_len = vocab (the last token's logits only) on every call of the
+ *     sequence, plain and on 1, 2 and 3 workers, with on_route and without:
+ *     each call's row is the last row of the whole call's logits, bit for bit,
+ *     and the later calls' too (the cache ended the same); any other length
+ *     is BUFFER_SIZE.
  * Prints "lm exec ok: N images" and exits 0, or reports and exits 1.
  */
 #include <stdio.h>
@@ -111,6 +116,42 @@ static colibri_status run(colibri_ctx *ctx, const colibri_exec *exec, int plain,
     return st;
 }
 
+/* The sequence with logits_len = vocab on every call: out gets each call's
+ * last row where the whole call's logits would put it (the other rows are
+ * left as they were). */
+static colibri_status run_last(colibri_ctx *ctx, const colibri_exec *exec, int plain, const sequence *s, size_t vocab,
+                               float *out)
+{
+    colibri_status st = colibri_lm_reset(ctx);
+    size_t at = 0;
+    for (size_t c = 0; st == COLIBRI_OK && c < s->calls; c++) {
+        const uint32_t n = s->count[c];
+        float *row = out + (at + n - 1) * vocab;
+        st = plain ? colibri_lm_forward(ctx, s->ids + at, n, row, vocab)
+                   : colibri_lm_forward_ex(ctx, exec, s->ids + at, n, row, vocab);
+        at += n;
+    }
+    uint32_t pos = 0;
+    if (st == COLIBRI_OK && (colibri_lm_position(ctx, &pos) != COLIBRI_OK || pos != at))
+        st = COLIBRI_E_CACHE_FULL;
+    return st;
+}
+
+/* Whether each call's last row of a and b agree, bit for bit; the first call
+ * that differs in *call. */
+static int same_last_rows(const float *a, const float *b, const sequence *s, size_t vocab, size_t *call)
+{
+    size_t at = 0;
+    for (size_t c = 0; c < s->calls; c++) {
+        at += s->count[c];
+        if (memcmp(a + (at - 1) * vocab, b + (at - 1) * vocab, vocab * sizeof *a) != 0) {
+            *call = c;
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int same(const float *a, const float *b, size_t n)
 {
     return memcmp(a, b, n * sizeof *a) == 0;
@@ -204,6 +245,27 @@ static void test_image(const char *path, colibri_pool *pool2, colibri_pool *pool
                       routes);
                 CHECK(!(variant & 2) || (hooks > 0) == (info.num_moe_layers > 0), "%s: hook %zu calls", path, hooks);
             }
+
+        /* The last token's logits only: the whole call's last row, and the cache as after the whole call. */
+        for (int pi = -1; pi < 3; pi++) /* -1: colibri_lm_forward */
+            for (int variant = 0; variant < 2; variant++) {
+                size_t routes = 0, call = 0;
+                colibri_exec e = COLIBRI_EXEC_INIT;
+                if (pi >= 0)
+                    colibri_pool_attach(pools[pi], &e);
+                if (variant) {
+                    e.on_route = on_route;
+                    e.on_route_user = &routes;
+                }
+                memset(out, 0xA5, n_logits * sizeof *out);
+                const colibri_status st = run_last(pi < 0 ? ctx1 : ctx, &e, pi < 0, &seq, vocab, out);
+                CHECK(st == COLIBRI_OK && same_last_rows(out, ref, &seq, vocab, &call),
+                      "%s %s: last-token logits, %s, on_route %d: %s; call %zu of %u tokens differs", path, ks,
+                      pi < 0 ? "colibri_lm_forward" : pi == 0 ? "1 worker" : pi == 1 ? "2 workers" : "3 workers",
+                      variant, colibri_strerror(st), call, seq.count[call]);
+                CHECK(!variant || pi < 0 || (routes > 0) == (info.num_moe_layers > 0), "%s: on_route %zu calls", path,
+                      routes);
+            }
     }
 
     /* Exactness: one byte short of N workers' arena holds N - 1. */
@@ -251,6 +313,16 @@ static void test_image(const char *path, colibri_pool *pool2, colibri_pool *pool
     CHECK(colibri_lm_forward_ex(ctx, &e, seq.ids, 0, out, 0) == COLIBRI_E_BAD_BATCH, "%s: n 0", path);
     CHECK(colibri_lm_forward_ex(ctx, &e, seq.ids, 1, out, vocab + 1) == COLIBRI_E_BUFFER_SIZE, "%s: logits_len",
           path);
+    if (n1 > 1) { /* n tokens take n · vocab or vocab logits, nothing between or beyond */
+        const size_t wrong[4] = {vocab - 1, vocab + 1, n1 * vocab - 1, n1 * vocab + 1};
+        for (int w = 0; w < 4; w++) {
+            uint32_t pos = 1;
+            colibri_lm_reset(ctx);
+            CHECK(colibri_lm_forward_ex(ctx, &e, seq.ids, n1, out, wrong[w]) == COLIBRI_E_BUFFER_SIZE &&
+                      colibri_lm_position(ctx, &pos) == COLIBRI_OK && pos == 0,
+                  "%s: %u tokens, logits_len %zu", path, n1, wrong[w]);
+        }
+    }
     CHECK(colibri_lm_forward_ex(NULL, &e, seq.ids, 1, out, vocab) == COLIBRI_E_NULL_ARG, "%s: NULL ctx", path);
 
     colibri_free(ctx);

@@ -293,10 +293,10 @@ int main(int argc, char **argv)
                     }
                     (void)worst_i8;
                     /* A token's outputs have the same bits alone as in the batch (prefill and
-                     * decode agree): int8 activations everywhere, f32 ones at the AVX2 level
-                     * (opts[0] on x86) and within calls of fewer than 4 tokens (the AVX-512
-                     * levels sum in 16 lanes from 4 tokens on, colibri_kernels_x86.c). */
-                    if (!c.acc && (c.int8_act || t == 0 || c.n < 4)) {
+                     * decode agree, and a prompt's last-token logits are its row of the whole
+                     * call's), at every level: the AVX-512 levels' fused kernel below 4 tokens
+                     * sums in 16 lanes as their GEMM on widened rows does from 4 on. */
+                    if (!c.acc) {
                         float *y_one = case_alloc(c.sh.rows * sizeof *y_one);
                         for (size_t i = 0; i < c.n; i++) {
                             const uint16_t row = c.use_rows ? d.rows[i] : (uint16_t)i;

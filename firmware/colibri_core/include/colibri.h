@@ -263,10 +263,10 @@ COLIBRI_API colibri_status colibri_free(colibri_ctx *ctx);
  * is COLIBRI_E_MODEL_KIND, as every colibri_lm_* call on a feature model.
  *
  *   colibri_lm_reset(ctx);
- *   colibri_lm_forward(ctx, prompt, n, logits, n * vocab);      // prefill
+ *   colibri_lm_forward(ctx, prompt, n, logits, vocab);          // prefill: the last row
  *   colibri_rng rng; colibri_rng_seed(&rng, 42);
  *   colibri_sampler s = {sizeof s, 0.8f, 40, 0.95f};
- *   colibri_lm_sample(ctx, &s, logits + (n - 1) * vocab, vocab, &rng, &tok);
+ *   colibri_lm_sample(ctx, &s, logits, vocab, &rng, &tok);
  *   colibri_lm_forward(ctx, &tok, 1, logits, vocab);              // one decode step
  */
 
@@ -277,7 +277,11 @@ COLIBRI_API colibri_status colibri_lm_reset(colibri_ctx *ctx);
 COLIBRI_API colibri_status colibri_lm_position(const colibri_ctx *ctx, uint32_t *position);
 
 /* Runs n tokens (1 .. max_batch) at the next n positions, appending them to
- * the cache, and writes their logits [n, vocab] (logits_len = n · vocab).
+ * the cache, and writes their logits [n, vocab] (logits_len = n · vocab),
+ * or only the last token's [vocab] (logits_len = vocab: what a prompt needs
+ * to sample the next token; the layers after the last attention layer and
+ * the LM head then run for the last token alone, and its logits and the
+ * cache are bit for bit those of the whole call).
  * Everything is checked before anything changes: BAD_BATCH, BUFFER_SIZE, a
  * token outside [0, vocab) BAD_TOKEN, a cache that would pass max_seq_len
  * CACHE_FULL (the cache is never overwritten: reset it). */

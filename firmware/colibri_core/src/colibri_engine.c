@@ -1389,11 +1389,46 @@ static int overlap(const float *a, size_t an, const float *b, size_t bn)
     return pa < pb + bn * sizeof *b && pb < pa + an * sizeof *a;
 }
 
+/* Keeps only the last of a call's rows from layer t on: the activation x's
+ * last row and each live residual entry's become their row 0. Every layer
+ * after the last ATTENTION acts on each row alone (no later layer reads the
+ * cache or another row), so the last token's output is the same bits as in
+ * the whole batch. */
+static NOINLINE void keep_last_row(const colibri_ctx *ctx, uint32_t t, float *x, size_t batch, size_t stack_slot)
+{
+    uint32_t width[COLIBRI_MAX_RESIDUAL_DEPTH];
+    size_t depth = 0;
+    for (uint32_t j = 0; j <= t; j++) { /* the entries live after layer t, as forward pushed them */
+        if (ctx->layer[j].op == COLIBRI_OP_RESIDUAL_PUSH)
+            width[depth++] = ctx->layer[j].in;
+        else if (ctx->layer[j].op == COLIBRI_OP_RESIDUAL_ADD)
+            depth--;
+    }
+    const size_t w = ctx->layer[t + 1].in;
+    memcpy(x, x + (batch - 1) * w, w * sizeof *x);
+    for (size_t d = 0; d < depth; d++) {
+        float *entry = ctx->stack + d * stack_slot;
+        memcpy(entry, entry + (batch - 1) * width[d], width[d] * sizeof *entry);
+    }
+}
+
+/* The last ATTENTION layer of a token model, or its EMBED (layer 0) if it
+ * has none: from there on only the last row matters to the last logits. */
+static uint32_t last_attention(const colibri_ctx *ctx)
+{
+    for (uint32_t i = ctx->model.hdr.layer_count; i-- > 1;)
+        if (ctx->layer[i].op == COLIBRI_OP_ATTENTION)
+            return i;
+    return 0;
+}
+
 /* The forward pass; o NULL: colibri_forward(). A token model's input is
- * tokens [batch] at cache positions ctx->position on (input NULL). */
+ * tokens [batch] at cache positions ctx->position on (input NULL). After
+ * layer trim_after (UINT32_MAX: none) the pass goes on with the last row
+ * alone, and output gets that row. */
 static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch, const int32_t *tokens,
                               const float *input, size_t input_count,
-                              float *output, size_t output_count)
+                              float *output, size_t output_count, uint32_t trim_after)
 {
     float rope_for[2] = {-1.0f, 0.0f}; /* (theta, hd) of the rope table: none yet */
     const colibri_header *hdr = &ctx->model.hdr;
@@ -1459,12 +1494,20 @@ static colibri_status forward(colibri_ctx *ctx, const run_opts *o, size_t batch,
         case COLIBRI_OP_EMBED: /* layer 0 of a token model: x starts as the tokens' rows */
             ctx->k.embed(&l->w, tokens, batch, act0);
             x = act0;
+            if (i == trim_after) { /* no attention layer */
+                keep_last_row(ctx, i, act0, batch, stack_slot);
+                batch = 1;
+            }
             break;
         case COLIBRI_OP_ATTENTION: {
             float *y = x == act0 ? act1 : act0;
             if ((st = attention_forward(ctx, o, &ctx->attention[l->entry], x, y, batch, ctx->position, rope_for)) < 0)
                 return st;
             x = y;
+            if (i == trim_after) {
+                keep_last_row(ctx, i, y, batch, stack_slot);
+                batch = 1;
+            }
             break;
         }
         default: /* unreachable: ops are validated */
@@ -1508,7 +1551,7 @@ colibri_status colibri_forward(colibri_ctx *ctx, size_t batch,
     colibri_status st = check_call(ctx, batch, input, input_count, output, output_count);
     if (st != COLIBRI_OK)
         return st;
-    return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
+    return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count, UINT32_MAX);
 }
 
 /* The caller's struct, as far as both sides know it (colibri.h: versioning),
@@ -1543,11 +1586,11 @@ colibri_status colibri_forward_ex(colibri_ctx *ctx, const colibri_exec *exec, si
     if (st != COLIBRI_OK)
         return st;
     if (!exec)
-        return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count);
+        return forward(ctx, NULL, batch, NULL, input, input_count, output, output_count, UINT32_MAX);
     run_opts o;
     if ((st = read_exec(ctx, exec, &o)) != COLIBRI_OK)
         return st;
-    return forward(ctx, &o, batch, NULL, input, input_count, output, output_count);
+    return forward(ctx, &o, batch, NULL, input, input_count, output, output_count, UINT32_MAX);
 }
 
 /* ---- Token models: the sequence, the forward pass, sampling (docs/lm.md) ---- */
@@ -1600,8 +1643,8 @@ static colibri_status lm_check(const colibri_ctx *ctx, const int32_t *tokens, ui
     for (uint32_t i = 0; i < n; i++)
         if (tokens[i] < 0 || (uint32_t)tokens[i] >= m->vocab)
             return COLIBRI_E_BAD_TOKEN;
-    if (logits_len != (size_t)n * m->hdr.output_size)
-        return COLIBRI_E_BUFFER_SIZE;
+    if (logits_len != (size_t)n * m->hdr.output_size && logits_len != m->hdr.output_size)
+        return COLIBRI_E_BUFFER_SIZE; /* every token's logits, or the last token's */
     if ((uint64_t)ctx->position + n > m->max_seq_len)
         return COLIBRI_E_CACHE_FULL;
     return COLIBRI_OK;
@@ -1610,7 +1653,8 @@ static colibri_status lm_check(const colibri_ctx *ctx, const int32_t *tokens, ui
 static colibri_status lm_run(colibri_ctx *ctx, const run_opts *o, const int32_t *tokens, uint32_t n, float *logits,
                              size_t logits_len)
 {
-    const colibri_status st = forward(ctx, o, n, tokens, NULL, 0, logits, logits_len);
+    const uint32_t trim_after = n > 1 && logits_len == ctx->model.hdr.output_size ? last_attention(ctx) : UINT32_MAX;
+    const colibri_status st = forward(ctx, o, n, tokens, NULL, 0, logits, logits_len, trim_after);
     if (st == COLIBRI_OK)
         ctx->position += n;
     return st;

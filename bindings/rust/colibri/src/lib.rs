@@ -381,13 +381,15 @@ impl Model<'_> {
     }
 
     /// Runs `tokens` (1..=max_batch of them) at the next positions and writes
-    /// their logits, `[tokens.len(), vocab]`. Nothing changes on an error:
+    /// their logits, `[tokens.len(), vocab]`, or the last token's only when
+    /// `logits` holds `vocab` (the same bits; the layers after the last
+    /// attention then run for that token alone). Nothing changes on an error:
     /// [`Status::BadBatch`], [`Status::BufferSize`], [`Status::BadToken`],
     /// [`Status::CacheFull`].
     pub fn lm_forward(&mut self, tokens: &[i32], logits: &mut [f32]) -> Result<(), Status> {
         let n = u32::try_from(tokens.len()).map_err(|_| Status::BadBatch)?;
         // SAFETY: live context; the engine checks n against max_batch and
-        // logits.len() against n * vocab before touching either.
+        // logits.len() against n * vocab (or vocab) before touching either.
         check(unsafe { sys::colibri_lm_forward(self.ctx, tokens.as_ptr(), n, logits.as_mut_ptr(), logits.len()) })
     }
 

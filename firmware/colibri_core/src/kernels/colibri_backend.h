@@ -91,15 +91,18 @@ void colibri_neon_blocks(struct colibri_kernels *k, int dotprod);
  * file of its own to keep the other's compile time): n tokens, token i
  * reading x row xrows ? xrows[i] : i (and int8 row i of xq, or xq NULL for
  * f32 activations) and storing (acc 0) or adding with gate scale[i] into y
- * row yrows ? yrows[i] : i. Needs AVX2, FMA and F16C. */
+ * row yrows ? yrows[i] : i. Needs AVX2, FMA and F16C; avx512 (the CPU has
+ * AVX-512F) sums f32 activations in 16 lanes as the AVX-512 GEMM does. */
 struct colibri_matrix;
 struct colibri_qrows;
 void colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                          const struct colibri_qrows *xq, const struct colibri_matrix *w, const float *b, float *y,
-                         size_t n, int acc);
+                         size_t n, int acc, int avx512);
 /* Rows [o, o + R) of an I4 matrix widened to f32 weights Q · s_g (exact)
  * into wide [R, cols], for the f32 GEMM micro-kernels (AVX2, F16C). */
 void colibri_x86_q4_widen(const struct colibri_matrix *w, size_t o, size_t R, float *wide);
+/* The same values with 16-lane conversions (AVX-512F). */
+void colibri_x86_q4_widen512(const struct colibri_matrix *w, size_t o, size_t R, float *wide);
 void colibri_kernels_cmsis(struct colibri_kernels *k);
 void colibri_kernels_rvv(struct colibri_kernels *k);
 

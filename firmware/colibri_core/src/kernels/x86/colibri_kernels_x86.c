@@ -431,8 +431,11 @@ X86_INLINE X86_GEMM float q8_one(const uint16_t *h, const float *f, int r)
  * in its order (colibri_q8_scale, colibri_q8_compensate, colibri_emit),
  * through the q8 block accessors and four rows at a time where they are
  * element-wise (no FMA: the engine builds with -ffp-contract=off). */
+#define EMIT_ALL 0   /* scale, E, biases, emit */
+#define EMIT_SCALE 1 /* the I8 scale only (v written), before terms_tokens */
+#define EMIT_REST 2  /* after terms_tokens: the biases and the emit */
 X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, size_t o, float *v,
-                                   const int32_t *vi)
+                                   const int32_t *vi, int phase)
 {
     const colibri_matrix *w = g->w;
     const size_t in = w->cols, out = w->rows;
@@ -441,7 +444,9 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
     int r;
     if (dt == DT_I8) {
         const colibri_q8_block p = colibri_q8_params_at(w, o);
-        if (vi) { /* (float)sum · (s_o · a) */
+        if (phase == EMIT_REST) {
+            /* v was scaled by the EMIT_SCALE pass */
+        } else if (vi) { /* (float)sum · (s_o · a) */
             const float a = g->xq->a[i];
             for (r = 0; r + 4 <= R; r += 4)
                 _mm_storeu_ps(v + r, _mm_mul_ps(_mm_cvtepi32_ps(_mm_setr_epi32(vi[r], vi[r + 1], vi[r + 2], vi[r + 3])),
@@ -454,7 +459,9 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
             for (; r < R; r++)
                 v[r] *= q8_one(p.scale_f16, p.scale_f32, r);
         }
-        if (w->q8_ptr) /* + Σ e · x[col], row by row in storage order */
+        if (phase == EMIT_SCALE)
+            return;
+        if (w->q8_ptr && phase == EMIT_ALL) /* + Σ e · x[col], row by row in storage order */
             colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (p.bias_f16 || p.bias_f32) { /* + the companion's bias */
             for (r = 0; r + 4 <= R; r += 4)
@@ -463,8 +470,10 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
                 v[r] += q8_one(p.bias_f16, p.bias_f32, r);
         }
     }
+    if (phase == EMIT_SCALE)
+        return;
     if (dt == DT_I4) { /* + Σ e · x[col] in storage order, + the companion bias (colibri_q4_epilogue) */
-        if (w->q8_ptr)
+        if (w->q8_ptr && phase == EMIT_ALL)
             colibri_x86_e_terms(w, o, R, g->x + (g->xrows ? g->xrows[i] : i) * in, v);
         if (w->q4_bias)
             for (r = 0; r < R; r++)
@@ -482,6 +491,44 @@ X86_INLINE X86_GEMM void emit_rows(const gemm_args *g, int dt, int R, size_t i, 
     }
     for (; r < R; r++)
         colibri_emit(yi, o + (size_t)r, v[r], g->b, g->acc, s);
+}
+
+/* E of rows o .. o + R - 1 for tokens i .. i + T - 1 (2 <= T <= 4) at
+ * once, the tokens in the lanes: v[t·R + r] += e · x_t[col] over row o + r's
+ * entries in storage order (colibri_q8_terms, colibri_q8_term_col: read in
+ * place, bounded where they are used), each product rounded, then added:
+ * per token the reference's operations in its order, so colibri_x86_e_terms'
+ * bits, with each entry read once for the T tokens instead of once each.
+ * x is gathered with 64-bit offsets (a row index times cols may pass 2^31);
+ * lanes from T on read token i's row and are never stored. */
+X86_INLINE X86_GEMM void terms_tokens(const gemm_args *g, int T, int R, size_t i, size_t o, float *v)
+{
+    const colibri_matrix *w = g->w;
+    const size_t in = w->cols;
+    int64_t base[4];
+    for (int t = 0; t < 4; t++) {
+        const size_t ti = i + (size_t)(t < T ? t : 0);
+        base[t] = (int64_t)((g->xrows ? g->xrows[ti] : ti) * in);
+    }
+    const __m256i vbase = _mm256_loadu_si256((const __m256i *)base);
+    for (int r = 0; r < R; r++) {
+        uint32_t k, end;
+        colibri_q8_terms(w, o + (size_t)r, &k, &end);
+        if (k >= end)
+            continue;
+        float lane[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int t = 0; t < T; t++)
+            lane[t] = v[t * R + r];
+        __m128 acc = _mm_loadu_ps(lane);
+        for (; k < end; k++) {
+            const __m256i at = _mm256_add_epi64(vbase, _mm256_set1_epi64x((long long)colibri_q8_term_col(w, k)));
+            const __m128 e = _mm_set1_ps(_cvtsh_ss(colibri_q8_term_bits(w, k)));
+            acc = _mm_add_ps(acc, _mm_mul_ps(e, _mm256_i64gather_ps(g->x, at, 4)));
+        }
+        _mm_storeu_ps(lane, acc);
+        for (int t = 0; t < T; t++)
+            v[t * R + r] = lane[t];
+    }
 }
 
 /* Rows [o, o + R) of an f16 or int8 matrix [*, in], widened to f32 into
@@ -511,19 +558,19 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
  * matrices wider than this many columns, take the fused kernel of
  * x86/colibri_kernels_x86_q4.c, which decodes the weights per token pair):
  * 6 rows of up to 2048 columns (48 KiB of stack), one row of up to 12288.
- * The fused kernel sums as the AVX2 micro-kernel does (8 lanes along the
- * columns, the same reduction), so at the AVX2 level a token's outputs have
- * the same bits whatever the call's token count; the AVX-512 levels sum in
- * 16 lanes from 4 tokens on, within the same tolerance. Threads split a
- * call's tokens in chunks of 4 or more (colibri_engine.c), so their bits
- * are one thread's. */
+ * The fused kernel sums as the micro-kernel of its level does (AVX2: 8
+ * lanes along the columns; AVX-512: 16 lanes folded to 8; the same
+ * reduction), so a token's outputs have the same bits whatever the call's
+ * token count: a prompt's last token alone (colibri_lm_forward's last-token
+ * logits) gets its bits in the whole call. Threads split a call's tokens in
+ * chunks of 4 or more (colibri_engine.c), so their bits are one thread's. */
 #define X86_I4_WIDE_MAX 12288
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
  * attribute, DOT its f32-activation micro-kernel, Q8DOT its q8 x int8 one.
  * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
- * groups of four tokens. */
-#define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY)                                       \
+ * groups of four tokens; Q4WIDEN widens I4 rows (its level's conversions). */
+#define X86_DEFINE_GEMM(SFX, TGT, DOT, Q8DOT, R_ONE, R_FEW, R_MANY, Q4WIDEN)                              \
     /* Rows [o, o + R) for tokens [i, i + T); the f32-activation products read                     \
      * rows [wo, wo + R) of W, of dtype ddt (the matrix's, or its rows widened).                   \
      */                                                                                            \
@@ -539,8 +586,16 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
             for (int t = 0; t < T; t++)                                                            \
                 xq[t] = g->xq->q + (i + (size_t)t) * in;                                           \
             Q8DOT(T, R, w->data, in, o, xq, vi);                                                   \
+            if (T > 1 && w->q8_ptr) {                                                              \
+                for (int t = 0; t < T; t++)                                                        \
+                    emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R, EMIT_SCALE);   \
+                terms_tokens(g, T, R, i, o, v);                                                    \
+                for (int t = 0; t < T; t++)                                                        \
+                    emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, NULL, EMIT_REST);          \
+                return;                                                                            \
+            }                                                                                      \
             for (int t = 0; t < T; t++)                                                            \
-                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R);                   \
+                emit_rows(g, DT_I8, R, i + (size_t)t, o, v + t * R, vi + t * R, EMIT_ALL);         \
             return;                                                                                \
         }                                                                                          \
         const float *xr[4] = {NULL};                                                               \
@@ -548,8 +603,16 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
         for (int t = 0; t < T; t++)                                                                \
             xr[t] = g->x + (g->xrows ? g->xrows[i + (size_t)t] : i + (size_t)t) * in;              \
         DOT(ddt, T, R, W, in, wo, xr, v);                                                          \
+        if (T > 1 && w->q8_ptr && (dt == DT_I8 || dt == DT_I4)) {                                  \
+            for (int t = 0; t < T; t++)                                                            \
+                emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_SCALE);                \
+            terms_tokens(g, T, R, i, o, v);                                                        \
+            for (int t = 0; t < T; t++)                                                            \
+                emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_REST);                 \
+            return;                                                                                \
+        }                                                                                          \
         for (int t = 0; t < T; t++)                                                                \
-            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL);                                \
+            emit_rows(g, dt, R, i + (size_t)t, o, v + t * R, NULL, EMIT_ALL);                      \
     }                                                                                              \
                                                                                                    \
     /* All tokens for rows [o, o + R): token groups of 4, then the rest. ddt                      \
@@ -624,11 +687,11 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
         size_t o = 0;                                                                              \
         if ((size_t)R * in <= X86_I4_WIDE_MAX)                                                     \
             for (; o + (size_t)R <= out; o += (size_t)R) {                                         \
-                colibri_x86_q4_widen(g->w, o, (size_t)R, wide);                                    \
+                Q4WIDEN(g->w, o, (size_t)R, wide);                                                 \
                 groups_##SFX(g, DT_I4, R, n, o, DT_F32, wide, 0);                                  \
             }                                                                                      \
         for (; o < out; o++) {                                                                     \
-            colibri_x86_q4_widen(g->w, o, 1, wide);                                                \
+            Q4WIDEN(g->w, o, 1, wide);                                                             \
             groups_##SFX(g, DT_I4, 1, n, o, DT_F32, wide, 0);                                      \
         }                                                                                          \
     }                                                                                              \
@@ -650,11 +713,11 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
     }
 
 /* AVX2: 8 accumulators of 8 lanes (4 tokens x 2 rows; 8 rows for one token). */
-X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, dot_block_q8q8, 8, 4, 2)
+X86_DEFINE_GEMM(avx2, X86_GEMM, dot_block, dot_block_q8q8, 8, 4, 2, colibri_x86_q4_widen)
 /* AVX-512F: 24 accumulators of 16 lanes (4 tokens x 6 rows) of the 32 registers. */
-X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, dot_block_q8q8, 8, 4, 6)
+X86_DEFINE_GEMM(avx512, X86_GEMM512, dot_block512, dot_block_q8q8, 8, 4, 6, colibri_x86_q4_widen512)
 /* AVX-512 VNNI, used for q8 x int8 only: 16 + 4 accumulators (4 tokens x 4 rows). */
-X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 4)
+X86_DEFINE_GEMM(vnni, X86_GEMM512VNNI, dot_block512, dot_block_q8q8_vnni, 8, 4, 4, colibri_x86_q4_widen512)
 
 static X86_GEMM __attribute__((noinline)) void gemm_q8q8(const gemm_args *g, size_t n)
 {
@@ -690,7 +753,7 @@ static void gemm(const gemm_args *g, size_t n, int avx512)
         break;
     case COLIBRI_DTYPE_I4: /* int8 activations: x86/colibri_kernels_x86_q4.c, AVX2 */
         if (g->xq || n < 4 || g->w->cols > X86_I4_WIDE_MAX)
-            colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc);
+            colibri_x86_q4_gemm(g->x, g->xrows, g->yrows, g->scale, g->xq, g->w, g->b, g->y, n, g->acc, avx512);
         else if (avx512)
             gemm_i4_avx512(g, n);
         else

@@ -617,7 +617,8 @@ static gemv8_fn gemv8_for(int isa, int i4)
 /* ---- The driver: rows in blocks of 8, the call's tokens inside in groups
  * of up to 4 (a group's weights decoded once) ---- */
 
-/* The end of rows o .. o + R - 1 of one token from their running values v:
+/* The end of rows o .. o + R - 1 of one token from their running values v
+ * (scaled: the I8 scale and E already applied, as panel_terms does):
  * the reference's operations in its order (colibri_q8_compensate,
  * colibri_q4_epilogue, colibri_emit) with the f16 values widened by F16C
  * (exact, as the portable conversion). A full block of 8 rows runs in one
@@ -628,9 +629,9 @@ static gemv8_fn gemv8_for(int isa, int i4)
 #define EPI_TERMS 16 /* E products formed per chunk */
 
 static BLK_AVX2 void epilogue_row(const colibri_matrix *w, int i4, size_t row, float vr, const float *xi, float *yi,
-                                  const float *b, int acc, float s)
+                                  const float *b, int acc, float s, int scaled)
 {
-    if (w->q8_ptr) {
+    if (w->q8_ptr && !scaled) {
         uint32_t k, end;
         colibri_q8_terms(w, row, &k, &end);
         for (; k < end; k++)
@@ -660,19 +661,20 @@ static BLK_AVX2 void term_products(const colibri_matrix *w, const float *xi, uin
 }
 
 static BLK_AVX2 void epilogue(const colibri_matrix *w, int i4, size_t o, size_t R, const float *v, const float *xi,
-                              float *yi, const float *b, int acc, float s)
+                              float *yi, const float *b, int acc, float s, int scaled)
 {
     if (R < 8) {
         for (size_t r = 0; r < R; r++)
-            epilogue_row(w, i4, o + r, i4 ? v[r] : v[r] * colibri_q8_scale(w, o + r), xi, yi, b, acc, s);
+            epilogue_row(w, i4, o + r, i4 || scaled ? v[r] : v[r] * colibri_q8_scale(w, o + r), xi, yi, b, acc, s,
+                         scaled);
         return;
     }
     const colibri_q8_block par = colibri_q8_params_at(w, o);
     __m256 v8 = _mm256_loadu_ps(v);
-    if (!i4)
+    if (!i4 && !scaled)
         v8 = _mm256_mul_ps(v8, par.scale_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)par.scale_f16))
                                              : _mm256_loadu_ps(par.scale_f32));
-    if (w->q8_ptr) {
+    if (w->q8_ptr && !scaled) {
         uint32_t begin[8], end[8], lo = UINT32_MAX, hi = 0;
         for (int r = 0; r < 8; r++) {
             colibri_q8_terms(w, o + (size_t)r, &begin[r], &end[r]);
@@ -852,6 +854,43 @@ static BLK_VNNI512 void panel_dot(const colibri_matrix *w, size_t o, const blk_p
         _mm512_storeu_ps(v[r], acc[r]);
 }
 
+/* The I8 scale and E of rows o .. o + R - 1 for the panel's T tokens, the
+ * tokens in the lanes: per lane (token) the reference's operations in its
+ * order (colibri_q8_scale's product, then each row's entries in storage
+ * order: e · x[col] rounded, then added), so epilogue's; each entry's
+ * value and column read once for the 16 tokens, x gathered at
+ * xrow(t) · in + col (below 2^31: at most 65535 rows of PANEL_COLS). Lanes
+ * from T on read token i0's row; they are never stored. */
+static BLK_VNNI512 void panel_terms(const colibri_matrix *w, int i4, size_t o, size_t R, const float *x,
+                                    const uint16_t *xrows, size_t i0, size_t T, float v[PANEL_ROWS][PANEL_TOKENS])
+{
+    if (!i4)
+        for (size_t r = 0; r < R; r++)
+            _mm512_storeu_ps(v[r], _mm512_mul_ps(_mm512_loadu_ps(v[r]), _mm512_set1_ps(colibri_q8_scale(w, o + r))));
+    if (!w->q8_ptr)
+        return;
+    const size_t in = w->cols;
+    int32_t base[PANEL_TOKENS];
+    for (size_t t = 0; t < PANEL_TOKENS; t++) {
+        const size_t ti = i0 + (t < T ? t : 0);
+        base[t] = (int32_t)((xrows ? xrows[ti] : ti) * in);
+    }
+    const __m512i vbase = _mm512_loadu_si512(base);
+    for (size_t r = 0; r < R; r++) {
+        uint32_t k, end;
+        colibri_q8_terms(w, o + r, &k, &end);
+        if (k >= end)
+            continue;
+        __m512 vr = _mm512_loadu_ps(v[r]);
+        for (; k < end; k++) {
+            const __m512i at = _mm512_add_epi32(vbase, _mm512_set1_epi32((int32_t)colibri_q8_term_col(w, k)));
+            const __m512 e = _mm512_set1_ps(_cvtsh_ss(colibri_q8_term_bits(w, k)));
+            vr = _mm512_add_ps(vr, _mm512_mul_ps(e, _mm512_i32gather_ps(at, x, 4)));
+        }
+        _mm512_storeu_ps(v[r], vr);
+    }
+}
+
 static BLK_VNNI512 void gemm_panel(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                                    const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y,
                                    size_t n, int acc)
@@ -868,13 +907,14 @@ static BLK_VNNI512 void gemm_panel(const float *x, const uint16_t *xrows, const 
             const size_t R = out - o < PANEL_ROWS ? out - o : PANEL_ROWS;
             panel_rows(w, o, u);
             panel_dot(w, o, &p, (const uint8_t(*)[PANEL_COLS])u, v);
+            panel_terms(w, i4, o, R, x, xrows, i0, T, v);
             for (size_t t = 0; t < T; t++) {
                 const size_t ti = i0 + t;
                 float vt[PANEL_ROWS];
                 for (size_t r = 0; r < R; r++)
                     vt[r] = v[r][t];
                 epilogue(w, i4, o, R, vt, x + (xrows ? xrows[ti] : ti) * in, y + (yrows ? yrows[ti] : ti) * out, b,
-                         acc, scale ? scale[ti] : 1.0f);
+                         acc, scale ? scale[ti] : 1.0f, 1);
             }
         }
     }
@@ -901,7 +941,7 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
         for (size_t o = 0; o < out; o += 8) {
             float v[8];
             gemv8(w, o, &g, xq->q, xq->a, v);
-            epilogue(w, i4, o, out - o < 8 ? out - o : 8, v, xi, yi, b, acc, scale ? scale[0] : 1.0f);
+            epilogue(w, i4, o, out - o < 8 ? out - o : 8, v, xi, yi, b, acc, scale ? scale[0] : 1.0f, 0);
         }
         return;
     }
@@ -922,7 +962,7 @@ static void gemm_blocks(int isa, const float *x, const uint16_t *xrows, const ui
             for (int t = 0; t < T; t++) {
                 const size_t ti = i + (size_t)t;
                 epilogue(w, i4, o, R, v + 8 * t, x + (xrows ? xrows[ti] : ti) * in, y + (yrows ? yrows[ti] : ti) * out,
-                         b, acc, scale ? scale[ti] : 1.0f);
+                         b, acc, scale ? scale[ti] : 1.0f, 0);
             }
         }
     }

@@ -4,7 +4,7 @@
  * specialisation) does not grow; compiled to nothing unless colibri_backend.h
  * selects the x86 backend, and called from its linear kernels
  * (colibri_x86_q4_gemm) at every level (AVX-512 CPUs run these AVX2 kernels
- * for I4).
+ * for I4, but for a 16-lane form of the f32-activation one).
  *
  * Nibbles are unpacked 32 columns (16 bytes) at a time: the low and high
  * nibbles split by a mask and a shift.
@@ -232,6 +232,112 @@ Q4_INLINE Q4_AVX2 void q4f_rows4(const colibri_matrix *w, size_t o, int T, const
     }
 }
 
+#define Q4_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+/* 16 columns' weights Q · s from 8 packed bytes (the low half of packed),
+ * s holding each column's group scale: exact, as colibri_x86_q4_widen's. */
+Q4_INLINE Q4_AVX512 __m512 q4_weights16(__m128i packed, __m512 s)
+{
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    const __m128i q = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s);
+}
+
+/* The group scales of columns k .. k + 15 (k a multiple of 16) of a row of
+ * in columns: one group, or two of 8 columns (group_log2 3; a second one
+ * past the row takes the first's, its columns being padding). */
+Q4_INLINE Q4_AVX512 __m512 q4_scales16(const uint16_t *sc, size_t k, unsigned log2, size_t in)
+{
+    const float s0 = _cvtsh_ss(sc[k >> log2]);
+    if (log2 >= 4)
+        return _mm512_set1_ps(s0);
+    const __m256 s1 = _mm256_set1_ps(k + 8 < in ? _cvtsh_ss(sc[(k + 8) >> log2]) : s0);
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(s0))), _mm256_castps_pd(s1), 1));
+}
+
+/* q4f_rows4 with 16 lanes, for the AVX-512 levels: each output the bits the
+ * f32 GEMM's AVX-512 micro-kernel (colibri_kernels_x86.c dot_block512) gives
+ * on the rows widened by colibri_x86_q4_widen, which the GEMM runs from 4
+ * tokens on; so a token's outputs have the same bits whatever the call's
+ * token count at these levels too. The same operations per output in the
+ * same order: 16-lane FMAs over the columns' multiples of 16, folded to 8
+ * lanes, 8 more columns, the zero-padded rest (+0 weights and activations),
+ * then hsum4's reduction. */
+Q4_INLINE Q4_AVX512 void q4f_rows4_512(const colibri_matrix *w, size_t o, int T, const float *const *xr, float v[8])
+{
+    const size_t in = w->cols;
+    const unsigned log2 = w->q4_group_log2;
+    const uint8_t *row[4];
+    const uint16_t *sc[4];
+#pragma GCC unroll 4
+    for (size_t r = 0; r < 4; r++) {
+        const size_t orow = o + r < w->rows ? o + r : w->rows - 1;
+        row[r] = colibri_q4_row(w, orow);
+        sc[r] = colibri_q4_scales(w, orow);
+    }
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        acc[i] = _mm512_setzero_ps();
+    /* The columns' multiples of 16, a span of one group at a time (two
+     * groups of 8 per span at group_log2 3), its scales widened once. */
+    const size_t full = in & ~(size_t)15, span = log2 >= 4 ? (size_t)1 << log2 : 16;
+    size_t k = 0;
+    while (k < full) {
+        const size_t stop = k + span < full ? k + span : full;
+        __m512 s[4];
+#pragma GCC unroll 4
+        for (size_t r = 0; r < 4; r++)
+            s[r] = q4_scales16(sc[r], k, log2, in);
+        for (; k < stop; k += 16) {
+            __m512 xv[2];
+#pragma GCC unroll 2
+            for (int t = 0; t < T; t++)
+                xv[t] = _mm512_loadu_ps(xr[t] + k);
+#pragma GCC unroll 4
+            for (size_t r = 0; r < 4; r++) {
+                const __m512 wv = q4_weights16(_mm_loadl_epi64((const __m128i *)(row[r] + (k >> 1))), s[r]);
+#pragma GCC unroll 2
+                for (int t = 0; t < T; t++)
+                    acc[t * 4 + (int)r] = _mm512_fmadd_ps(wv, xv[t], acc[t * 4 + (int)r]);
+            }
+        }
+    }
+    __m256 a8[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        a8[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    if (k < in) {
+        const size_t n = in - k; /* 1 .. 15 */
+        float xb[2][16];
+        for (int t = 0; t < T; t++) {
+            memset(xb[t], 0, sizeof xb[t]);
+            memcpy(xb[t], xr[t] + k, n * sizeof(float));
+        }
+        for (size_t r = 0; r < 4; r++) {
+            const __m512 wv = _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1u),
+                                                  q4_weights16(q4_packed_at(row[r], k, n), q4_scales16(sc[r], k, log2, in)));
+            const __m256 lo = _mm512_castps512_ps256(wv),
+                         hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wv), 1));
+            for (int t = 0; t < T; t++) {
+                __m256 a = a8[t * 4 + (int)r];
+                a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xb[t]), a);
+                if (n > 8)
+                    a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xb[t] + 8), a);
+                a8[t * 4 + (int)r] = a;
+            }
+        }
+    }
+    for (int i = 0; i < T * 4; i += 4) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a8[i], a8[i + 1]), _mm256_hadd_ps(a8[i + 2], a8[i + 3]));
+        _mm_storeu_ps(v + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
 /* Rows [o, o + R) of an I4 matrix as f32 weights Q · s_g into wide [R, cols]:
  * exact (a 4-bit integer times an f16 scale fits f32's significand), so a
  * kernel running on them computes the products q4f_rows4 computes. */
@@ -270,6 +376,38 @@ void Q4_AVX2 colibri_x86_q4_widen(const colibri_matrix *w, size_t o, size_t R, f
     }
 }
 
+/* colibri_x86_q4_widen with 16-lane conversions, for the AVX-512 levels:
+ * the same values (each an exact product), fewer instructions a weight. */
+void Q4_AVX512 colibri_x86_q4_widen512(const colibri_matrix *w, size_t o, size_t R, float *wide)
+{
+    const size_t in = w->cols, group = (size_t)1 << w->q4_group_log2, G = w->q4_groups;
+    for (size_t r = 0; r < R; r++, wide += in) {
+        const uint8_t *row = colibri_q4_row(w, o + r);
+        const uint16_t *sc = colibri_q4_scales(w, o + r);
+        for (size_t g = 0; g < G; g++) {
+            const size_t c0 = g * group, end = c0 + group < in ? c0 + group : in;
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
+            size_t c = c0;
+            for (; c + 32 <= end; c += 32) {
+                const __m256i q = q4_decode32(_mm_loadu_si128((const __m128i *)(row + (c >> 1))));
+                _mm512_storeu_ps(wide + c,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s));
+                _mm512_storeu_ps(wide + c + 16, _mm512_mul_ps(
+                                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s));
+            }
+            if (c < end) { /* a group narrower than 32 columns, or the row's last partial 32 */
+                const size_t n = end - c;
+                const __m256i q = q4_decode32(q4_packed_at(row, c, n));
+                float buf[32];
+                _mm512_storeu_ps(buf, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s));
+                _mm512_storeu_ps(buf + 16, _mm512_mul_ps(
+                                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s));
+                memcpy(wide + c, buf, n * sizeof *buf);
+            }
+        }
+    }
+}
+
 /* Rows o .. o + R - 1 (R <= 8) of one token from their group sums v (in
  * place): colibri_q4_epilogue's E (bounded where it is read,
  * colibri_x86_e_terms) and companion bias, then colibri_emit. */
@@ -282,10 +420,43 @@ static Q4_AVX2 void q4_emit(const colibri_matrix *w, size_t o, size_t R, const f
         colibri_emit(yi, o + r, w->q4_bias ? v[r] + _cvtsh_ss(w->q4_bias[o + r]) : v[r], b, acc, s);
 }
 
+/* colibri_x86_q4_gemm's f32-activation loop at the AVX-512 levels. */
+static Q4_AVX512 __attribute__((noinline)) void q4f_gemm512(const float *x, const uint16_t *xrows,
+                                                            const uint16_t *yrows, const float *scale,
+                                                            const colibri_matrix *w, const float *b, float *y,
+                                                            size_t n, int acc)
+{
+    const size_t in = w->cols, out = w->rows;
+    for (size_t o = 0; o < out; o += 4) {
+        const size_t R = out - o < 4 ? out - o : 4;
+        for (size_t i = 0; i < n; i += 2) {
+            const int T = n - i >= 2 ? 2 : 1;
+            const float *xr[2];
+            for (int t = 0; t < T; t++)
+                xr[t] = x + (xrows ? xrows[i + (size_t)t] : i + (size_t)t) * in;
+            float v[8];
+            if (T == 2)
+                q4f_rows4_512(w, o, 2, xr, v);
+            else
+                q4f_rows4_512(w, o, 1, xr, v);
+            for (int t = 0; t < T; t++) {
+                const size_t ti = i + (size_t)t;
+                float *yi = y + (yrows ? yrows[ti] : ti) * out;
+                const float s = scale ? scale[ti] : 1.0f;
+                q4_emit(w, o, R, xr[t], v + t * 4, yi, b, acc, s);
+            }
+        }
+    }
+}
+
 void Q4_AVX2 colibri_x86_q4_gemm(const float *x, const uint16_t *xrows, const uint16_t *yrows, const float *scale,
                                  const colibri_qrows *xq, const colibri_matrix *w, const float *b, float *y, size_t n,
-                                 int acc)
+                                 int acc, int avx512)
 {
+    if (!xq && avx512) {
+        q4f_gemm512(x, xrows, yrows, scale, w, b, y, n, acc);
+        return;
+    }
     const size_t in = w->cols, out = w->rows;
     if (xq) {
         /* Row blocks outermost: a block's rows stay in L1 across the tokens. */
