@@ -47,9 +47,20 @@
 
 #define MAX_ROUNDS 64
 
+/* The pool's parallel_for as the engine sees it, counted: the parallel regions a forward pass opens,
+ * their tasks and the wall time the calling thread spends in them (the bench's regions per token). */
+typedef struct counted_pool {
+    colibri_pool *pool;
+    uint64_t regions, tasks;
+    double seconds;
+} counted_pool;
+
+static colibri_status counted_parallel_for(void *user, colibri_task_fn fn, void *arg, size_t n_tasks);
+
 typedef struct lm {
     colibri_file *file;
     colibri_pool *pool;
+    counted_pool counted;
     colibri_exec exec;
     colibri_ctx *ctx;
     void *arena;
@@ -103,6 +114,9 @@ static void lm_open(lm *m, const char *path, size_t workers)
         if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
             die("colibri_pool_create", st);
         colibri_pool_attach(m->pool, &m->exec);
+        m->counted.pool = m->pool;
+        m->exec.parallel_for = counted_parallel_for;
+        m->exec.parallel_for_user = &m->counted;
     }
 }
 
@@ -128,6 +142,17 @@ static void lm_run(lm *m, const int32_t *ids, size_t n, float *out)
             memcpy(out + i * vocab, m->logits, sizeof(float) * k * vocab);
         i += k;
     }
+}
+
+static colibri_status counted_parallel_for(void *user, colibri_task_fn fn, void *arg, size_t n_tasks)
+{
+    counted_pool *c = user;
+    const double t0 = seconds(CLOCK_MONOTONIC);
+    const colibri_status st = colibri_pool_parallel_for(c->pool, fn, arg, n_tasks);
+    c->seconds += seconds(CLOCK_MONOTONIC) - t0;
+    c->regions++;
+    c->tasks += n_tasks;
+    return st;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -255,16 +280,23 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         ids[i] = (int32_t)((s >> 33) % m.info.vocab_size);
     }
-    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS];
+    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS], cpu_ms[MAX_ROUNDS];
+    counted_pool seen = {NULL, 0, 0, 0.0}; /* the decode steps' regions over every round */
     for (long r = -1; r < rounds; r++) { /* round -1 warms the caches and the pool's threads */
         colibri_status st = colibri_lm_reset(m.ctx);
         if (st != COLIBRI_OK)
             die("colibri_lm_reset", st);
         lm_run(&m, ids, (size_t)prompt, NULL);
+        const counted_pool before = m.counted;
         double t0 = seconds(CLOCK_MONOTONIC), c0 = seconds(CLOCK_PROCESS_CPUTIME_ID);
         for (long i = 0; i < decode; i++)
             lm_run(&m, ids + prompt + i, 1, NULL);
         double t1 = seconds(CLOCK_MONOTONIC), c1 = seconds(CLOCK_PROCESS_CPUTIME_ID);
+        if (r >= 0) {
+            seen.regions += m.counted.regions - before.regions;
+            seen.tasks += m.counted.tasks - before.tasks;
+            seen.seconds += m.counted.seconds - before.seconds;
+        }
         if ((st = colibri_lm_reset(m.ctx)) != COLIBRI_OK)
             die("colibri_lm_reset", st);
         double t2 = seconds(CLOCK_MONOTONIC);
@@ -274,12 +306,17 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
             dec[r] = (double)decode / (t1 - t0);
             pre[r] = (double)prefill / (t3 - t2);
             busy[r] = (c1 - c0) / (t1 - t0);
+            cpu_ms[r] = (c1 - c0) * 1e3 / (double)decode;
         }
     }
-    printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"workers\": %zu, "
+    const double steps = (double)decode * (double)rounds;
+    printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"decode_cpu_ms\": %.4f, "
+           "\"decode_regions\": %.2f, \"decode_tasks\": %.1f, \"decode_region_us\": %.2f, \"workers\": %zu, "
            "\"arena_bytes\": %zu, \"kv_cache_bytes\": %zu, \"image_bytes\": %zu, "
            "\"kernels\": \"%s\"}\n",
-           median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), workers, m.info.arena_size,
+           median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), median(cpu_ms, (int)rounds),
+           (double)seen.regions / steps, (double)seen.tasks / steps,
+           seen.regions ? seen.seconds * 1e6 / (double)seen.regions : 0.0, workers, m.info.arena_size,
            m.info.kv_cache_bytes, colibri_file_size(m.file), colibri_kernels_name(m.ctx));
     lm_close(&m);
     free(ids);
@@ -426,6 +463,9 @@ static void lm_attach(lm *m, colibri_file *file, size_t workers)
         if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
             die("colibri_pool_create", st);
         colibri_pool_attach(m->pool, &m->exec);
+        m->counted.pool = m->pool;
+        m->exec.parallel_for = counted_parallel_for;
+        m->exec.parallel_for_user = &m->counted;
     }
 }
 
