@@ -2,7 +2,7 @@
  * colibri_pool.c: the pthread pool behind colibri_pool.h.
  *
  * One loop at a time (call_mu). A loop publishes fn, arg and n_tasks under
- * mu and bumps the generation. Tasks are claimed from `claim`, the
+ * mu and bumps the generation. Tasks are claimed in runs from `claim`, the
  * generation in its high 32 bits and the next task index in the low ones, by
  * compare-and-swap: a thread that arrives late, after its loop ended, finds
  * another generation there and claims nothing, so it never runs a stale fn.
@@ -119,18 +119,25 @@ static int all_done(colibri_pool *p, uintptr_t n)
 }
 
 /* Runs tasks of generation gen while there are any left; for the threads,
- * wakes the caller if it sleeps and this was the last task. */
+ * wakes the caller if it sleeps and this was the last task. A claim takes a
+ * run of tasks, an ever smaller share of what is left (a 2·workers-th, at
+ * least one): few claims, each a write to the shared line, while the last
+ * runs stay single tasks, so a loop still ends within a task of balance. */
 static void run_tasks(colibri_pool *p, uint32_t gen, colibri_task_fn fn, void *arg, size_t n, size_t worker)
 {
+    const size_t share = 2u * p->workers;
     uint_fast64_t v = atomic_load_explicit(&p->claim, memory_order_relaxed);
     for (;;) {
-        if ((uint32_t)(v >> 32) != gen || (v & 0xFFFFFFFFu) >= n)
+        const size_t first = (size_t)(v & 0xFFFFFFFFu);
+        if ((uint32_t)(v >> 32) != gen || first >= n)
             return;
-        if (!atomic_compare_exchange_weak_explicit(&p->claim, &v, v + 1, memory_order_relaxed,
+        const size_t run = (n - first) / share ? (n - first) / share : 1u;
+        if (!atomic_compare_exchange_weak_explicit(&p->claim, &v, v + run, memory_order_relaxed,
                                                    memory_order_relaxed))
             continue;
-        fn(arg, (size_t)(v & 0xFFFFFFFFu), worker);
-        if (atomic_fetch_add_explicit(&p->done, 1, memory_order_seq_cst) + 1 == n && worker != 0 &&
+        for (size_t t = first; t < first + run; t++)
+            fn(arg, t, worker);
+        if (atomic_fetch_add_explicit(&p->done, run, memory_order_seq_cst) + run == n && worker != 0 &&
             atomic_load_explicit(&p->waiting, memory_order_seq_cst)) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->done_cv);
