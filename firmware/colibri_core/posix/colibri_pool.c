@@ -81,6 +81,20 @@ static void cpu_relax(void)
 #endif
 }
 
+/* mu is only ever held for a few loads and stores (cond_wait releases it),
+ * but the thread that sees a new generation asks for it at the very moment
+ * the caller, which just published it, still holds it: a plain lock would
+ * then sleep in the kernel. So try a while first. */
+static void lock_soon(pthread_mutex_t *mu)
+{
+    for (int i = 0; i < 256; i++) {
+        if (pthread_mutex_trylock(mu) == 0)
+            return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(mu);
+}
+
 static long elapsed_ns(const struct timespec *t0)
 {
     struct timespec t;
@@ -154,7 +168,7 @@ static void *thread_main(void *arg)
     unsigned seen = 0;
     for (;;) {
         const int ready = spin_until(p, new_generation, seen);
-        pthread_mutex_lock(&p->mu);
+        lock_soon(&p->mu);
         if (!ready) {
             p->sleepers++;
             while (!atomic_load_explicit(&p->stop, memory_order_relaxed) &&
@@ -254,7 +268,7 @@ colibri_status colibri_pool_parallel_for(void *user, colibri_task_fn fn, void *a
         pthread_mutex_unlock(&p->call_mu);
         return COLIBRI_OK;
     }
-    pthread_mutex_lock(&p->mu);
+    lock_soon(&p->mu);
     const uint32_t gen = atomic_load_explicit(&p->generation, memory_order_relaxed) + 1u;
     p->fn = fn;
     p->arg = arg;
