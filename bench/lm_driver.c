@@ -14,7 +14,9 @@
  *       Random token ids (fixed seed). Decode: PROMPT tokens in one call, then DECODE calls of one
  *       token each; prefill: PREFILL tokens in one call from an empty cache. ROUNDS of each after
  *       one warm-up; prints one JSON line with the median tokens/s of each, the CPU time the
- *       process got over the wall time, the arena and the kernels. The bench takes the peak RSS
+ *       process got over the wall time and per decode token, the parallel loops (parallel_for
+ *       calls) and their tasks per decode step and the mean wall time of a loop, the arena and
+ *       the kernels. The bench takes the peak RSS
  *       from outside (GNU time): Linux keeps a process's high-water mark across exec, so this
  *       process's own getrusage would include its launcher's.
  *
