@@ -9,7 +9,7 @@ CORE := firmware/colibri_core
         bench-edge-mmap-full bench-edge-jitter bench-quant bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
         bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm \
-        bench-host-insns
+        bench-host-insns bench-pool
 
 setup:
 	./scripts/setup.sh
@@ -169,6 +169,16 @@ bench-riscv-insns: setup
 # forward under valgrind's callgrind, the library as shipped against its nobounds build.
 bench-host-insns: setup
 	$(PY) bench/host_insns.py
+
+# What one parallel loop of posix/colibri_pool costs beyond its work (bench/pool_bench.c, docs/threading.md
+# "The pool"): decode-sized loops (44 and 8 tasks of 3 us, 2 workers) back to back, median and best of 15.
+build/bench/pool_bench: bench/pool_bench.c engine
+	mkdir -p build/bench
+	gcc $(BENCH_CFLAGS) -I$(CORE)/include -I$(CORE)/posix $< $(CORE)/build/host/libcolibri.a -lm -pthread -o $@
+
+bench-pool: build/bench/pool_bench
+	./build/bench/pool_bench 2 44 3000 2000 15
+	./build/bench/pool_bench 2 8 3000 2000 15
 
 # Parallel experts (colibri_forward_ex + posix/colibri_pool) against one thread, edge model, batch 1/8/64.
 bench-exec:

@@ -17,9 +17,10 @@
  *       output), so both engines do the same work: the full pass up to the last attention layer
  *       for every token, the rest and the LM head for the last one. ROUNDS of each after
  *       one warm-up; prints one JSON line with the median tokens/s of each, the CPU time the
- *       process got over the wall time of each (decode_cpus, prefill_cpus), the arena and the
- *       kernels. The bench takes the peak RSS from outside (GNU time): Linux keeps a process's
- *       high-water mark across exec, so this
+ *       process got over the wall time of each (decode_cpus, prefill_cpus) and per decode token,
+ *       the parallel loops (parallel_for calls) and their tasks per decode step and the mean wall
+ *       time of a loop, the arena and the kernels. The bench takes the peak RSS from outside (GNU
+ *       time): Linux keeps a process's high-water mark across exec, so this
  *       process's own getrusage would include its launcher's.
  *
  *   lm_driver decode IMAGE WORKERS IDS DECODE LOCK
@@ -51,9 +52,20 @@
 
 #define MAX_ROUNDS 64
 
+/* The pool's parallel_for as the engine sees it, counted: the parallel regions a forward pass opens,
+ * their tasks and the wall time the calling thread spends in them (the bench's regions per token). */
+typedef struct counted_pool {
+    colibri_pool *pool;
+    uint64_t regions, tasks;
+    double seconds;
+} counted_pool;
+
+static colibri_status counted_parallel_for(void *user, colibri_task_fn fn, void *arg, size_t n_tasks);
+
 typedef struct lm {
     colibri_file *file;
     colibri_pool *pool;
+    counted_pool counted;
     colibri_exec exec;
     colibri_ctx *ctx;
     void *arena;
@@ -107,6 +119,9 @@ static void lm_open(lm *m, const char *path, size_t workers)
         if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
             die("colibri_pool_create", st);
         colibri_pool_attach(m->pool, &m->exec);
+        m->counted.pool = m->pool;
+        m->exec.parallel_for = counted_parallel_for;
+        m->exec.parallel_for_user = &m->counted;
     }
 }
 
@@ -133,6 +148,17 @@ static void lm_run(lm *m, const int32_t *ids, size_t n, float *out)
             memcpy(out + i * vocab, m->logits, sizeof(float) * k * vocab);
         i += k;
     }
+}
+
+static colibri_status counted_parallel_for(void *user, colibri_task_fn fn, void *arg, size_t n_tasks)
+{
+    counted_pool *c = user;
+    const double t0 = seconds(CLOCK_MONOTONIC);
+    const colibri_status st = colibri_pool_parallel_for(c->pool, fn, arg, n_tasks);
+    c->seconds += seconds(CLOCK_MONOTONIC) - t0;
+    c->regions++;
+    c->tasks += n_tasks;
+    return st;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -260,16 +286,23 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         ids[i] = (int32_t)((s >> 33) % m.info.vocab_size);
     }
-    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS], pre_busy[MAX_ROUNDS];
+    double dec[MAX_ROUNDS], pre[MAX_ROUNDS], busy[MAX_ROUNDS], pre_busy[MAX_ROUNDS], cpu_ms[MAX_ROUNDS];
+    counted_pool seen = {NULL, 0, 0, 0.0}; /* the decode steps' regions over every round */
     for (long r = -1; r < rounds; r++) { /* round -1 warms the caches and the pool's threads */
         colibri_status st = colibri_lm_reset(m.ctx);
         if (st != COLIBRI_OK)
             die("colibri_lm_reset", st);
         lm_run(&m, ids, (size_t)prompt, NULL);
+        const counted_pool before = m.counted;
         double t0 = seconds(CLOCK_MONOTONIC), c0 = seconds(CLOCK_PROCESS_CPUTIME_ID);
         for (long i = 0; i < decode; i++)
             lm_run(&m, ids + prompt + i, 1, NULL);
         double t1 = seconds(CLOCK_MONOTONIC), c1 = seconds(CLOCK_PROCESS_CPUTIME_ID);
+        if (r >= 0) {
+            seen.regions += m.counted.regions - before.regions;
+            seen.tasks += m.counted.tasks - before.tasks;
+            seen.seconds += m.counted.seconds - before.seconds;
+        }
         if ((st = colibri_lm_reset(m.ctx)) != COLIBRI_OK)
             die("colibri_lm_reset", st);
         double t2 = seconds(CLOCK_MONOTONIC), c2 = seconds(CLOCK_PROCESS_CPUTIME_ID);
@@ -280,13 +313,17 @@ static int speed_mode(const char *image, size_t workers, long prompt, long decod
             pre[r] = (double)prefill / (t3 - t2);
             busy[r] = (c1 - c0) / (t1 - t0);
             pre_busy[r] = (c3 - c2) / (t3 - t2);
+            cpu_ms[r] = (c1 - c0) * 1e3 / (double)decode;
         }
     }
+    const double steps = (double)decode * (double)rounds;
     printf("{\"decode_tps\": %.3f, \"prefill_tps\": %.3f, \"decode_cpus\": %.3f, \"prefill_cpus\": %.3f, "
+           "\"decode_cpu_ms\": %.4f, \"decode_regions\": %.2f, \"decode_tasks\": %.1f, \"decode_region_us\": %.2f, "
            "\"workers\": %zu, \"arena_bytes\": %zu, \"kv_cache_bytes\": %zu, \"image_bytes\": %zu, "
            "\"kernels\": \"%s\"}\n",
            median(dec, (int)rounds), median(pre, (int)rounds), median(busy, (int)rounds), median(pre_busy, (int)rounds),
-           workers, m.info.arena_size,
+           median(cpu_ms, (int)rounds), (double)seen.regions / steps, (double)seen.tasks / steps,
+           seen.regions ? seen.seconds * 1e6 / (double)seen.regions : 0.0, workers, m.info.arena_size,
            m.info.kv_cache_bytes, colibri_file_size(m.file), colibri_kernels_name(m.ctx));
     lm_close(&m);
     free(ids);
@@ -433,6 +470,9 @@ static void lm_attach(lm *m, colibri_file *file, size_t workers)
         if ((st = colibri_pool_create(&m->pool, workers)) != COLIBRI_OK)
             die("colibri_pool_create", st);
         colibri_pool_attach(m->pool, &m->exec);
+        m->counted.pool = m->pool;
+        m->exec.parallel_for = counted_parallel_for;
+        m->exec.parallel_for_user = &m->counted;
     }
 }
 

@@ -6,9 +6,10 @@
  * one of 3, then single tokens (decode) to max_seq_len, with the optimised
  * and the reference kernels:
  *   - exec NULL, an empty exec: the same logits, bit for bit;
- *   - parallel_for over colibri_pool with 2 and 3 workers, with on_route and
- *     without, with an expert hook declining every expert and without: the
- *     same logits at every step, the same position;
+ *   - parallel_for over colibri_pool with 2 and 3 workers, and over a
+ *     caller's own (reversed_for: tasks last to first, workers shuffled), with
+ *     on_route and without, with an expert hook declining every expert and
+ *     without: the same logits at every step, the same position;
  *   - colibri_model_size_ex(N) is exact: an arena one byte smaller serves
  *     N - 1 workers (N workers: COLIBRI_E_BAD_EXEC);
  *   - a parallel_for handing out a worker index beyond the exec's, one
@@ -64,6 +65,17 @@ static colibri_status bad_worker_for(void *user, colibri_task_fn fn, void *arg, 
     (void)user;
     for (size_t t = 0; t < n; t++)
         fn(arg, t, 7); /* beyond the workers it announced */
+    return COLIBRI_OK;
+}
+
+/* A caller's own parallel_for unlike colibri_pool: one thread, the tasks
+ * last to first, each on another of the 3 workers it announces. The engine
+ * must not depend on the order or on which worker runs a task. */
+static colibri_status reversed_for(void *user, colibri_task_fn fn, void *arg, size_t n)
+{
+    (void)user;
+    for (size_t t = n; t-- > 0;)
+        fn(arg, t, (n - 1u - t + 2u) % 3u);
     return COLIBRI_OK;
 }
 
@@ -220,12 +232,16 @@ static void test_image(const char *path, colibri_pool *pool2, colibri_pool *pool
         CHECK(run(ctx, &empty, 0, &seq, vocab, out) == COLIBRI_OK && same(out, ref, n_logits), "%s %s: empty exec",
               path, ks);
 
-        colibri_pool *pools[3] = {NULL, pool2, pool3};
-        for (int pi = 0; pi < 3; pi++)
+        colibri_pool *pools[4] = {NULL, pool2, pool3, NULL}; /* 3: reversed_for */
+        for (int pi = 0; pi < 4; pi++)
             for (int variant = 0; variant < 4; variant++) { /* bit 0: on_route, bit 1: the declining hook */
                 size_t routes = 0, hooks = 0;
                 colibri_exec e = COLIBRI_EXEC_INIT;
                 colibri_pool_attach(pools[pi], &e);
+                if (pi == 3) {
+                    e.parallel_for = reversed_for;
+                    e.workers = 3;
+                }
                 if (variant & 1) {
                     e.on_route = on_route;
                     e.on_route_user = &routes;

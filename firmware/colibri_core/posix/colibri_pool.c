@@ -2,23 +2,49 @@
  * colibri_pool.c: the pthread pool behind colibri_pool.h.
  *
  * One loop at a time (call_mu). A loop publishes fn, arg and n_tasks under
- * mu, bumps the generation and wakes the threads. Tasks are claimed from
- * `claim`, the generation in its high 32 bits and the next task index in the
- * low ones, by compare-and-swap: a thread that wakes late, after its loop
- * ended, finds another generation there and claims nothing, so it never runs
- * a stale fn. The caller works as worker 0 and then waits only for the tasks
- * (`done` reaching n_tasks), never for threads that found no work: on a busy
- * machine a loop costs at most what the caller's own thread takes. The thread
- * finishing the last task signals under mu, which also orders every task's
- * writes before parallel_for returns.
+ * mu and bumps the generation. Tasks are claimed in runs from `claim`, the
+ * generation in its high 32 bits and the next task index in the low ones, by
+ * compare-and-swap: a thread that arrives late, after its loop ended, finds
+ * another generation there and claims nothing, so it never runs a stale fn.
+ * The caller works as worker 0 and then waits only for the tasks (`done`
+ * reaching n_tasks), never for threads that found no work: on a busy machine
+ * a loop costs at most what the caller's own thread takes.
+ *
+ * A token model's decode opens some 40 loops per token, each of a few tens
+ * of microseconds, back to back. Sleeping on a condition variable between
+ * them costs a wake-up (a futex call, then the scheduler's latency) per loop
+ * and per thread, and the sleeper misses the start of the loop. So a thread
+ * that ran out of work first watches the generation for a while (spin_ns):
+ * a pause between loads, sched_yield after the first part so that another
+ * runnable thread on its core gets it, and only then sleeps on work_cv. The
+ * caller waiting for the last task does the same on `done` before sleeping
+ * on done_cv. The bound is what keeps a loaded machine usable: a thread
+ * that found nothing to do gives its core back within spin_ns, and nothing
+ * ever waits for a thread that has not claimed a task.
+ *
+ * Sleeping and waking never lose a wake-up: a thread sleeps only under mu
+ * after seeing, under mu, the generation it already ran (the caller bumps it
+ * under mu and broadcasts if anyone sleeps); the caller's `waiting` flag and
+ * the last task's `done` increment are sequentially consistent, so either
+ * the finishing thread sees the flag (and signals under mu) or the caller
+ * sees the count and does not sleep.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "colibri_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
+
+/* How long a thread out of work keeps watching for more before it sleeps,
+ * and for how much of that it only pauses (afterwards it also yields). A
+ * decode step's loops follow each other within microseconds; between steps
+ * the caller samples a token (tens of microseconds on a 150 K vocabulary). */
+#define POOL_SPIN_NS 200000L
+#define POOL_PAUSE_NS 50000L
 
 typedef struct pool_thread {
     colibri_pool *pool;
@@ -28,33 +54,105 @@ typedef struct pool_thread {
 
 struct colibri_pool {
     pthread_mutex_t call_mu;     /* one parallel_for at a time */
-    pthread_mutex_t mu;          /* guards generation, stop, fn, arg, n_tasks */
+    pthread_mutex_t mu;          /* guards fn, arg, n_tasks, sleepers; generation changes under it */
     pthread_cond_t work_cv;      /* a new generation, or stop */
     pthread_cond_t done_cv;      /* done reached n_tasks */
-    uint32_t generation;
-    int stop;
+    atomic_uint generation;      /* read outside mu by the spinning threads */
+    atomic_int stop;
     colibri_task_fn fn;
     void *arg;
     size_t n_tasks;
+    size_t sleepers;             /* threads waiting on work_cv */
+    atomic_int waiting;          /* the caller waits on done_cv */
     atomic_uint_fast64_t claim;  /* generation << 32 | next task */
     atomic_size_t done;          /* tasks of the current generation finished */
     size_t workers, started;
     pool_thread thread[];        /* [workers - 1] */
 };
 
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
+
+/* mu is only ever held for a few loads and stores (cond_wait releases it),
+ * but the thread that sees a new generation asks for it at the very moment
+ * the caller, which just published it, still holds it: a plain lock would
+ * then sleep in the kernel. So try a while first. */
+static void lock_soon(pthread_mutex_t *mu)
+{
+    for (int i = 0; i < 256; i++) {
+        if (pthread_mutex_trylock(mu) == 0)
+            return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(mu);
+}
+
+static long elapsed_ns(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)(t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
+}
+
+/* Spins (bounded, see POOL_SPIN_NS) until ready(p, v) holds; returns whether it did. */
+static int spin_until(colibri_pool *p, int (*ready)(colibri_pool *, uintptr_t), uintptr_t v)
+{
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (ready(p, v))
+                return 1;
+            cpu_relax();
+        }
+        const long ns = elapsed_ns(&t0);
+        if (ns >= POOL_SPIN_NS)
+            return ready(p, v);
+        if (ns >= POOL_PAUSE_NS)
+            sched_yield();
+    }
+}
+
+static int new_generation(colibri_pool *p, uintptr_t seen)
+{
+    return atomic_load_explicit(&p->generation, memory_order_acquire) != (unsigned)seen ||
+           atomic_load_explicit(&p->stop, memory_order_relaxed);
+}
+
+static int all_done(colibri_pool *p, uintptr_t n)
+{
+    return atomic_load_explicit(&p->done, memory_order_acquire) == (size_t)n;
+}
+
 /* Runs tasks of generation gen while there are any left; for the threads,
- * signals the caller when it finished the last one. */
+ * wakes the caller if it sleeps and this was the last task. A claim takes a
+ * run of tasks, an ever smaller share of what is left (a 2·workers-th, at
+ * least one): few claims, each a write to the shared line, while the last
+ * runs stay single tasks, so a loop still ends within a task of balance. */
 static void run_tasks(colibri_pool *p, uint32_t gen, colibri_task_fn fn, void *arg, size_t n, size_t worker)
 {
+    const size_t share = 2u * p->workers;
     uint_fast64_t v = atomic_load_explicit(&p->claim, memory_order_relaxed);
     for (;;) {
-        if ((uint32_t)(v >> 32) != gen || (v & 0xFFFFFFFFu) >= n)
+        const size_t first = (size_t)(v & 0xFFFFFFFFu);
+        if ((uint32_t)(v >> 32) != gen || first >= n)
             return;
-        if (!atomic_compare_exchange_weak_explicit(&p->claim, &v, v + 1, memory_order_relaxed,
+        const size_t run = (n - first) / share ? (n - first) / share : 1u;
+        if (!atomic_compare_exchange_weak_explicit(&p->claim, &v, v + run, memory_order_relaxed,
                                                    memory_order_relaxed))
             continue;
-        fn(arg, (size_t)(v & 0xFFFFFFFFu), worker);
-        if (atomic_fetch_add_explicit(&p->done, 1, memory_order_acq_rel) + 1 == n && worker != 0) {
+        for (size_t t = first; t < first + run; t++)
+            fn(arg, t, worker);
+        if (atomic_fetch_add_explicit(&p->done, run, memory_order_seq_cst) + run == n && worker != 0 &&
+            atomic_load_explicit(&p->waiting, memory_order_seq_cst)) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->done_cv);
             pthread_mutex_unlock(&p->mu);
@@ -67,29 +165,35 @@ static void *thread_main(void *arg)
 {
     pool_thread *self = arg;
     colibri_pool *p = self->pool;
-    uint32_t seen = 0;
-    pthread_mutex_lock(&p->mu);
+    unsigned seen = 0;
     for (;;) {
-        while (!p->stop && p->generation == seen)
-            pthread_cond_wait(&p->work_cv, &p->mu);
-        if (p->stop)
+        const int ready = spin_until(p, new_generation, seen);
+        lock_soon(&p->mu);
+        if (!ready) {
+            p->sleepers++;
+            while (!atomic_load_explicit(&p->stop, memory_order_relaxed) &&
+                   atomic_load_explicit(&p->generation, memory_order_relaxed) == seen)
+                pthread_cond_wait(&p->work_cv, &p->mu);
+            p->sleepers--;
+        }
+        if (atomic_load_explicit(&p->stop, memory_order_relaxed)) {
+            pthread_mutex_unlock(&p->mu);
             break;
-        seen = p->generation;
+        }
+        seen = atomic_load_explicit(&p->generation, memory_order_relaxed);
         colibri_task_fn fn = p->fn;
         void *fa = p->arg;
         const size_t n = p->n_tasks;
         pthread_mutex_unlock(&p->mu);
         run_tasks(p, seen, fn, fa, n, self->worker);
-        pthread_mutex_lock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
 static void stop_threads(colibri_pool *p)
 {
     pthread_mutex_lock(&p->mu);
-    p->stop = 1;
+    atomic_store_explicit(&p->stop, 1, memory_order_relaxed);
     pthread_cond_broadcast(&p->work_cv);
     pthread_mutex_unlock(&p->mu);
     for (size_t i = 0; i < p->started; i++)
@@ -107,6 +211,9 @@ colibri_status colibri_pool_create(colibri_pool **out, size_t workers)
     if (!p)
         return COLIBRI_E_UNSUPPORTED;
     p->workers = workers;
+    atomic_init(&p->generation, 0);
+    atomic_init(&p->stop, 0);
+    atomic_init(&p->waiting, 0);
     atomic_init(&p->claim, 0);
     atomic_init(&p->done, 0);
     int ok = pthread_mutex_init(&p->call_mu, NULL) == 0;
@@ -161,22 +268,26 @@ colibri_status colibri_pool_parallel_for(void *user, colibri_task_fn fn, void *a
         pthread_mutex_unlock(&p->call_mu);
         return COLIBRI_OK;
     }
-    pthread_mutex_lock(&p->mu);
-    const uint32_t gen = ++p->generation;
+    lock_soon(&p->mu);
+    const uint32_t gen = atomic_load_explicit(&p->generation, memory_order_relaxed) + 1u;
     p->fn = fn;
     p->arg = arg;
     p->n_tasks = n_tasks;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     atomic_store_explicit(&p->claim, (uint_fast64_t)gen << 32, memory_order_release);
-    pthread_cond_broadcast(&p->work_cv);
+    atomic_store_explicit(&p->generation, gen, memory_order_release);
+    if (p->sleepers)
+        pthread_cond_broadcast(&p->work_cv);
     pthread_mutex_unlock(&p->mu);
 
     run_tasks(p, gen, fn, arg, n_tasks, 0);
 
-    if (atomic_load_explicit(&p->done, memory_order_acquire) != n_tasks) {
+    if (!spin_until(p, all_done, n_tasks)) {
         pthread_mutex_lock(&p->mu);
-        while (atomic_load_explicit(&p->done, memory_order_acquire) != n_tasks)
+        atomic_store_explicit(&p->waiting, 1, memory_order_seq_cst);
+        while (atomic_load_explicit(&p->done, memory_order_seq_cst) != n_tasks)
             pthread_cond_wait(&p->done_cv, &p->mu);
+        atomic_store_explicit(&p->waiting, 0, memory_order_relaxed);
         pthread_mutex_unlock(&p->mu);
     }
     pthread_mutex_unlock(&p->call_mu);

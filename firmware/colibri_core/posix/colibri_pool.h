@@ -13,8 +13,10 @@
  *   colibri_pool_destroy(pool);
  *
  * The thread calling parallel_for is worker 0 and works too; workers - 1
- * threads wait on a condition variable between calls. Tasks are handed out
- * one at a time from a shared counter. Calls from several threads on one
+ * threads watch for the next call for up to 200 us after each (pausing, then
+ * yielding their core), then sleep on a condition variable. Tasks are handed
+ * out in shrinking runs from a shared counter, and the caller waits only for
+ * tasks that were claimed, never for a thread that is late. Calls from several threads on one
  * pool are serialised (one loop at a time), so contexts in different threads
  * may share a pool; a task must not call parallel_for on its own pool.
  */

@@ -601,7 +601,7 @@ static scratch worker_scratch(const colibri_ctx *c, const run_opts *o, size_t wo
     s.q = (int8_t *)(void *)p;
     p += round8(B * Q);
     s.qa = (float *)(void *)p;
-    p += Q ? round8(B * sizeof(float)) : 0u;
+    p += Q ? round8(B * (m->qblocks > 1u ? m->qblocks : 1u) * sizeof(float)) : 0u; /* as exec_layout */
     s.scores = (float *)(void *)p;
     return s;
 }
@@ -902,6 +902,14 @@ typedef struct expert_job {
     float *hidden;           /* [active, H] */
     float *stage;            /* [active, d] */
     int32_t *status;
+    /* When every active expert takes the same int8 activation form: x's int8
+     * row, and then each expert's hidden row a at hq + a · hq_stride (scales
+     * at hq_a + a · hq_scales), quantised once by the caller rather than by
+     * every row block's task. Else NULL: each task quantises its own. */
+    const colibri_qrows *xq;
+    const int8_t *hq;
+    const float *hq_a;
+    size_t hq_stride, hq_scales;
 } expert_job;
 
 static size_t up_blocks(const colibri_plan_expert *e)
@@ -940,7 +948,7 @@ static void expert_up_task(void *arg, size_t t, size_t worker)
     float *h = j->hidden + a * c->model.hidden + r0;
     colibri_qrows q = {NULL, NULL};
     if (e->int8_act)
-        q = quantize(c, &sc, e->int8_act, j->x, NULL, 1, j->moe->d);
+        q = j->xq ? *j->xq : quantize(c, &sc, e->int8_act, j->x, NULL, 1, j->moe->d);
     const colibri_matrix w1 = matrix_rows(&e->w1, r0, n);
     linear_for(c, e->int8_act)(j->x, NULL, 1, &w1, e->b1 ? e->b1 + r0 : NULL, e->int8_act ? &q : NULL, h);
     c->k.activation(h, n, e->activation);
@@ -971,7 +979,8 @@ static void expert_down_task(void *arg, size_t t, size_t worker)
         y[i] = -0.0f; /* as expert_task's staging rows */
     colibri_qrows q = {NULL, NULL};
     if (e->int8_act)
-        q = quantize(c, &sc, e->int8_act, h, NULL, 1, e->hidden);
+        q = j->hq ? (colibri_qrows){j->hq + a * j->hq_stride, j->hq_a + a * j->hq_scales}
+                  : quantize(c, &sc, e->int8_act, h, NULL, 1, e->hidden);
     const colibri_matrix w2 = matrix_rows(&e->w2, r0, n);
     const float *scale = s < j->moe->n_experts ? c->ring_weight + s : j->gate; /* batch 1: ring s starts at s */
     linear_acc_for(c, e->int8_act)(h, 1, &w2, e->b2 ? e->b2 + r0 : NULL, NULL, scale, e->int8_act ? &q : NULL, y);
@@ -996,17 +1005,40 @@ static NOINLINE colibri_status moe_decode_rows(const colibri_ctx *c, const run_o
 {
     const size_t d = moe->d;
     uint32_t *slot = region_tasks(c, o);
-    expert_job j = {c, o, moe, x, gate, slot, 0, NULL, (float *)(void *)o->region, NULL};
+    expert_job j = {c, o, moe, x, gate, slot, 0, NULL, (float *)(void *)o->region, NULL, NULL, NULL, NULL, 0, 0};
     lm_region(c, o, &j.hidden, &j.status);
     for (size_t s = 0; s < (size_t)moe->n_experts + moe->shared_count; s++)
         if (s >= moe->n_experts || c->ring_count[s])
             slot[j.active++] = (uint32_t)s;
+    /* One int8 form for all (and room for their hidden rows in worker 0's
+     * int8 rows [B, Q]): quantise x here, once, and each hidden row below. */
+    uint8_t mode = j.active ? moe->expert[slot[0]].int8_act : 0u;
+    for (size_t i = 1; i < j.active; i++)
+        if (moe->expert[slot[i]].int8_act != mode)
+            mode = 0u;
+    const scratch sc0 = worker_scratch(c, NULL, 0);
+    colibri_qrows xq;
+    if (mode) {
+        xq = quantize(c, &sc0, mode, x, NULL, 1, d);
+        j.xq = &xq;
+    }
     size_t a;
     colibri_status st;
     const size_t up = expert_block(&j, SIZE_MAX, 1, &a);
     if ((st = o->exec.parallel_for(o->exec.parallel_for_user, expert_up_task, &j, up)) < 0 ||
         (st = first_failure(j.status, up)) < 0)
         return st;
+    if (mode && j.active <= c->model.hdr.max_batch) {
+        const colibri_model *m = &c->model;
+        j.hq = sc0.q;
+        j.hq_a = sc0.qa;
+        j.hq_stride = m->qwidth;
+        j.hq_scales = mode == COLIBRI_INT8_BLOCKS ? m->qblocks : 1u;
+        for (size_t i = 0; i < j.active; i++) {
+            const scratch row = {NULL, NULL, sc0.q + i * j.hq_stride, sc0.qa + i * j.hq_scales, NULL};
+            quantize(c, &row, mode, j.hidden + i * m->hidden, NULL, 1, moe->expert[slot[i]].hidden);
+        }
+    }
     const size_t down = expert_block(&j, SIZE_MAX, 0, &a);
     if ((st = o->exec.parallel_for(o->exec.parallel_for_user, expert_down_task, &j, down)) < 0 ||
         (st = first_failure(j.status, down)) < 0)
