@@ -8,7 +8,7 @@ CORE := firmware/colibri_core
         fuzz-smoke fuzz-checkpoints bench bench-q4 bench-exec libs install bench-riscv-insns bench-edge-mmap \
         bench-edge-mmap-full bench-edge-jitter bench-quant bench-hf-export bench-hf-export-full upstream-check \
         train-tiny-lm demo-lm evaluate-tiny-lm bench-edge-load bench-lm-threads bench-blocks bench-crc \
-        bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm \
+        bench-lm-open bench-lm bench-lm-setup bench-lm-gguf bench-lm-quick bench-lm-scale bench-lm-prefill bench-lm-gemm bench-lm-stream \
         bench-host-insns bench-pool
 
 setup:
@@ -198,6 +198,11 @@ build/bench/lm_gemm: bench/lm_gemm.c engine
 
 bench-lm-gemm: build/bench/lm_gemm
 	./build/bench/lm_gemm
+
+# One token's pass over expert-sized matrices read from memory (96 of each dtype, 1408x512), GB/s per dtype
+# beside the core's plain read rate: whether the decode kernels keep up with memory on this CPU.
+bench-lm-stream: build/bench/lm_gemm
+	./build/bench/lm_gemm --stream
 
 # Token models on threads (colibri_lm_forward_ex + posix/colibri_pool): decode and prefill tok/s at 1 and
 # 2 workers, a random 148 M-parameter Mixtral (f32, q8) and the tiny King James model; exports are cached.

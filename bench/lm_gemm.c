@@ -15,6 +15,8 @@
  * once per call and the work is arithmetic. Then the attention kernel, one
  * head (hd 64) over 16, 64 and 256 cached positions, f32 and f16 caches,
  * reference and optimised, in ns per call. Timings, not pinned.
+ * `lm_gemm --stream` (make bench-lm-stream) instead reads one token's weights
+ * from memory (stream_mode below).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -115,8 +117,82 @@ static double macs_per_ns(const colibri_kernels *k, const colibri_matrix *w, int
     return (double)w->rows * w->cols * (double)n / (t[reps / 2] * 1e9);
 }
 
+/* lm_gemm --stream: one token through NM expert-sized matrices (1408 x 512), 96 of each dtype, so
+ * that each call reads its weights from memory, not a cache (f16: 132 MiB); the best of 7 passes, as
+ * GB/s of weights read per second of thread CPU time. Then a plain read of 256 MiB (16 floats summed
+ * at a time) for the core's own read rate beside it. */
+static void stream_mode(const colibri_kernels *k)
+{
+    enum { NM = 96 };
+    const size_t rows = 1408, cols = 512;
+    static const struct {
+        uint8_t dtype;
+        int blocks;
+        const char *name;
+        double bytes;
+    } forms[] = {{COLIBRI_DTYPE_F32, 0, "f32", 4},      {COLIBRI_DTYPE_F16, 0, "f16", 2},
+                 {COLIBRI_DTYPE_I8, 0, "q8", 1},        {COLIBRI_DTYPE_I8, 1, "q8-blocks", 1},
+                 {COLIBRI_DTYPE_I4, 1, "q4-blocks", 0.5}};
+    float *x = alloc(cols * sizeof *x), *y = alloc(rows * sizeof *y);
+    float *xa = alloc(colibri_act_blocks(cols) * sizeof *xa);
+    int8_t *xq = alloc(cols);
+    for (size_t i = 0; i < cols; i++)
+        x[i] = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
+    const colibri_qrows q = {xq, xa};
+    printf("one token from memory, %s: GB/s of weights (thread CPU time, best of 7)\n", k->name);
+    for (size_t f = 0; f < sizeof forms / sizeof forms[0]; f++) {
+        colibri_matrix *w = alloc(NM * sizeof *w);
+        for (size_t m = 0; m < NM; m++)
+            make_matrix(&w[m], forms[f].dtype, rows, cols);
+        double best = 1e30;
+        for (int rep = 0; rep < 7; rep++) {
+            const double t0 = cpu_now();
+            for (size_t m = 0; m < NM; m++) {
+                if (forms[f].blocks) {
+                    k->quantize_blocks(x, NULL, 1, cols, xq, xa);
+                    k->linear_blocks(x, NULL, 1, &w[m], NULL, &q, y);
+                } else {
+                    k->linear(x, NULL, 1, &w[m], NULL, NULL, y);
+                }
+            }
+            const double t = cpu_now() - t0;
+            best = t < best ? t : best;
+        }
+        printf("  %-10s %6.2f GB/s\n", forms[f].name, (double)(rows * cols * NM) * forms[f].bytes / (best * 1e9));
+        for (size_t m = 0; m < NM; m++) {
+            free((void *)w[m].data);
+            free((void *)w[m].scale);
+        }
+        free(w);
+    }
+    const size_t n = (256u << 20) / sizeof(float);
+    float *a = alloc(n * sizeof *a);
+    for (size_t i = 0; i < n; i++)
+        a[i] = (float)(i & 1023);
+    double best = 1e30, sink = 0.0;
+    for (int rep = 0; rep < 5; rep++) {
+        const double t0 = cpu_now();
+        float s[16] = {0};
+        for (size_t i = 0; i < n; i += 16)
+            for (int j = 0; j < 16; j++)
+                s[j] += a[i + (size_t)j];
+        const double t = cpu_now() - t0;
+        best = t < best ? t : best;
+        for (int j = 0; j < 16; j++)
+            sink += s[j];
+    }
+    printf("  plain read %6.2f GB/s (checksum %.0f)\n", (double)(n * sizeof *a) / (best * 1e9), sink);
+    free(a);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--stream")) {
+        colibri_kernels k;
+        colibri_kernels_optimised(&k);
+        stream_mode(&k);
+        return 0;
+    }
     const double seconds = argc > 1 ? atof(argv[1]) : 8.0;
     colibri_kernels tables[2];
     size_t nt = 0;

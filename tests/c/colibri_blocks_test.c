@@ -10,8 +10,8 @@
  * linear and linear_acc with and without gates, one token (decode) in
  * every fifth case, activations whose blocks
  * differ in scale by up to 2^40 (some all zero, some subnormal, some holding
- * NaN or ±inf), and wide layers (512 -> 1408 and 1408 -> 512, the expert
- * shape of the benchmark's model).
+ * NaN or ±inf), wide layers (512 -> 1408 and 1408 -> 512, the expert
+ * shape of the benchmark's model) and one decode layer of 2149 columns.
  *
  * 1. The reference quantiser against the definition: per block, a = m / 127
  *    for m = max |x| (0 for a zero block, NaN for a non-finite one), every
@@ -346,7 +346,9 @@ int main(void)
                 c.n = 1 + q4_below(&r, rep % 5 == 4 ? 40 : 9);
                 if (rep % 5 == 1)
                     c.n = 1; /* decode: the one-token kernels (64 columns a step, the rest by blocks) */
-                if (rep == 38)
+                if (rep == 37) /* decode past the one-token kernel's strip of 2048 columns */
+                    c.sh.cols = 2048 + 64 + 37, c.sh.rows = 20, c.n = 1;
+                else if (rep == 38)
                     c.sh.cols = 512, c.sh.rows = 1408, c.n = 1 + q4_below(&r, 8);
                 else if (rep == 39)
                     c.sh.cols = 1408, c.sh.rows = 512, c.n = 17 + q4_below(&r, 24);

@@ -539,12 +539,61 @@ static void changed_tables(const colibri_kernels *k, int trial)
     free(q);
 }
 
+/* One token through an f32 and an f16 matrix of 1 MiB or more, which the x86 driver reads row after
+ * row (colibri_kernels_x86.c, streamed()): each output against the reference's within the tolerance,
+ * and bit for bit what the first rows give as a matrix of their own (under 1 MiB: rows side by side). */
+static void test_streamed(const colibri_kernels *opt, const colibri_kernels *ref)
+{
+    static const struct {
+        uint8_t dtype;
+        size_t out, in;
+    } shapes[] = {{COLIBRI_DTYPE_F32, 1030, 257}, {COLIBRI_DTYPE_F16, 2053, 257}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const size_t out = shapes[s].out, in = shapes[s].in, esize = shapes[s].dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
+        void *data = malloc(out * in * esize);
+        float *x = malloc(in * sizeof *x), *y = malloc(out * sizeof *y), *y_ref = malloc(out * sizeof *y_ref);
+        float *y_head = malloc(16 * sizeof *y_head);
+        if (!data || !x || !y || !y_ref || !y_head) {
+            fprintf(stderr, "out of memory\n");
+            exit(2);
+        }
+        for (size_t i = 0; i < out * in; i++) {
+            if (esize == 4)
+                ((float *)data)[i] = uniform(-1.0f, 1.0f);
+            else
+                ((uint16_t *)data)[i] = f16_normal(-8, 1, (int)(rnd() & 1));
+        }
+        for (size_t k = 0; k < in; k++)
+            x[k] = uniform(-1.0f, 1.0f);
+        colibri_matrix w;
+        memset(&w, 0, sizeof w);
+        w.dtype = shapes[s].dtype;
+        w.rows = (uint32_t)out;
+        w.cols = (uint32_t)in;
+        w.data = data;
+        opt->linear(x, NULL, 1, &w, NULL, NULL, y);
+        ref->linear(x, NULL, 1, &w, NULL, NULL, y_ref);
+        for (size_t o = 0; o < out; o++)
+            check_value("streamed linear", o, y[o], y_ref[o],
+                        (double)(in + 16) * (0x1p-23 * magnitude(&w, o, x) + 0x1p-149) + 0x1p-23 * fabs((double)y_ref[o]));
+        w.rows = 16;
+        opt->linear(x, NULL, 1, &w, NULL, NULL, y_head);
+        for (size_t o = 0; o < 16; o++) {
+            checks++;
+            if (!same_bits_or_nan(y[o], y_head[o]))
+                fail("streamed linear vs the same rows side by side", o, y[o], y_head[o], 0.0);
+        }
+        free(data), free(x), free(y), free(y_ref), free(y_head);
+    }
+}
+
 static void test_table(const colibri_kernels *opt, const colibri_kernels *ref, int trials)
 {
     const long before = failures, cases = table_cases;
     printf("kernels: %s\n", opt->name);
     for (int t = 0; t < trials; t++)
         test_linear(opt, ref, t);
+    test_streamed(opt, ref);
     for (int t = 0; t < trials / 10 + 1; t++)
         test_elementwise(opt, ref, t);
     for (int t = 0; t < trials / 4 + 1; t++)

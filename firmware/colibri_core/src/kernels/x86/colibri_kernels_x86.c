@@ -566,6 +566,26 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
  * chunks of 4 or more (colibri_engine.c), so their bits are one thread's. */
 #define X86_I4_WIDE_MAX 12288
 
+/* Whether one token's pass over W should read it one row after another
+ * (R = 1) rather than R_ONE rows side by side. From memory, R_ONE rows read
+ * in step are R_ONE streams a row apart, and some cores' prefetchers do not
+ * keep up with them: on an AMD EPYC (Zen 4) a 1408 x 512 f16 matrix streamed
+ * at 10.6 GB/s in blocks of 8 rows and 21 GB/s one row at a time (the core's
+ * plain read rate), f32 at 16.5 and 22 GB/s (make bench-lm-stream). From
+ * the cache the 8 rows win (a row's single accumulator waits on its FMA's
+ * latency): the tiny models' decode ran 25-50% slower with R = 1. So f32
+ * and f16 matrices too large for a core's L2 go row by row. Either way each
+ * row's sum is the same sequence of operations: the bits do not change. The
+ * int8 conversions keep R_ONE: one row of them is bound by the arithmetic
+ * (9.7 GB/s either way). */
+#define X86_STREAM_BYTES (1024u * 1024u)
+
+static inline int streamed(const colibri_matrix *w, int dt)
+{
+    const size_t esize = dt == DT_F32 ? 4 : dt == DT_F16 ? 2 : 0;
+    return esize && (size_t)w->rows * w->cols * esize >= X86_STREAM_BYTES;
+}
+
 /* The driver, once per instruction set: SFX names it, TGT is its target
  * attribute, DOT its f32-activation micro-kernel, Q8DOT its q8 x int8 one.
  * R_ONE rows per block for one token, R_FEW for two or three, R_MANY with
@@ -669,7 +689,9 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
                                                                                                    \
     X86_INLINE TGT void gemm_dt_##SFX(const gemm_args *g, int dt, size_t n)                        \
     {                                                                                              \
-        if (n == 1)                                                                                \
+        if (n == 1 && streamed(g->w, dt))                                                          \
+            gemm_rows_##SFX(g, dt, 1, n);                                                          \
+        else if (n == 1)                                                                           \
             gemm_rows_##SFX(g, dt, R_ONE, n);                                                      \
         else if (n < 4)                                                                            \
             gemm_rows_##SFX(g, dt, R_FEW, n);                                                      \
