@@ -573,17 +573,19 @@ X86_INLINE X86_GEMM void widen_rows(int dt, const void *W, size_t o, size_t R, s
  * at 10.6 GB/s in blocks of 8 rows and 21 GB/s one row at a time (the core's
  * plain read rate), f32 at 16.5 and 22 GB/s (make bench-lm-stream). From
  * the cache the 8 rows win (a row's single accumulator waits on its FMA's
- * latency): the tiny models' decode ran 25-50% slower with R = 1. So f32
- * and f16 matrices too large for a core's L2 go row by row. Either way each
- * row's sum is the same sequence of operations: the bits do not change. The
- * int8 conversions keep R_ONE: one row of them is bound by the arithmetic
- * (9.7 GB/s either way). */
-#define X86_STREAM_BYTES (1024u * 1024u)
+ * latency, and each row pays its own horizontal sum): the tiny models'
+ * decode ran 25-50% slower with R = 1, and the edge feature model (experts
+ * of 256 K weights, f32: 1 MiB) took 2.7 times the instructions. So only
+ * matrices of 512 K weights or more (an f16 MiB, two f32 MiB: the 100 M-class
+ * token models' experts and heads, read from memory at every token) go row
+ * by row. Each row's sum is the same sequence of operations either way: the
+ * bits do not change. The int8 conversions keep R_ONE: one row of them is
+ * bound by the arithmetic (9.7 GB/s either way). */
+#define X86_STREAM_WEIGHTS (512u * 1024u)
 
-static inline int streamed(const colibri_matrix *w, int dt)
+static inline int streamed(const colibri_matrix *w)
 {
-    const size_t esize = dt == DT_F32 ? 4 : dt == DT_F16 ? 2 : 0;
-    return esize && (size_t)w->rows * w->cols * esize >= X86_STREAM_BYTES;
+    return (size_t)w->rows * w->cols >= X86_STREAM_WEIGHTS;
 }
 
 /* The driver, once per instruction set: SFX names it, TGT is its target
@@ -689,9 +691,7 @@ static inline int streamed(const colibri_matrix *w, int dt)
                                                                                                    \
     X86_INLINE TGT void gemm_dt_##SFX(const gemm_args *g, int dt, size_t n)                        \
     {                                                                                              \
-        if (n == 1 && streamed(g->w, dt))                                                          \
-            gemm_rows_##SFX(g, dt, 1, n);                                                          \
-        else if (n == 1)                                                                           \
+        if (n == 1)                                                                                \
             gemm_rows_##SFX(g, dt, R_ONE, n);                                                      \
         else if (n < 4)                                                                            \
             gemm_rows_##SFX(g, dt, R_FEW, n);                                                      \
@@ -723,11 +723,17 @@ static inline int streamed(const colibri_matrix *w, int dt)
     }                                                                                              \
     static TGT __attribute__((noinline, unused)) void gemm_f32_##SFX(const gemm_args *g, size_t n)         \
     {                                                                                              \
-        gemm_dt_##SFX(g, DT_F32, n);                                                               \
+        if (n == 1 && streamed(g->w))                                                              \
+            gemm_rows_##SFX(g, DT_F32, 1, n);                                                        \
+        else                                                                                       \
+            gemm_dt_##SFX(g, DT_F32, n);                                                           \
     }                                                                                              \
     static TGT __attribute__((noinline, unused)) void gemm_f16_##SFX(const gemm_args *g, size_t n)         \
     {                                                                                              \
-        gemm_dt_##SFX(g, DT_F16, n);                                                               \
+        if (n == 1 && streamed(g->w))                                                              \
+            gemm_rows_##SFX(g, DT_F16, 1, n);                                                        \
+        else                                                                                       \
+            gemm_dt_##SFX(g, DT_F16, n);                                                           \
     }                                                                                              \
     static TGT __attribute__((noinline, unused)) void gemm_i8_##SFX(const gemm_args *g, size_t n)          \
     {                                                                                              \
