@@ -23,36 +23,14 @@ from colibri.cli import main
 from colibri.cli.info import describe
 from colibri.model.ir import Graph, Linear, Q4Weight
 from colibri.quant.quantize import quantize_q4
+from helpers.anon_peak import cli_script
 
 WIDTH = 2048
 
-SAMPLED_INFO = r"""
-import json, sys, threading, time
-
-def anon_kib():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("RssAnon:"))
-
-from colibri.cli import main
-import colibri.cli.info, colibri.image, colibri.runtime.engine, rich.console, rich.table  # noqa: E401
-peak, done = [anon_kib()], threading.Event()
-before = peak[0]
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon_kib())
-        time.sleep(0.001)
-
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-try:
-    main(sys.argv[1:], standalone_mode=False)
-finally:
-    done.set()
-    sampler.join()
-peak[0] = max(peak[0], anon_kib())
-print(json.dumps({"before": before * 1024, "peak": peak[0] * 1024}))
-"""
+SAMPLED_INFO = cli_script(
+    """import colibri.cli.info, colibri.image, colibri.runtime.engine, rich.console, rich.table  # noqa: E401""",
+    interval=0.001,
+)
 
 
 def q4_image(path: Path, layers: int) -> Path:

@@ -16,39 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers.anon_peak import cli_script
 from helpers.gguf_files import write_random_mixtral_q4_0
 
 HIDDEN, EXPERTS, INTERMEDIATE, VOCAB = 256, 8, 512, 2048
 LARGEST_F32 = 4 * VOCAB * HIDDEN  # the embedding table and the head; an expert matrix is a quarter of it
 
-SAMPLED_EXPORT = r"""
-import json, sys, threading, time
-
-def anon_kib():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("RssAnon:"))
-
-from colibri.cli import main
-import colibri.checkpoints.gguf_file, colibri.checkpoints.gguf_tokenizer, colibri.image.stream  # noqa: E401
-import colibri.runtime.tokenizer_build, gguf, rich.progress  # noqa: E401
-peak, done = [anon_kib()], threading.Event()
-before = peak[0]
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon_kib())
-        time.sleep(0.002)
-
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-try:
-    main(sys.argv[1:], standalone_mode=False)
-finally:
-    done.set()
-    sampler.join()
-peak[0] = max(peak[0], anon_kib())
-print(json.dumps({"before": before * 1024, "peak": peak[0] * 1024}))
-"""
+SAMPLED_EXPORT = cli_script(
+    """import colibri.checkpoints.gguf_file, colibri.checkpoints.gguf_tokenizer, colibri.image.stream  # noqa: E401
+import colibri.runtime.tokenizer_build, gguf, rich.progress  # noqa: E401""",
+    interval=0.002,
+)
 
 
 def working_memory(tmp_path: Path, layers: int, *options: str) -> int:
